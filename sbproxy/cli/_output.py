@@ -1,0 +1,61 @@
+"""Output conventions shared by every CLI verb.
+
+* JSON goes to stdout as one object carrying ``schema_version: 1`` and a stable ``command``
+  name (``models.list``, ``config.validate`` ...), with no ANSI escapes or carriage returns.
+* Progress and human diagnostics go to stderr.
+* Exit codes: 0 success, 1 runtime failure, 2 bad input (usage, config, unknown id).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from typing import NoReturn
+
+import click
+
+from sbproxy.errors import SbproxyError
+
+__all__ = ["EXIT_INVALID", "EXIT_RUNTIME", "emit_json", "fail", "format_option"]
+
+EXIT_RUNTIME = 1
+EXIT_INVALID = 2
+
+SCHEMA_VERSION = 1
+
+format_option = click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="text for people; json prints one object on stdout for scripts.",
+)
+
+
+def _scrub(text: str) -> str:
+    # JSON output must be free of control bytes a terminal would interpret.
+    return text.replace("\x1b", "").replace("\r", "")
+
+
+def emit_json(command: str, payload: Mapping[str, object]) -> None:
+    """Print ``{"schema_version": 1, "command": command, **payload}`` on stdout."""
+    envelope: dict[str, object] = {"schema_version": SCHEMA_VERSION, "command": command}
+    envelope.update(payload)
+    text = json.dumps(envelope, indent=2, ensure_ascii=False, sort_keys=False)
+    click.echo(_scrub(text))
+
+
+def fail(
+    command: str,
+    error: SbproxyError,
+    *,
+    output_format: str,
+    exit_code: int = EXIT_INVALID,
+) -> NoReturn:
+    """Report ``error`` (JSON on stdout or a message on stderr) and exit with ``exit_code``."""
+    if output_format == "json":
+        emit_json(command, {"ok": False, "error": error.to_dict()})
+    click.echo(_scrub(f"sbproxy {command.replace('.', ' ')}: {error}"), err=True)
+    sys.exit(exit_code)

@@ -1,0 +1,108 @@
+"""``sbproxy config``: validate an ``sb.yml`` and print its JSON Schema."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from sbproxy.catalog import Catalog, load_catalog
+from sbproxy.cli._output import EXIT_INVALID, emit_json, format_option
+from sbproxy.config import CompiledConfig, config_json_schema_text, dotted, load_config
+from sbproxy.errors import CatalogError, ConfigError, ConfigIssue
+
+__all__ = ["config_group"]
+
+
+@click.group("config")
+def config_group() -> None:
+    """Check configuration files."""
+
+
+def _catalog_issues(compiled: CompiledConfig) -> list[ConfigIssue]:
+    """Check every deployment's model and variant against the catalog the file selects."""
+    host = compiled.model_host
+    if host is None or not host.deployments:
+        return []
+    catalog: Catalog
+    try:
+        catalog = load_catalog(Path(host.catalog_file) if host.catalog_file else None)
+    except CatalogError as exc:
+        return [ConfigIssue("proxy.model_host.catalog_file", str(exc))]
+    issues = []
+    for deployment_id, deployment in host.deployments.items():
+        problem = catalog.check_reference(deployment.model, deployment.variant)
+        if problem is None:
+            continue
+        field, message = problem
+        path = compiled.lowered_from.get(deployment_id) or dotted(
+            ("proxy", "model_host", "deployments", deployment_id)
+        )
+        issues.append(ConfigIssue(f"{path}.{field}", message))
+    return issues
+
+
+@config_group.command("validate")
+@click.option(
+    "-f",
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="SB_CONFIG_FILE",
+    help="The sb.yml to check (env SB_CONFIG_FILE).",
+)
+@format_option
+def validate_command(config_path: Path, output_format: str) -> None:
+    """Validate an sb.yml: schema, cross-field rules, routes, serve: lowering and catalog ids.
+
+    Exit status: 0 valid, 2 invalid (every problem listed with its dotted path).
+    """
+    issues: list[ConfigIssue]
+    compiled: CompiledConfig | None = None
+    try:
+        compiled = load_config(config_path)
+        issues = _catalog_issues(compiled)
+    except ConfigError as exc:
+        issues = exc.issues
+    valid = not issues
+    if output_format == "json":
+        payload: dict[str, object] = {
+            "file": str(config_path),
+            "valid": valid,
+            "errors": [issue.to_dict() for issue in issues],
+        }
+        if compiled is not None and valid:
+            payload["deployments"] = sorted(compiled.deployments)
+            payload["routes"] = [
+                {
+                    "origin": r.origin,
+                    "provider": r.provider,
+                    "model": r.public_model,
+                    "deployment": r.deployment,
+                    "default": r.default,
+                }
+                for r in compiled.routes
+            ]
+        emit_json("config.validate", payload)
+    elif valid:
+        assert compiled is not None  # noqa: S101 - valid implies loaded
+        count = len(compiled.deployments)
+        click.echo(
+            f"{config_path}: valid ({count} deployment{'s' if count != 1 else ''}, "
+            f"{len(compiled.routes)} route{'s' if len(compiled.routes) != 1 else ''})"
+        )
+    else:
+        noun = "problem" if len(issues) == 1 else "problems"
+        click.echo(f"{config_path}: invalid ({len(issues)} {noun})", err=True)
+        for issue in issues:
+            click.echo(f"  {issue.render(str(config_path))}", err=True)
+    if not valid:
+        sys.exit(EXIT_INVALID)
+
+
+@config_group.command("schema")
+def schema_command() -> None:
+    """Print the JSON Schema of sb.yml (the same as schemas/sb-config.schema.json)."""
+    click.echo(config_json_schema_text(), nl=False)

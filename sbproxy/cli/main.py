@@ -1,0 +1,30 @@
+"""Root ``sbproxy`` command group; each verb group lives in its own module."""
+
+from __future__ import annotations
+
+import click
+
+from sbproxy import __version__
+from sbproxy.cli.config_cmd import config_group
+from sbproxy.cli.models_cmd import models_group
+
+__all__ = ["cli", "main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="sbproxy")
+def cli() -> None:
+    """sbproxy: pull pinned models, run supervised engines, serve an OpenAI-compatible API.
+
+    Every mutation (pull, verify, prepare, warm, drain, remove, gc, reload) is a durable job
+    journaled in SQLite; a restarted host finishes unfinished jobs.
+    """
+
+
+cli.add_command(config_group)
+cli.add_command(models_group)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="sbproxy")

@@ -1,0 +1,317 @@
+"""``sbproxy models``: list and inspect the model catalog as this machine would resolve it.
+
+Both verbs load the built-in catalog, or the ``--catalog-file`` that replaces it, probe this
+host's worker (GPU with the most free memory, else CPU), and run automatic artifact
+resolution (engine ``auto``, one replica) for each model, so the output says which exact
+variant would be served here and why the others would not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+
+from sbproxy.catalog import (
+    ArtifactRequest,
+    ArtifactVariant,
+    Catalog,
+    CatalogEntry,
+    NoCompatibleVariantError,
+    RejectedCandidate,
+    RejectionKind,
+    Resolution,
+    WorkerProfile,
+    load_catalog,
+    resolve_artifact,
+    variant_digest,
+)
+from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
+from sbproxy.model_host.runtime import probe_worker
+
+__all__ = ["models_group"]
+
+catalog_file_option = click.option(
+    "--catalog-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Catalog YAML that replaces the built-in catalog entirely.",
+)
+
+
+class _Outcome:
+    """Automatic resolution of one model on the probed worker, as the CLI reports it."""
+
+    __slots__ = ("error", "fit", "rejected", "resolution")
+
+    def __init__(
+        self,
+        *,
+        resolution: Resolution | None,
+        rejected: tuple[RejectedCandidate, ...],
+        fit: str,
+        error: SbproxyError | None,
+    ) -> None:
+        self.resolution = resolution
+        self.rejected = rejected
+        self.fit = fit
+        self.error = error
+
+
+@click.group("models", invoke_without_command=True)
+@click.pass_context
+def models_group(ctx: click.Context) -> None:
+    """List and inspect catalog models (bare `sbproxy models` lists them)."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(list_command)
+
+
+@models_group.command("list")
+@catalog_file_option
+@format_option
+def list_command(catalog_file: Path | None = None, output_format: str = "text") -> None:
+    """List catalog models with the variant each would resolve to on this machine.
+
+    FIT is fits, too-large (no variant fits this worker's memory), capability-refused
+    (accelerator, compute capability, engine or pickle policy) or unknown (the entry has no
+    catalog v2 variants). MEMORY is the selected variant's catalog minimum.
+    """
+    command = "models.list"
+    catalog, worker = _prepare(command, catalog_file, output_format)
+    rows = [
+        _list_row(catalog, model_id, entry, worker)
+        for model_id, entry in sorted(catalog.models.items())
+    ]
+    if output_format == "json":
+        emit_json(
+            command,
+            {
+                "catalog_revision": catalog.catalog_revision,
+                "worker": _worker_json(worker),
+                "models": rows,
+            },
+        )
+        return
+    headers = ("MODEL", "VARIANT", "FORMAT", "SIZE", "STABILITY", "FIT", "MEMORY", "ENGINE")
+    table = [
+        (
+            str(row["id"]),
+            _text(row["selected_variant"]),
+            _text(row["format"]),
+            _size_text(row["exact_size_bytes"]),
+            _text(row["stability"]),
+            str(row["fit"]),
+            _size_text(row["estimated_memory_bytes"]),
+            _text(row["engine"]),
+        )
+        for row in rows
+    ]
+    for line in _align(headers, table):
+        click.echo(line)
+    click.echo(f"\nworker: {worker.describe()}; catalog {catalog.catalog_revision}")
+
+
+@models_group.command("show")
+@click.argument("model_id", metavar="ID")
+@catalog_file_option
+@format_option
+def show_command(model_id: str, catalog_file: Path | None, output_format: str) -> None:
+    """Show one catalog model: its variants, their digests, and which one this machine picks.
+
+    Exit status 2 if ID is not in the catalog.
+    """
+    command = "models.show"
+    catalog, worker = _prepare(command, catalog_file, output_format)
+    try:
+        entry = catalog.entry(model_id)
+    except CatalogError as exc:
+        fail(command, exc, output_format=output_format)
+    outcome = _auto_resolve(catalog, model_id, worker)
+    payload = _show_payload(catalog, model_id, entry, worker, outcome)
+    if output_format == "json":
+        emit_json(command, payload)
+        return
+    for line in _show_text(catalog, model_id, entry, worker, outcome):
+        click.echo(line)
+
+
+# --- shared steps ---------------------------------------------------------------------------
+
+
+def _prepare(
+    command: str, catalog_file: Path | None, output_format: str
+) -> tuple[Catalog, WorkerProfile]:
+    try:
+        catalog = load_catalog(catalog_file)
+    except CatalogError as exc:
+        fail(command, exc, output_format=output_format)
+    try:
+        worker = probe_worker()
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format, exit_code=EXIT_RUNTIME)
+    return catalog, worker
+
+
+def _auto_resolve(catalog: Catalog, model_id: str, worker: WorkerProfile) -> _Outcome:
+    try:
+        resolution = resolve_artifact(catalog, ArtifactRequest(model=model_id), worker)
+    except NoCompatibleVariantError as exc:
+        too_large = any(r.kind is RejectionKind.INSUFFICIENT_MEMORY for r in exc.rejected)
+        fit = "too-large" if too_large else "capability-refused"
+        return _Outcome(resolution=None, rejected=exc.rejected, fit=fit, error=exc)
+    except ResolutionError as exc:
+        return _Outcome(resolution=None, rejected=(), fit="unknown", error=exc)
+    return _Outcome(resolution=resolution, rejected=resolution.rejected, fit="fits", error=None)
+
+
+def _list_row(
+    catalog: Catalog, model_id: str, entry: CatalogEntry, worker: WorkerProfile
+) -> dict[str, object]:
+    outcome = _auto_resolve(catalog, model_id, worker)
+    artifact = outcome.resolution.artifact if outcome.resolution else None
+    return {
+        "id": model_id,
+        "params": entry.params,
+        "license": entry.license,
+        "family": entry.family,
+        "modality": entry.modality,
+        "quants": list(entry.listed_quants()),
+        "selected_variant": artifact.variant_id if artifact else None,
+        "format": artifact.format.value if artifact else None,
+        "stability": artifact.stability.value if artifact else None,
+        "exact_size_bytes": artifact.total_size_bytes if artifact else None,
+        "engine": artifact.engine.value if artifact else None,
+        "fit": outcome.fit,
+        # Until the memory planner lands this is the catalog's declared minimum.
+        "estimated_memory_bytes": artifact.min_memory_bytes if artifact else None,
+    }
+
+
+def _show_payload(
+    catalog: Catalog,
+    model_id: str,
+    entry: CatalogEntry,
+    worker: WorkerProfile,
+    outcome: _Outcome,
+) -> dict[str, object]:
+    artifact = outcome.resolution.artifact if outcome.resolution else None
+    return {
+        "id": model_id,
+        "catalog_revision": catalog.catalog_revision,
+        "params": entry.params,
+        "license": entry.license,
+        "family": entry.family,
+        "modality": entry.modality,
+        "context_length": entry.context_length,
+        "allow_pickle": entry.allow_pickle,
+        "quants": list(entry.listed_quants()),
+        "hf_repo": entry.hf_repo,
+        "variants": [_variant_json(catalog, model_id, v) for v in entry.variants],
+        "worker": _worker_json(worker),
+        "fit": outcome.fit,
+        "selected_variant": artifact.variant_id if artifact else None,
+        "engine": artifact.engine.value if artifact else None,
+        "artifact_digest": artifact.digest if artifact else None,
+        "rejected": [
+            {"variant": r.variant_id, "reason_code": r.kind.value, "reason": r.reason}
+            for r in outcome.rejected
+        ],
+        "resolution_error": (
+            {"code": outcome.error.code, "error": outcome.error.message}
+            if outcome.error is not None
+            else None
+        ),
+    }
+
+
+def _variant_json(catalog: Catalog, model_id: str, variant: ArtifactVariant) -> dict[str, object]:
+    out: dict[str, object] = variant.model_dump(mode="json")
+    out["exact_size_bytes"] = variant.total_size_bytes
+    out["artifact_digest"] = variant_digest(
+        catalog_revision=catalog.catalog_revision, logical_model=model_id, variant=variant
+    )
+    return out
+
+
+def _worker_json(worker: WorkerProfile) -> dict[str, object]:
+    capability = worker.compute_capability
+    return {
+        "accelerator": worker.accelerator.value,
+        "memory_bytes": worker.memory_bytes,
+        "compute_capability": f"{capability[0]}.{capability[1]}" if capability else None,
+        "engines": sorted(e.value for e in worker.engines),
+    }
+
+
+# --- text rendering -------------------------------------------------------------------------
+
+
+def _show_text(
+    catalog: Catalog,
+    model_id: str,
+    entry: CatalogEntry,
+    worker: WorkerProfile,
+    outcome: _Outcome,
+) -> list[str]:
+    context = f"{entry.context_length} tokens" if entry.context_length else "-"
+    lines = [
+        f"{model_id}  (catalog {catalog.catalog_revision})",
+        f"  params {entry.params}, license {entry.license}, family {entry.family}, "
+        f"modality {entry.modality}",
+        f"  context {context}, allow_pickle {str(entry.allow_pickle).lower()}",
+        f"  worker  {worker.describe()}",
+    ]
+    if outcome.resolution is not None:
+        artifact = outcome.resolution.artifact
+        lines.append(
+            f"  selected {artifact.variant_id} via {artifact.engine.value} ({outcome.fit})"
+        )
+    else:
+        detail = outcome.error.message if outcome.error is not None else ""
+        lines.append(f"  selected none ({outcome.fit}): {detail}")
+    for candidate in outcome.rejected:
+        lines.append(f"    rejected {candidate.render()}")
+    if not entry.variants:
+        lines.append(f"  legacy v1 entry: {entry.hf_repo}, quants {', '.join(entry.quants)}")
+    for variant in entry.variants:
+        digest = variant_digest(
+            catalog_revision=catalog.catalog_revision, logical_model=model_id, variant=variant
+        )
+        lines.extend(
+            [
+                "",
+                f"  variant {variant.id}: {variant.format.value} {variant.quant}, "
+                f"{_size_text(variant.total_size_bytes)}, {variant.stability.value}, "
+                f"engines {', '.join(e.value for e in variant.engines)}",
+                f"    source   {variant.source} @ {variant.revision}",
+                f"    digest   {digest}",
+                f"    needs    {', '.join(a.value for a in variant.requirements.accelerators)}, "
+                f"{_size_text(variant.requirements.min_memory_bytes)} memory",
+            ]
+        )
+        lines.extend(
+            f"    file     {f.path}  {f.size_bytes} bytes  sha256 {f.sha256}" for f in variant.files
+        )
+    return lines
+
+
+def _align(headers: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=False)]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in (headers, *rows)
+    ]
+
+
+def _text(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _size_text(value: object) -> str:
+    if not isinstance(value, int):
+        return "-"
+    if value >= 2**30:
+        return f"{value / 2**30:.1f} GiB"
+    return f"{value / 2**20:.0f} MiB"

@@ -1,0 +1,78 @@
+"""``sb.yml``: frozen pydantic models, the loader (``${VAR}`` interpolation, dotted-path
+errors), ``serve:`` compatibility lowering and the JSON Schema export.
+"""
+
+from __future__ import annotations
+
+from sbproxy.config._rules import dotted
+from sbproxy.config.compile import CompiledConfig, Route, compile_config, legacy_deployment_id
+from sbproxy.config.document import SbConfig
+from sbproxy.config.engine_args import check_engine_args
+from sbproxy.config.loader import load_config, load_config_text
+from sbproxy.config.model_host import (
+    Authority,
+    CacheConfig,
+    ColdStart,
+    DeploymentConfig,
+    EngineChoice,
+    EngineConfig,
+    EnginesConfig,
+    KvQuant,
+    ModelHostConfig,
+    PullPolicy,
+    Rollout,
+    SourceArchiveConfig,
+)
+from sbproxy.config.origins import (
+    AiProxyAction,
+    OriginConfig,
+    ProviderConfig,
+    ServeBlock,
+    ServeEntry,
+)
+from sbproxy.config.proxy import (
+    AdminConfig,
+    AdminTlsConfig,
+    ApiKeyRecord,
+    PriorityClass,
+    ProxyConfig,
+    TokenBudget,
+)
+from sbproxy.config.schema import config_json_schema, config_json_schema_text
+
+__all__ = [
+    "AdminConfig",
+    "AdminTlsConfig",
+    "AiProxyAction",
+    "ApiKeyRecord",
+    "Authority",
+    "CacheConfig",
+    "ColdStart",
+    "CompiledConfig",
+    "DeploymentConfig",
+    "EngineChoice",
+    "EngineConfig",
+    "EnginesConfig",
+    "KvQuant",
+    "ModelHostConfig",
+    "OriginConfig",
+    "PriorityClass",
+    "ProviderConfig",
+    "ProxyConfig",
+    "PullPolicy",
+    "Rollout",
+    "Route",
+    "SbConfig",
+    "ServeBlock",
+    "ServeEntry",
+    "SourceArchiveConfig",
+    "TokenBudget",
+    "check_engine_args",
+    "compile_config",
+    "config_json_schema",
+    "config_json_schema_text",
+    "dotted",
+    "legacy_deployment_id",
+    "load_config",
+    "load_config_text",
+]

@@ -1,0 +1,581 @@
+"""``proxy.model_host``: host policy, cache, engines and deployments.
+
+Field names, defaults and bounds follow the reference implementation's
+``ModelHostControlConfig`` / ``ManagedEngineConfig`` / ``ManagedDeploymentConfig``
+(reference section 3) so a file written for one loads in the other.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from sbproxy.config._rules import (
+    ConfigModel,
+    Identifier,
+    NonBlank,
+    RuleViolation,
+    check_absolute_path,
+    check_path_text,
+    is_sha256_hex,
+)
+from sbproxy.config.engine_args import EngineKind, check_engine_args
+
+__all__ = [
+    "UNSUPPORTED_DEPLOYMENT_FIELDS",
+    "AbsolutePath",
+    "Authority",
+    "CacheConfig",
+    "ChunkedPrefillConfig",
+    "ColdStart",
+    "DeploymentConfig",
+    "EngineChoice",
+    "EngineConfig",
+    "EnginesConfig",
+    "KvQuant",
+    "ModelHostConfig",
+    "PullPolicy",
+    "Rollout",
+    "SourceArchiveConfig",
+    "resolve_relative",
+]
+
+_TAG_RE = re.compile(r"^(?=.{1,128}$)[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")
+_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}$")
+_LABEL_RE = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")
+_MAX_U32 = 2**32 - 1
+_ONE_DAY_MS = 86_400_000
+_ONE_YEAR_SECS = 366 * 24 * 3600
+_MILLION = 1_000_000
+
+# Fields some older configurations carry that this runtime does not honour. Each maps to
+# what the operator should do instead; they are refused rather than silently ignored.
+UNSUPPORTED_DEPLOYMENT_FIELDS: dict[str, str] = {
+    "gguf_file": (
+        "file selection comes from the pinned catalog variant; remove gguf_file and pin "
+        "`variant:` instead"
+    ),
+    "reference": "raw repository references bypass the catalog; add the model to a catalog",
+    "hf_repo": "raw repository references bypass the catalog; add the model to a catalog",
+    "lora_adapters": "LoRA adapters are not supported by this runtime; remove the field",
+    "max_loras": "LoRA adapters are not supported by this runtime; remove the field",
+    "speculative": "speculative decoding is not supported by this runtime; remove the field",
+}
+
+
+class Authority(StrEnum):
+    """Which system owns deployment definitions."""
+
+    FILE_MANAGED = "file_managed"
+    ADMIN_MANAGED = "admin_managed"
+    CLUSTER_AUTHORITY = "cluster_authority"
+
+
+class PullPolicy(StrEnum):
+    """What happens on a cache miss: verify at prepare, fetch on first request, or refuse."""
+
+    ON_BOOT = "on_boot"
+    ON_DEMAND = "on_demand"
+    MANUAL = "manual"
+
+
+class ColdStart(StrEnum):
+    """What a request does when no ready replica exists."""
+
+    WAIT = "wait"
+    REJECT = "reject"
+    FALLBACK = "fallback"
+
+
+class Rollout(StrEnum):
+    """How a changed deployment replaces its running generation."""
+
+    ROLLING = "rolling"
+    RECREATE = "recreate"
+
+
+class EngineChoice(StrEnum):
+    """Engine selection for a deployment; ``auto`` takes the variant's first supported engine."""
+
+    AUTO = "auto"
+    LLAMA_CPP = "llama_cpp"
+    VLLM = "vllm"
+
+
+class KvQuant(StrEnum):
+    """KV-cache element type; ``auto`` keeps the engine default (f16)."""
+
+    AUTO = "auto"
+    F16 = "f16"
+    FP8 = "fp8"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+def resolve_relative(value: str | None, info: ValidationInfo) -> str | None:
+    """Resolve a relative path against the directory of the file being loaded.
+
+    The loader passes ``{"base_dir": <dir of sb.yml>}`` as validation context; without it
+    (a model built in code) relative paths are kept as written.
+    """
+    if value is None:
+        return None
+    check_path_text(value)
+    base = (info.context or {}).get("base_dir")
+    if base is None or Path(value).is_absolute():
+        return value
+    return str((Path(base) / value).resolve())
+
+
+def _check_tag(value: str) -> str:
+    if value == "latest":
+        raise ValueError("'latest' is not a pinned version; name an exact release tag")
+    if not _TAG_RE.match(value):
+        raise ValueError(
+            "must be 1-128 characters of letters, digits, '.', '_' or '-', starting and "
+            "ending with a letter or digit"
+        )
+    return value
+
+
+def _check_sha256(value: str) -> str:
+    if not is_sha256_hex(value):
+        raise ValueError("must be 64 lowercase hexadecimal characters (a SHA-256 digest)")
+    return value
+
+
+def _check_image(value: str) -> str:
+    if not _IMAGE_RE.match(value):
+        raise ValueError(
+            f"{value!r} must use an immutable digest: <repository>@sha256:<64 hex>; "
+            "tags such as :latest or :v0.10.0 can change under you"
+        )
+    return value
+
+
+VersionTag = Annotated[str, AfterValidator(_check_tag)]
+Sha256Hex = Annotated[str, AfterValidator(_check_sha256)]
+ImageRef = Annotated[str, AfterValidator(_check_image)]
+AbsolutePath = Annotated[str, AfterValidator(check_absolute_path)]
+
+
+class CacheConfig(ConfigModel):
+    """``proxy.model_host.cache``: where verified artifacts live and how much they may use."""
+
+    directory: AbsolutePath | None = Field(
+        default=None,
+        description=(
+            "Absolute cache root (blobs, snapshots, metadata, partials, locks, jobs, engines). "
+            "Default: the platform default chosen by the CLI."
+        ),
+    )
+    budget_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="Cache size budget in GiB (2^30 bytes), enforced by collection after pulls.",
+    )
+    max_resident_models: int | None = Field(
+        default=None,
+        gt=0,
+        le=_MAX_U32,
+        description="Most engine generations resident at once, counted across all devices.",
+    )
+    eviction: Literal["lru", "never"] = Field(
+        default="lru",
+        description=(
+            "Residency eviction policy: lru evicts the least recently used idle generation; "
+            "never refuses a load that would displace any resident generation."
+        ),
+    )
+
+    @field_validator("budget_gib")
+    @classmethod
+    def _finite_budget(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number of GiB")
+        return value
+
+
+class SourceArchiveConfig(ConfigModel):
+    """A pinned llama.cpp source archive to build from (``engines.llama_cpp.source``)."""
+
+    url: str | None = Field(
+        default=None, description="https:// URL of the archive (tar.gz). Exclusive with file."
+    )
+    file: AbsolutePath | None = Field(
+        default=None, description="Absolute path of a local archive. Exclusive with url."
+    )
+    sha256: Sha256Hex = Field(description="SHA-256 of the archive bytes; required.")
+    strip_prefix: str | None = Field(
+        default=None,
+        description="Directory inside the archive that holds the llama.cpp tree (relative).",
+    )
+    tag: VersionTag | None = Field(
+        default=None, description="Label of the source revision, recorded in the build identity."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _https_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("https://"):
+            raise ValueError("must be an https:// URL")
+        return value
+
+    @field_validator("strip_prefix")
+    @classmethod
+    def _safe_prefix(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        check_path_text(value)
+        parts = value.split("/")
+        if value.startswith("/") or "\\" in value or any(p in ("..",) for p in parts):
+            raise ValueError(
+                "must be a relative path inside the archive without '..' or backslashes"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_location(self) -> SourceArchiveConfig:
+        if (self.url is None) == (self.file is None):
+            raise RuleViolation.at("url", "give exactly one of url or file")
+        return self
+
+
+class EngineConfig(ConfigModel):
+    """``proxy.model_host.engines.<kind>``: how one engine is obtained and launched."""
+
+    launch: Literal["binary", "container", "uv"] = Field(
+        default="binary",
+        description="binary (a native executable), uv (a pinned uv environment; vLLM only) "
+        "or container (a digest-pinned image; vLLM only).",
+    )
+    version: VersionTag | None = Field(
+        default=None, description="Exact release tag or package version, e.g. b9905 or 0.10.0."
+    )
+    path: AbsolutePath | None = Field(
+        default=None, description="Absolute path of an operator-approved engine executable."
+    )
+    sha256: Sha256Hex | None = Field(
+        default=None,
+        description="SHA-256 pin of the release archive (or, with path, of the executable).",
+    )
+    image: ImageRef | None = Field(
+        default=None, description="Container image as <repository>@sha256:<digest>."
+    )
+    acceleration: Literal["auto", "cuda", "metal", "vulkan", "cpu"] = Field(
+        default="auto", description="Accelerator to build or run for."
+    )
+    shm_size_gib: int | None = Field(
+        default=None, ge=1, le=1024, description="Container shared memory in GiB (1-1024)."
+    )
+    source: SourceArchiveConfig | None = Field(
+        default=None, description="Pinned source archive for a llama.cpp build on this node."
+    )
+
+    @model_validator(mode="after")
+    def _launch_rules(self) -> EngineConfig:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        if self.launch == "container" and self.image is None:
+            problems.append((("image",), "launch: container needs a digest-pinned image"))
+        if self.launch != "container" and self.image is not None:
+            problems.append((("image",), "image is only used with launch: container"))
+        if self.launch != "container" and self.shm_size_gib is not None:
+            problems.append((("shm_size_gib",), "shm_size_gib is only used with launch: container"))
+        if problems:
+            raise RuleViolation(problems)
+        return self
+
+
+class EnginesConfig(ConfigModel):
+    """``proxy.model_host.engines``: the engines this host may run."""
+
+    llama_cpp: EngineConfig | None = Field(default=None, description="llama.cpp llama-server.")
+    vllm: EngineConfig | None = Field(default=None, description="vLLM (CUDA workers only).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_kinds(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unsupported = [k for k in data if k in ("sglang", "mistralrs")]
+            if unsupported:
+                raise RuleViolation(
+                    [
+                        (
+                            (k,),
+                            f"engine {k} is not available in this version; use llama_cpp or vllm",
+                        )
+                        for k in unsupported
+                    ]
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _per_kind_rules(self) -> EnginesConfig:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        if self.llama_cpp is not None and self.llama_cpp.launch != "binary":
+            problems.append(
+                (("llama_cpp", "launch"), "llama.cpp runs as a native binary; use launch: binary")
+            )
+        if self.vllm is not None and self.vllm.source is not None:
+            problems.append(
+                (("vllm", "source"), "source builds are for llama_cpp only; remove source")
+            )
+        if problems:
+            raise RuleViolation(problems)
+        return self
+
+
+class ChunkedPrefillConfig(ConfigModel):
+    """vLLM chunked prefill tuning."""
+
+    max_batched_tokens: int | None = Field(
+        default=None, ge=1, description="Tokens per prefill batch."
+    )
+    target_ttft_ms: int | None = Field(
+        default=None, ge=1, description="Target time to first token, in milliseconds."
+    )
+
+
+_VLLM_ONLY = ("chunked_prefill", "tool_call_parser", "swap_space_gib", "cpu_offload_gib")
+
+
+class DeploymentConfig(ConfigModel):
+    """``proxy.model_host.deployments.<id>``: one operator-named managed model deployment."""
+
+    model: NonBlank = Field(description="Catalog v2 logical model id, e.g. qwen2.5-0.5b-instruct.")
+    variant: Identifier | None = Field(
+        default=None,
+        description="Pins one exact catalog artifact; omitted lets the worker choose.",
+    )
+    heterogeneous_variants: bool = Field(
+        default=False, description="Allow replicas to resolve to different variants."
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=_MAX_U32,
+        description="Replica count; this single-node runtime serves one.",
+    )
+    tensor_parallel: int | None = Field(
+        default=None, ge=1, le=1024, description="Devices per replica; default: planner's choice."
+    )
+    required_labels: dict[NonBlank, NonBlank] = Field(
+        default_factory=dict, description="Node labels a placement must carry (cluster intent)."
+    )
+    spread_by: list[str] = Field(
+        default_factory=list,
+        max_length=8,
+        description="Label keys to spread replicas across (cluster intent); at most 8, unique.",
+    )
+    pull: PullPolicy = Field(
+        default=PullPolicy.ON_DEMAND,
+        description="Cache-miss policy: on_boot, on_demand or manual.",
+    )
+    warm: bool = Field(
+        default=False, description="Start the engine before the revision becomes active."
+    )
+    cold_start: ColdStart = Field(
+        default=ColdStart.WAIT,
+        description="Request behaviour with no ready replica: wait, reject (503) or fallback.",
+    )
+    pinned: bool = Field(
+        default=False, description="Never evict this deployment's generation for another one."
+    )
+    keep_alive_secs: int | None = Field(
+        default=None,
+        ge=1,
+        le=_ONE_YEAR_SECS,
+        description="Idle seconds before the engine is stopped; omitted: never idle-stop.",
+    )
+    max_concurrency: int = Field(
+        default=1, ge=1, le=_MILLION, description="Requests the engine runs at once."
+    )
+    max_queue_depth: int = Field(
+        default=128, ge=0, le=_MILLION, description="Requests that may wait; 0 means no queue."
+    )
+    queue_timeout_ms: int = Field(
+        default=30_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Longest a request waits for admission, in milliseconds.",
+    )
+    max_context: int | None = Field(
+        default=None,
+        ge=1,
+        le=_MAX_U32,
+        description="Context length in tokens; default: the catalog context length.",
+    )
+    kv_quant: KvQuant = Field(default=KvQuant.AUTO, description="KV-cache element type.")
+    engine: EngineChoice = Field(default=EngineChoice.AUTO, description="auto, llama_cpp or vllm.")
+    rollout: Rollout = Field(
+        default=Rollout.ROLLING, description="rolling (overlap) or recreate (stop old first)."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Allowlisted engine tuning flags; runtime-owned flags are refused.",
+    )
+    chunked_prefill: ChunkedPrefillConfig | None = Field(
+        default=None, description="vLLM only: chunked prefill."
+    )
+    tool_call_parser: NonBlank | None = Field(
+        default=None, description="vLLM only: tool-call parser name."
+    )
+    swap_space_gib: float | None = Field(
+        default=None, ge=0, le=1024, description="vLLM only: CPU swap space in GiB."
+    )
+    cpu_offload_gib: float | None = Field(
+        default=None, ge=0, le=1024, description="vLLM only: CPU weight offload in GiB."
+    )
+    engine_version: VersionTag | None = Field(
+        default=None, description="Per-deployment engine version override."
+    )
+    engine_image: ImageRef | None = Field(
+        default=None, description="Per-deployment container image override (digest-pinned)."
+    )
+    engine_sha256: Sha256Hex | None = Field(
+        default=None, description="Per-deployment engine archive digest override."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            found = [k for k in data if k in UNSUPPORTED_DEPLOYMENT_FIELDS]
+            if found:
+                raise RuleViolation(
+                    [((k,), f"{k}: {UNSUPPORTED_DEPLOYMENT_FIELDS[k]}") for k in found]
+                )
+        return data
+
+    @field_validator("spread_by")
+    @classmethod
+    def _spread_labels(cls, value: list[str]) -> list[str]:
+        for label in value:
+            if not _LABEL_RE.match(label):
+                raise ValueError(
+                    f"label {label!r} must be 1-128 characters of letters, digits, '.', '_', "
+                    "'/' or '-'"
+                )
+        if len(set(value)) != len(value):
+            raise ValueError("labels must be unique (duplicate label)")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> DeploymentConfig:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        if self.replicas > 1 and self.variant is None and not self.heterogeneous_variants:
+            problems.append(
+                (
+                    ("replicas",),
+                    f"replicas: {self.replicas} needs a pinned `variant` (or "
+                    "heterogeneous_variants: true) so every replica serves the same artifact",
+                )
+            )
+        if self.engine == EngineChoice.LLAMA_CPP:
+            problems.extend(
+                ((name,), f"{name} is a vLLM setting; remove it or use engine: vllm")
+                for name in _VLLM_ONLY
+                if getattr(self, name) is not None
+            )
+        kinds: tuple[EngineKind, ...]
+        if self.engine == EngineChoice.LLAMA_CPP:
+            kinds = ("llama_cpp",)
+        elif self.engine == EngineChoice.VLLM:
+            kinds = ("vllm",)
+        else:
+            kinds = ("llama_cpp", "vllm")
+        seen: set[int] = set()
+        for kind in kinds:
+            for index, message in check_engine_args(kind, self.extra_args):
+                if index not in seen:
+                    seen.add(index)
+                    suffix = " (engine: auto must accept it for llama_cpp and vllm)"
+                    problems.append(
+                        (
+                            ("extra_args", index),
+                            message + (suffix if self.engine == EngineChoice.AUTO else ""),
+                        )
+                    )
+        if problems:
+            raise RuleViolation(problems)
+        return self
+
+
+class ModelHostConfig(ConfigModel):
+    """``proxy.model_host``: the managed runtime of this node."""
+
+    authority: Authority = Field(
+        default=Authority.FILE_MANAGED,
+        description="Owner of deployment definitions: file_managed (sb.yml) or admin_managed.",
+    )
+    store_path: str | None = Field(
+        default=None,
+        description="Revision store file for admin_managed; relative to sb.yml's directory.",
+    )
+    catalog_file: str | None = Field(
+        default=None,
+        description="Operator catalog replacing the built-in one; relative to sb.yml's directory.",
+    )
+    max_parallel_prepares: int = Field(
+        default=2, ge=1, le=1024, description="Artifact and engine preparations run at once."
+    )
+    safety_margin: float = Field(
+        default=0.10,
+        ge=0,
+        lt=1,
+        description="Fraction added to each memory estimate before admission, in [0, 1).",
+    )
+    shutdown_deadline_ms: int = Field(
+        default=30_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Drain grace for active requests, in milliseconds.",
+    )
+    handoff_timeout_ms: int = Field(
+        default=60_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Rolling handoff timeout, in milliseconds.",
+    )
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="Artifact cache.")
+    engines: EnginesConfig = Field(default_factory=EnginesConfig, description="Engine policy.")
+    deployments: dict[Identifier, DeploymentConfig] = Field(
+        default_factory=dict,
+        description="Deployments by operator id ([A-Za-z0-9._-], at most 128 characters).",
+    )
+
+    _resolve_paths = field_validator("store_path", "catalog_file")(resolve_relative)
+
+    @field_validator("safety_margin")
+    @classmethod
+    def _finite_margin(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number in [0, 1)")
+        return value
+
+    @model_validator(mode="after")
+    def _authority_rules(self) -> ModelHostConfig:
+        if self.authority == Authority.CLUSTER_AUTHORITY:
+            raise RuleViolation.at(
+                "authority",
+                "cluster_authority is not available in this version (multi-node membership "
+                "and placement are later work); use file_managed or admin_managed",
+            )
+        if self.authority == Authority.ADMIN_MANAGED and self.store_path is None:
+            raise RuleViolation.at(
+                "store_path",
+                "authority: admin_managed requires store_path (the revision store file)",
+            )
+        return self

@@ -1,0 +1,5 @@
+"""Engines of the model host."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

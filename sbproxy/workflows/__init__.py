@@ -1,0 +1,5 @@
+"""The generic durable-workflow engine (workflows, steps, replay, leases, recovery)."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

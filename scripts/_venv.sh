@@ -1,0 +1,29 @@
+# Sourced by the scripts in this folder: create .venv with Python 3.11 and install sbproxy
+# (editable) with the given extras, pinned by constraints.txt. Idempotent and quick when
+# everything is already installed.
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SBPROXY_VENV:-$repo_root/.venv}"
+
+find_python() {
+  for candidate in python3.11 python3; do
+    if command -v "$candidate" >/dev/null 2>&1 &&
+      "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+      command -v "$candidate"
+      return 0
+    fi
+  done
+  echo "sbproxy needs Python 3.11 (python3.11 or python3 on PATH)" >&2
+  return 1
+}
+
+ensure_venv() {
+  local extras="$1"
+  if [ ! -x "$venv/bin/python" ]; then
+    "$(find_python)" -m venv "$venv"
+  fi
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    -c "$repo_root/constraints.txt" -e "$repo_root[$extras]"
+  export PATH="$venv/bin:$PATH"
+}

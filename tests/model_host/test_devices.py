@@ -1,0 +1,119 @@
+"""The worker probe: real CPU probing here, and NVML fakes for GPU hosts this machine lacks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import pynvml
+import pytest
+
+from sbproxy.catalog import Accelerator
+from sbproxy.errors import SbproxyError
+from sbproxy.model_host.runtime import cpu_memory_fraction, probe_worker
+
+
+def _no_nvidia(monkeypatch: pytest.MonkeyPatch) -> None:
+    def init() -> None:
+        raise pynvml.NVMLError_LibraryNotFound()
+
+    monkeypatch.setattr(pynvml, "nvmlInit", init)
+
+
+def test_cpu_worker_offers_seventy_percent_of_ram_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _no_nvidia(monkeypatch)
+    worker = probe_worker(environ={})
+    assert worker.accelerator is Accelerator.CPU
+    assert worker.compute_capability is None
+    assert worker.memory_bytes == int(psutil.virtual_memory().total * 0.7)
+
+
+def test_cpu_memory_fraction_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_nvidia(monkeypatch)
+    worker = probe_worker(environ={"SBPROXY_CPU_MEMORY_FRACTION": "0.5"})
+    assert worker.memory_bytes == int(psutil.virtual_memory().total * 0.5)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("0.95", 0.95), ("0.99", 0.95), ("3", 0.95), ("0.1", 0.1), ("", 0.7)]
+)
+def test_cpu_memory_fraction_is_capped_at_0_95(raw: str, expected: float) -> None:
+    assert cpu_memory_fraction({"SBPROXY_CPU_MEMORY_FRACTION": raw}) == expected
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-0.5", "nan", "inf"])
+def test_invalid_cpu_memory_fraction_is_a_clear_error(raw: str) -> None:
+    with pytest.raises(SbproxyError) as info:
+        cpu_memory_fraction({"SBPROXY_CPU_MEMORY_FRACTION": raw})
+    assert info.value.code == "invalid_environment"
+    assert "SBPROXY_CPU_MEMORY_FRACTION" in str(info.value)
+
+
+def test_probe_on_this_machine_does_not_fail() -> None:
+    # Whatever this host has (no NVIDIA library here), the probe answers with a profile.
+    worker = probe_worker()
+    assert worker.memory_bytes > 0
+
+
+@dataclass
+class _Memory:
+    free: int
+
+
+class _FakeNvml:
+    """Stands in for NVML on a multi-GPU host, which this test machine is not."""
+
+    def __init__(self, devices: list[tuple[int, tuple[int, int] | None]]) -> None:
+        self.devices = devices
+        self.shutdowns = 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+        monkeypatch.setattr(pynvml, "nvmlShutdown", self.shutdown)
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: len(self.devices))
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: index)
+        monkeypatch.setattr(
+            pynvml, "nvmlDeviceGetMemoryInfo", lambda h: _Memory(self.devices[h][0])
+        )
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetCudaComputeCapability", self.capability)
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+    def capability(self, handle: int) -> tuple[int, int]:
+        found = self.devices[handle][1]
+        if found is None:
+            raise pynvml.NVMLError_NotSupported()
+        return found
+
+
+def test_cuda_worker_is_the_device_with_most_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeNvml([(10 * 2**30, (8, 0)), (70 * 2**30, (9, 0)), (40 * 2**30, (8, 6))])
+    fake.install(monkeypatch)
+    worker = probe_worker(environ={})
+    assert worker.accelerator is Accelerator.CUDA
+    assert worker.memory_bytes == 70 * 2**30
+    assert worker.compute_capability == (9, 0)
+    assert fake.shutdowns == 1
+
+
+def test_unknown_compute_capability_is_reported_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    _FakeNvml([(8 * 2**30, None)]).install(monkeypatch)
+    assert probe_worker(environ={}).compute_capability is None
+
+
+def test_zero_nvidia_devices_falls_back_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    _FakeNvml([]).install(monkeypatch)
+    assert probe_worker(environ={}).accelerator is Accelerator.CPU
+
+
+def test_unexpected_nvml_failure_is_reported_not_guessed(monkeypatch: pytest.MonkeyPatch) -> None:
+    def init() -> None:
+        raise pynvml.NVMLError_NoPermission()
+
+    monkeypatch.setattr(pynvml, "nvmlInit", init)
+    with pytest.raises(SbproxyError) as info:
+        probe_worker(environ={})
+    assert info.value.code == "device_probe_failed"
