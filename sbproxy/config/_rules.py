@@ -44,7 +44,7 @@ class ConfigModel(BaseModel):
     )
 
 
-class RuleViolation(ValueError):  # noqa: N818 - a ValueError so pydantic reports it in place
+class RuleViolation(ValueError):
     """A cross-field rule broken inside a model.
 
     Pydantic reports a validator's error at the model's own location; ``problems`` carries

@@ -1,5 +1,44 @@
-"""The SQLite job journal: the only package that imports sqlalchemy, sqlmodel and aiosqlite."""
+"""The SQLite job journal: the only package that imports sqlalchemy, sqlmodel and aiosqlite.
+
+:class:`Database` opens the file (WAL, ``synchronous=FULL``, ``BEGIN IMMEDIATE`` writes,
+migrations); :class:`JobStore` is the repository of jobs, steps and events, returning frozen
+records.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from sbproxy.store.database import Database, StoreError, Synchronous
+from sbproxy.store.jobs import (
+    ErrorInfo,
+    EventRecord,
+    JobRecord,
+    JobStore,
+    StepRecord,
+    SubmitOutcome,
+    wall_clock_ms,
+)
+from sbproxy.store.lifecycle import (
+    ACTIVE_JOB_STATUSES,
+    JOB_TRANSITIONS,
+    TERMINAL_JOB_STATUSES,
+    JobStatus,
+    StepStatus,
+)
+
+__all__ = [
+    "ACTIVE_JOB_STATUSES",
+    "JOB_TRANSITIONS",
+    "TERMINAL_JOB_STATUSES",
+    "Database",
+    "ErrorInfo",
+    "EventRecord",
+    "JobRecord",
+    "JobStatus",
+    "JobStore",
+    "StepRecord",
+    "StepStatus",
+    "StoreError",
+    "SubmitOutcome",
+    "Synchronous",
+    "wall_clock_ms",
+]

@@ -1,5 +1,61 @@
-"""The generic durable-workflow engine (workflows, steps, replay, leases, recovery)."""
+"""The generic durable-workflow engine: workflows of journaled steps, replay, leases,
+recovery, retries, cancellation, events and fault points.
+
+It knows nothing of models, HTTP or processes (ARCHITECTURE.md, "The durable engine").
+
+Typical use::
+
+    registry = Registry()
+
+    @step("fetch", retry=RetryPolicy(max_attempts=5))
+    async def fetch(ctx: StepContext, arg: FetchInput) -> FetchOutput: ...
+
+    @registry.workflow("pull", version=1)
+    async def pull(ctx: WorkflowContext, req: PullInput) -> PullOutput:
+        fetched = await ctx.step(fetch, FetchInput(...))
+        ...
+
+    engine = await WorkflowEngine.open(cache_root / "jobs" / "journal.db", registry)
+    submitted = await engine.submit(pull, PullInput(...), idempotency_key=digest)
+    job = await engine.run_job(submitted.job.id)
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from sbproxy.workflows.context import StepContext, WorkflowContext
+from sbproxy.workflows.declare import Registry, RetryPolicy, StepDef, WorkflowDef, step
+from sbproxy.workflows.engine import WorkflowEngine
+from sbproxy.workflows.errors import (
+    JobCancelled,
+    JobNotFound,
+    LeaseLost,
+    NondeterminismError,
+    StepFailed,
+    WorkflowError,
+)
+from sbproxy.workflows.executor import LeaseSettings
+from sbproxy.workflows.faults import arm, disarm_all, fault_point
+from sbproxy.workflows.identity import WorkerIdentity, owner_is_gone
+
+__all__ = [
+    "JobCancelled",
+    "JobNotFound",
+    "LeaseLost",
+    "LeaseSettings",
+    "NondeterminismError",
+    "Registry",
+    "RetryPolicy",
+    "StepContext",
+    "StepDef",
+    "StepFailed",
+    "WorkerIdentity",
+    "WorkflowContext",
+    "WorkflowDef",
+    "WorkflowEngine",
+    "WorkflowError",
+    "arm",
+    "disarm_all",
+    "fault_point",
+    "owner_is_gone",
+    "step",
+]

@@ -1,0 +1,193 @@
+"""Following a job's events on stderr: plain lines, or a rich progress bar on a terminal.
+
+``jobs watch`` and an in-process ``jobs retry`` feed every :class:`EventRecord` of one job to a
+view. Events written before the watch began (the backlog) are replayed so the reader sees how
+the job got where it is, but their progress reports are collapsed to the latest one per step:
+a long download would otherwise replay thousands of lines. Nothing here writes to stdout, so
+JSON output there stays clean whichever view is used.
+"""
+
+from __future__ import annotations
+
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+
+from sbproxy.cli._job_text import progress_text
+from sbproxy.store import EventRecord
+
+__all__ = ["EventView", "LineView", "RichView", "open_view"]
+
+
+def _error_text(data: Mapping[str, Any]) -> str:
+    error = data.get("error")
+    if isinstance(error, Mapping):
+        return f": {error.get('code', 'error')}: {error.get('message', '')}"
+    return ""
+
+
+class EventView(ABC):
+    """Turns one job's events into human lines; subclasses decide where they go.
+
+    Args:
+        job_id: The job being followed (prefix of every line).
+        live_from_ms: Events written before this time are backlog (progress collapsed).
+    """
+
+    def __init__(self, job_id: str, *, live_from_ms: int) -> None:
+        self.job_id = job_id
+        self._live_from_ms = live_from_ms
+        self._step_names: dict[int, str] = {}
+        self._pending: dict[str, EventRecord] = {}
+
+    def show(self, event: EventRecord) -> None:
+        """Render one event (backlog progress is held until something else happens)."""
+        if event.type == "progress" and event.at_ms < self._live_from_ms:
+            self._pending[str(event.data.get("step", ""))] = event
+            return
+        self._flush()
+        self._render(event)
+
+    def close(self) -> None:
+        """Render whatever is still held and release the output."""
+        self._flush()
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for event in pending.values():
+            self._render(event)
+
+    def _render(self, event: EventRecord) -> None:
+        data = event.data
+        if event.type == "progress":
+            self.progress(data)
+        elif event.type == "step":
+            self.step(data)
+        else:
+            self.line(self.describe(event))
+
+    def describe(self, event: EventRecord) -> str:
+        """The line for a status change or any other non-progress, non-step event."""
+        data = event.data
+        if event.type == "status":
+            status = str(data.get("status", "?"))
+            reason = data.get("reason")
+            detail = f" ({reason})" if reason else ""
+            return f"{self.job_id}: {status}{detail}{_error_text(data)}"
+        if event.type == "cancel_requested":
+            return f"{self.job_id}: cancellation requested; stopping at the next check"
+        extra = " ".join(f"{key}={value}" for key, value in sorted(data.items()))
+        return f"{self.job_id}: {event.type} {extra}".rstrip()
+
+    def step_line(self, data: Mapping[str, Any]) -> str:
+        """The line for a step start or end (end events carry only the step's position)."""
+        seq = int(data.get("seq", -1))
+        name = data.get("name")
+        if isinstance(name, str):
+            self._step_names[seq] = name
+        label = self._step_names.get(seq, f"#{seq}")
+        status = str(data.get("status", "?"))
+        verb = "started" if status == "running" else status
+        return f"{self.job_id}: step {label} {verb}{_error_text(data)}"
+
+    def progress_line(self, data: Mapping[str, Any]) -> str:
+        """``<id>: running step <name> 120.0 MiB / 241.4 MiB (49%)``."""
+        return f"{self.job_id}: running step {data.get('step', '?')} {progress_text(data)}"
+
+    # -- output, per view ------------------------------------------------------------------
+
+    @abstractmethod
+    def line(self, text: str) -> None:
+        """Write one line."""
+
+    def step(self, data: Mapping[str, Any]) -> None:
+        """A step started or ended."""
+        self.line(self.step_line(data))
+
+    def progress(self, data: Mapping[str, Any]) -> None:
+        """A step reported progress."""
+        self.line(self.progress_line(data))
+
+
+class LineView(EventView):
+    """One plain line per event on a stream (stderr when it is a pipe or a file)."""
+
+    def __init__(self, job_id: str, *, live_from_ms: int, stream: TextIO | None = None) -> None:
+        super().__init__(job_id, live_from_ms=live_from_ms)
+        self._stream = stream
+
+    def line(self, text: str) -> None:
+        """Write ``text`` and flush, so a reader of the pipe sees it at once."""
+        click.echo(text, file=self._stream, err=self._stream is None)
+
+
+class RichView(EventView):
+    """Status lines scroll above one live progress bar per running step (a terminal)."""
+
+    def __init__(self, job_id: str, *, live_from_ms: int, console: Console) -> None:
+        super().__init__(job_id, live_from_ms=live_from_ms)
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[amount]}"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+            # Stdout carries the JSON result: the live display must never capture it.
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
+        self._tasks: dict[str, TaskID] = {}
+        self._progress.start()
+
+    def line(self, text: str) -> None:
+        """Print ``text`` above the bars."""
+        self._progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def step(self, data: Mapping[str, Any]) -> None:
+        """Print the step line; drop the step's bar once it has ended."""
+        text = self.step_line(data)
+        self.line(text)
+        if data.get("status") != "running":
+            name = self._step_names.get(int(data.get("seq", -1)))
+            task = self._tasks.pop(name, None) if name is not None else None
+            if task is not None:
+                self._progress.remove_task(task)
+                self._progress.refresh()
+
+    def progress(self, data: Mapping[str, Any]) -> None:
+        """Move (or create) the bar of the reporting step."""
+        name = str(data.get("step", "?"))
+        done = data.get("done")
+        total = data.get("total")
+        completed = int(done) if isinstance(done, int | float) else 0
+        size = float(total) if isinstance(total, int | float) else None
+        amount = progress_text(data)
+        task = self._tasks.get(name)
+        if task is None:
+            self._tasks[name] = self._progress.add_task(
+                name, total=size, completed=completed, amount=amount
+            )
+        else:
+            self._progress.update(task, total=size, completed=completed, amount=amount)
+        # Redraw now: the next status line may come sooner than the periodic refresh.
+        self._progress.refresh()
+
+    def close(self) -> None:
+        """Stop the live display (its bars vanish; the status lines stay)."""
+        super().close()
+        self._progress.stop()
+
+
+def open_view(job_id: str, *, live_from_ms: int) -> EventView:
+    """A rich view when stderr is a terminal, plain lines otherwise."""
+    if sys.stderr.isatty():
+        console = Console(stderr=True)
+        if console.is_terminal and not console.is_dumb_terminal:
+            return RichView(job_id, live_from_ms=live_from_ms, console=console)
+    return LineView(job_id, live_from_ms=live_from_ms)

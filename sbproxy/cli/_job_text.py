@@ -1,0 +1,224 @@
+"""Text rendering of jobs for people: sizes, ages, progress, the list table, ``jobs show``.
+
+Pure functions of records and a "now" in epoch milliseconds, so they are tested directly and
+never read a clock themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sbproxy.store import JobRecord, JobStatus, StepRecord
+
+__all__ = [
+    "age_text",
+    "align",
+    "duration_text",
+    "job_outcome_line",
+    "job_table",
+    "last_error",
+    "progress_text",
+    "show_lines",
+    "size_text",
+]
+
+_SECOND_MS = 1000
+_MINUTE_MS = 60 * _SECOND_MS
+_HOUR_MS = 60 * _MINUTE_MS
+_DAY_MS = 24 * _HOUR_MS
+_OUTPUT_PREVIEW_CHARS = 200
+
+
+def size_text(value: int | float) -> str:
+    """``512 B``, ``120.0 MiB``, ``1.5 GiB``: binary units (2^10 steps), one decimal."""
+    amount = float(value)
+    if abs(amount) < 1024:
+        return f"{int(amount)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        amount /= 1024
+        if abs(amount) < 1024 or unit == "TiB":
+            break
+    return f"{amount:.1f} {unit}"
+
+
+def _amount(value: object, unit: str) -> str:
+    if not isinstance(value, int | float):
+        return "?"
+    if unit == "bytes":
+        return size_text(value)
+    return f"{value:g}"
+
+
+def _percent(done: object, total: object) -> int | None:
+    if not isinstance(done, int | float) or not isinstance(total, int | float) or total <= 0:
+        return None
+    return min(100, int(done * 100 // total))
+
+
+def progress_text(progress: Mapping[str, Any], *, compact: bool = False) -> str:
+    """Render a progress report (``{"done", "total", "unit", "current"?, "step"?}``).
+
+    Full form: ``120.0 MiB / 241.4 MiB (49%)``, ``3 / 10 files (30%)``, ``120.0 MiB`` when the
+    total is unknown, followed by `` [current item]`` when one is named. Compact form (the
+    list table): ``49%``, or the bare amount when the total is unknown.
+    """
+    unit = str(progress.get("unit") or "bytes")
+    done = progress.get("done")
+    total = progress.get("total")
+    percent = _percent(done, total)
+    if compact:
+        return f"{percent}%" if percent is not None else _amount(done, unit)
+    suffix = "" if unit == "bytes" else f" {unit}"
+    if total is None:
+        text = f"{_amount(done, unit)}{suffix}"
+    else:
+        text = f"{_amount(done, unit)} / {_amount(total, unit)}{suffix}"
+        if percent is not None:
+            text += f" ({percent}%)"
+    current = progress.get("current")
+    if current:
+        text += f" [{current}]"
+    return text
+
+
+def age_text(at_ms: int, now_ms: int) -> str:
+    """How long ago ``at_ms`` was: ``12s ago``, ``5m ago``, ``3h ago``, ``2d ago``, then a date."""
+    elapsed = now_ms - at_ms
+    if elapsed < _SECOND_MS:
+        return "just now"
+    if elapsed < _MINUTE_MS:
+        return f"{elapsed // _SECOND_MS}s ago"
+    if elapsed < _HOUR_MS:
+        return f"{elapsed // _MINUTE_MS}m ago"
+    if elapsed < _DAY_MS:
+        return f"{elapsed // _HOUR_MS}h ago"
+    if elapsed < 7 * _DAY_MS:
+        return f"{elapsed // _DAY_MS}d ago"
+    return _local_time(at_ms, "%Y-%m-%d")
+
+
+def _local_time(at_ms: int, pattern: str = "%Y-%m-%d %H:%M:%S") -> str:
+    return time.strftime(pattern, time.localtime(at_ms / 1000))
+
+
+def duration_text(elapsed_ms: int) -> str:
+    """``12ms``, ``4.3s``, ``3m05s``, ``1h02m``."""
+    if elapsed_ms < _SECOND_MS:
+        return f"{max(0, elapsed_ms)}ms"
+    if elapsed_ms < _MINUTE_MS:
+        return f"{elapsed_ms / 1000:.1f}s"
+    if elapsed_ms < _HOUR_MS:
+        minutes, rest = divmod(elapsed_ms, _MINUTE_MS)
+        return f"{minutes}m{rest // _SECOND_MS:02d}s"
+    hours, rest = divmod(elapsed_ms, _HOUR_MS)
+    return f"{hours}h{rest // _MINUTE_MS:02d}m"
+
+
+def align(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns two spaces apart, trailing blanks trimmed."""
+    table = [tuple(headers), *(tuple(row) for row in rows)]
+    widths = [max(len(cell) for cell in column) for column in zip(*table, strict=True)]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
+
+
+def job_table(jobs: Sequence[JobRecord], *, now_ms: int) -> list[str]:
+    """The ``jobs list`` table: ID KIND STATUS ATTEMPT PROGRESS SUBJECT CREATED."""
+    headers = ("ID", "KIND", "STATUS", "ATTEMPT", "PROGRESS", "SUBJECT", "CREATED")
+    rows = [
+        (
+            job.id,
+            job.kind,
+            job.status.value,
+            str(job.attempt),
+            # A finished job's last report describes some earlier step, not the job.
+            progress_text(job.progress, compact=True)
+            if job.progress and job.status != JobStatus.SUCCEEDED
+            else "-",
+            job.subject or "-",
+            age_text(job.created_at_ms, now_ms),
+        )
+        for job in jobs
+    ]
+    return align(headers, rows)
+
+
+def last_error(job: JobRecord, steps: Sequence[StepRecord]) -> dict[str, str] | None:
+    """The job's error, else the most recent failed step's (a retried job keeps only that)."""
+    if job.error is not None:
+        return {"code": job.error.code, "message": job.error.message}
+    for record in reversed(steps):
+        if record.error is not None:
+            return {"code": record.error.code, "message": record.error.message, "step": record.name}
+    return None
+
+
+def job_outcome_line(job: JobRecord) -> str:
+    """One line saying how a job ended (or where it stands)."""
+    line = f"{job.id}: {job.status.value}"
+    if job.started_at_ms is not None and job.ended_at_ms is not None:
+        line += f" in {duration_text(job.ended_at_ms - job.started_at_ms)}"
+    if job.error is not None:
+        line += f": {job.error.code}: {job.error.message}"
+    return line
+
+
+def _step_rows(steps: Sequence[StepRecord]) -> list[str]:
+    rows = []
+    for record in steps:
+        took = (
+            duration_text(record.ended_at_ms - record.started_at_ms)
+            if record.ended_at_ms is not None
+            else "-"
+        )
+        error = f"{record.error.code}: {record.error.message}" if record.error else ""
+        rows.append(
+            (str(record.seq), record.name, record.status.value, str(record.attempts), took, error)
+        )
+    return align(("SEQ", "STEP", "STATUS", "ATTEMPTS", "TOOK", "ERROR"), rows)
+
+
+def show_lines(job: JobRecord, steps: Sequence[StepRecord], *, now_ms: int) -> list[str]:
+    """The ``jobs show`` text: summary, times, lease, progress, error, then the journal."""
+    lines = [
+        f"{job.id}  {job.kind} v{job.workflow_version}  {job.status.value} (attempt {job.attempt})",
+        f"  subject    {job.subject or '-'}",
+        f"  key        {job.idempotency_key or '-'}",
+        f"  created    {_local_time(job.created_at_ms)} ({age_text(job.created_at_ms, now_ms)})",
+    ]
+    if job.started_at_ms is not None:
+        lines.append(f"  started    {_local_time(job.started_at_ms)}")
+    if job.ended_at_ms is not None:
+        took = duration_text(job.ended_at_ms - (job.started_at_ms or job.created_at_ms))
+        lines.append(f"  ended      {_local_time(job.ended_at_ms)} (took {took})")
+    if job.status == JobStatus.RUNNING and job.lease_owner:
+        expires = job.lease_expires_at_ms or now_ms
+        lines.append(
+            f"  lease      {job.lease_owner} (expires in {max(0, expires - now_ms) // 1000}s)"
+        )
+    if job.cancel_requested and not job.terminal:
+        lines.append("  cancel     requested; stops at the next step boundary")
+    if job.progress:
+        step_name = job.progress.get("step")
+        where = f"{step_name} " if step_name else ""
+        lines.append(f"  progress   {where}{progress_text(job.progress)}")
+    error = last_error(job, steps)
+    if error is not None:
+        where = f" (step {error['step']})" if "step" in error else ""
+        lines.append(f"  error      {error['code']}{where}: {error['message']}")
+    if job.output is not None:
+        preview = json.dumps(job.output, separators=(",", ":"), ensure_ascii=False)
+        if len(preview) > _OUTPUT_PREVIEW_CHARS:
+            preview = preview[: _OUTPUT_PREVIEW_CHARS - 1] + "…"
+        lines.append(f"  output     {preview}")
+    if steps:
+        lines.append("")
+        lines.extend(f"  {row}" for row in _step_rows(steps))
+    else:
+        lines.append("  steps      none yet")
+    return lines

@@ -1,0 +1,454 @@
+"""``sbproxy jobs``: list, inspect, follow, cancel and retry durable jobs.
+
+Every verb reads the SQLite journal under the cache root (``<cache>/jobs/journal.db``), the
+same file the server's worker and other CLI processes write, so it sees their jobs live and
+after restarts. The cache root comes from ``--cache-dir``, else the ``-f`` config's
+``proxy.model_host.cache.directory``, else the platform default (``resolve_cache_root``).
+
+Exit status: 0 success; 1 a followed job ended failed, cancelled or parked (or the journal
+could not be used); 2 bad input: a malformed or unknown job id, an invalid config, no journal
+at the chosen cache root, or a retry of a job that is not failed or parked.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import click
+from ulid import ULID
+
+from sbproxy.cli._event_view import EventView, open_view
+from sbproxy.cli._job_text import job_outcome_line, job_table, last_error, show_lines
+from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.config import load_config
+from sbproxy.errors import ConfigError, SbproxyError
+from sbproxy.model_host.artifacts import resolve_cache_root
+from sbproxy.model_host.flows import registry
+from sbproxy.store import JobRecord, JobStatus, StepRecord, StepStatus, wall_clock_ms
+from sbproxy.workflows import WorkflowEngine
+
+__all__ = ["jobs_group"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_LIST_LIMIT = 50
+RETRYABLE_STATUSES = frozenset({JobStatus.FAILED, JobStatus.PARKED})
+
+# Codes that mean the request itself was wrong (exit 2); anything else is a runtime failure.
+_INVALID_INPUT_CODES = frozenset(
+    {
+        "invalid_config",
+        "invalid_cache_dir",
+        "invalid_job_id",
+        "job_not_found",
+        "no_job_journal",
+        "job_not_retryable",
+        "idempotency_key_taken",
+    }
+)
+
+
+def _journal_options(fn: F) -> F:
+    """``--cache-dir`` and ``-f/--config``: which journal the verb reads."""
+    fn = click.option(
+        "-f",
+        "--config",
+        "config_path",
+        type=click.Path(path_type=Path, dir_okay=False),
+        envvar="SB_CONFIG_FILE",
+        default=None,
+        help="sb.yml whose proxy.model_host.cache.directory names the cache root "
+        "(env SB_CONFIG_FILE; not read when --cache-dir is given).",
+    )(fn)
+    return click.option(
+        "--cache-dir",
+        type=click.Path(path_type=Path, file_okay=False),
+        default=None,
+        help="Cache root holding jobs/journal.db (default: the config's, else the platform's).",
+    )(fn)
+
+
+job_id_argument = click.argument("job_id", metavar="ID")
+
+
+@click.group("jobs")
+def jobs_group() -> None:
+    """Inspect and control durable jobs (pull, verify, prepare, warm, drain ...)."""
+
+
+# --- shared steps ---------------------------------------------------------------------------
+
+
+def _journal_path(
+    command: str, cache_dir: Path | None, config_path: Path | None, output_format: str
+) -> Path:
+    """The journal file the options select (exit 2 on an invalid config or cache root)."""
+    configured: str | None = None
+    if cache_dir is None and config_path is not None:
+        try:
+            compiled = load_config(config_path)
+        except ConfigError as exc:
+            fail(command, exc, output_format=output_format)
+        if compiled.model_host is not None:
+            configured = compiled.model_host.cache.directory
+    try:
+        # A flag is relative to this process's working directory, which is well defined.
+        layout = resolve_cache_root(
+            cache_dir.absolute() if cache_dir is not None else None, configured=configured
+        )
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format)
+    return layout.journal
+
+
+def _parse_job_id(value: str) -> str:
+    """The canonical (upper-case) ULID text of ``value``.
+
+    Raises:
+        SbproxyError: ``invalid_job_id`` when ``value`` is not a ULID.
+    """
+    try:
+        return str(ULID.from_str(value.strip()))
+    except ValueError:
+        raise SbproxyError(
+            f"{value!r} is not a job id (expected a ULID).",
+            code="invalid_job_id",
+            remediation="`sbproxy jobs list` shows the ids.",
+        ) from None
+
+
+def _require_journal(journal: Path) -> None:
+    """Refuse to go on (and to create the file) when nothing has run with this cache root.
+
+    Raises:
+        SbproxyError: ``no_job_journal``.
+    """
+    if not journal.is_file():
+        raise SbproxyError(
+            f"no job journal at {journal}; nothing has run with this cache directory.",
+            code="no_job_journal",
+            remediation="Pass the --cache-dir (or -f config) that the server uses.",
+            details={"journal": str(journal)},
+        )
+
+
+@asynccontextmanager
+async def _engine(journal: Path) -> AsyncIterator[WorkflowEngine]:
+    engine = await WorkflowEngine.open(journal, registry)
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+def _run(command: str, output_format: str, work: Callable[[], Awaitable[int]]) -> None:
+    """Run ``work`` on an event loop and exit with its status; map errors to exit codes."""
+    try:
+        status = anyio.run(work)
+    except SbproxyError as exc:
+        code = EXIT_INVALID if exc.code in _INVALID_INPUT_CODES else EXIT_RUNTIME
+        fail(command, exc, output_format=output_format, exit_code=code)
+    if status:
+        sys.exit(status)
+
+
+def _outcome_status(job: JobRecord) -> int:
+    return 0 if job.status == JobStatus.SUCCEEDED else EXIT_RUNTIME
+
+
+async def _follow(engine: WorkflowEngine, job_id: str, *, after_seq: int, view: EventView) -> None:
+    try:
+        async for event in engine.follow(job_id, after_seq=after_seq):
+            view.show(event)
+    finally:
+        view.close()
+
+
+def _completed_prefix(steps: Sequence[StepRecord]) -> int:
+    """How many steps, from the first, have a recorded output (a retry replays those)."""
+    done = 0
+    for record in steps:
+        if record.status != StepStatus.SUCCEEDED:
+            break
+        done += 1
+    return done
+
+
+def _report_outcome(command: str, job: JobRecord, output_format: str, **extra: object) -> int:
+    if output_format == "json":
+        emit_json(command, {"job": job.to_dict(), **extra})
+    else:
+        click.echo(job_outcome_line(job))
+    return _outcome_status(job)
+
+
+# --- verbs ----------------------------------------------------------------------------------
+
+
+@jobs_group.command("list")
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    type=click.Choice([status.value for status in JobStatus]),
+    help="Only jobs in this state (repeatable).",
+)
+@click.option("--kind", default=None, help="Only jobs of this workflow kind (pull, verify ...).")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=DEFAULT_LIST_LIMIT,
+    show_default=True,
+    help="Most jobs to show, newest first.",
+)
+@_journal_options
+@format_option
+def list_command(
+    *,
+    states: tuple[str, ...],
+    kind: str | None,
+    limit: int,
+    cache_dir: Path | None,
+    config_path: Path | None,
+    output_format: str,
+) -> None:
+    """List jobs, newest first. A cache root where nothing has run lists none."""
+    command = "jobs.list"
+    journal = _journal_path(command, cache_dir, config_path, output_format)
+    statuses = tuple(JobStatus(state) for state in states)
+
+    async def work() -> int:
+        jobs: list[JobRecord] = []
+        if journal.is_file():
+            async with _engine(journal) as engine:
+                jobs = await engine.store.list_jobs(statuses=statuses, kind=kind, limit=limit)
+        if output_format == "json":
+            emit_json(command, {"journal": str(journal), "jobs": [j.to_dict() for j in jobs]})
+        elif jobs:
+            for line in job_table(jobs, now_ms=wall_clock_ms()):
+                click.echo(line)
+        else:
+            filters = [f"state {'|'.join(states)}"] if states else []
+            filters += [f"kind {kind}"] if kind else []
+            where = f" with {' and '.join(filters)}" if filters else ""
+            click.echo(f"no jobs{where} in {journal}")
+        return 0
+
+    _run(command, output_format, work)
+
+
+@jobs_group.command("show")
+@job_id_argument
+@_journal_options
+@format_option
+def show_command(
+    *, job_id: str, cache_dir: Path | None, config_path: Path | None, output_format: str
+) -> None:
+    """Show one job: its state, progress, last error and every journaled step."""
+    command = "jobs.show"
+    journal = _journal_path(command, cache_dir, config_path, output_format)
+
+    async def work() -> int:
+        wanted = _parse_job_id(job_id)
+        _require_journal(journal)
+        async with _engine(journal) as engine:
+            job = await engine.get(wanted)
+            steps = await engine.steps(wanted)
+        if output_format == "json":
+            emit_json(
+                command,
+                {
+                    "job": job.to_dict(),
+                    "steps": [record.to_dict() for record in steps],
+                    "last_error": last_error(job, steps),
+                },
+            )
+        else:
+            for line in show_lines(job, steps, now_ms=wall_clock_ms()):
+                click.echo(line)
+        return 0
+
+    _run(command, output_format, work)
+
+
+@jobs_group.command("watch")
+@job_id_argument
+@_journal_options
+@format_option
+def watch_command(
+    *, job_id: str, cache_dir: Path | None, config_path: Path | None, output_format: str
+) -> None:
+    """Follow a job until it finishes or is parked, whichever process runs it.
+
+    Progress, step and status lines go to stderr (a live bar on a terminal). At the end the
+    job's outcome goes to stdout (the whole job with --format json). Exit status 0 when it
+    succeeded, 1 when it failed, was cancelled or was parked.
+    """
+    command = "jobs.watch"
+    journal = _journal_path(command, cache_dir, config_path, output_format)
+
+    async def work() -> int:
+        wanted = _parse_job_id(job_id)
+        _require_journal(journal)
+        async with _engine(journal) as engine:
+            await engine.get(wanted)
+            view = open_view(wanted, live_from_ms=wall_clock_ms())
+            await _follow(engine, wanted, after_seq=0, view=view)
+            job = await engine.get(wanted)
+        return _report_outcome(command, job, output_format)
+
+    _run(command, output_format, work)
+
+
+@jobs_group.command("cancel")
+@job_id_argument
+@_journal_options
+@format_option
+def cancel_command(
+    *, job_id: str, cache_dir: Path | None, config_path: Path | None, output_format: str
+) -> None:
+    """Cancel a job: queued and parked jobs at once, a running one at its next step boundary.
+
+    Prints the job after the request. A job that already finished is left as it is.
+    """
+    command = "jobs.cancel"
+    journal = _journal_path(command, cache_dir, config_path, output_format)
+
+    async def work() -> int:
+        wanted = _parse_job_id(job_id)
+        _require_journal(journal)
+        async with _engine(journal) as engine:
+            before = await engine.get(wanted)
+            job = await engine.cancel(wanted)
+        if output_format == "json":
+            emit_json(command, {"job": job.to_dict()})
+        elif before.terminal:
+            click.echo(f"{job.id}: already {job.status.value}; nothing to cancel")
+        elif job.status == JobStatus.CANCELLED:
+            click.echo(f"{job.id}: cancelled")
+        else:
+            click.echo(
+                f"{job.id}: cancellation requested; the running job stops at its next check "
+                f"(`sbproxy jobs watch {job.id}` follows it)"
+            )
+        return 0
+
+    _run(command, output_format, work)
+
+
+@jobs_group.command("retry")
+@job_id_argument
+@click.option(
+    "--detach",
+    is_flag=True,
+    help="Only queue the job for a running `sbproxy serve` worker; do not run it here.",
+)
+@_journal_options
+@format_option
+def retry_command(
+    *,
+    job_id: str,
+    detach: bool,
+    cache_dir: Path | None,
+    config_path: Path | None,
+    output_format: str,
+) -> None:
+    """Re-queue a failed or parked job; it resumes after its last completed step.
+
+    When this process knows the job's workflow (and without --detach) the job runs here,
+    with progress on stderr, and the exit status is its outcome as for `jobs watch`.
+    Otherwise it waits in the queue for a running `sbproxy serve` worker. Exit status 2 if
+    the job is not failed or parked.
+    """
+    command = "jobs.retry"
+    journal = _journal_path(command, cache_dir, config_path, output_format)
+
+    async def work() -> int:
+        wanted = _parse_job_id(job_id)
+        _require_journal(journal)
+        async with _engine(journal) as engine:
+            # Only what the new run writes is streamed; the history is `jobs show`'s job.
+            after_seq = await engine.store.last_event_seq(wanted)
+            job = await _requeue(engine, wanted)
+            if detach or engine.registry.get(job.kind) is None:
+                steps = await engine.steps(wanted)
+                done = _completed_prefix(steps)
+                if output_format == "json":
+                    emit_json(command, {"job": job.to_dict(), "ran_here": False})
+                else:
+                    resume = f"after step {steps[done - 1].name}" if done else "from its start"
+                    click.echo(
+                        f"{job.id}: queued; a running `sbproxy serve` worker resumes it {resume} "
+                        f"(`sbproxy jobs watch {job.id}` follows it)"
+                    )
+                return 0
+            final = await _run_here(engine, job, after_seq=after_seq)
+        return _report_outcome(command, final, output_format, ran_here=True)
+
+    _run(command, output_format, work)
+
+
+async def _requeue(engine: WorkflowEngine, job_id: str) -> JobRecord:
+    """Retry ``job_id`` or explain why it cannot be.
+
+    Raises:
+        SbproxyError: ``job_not_retryable`` (not failed or parked), ``idempotency_key_taken``
+            (a newer unfinished job holds its key, so it stays failed).
+        JobNotFound: ``job_not_found``.
+    """
+    job = await engine.get(job_id)
+    if job.status not in RETRYABLE_STATUSES:
+        raise SbproxyError(
+            f"job {job_id} is {job.status.value}; only failed or parked jobs can be retried",
+            code="job_not_retryable",
+            details={"job_id": job_id, "status": job.status.value},
+        )
+    retried = await engine.retry(job_id)
+    if retried.status == JobStatus.QUEUED:
+        return retried
+    holder = (
+        await engine.store.find_active(retried.idempotency_key) if retried.idempotency_key else None
+    )
+    if retried.status in RETRYABLE_STATUSES and holder is not None:
+        raise SbproxyError(
+            f"job {job_id} stays {retried.status.value}: its idempotency key is held by the "
+            f"unfinished job {holder.id}.",
+            code="idempotency_key_taken",
+            remediation=f"Follow that job with `sbproxy jobs watch {holder.id}` instead.",
+            details={"job_id": job_id, "holder": holder.id},
+        )
+    raise SbproxyError(
+        f"job {job_id} is now {retried.status.value}; another process changed it first",
+        code="job_not_retryable",
+        details={"job_id": job_id, "status": retried.status.value},
+    )
+
+
+async def _run_here(engine: WorkflowEngine, job: JobRecord, *, after_seq: int) -> JobRecord:
+    """Run a re-queued job in this process while its new events stream to stderr."""
+    view = open_view(job.id, live_from_ms=wall_clock_ms())
+    failures: list[Exception] = []
+
+    async def guarded(group: anyio.abc.TaskGroup, work: Callable[[], Awaitable[object]]) -> None:
+        try:
+            await work()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
+            failures.append(exc)
+            group.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(guarded, group, partial(engine.run_job, job.id))
+        # Ends by itself once the job is finished or parked.
+        group.start_soon(
+            guarded, group, partial(_follow, engine, job.id, after_seq=after_seq, view=view)
+        )
+    if failures:
+        raise failures[0]
+    return await engine.get(job.id)

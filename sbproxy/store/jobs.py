@@ -1,0 +1,849 @@
+"""The job repository: jobs, their step journal and their events.
+
+Every method is one short transaction. State changes are compare-and-set updates checked by
+row count (``lifecycle.py``); callers learn whether they won, they never read-then-write.
+Error messages and event payloads are redacted (``sbproxy.redact``) before they are written.
+
+Times are integer milliseconds since the Unix epoch, from the repository's ``clock``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
+from ulid import ULID
+
+from sbproxy.redact import redact
+from sbproxy.store.database import Database
+from sbproxy.store.lifecycle import (
+    ACTIVE_JOB_STATUSES,
+    TERMINAL_JOB_STATUSES,
+    JobStatus,
+    StepStatus,
+)
+
+__all__ = [
+    "ErrorInfo",
+    "EventRecord",
+    "JobRecord",
+    "JobStore",
+    "StepRecord",
+    "SubmitOutcome",
+]
+
+# Bounds on what one job may store: messages are for people, not for dumps.
+MAX_ERROR_CHARS = 2048
+MAX_EVENT_BYTES = 16 * 1024
+
+
+def wall_clock_ms() -> int:
+    """Milliseconds since the Unix epoch."""
+    return time.time_ns() // 1_000_000
+
+
+def _bounded(message: str, limit: int = MAX_ERROR_CHARS) -> str:
+    cleaned = redact(message)
+    return cleaned if len(cleaned) <= limit else cleaned[: limit - 1] + "…"
+
+
+def _in(statuses: Iterable[JobStatus]) -> str:
+    # Status values are enum constants, never user input: inlining them is safe.
+    return "(" + ", ".join(f"'{s.value}'" for s in statuses) + ")"
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """A recorded failure: stable reason code and a bounded, redacted message."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as stored (never an ORM row).
+
+    Attributes:
+        id: ULID text.
+        kind: Workflow name.
+        workflow_version: Version of the workflow code that created it.
+        subject: What the job acts on (``artifact:sha256:<digest>``, ``deployment:<id>``).
+        input: The workflow input as a JSON object.
+        idempotency_key: Key that deduplicates submissions while the job is unfinished.
+        status: Lifecycle state.
+        attempt: How many times a worker has claimed it.
+        lease_owner: Worker holding it while running.
+        lease_expires_at_ms: When that lease lapses unless renewed.
+        cancel_requested: An operator asked for cancellation.
+        progress: Latest progress report (``{"done", "total", "unit", "current"}``).
+        output: Workflow result (JSON) once succeeded.
+        error: Failure, for failed and parked jobs.
+        trace_context: W3C trace context of the request that created it.
+    """
+
+    id: str
+    kind: str
+    workflow_version: int
+    subject: str | None
+    input: Mapping[str, Any]
+    idempotency_key: str | None
+    status: JobStatus
+    attempt: int
+    lease_owner: str | None
+    lease_expires_at_ms: int | None
+    cancel_requested: bool
+    progress: Mapping[str, Any] | None
+    output: Any
+    error: ErrorInfo | None
+    trace_context: Mapping[str, str] | None
+    created_at_ms: int
+    updated_at_ms: int
+    started_at_ms: int | None
+    ended_at_ms: int | None
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the job has finished (succeeded, failed or cancelled)."""
+        return self.status in TERMINAL_JOB_STATUSES
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready view (the shape of ``jobs show`` and the admin API)."""
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "workflow_version": self.workflow_version,
+            "subject": self.subject,
+            "status": self.status.value,
+            "attempt": self.attempt,
+            "idempotency_key": self.idempotency_key,
+            "cancel_requested": self.cancel_requested,
+            "progress": dict(self.progress) if self.progress else None,
+            "output": self.output,
+            "error": {"code": self.error.code, "message": self.error.message}
+            if self.error
+            else None,
+            "lease_owner": self.lease_owner,
+            "lease_expires_at_ms": self.lease_expires_at_ms,
+            "created_at_ms": self.created_at_ms,
+            "updated_at_ms": self.updated_at_ms,
+            "started_at_ms": self.started_at_ms,
+            "ended_at_ms": self.ended_at_ms,
+        }
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One journal entry."""
+
+    job_id: str
+    seq: int
+    name: str
+    status: StepStatus
+    attempts: int
+    output_json: str | None
+    error: ErrorInfo | None
+    started_at_ms: int
+    ended_at_ms: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready view."""
+        return {
+            "seq": self.seq,
+            "name": self.name,
+            "status": self.status.value,
+            "attempts": self.attempts,
+            "output": json.loads(self.output_json) if self.output_json else None,
+            "error": {"code": self.error.code, "message": self.error.message}
+            if self.error
+            else None,
+            "started_at_ms": self.started_at_ms,
+            "ended_at_ms": self.ended_at_ms,
+        }
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One job event. ``seq`` is global and strictly increasing across restarts."""
+
+    seq: int
+    job_id: str
+    at_ms: int
+    type: str
+    data: Mapping[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready view."""
+        return {
+            "seq": self.seq,
+            "job_id": self.job_id,
+            "at_ms": self.at_ms,
+            "type": self.type,
+            **self.data,
+        }
+
+
+@dataclass(frozen=True)
+class SubmitOutcome:
+    """Result of :meth:`JobStore.submit`: the job, and whether this call created it."""
+
+    job: JobRecord
+    created: bool
+
+
+def _error(code: str | None, message: str | None) -> ErrorInfo | None:
+    if code is None:
+        return None
+    return ErrorInfo(code=code, message=message or "")
+
+
+def _job(row: RowMapping) -> JobRecord:
+    return JobRecord(
+        id=row["id"],
+        kind=row["kind"],
+        workflow_version=row["workflow_version"],
+        subject=row["subject"],
+        input=json.loads(row["input_json"]),
+        idempotency_key=row["idempotency_key"],
+        status=JobStatus(row["status"]),
+        attempt=row["attempt"],
+        lease_owner=row["lease_owner"],
+        lease_expires_at_ms=row["lease_expires_at_ms"],
+        cancel_requested=bool(row["cancel_requested"]),
+        progress=json.loads(row["progress_json"]) if row["progress_json"] else None,
+        output=json.loads(row["output_json"]) if row["output_json"] is not None else None,
+        error=_error(row["error_code"], row["error_message"]),
+        trace_context=json.loads(row["trace_context"]) if row["trace_context"] else None,
+        created_at_ms=row["created_at_ms"],
+        updated_at_ms=row["updated_at_ms"],
+        started_at_ms=row["started_at_ms"],
+        ended_at_ms=row["ended_at_ms"],
+    )
+
+
+def _step(row: RowMapping) -> StepRecord:
+    return StepRecord(
+        job_id=row["job_id"],
+        seq=row["seq"],
+        name=row["name"],
+        status=StepStatus(row["status"]),
+        attempts=row["attempts"],
+        output_json=row["output_json"],
+        error=_error(row["error_code"], row["error_message"]),
+        started_at_ms=row["started_at_ms"],
+        ended_at_ms=row["ended_at_ms"],
+    )
+
+
+def _redact_tree(value: Any) -> Any:
+    # Redact each string before encoding: inside JSON text, escaped quotes would hide
+    # patterns such as "password": "..." from the redactor.
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, Mapping):
+        return {k: _redact_tree(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redact_tree(v) for v in value]
+    return value
+
+
+def _event_json(data: Mapping[str, Any]) -> str:
+    encoded = json.dumps(_redact_tree(data), separators=(",", ":"), sort_keys=True)
+    if len(encoded.encode()) > MAX_EVENT_BYTES:
+        encoded = json.dumps({"truncated": True})
+    return encoded
+
+
+class JobStore:
+    """Repository over one journal :class:`Database`.
+
+    Args:
+        database: The open journal.
+        clock: Source of "now" in epoch milliseconds (tests inject their own).
+    """
+
+    def __init__(self, database: Database, *, clock: Callable[[], int] = wall_clock_ms) -> None:
+        self.database = database
+        self.clock = clock
+
+    # -- reads -----------------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        """The job with ``job_id``, or ``None``."""
+        async with self.database.read() as connection:
+            row = (
+                (
+                    await connection.execute(
+                        text("SELECT * FROM jobs WHERE id = :id"), {"id": job_id}
+                    )
+                )
+                .mappings()
+                .first()
+            )
+        return _job(row) if row else None
+
+    async def find_active(self, idempotency_key: str) -> JobRecord | None:
+        """The unfinished (queued, running or parked) job holding ``idempotency_key``."""
+        async with self.database.read() as connection:
+            row = await self._active_by_key(connection, idempotency_key)
+        return _job(row) if row else None
+
+    async def list_jobs(
+        self,
+        *,
+        statuses: Sequence[JobStatus] = (),
+        kind: str | None = None,
+        subject: str | None = None,
+        limit: int = 100,
+    ) -> list[JobRecord]:
+        """Jobs newest first, optionally filtered by status, kind and subject."""
+        clauses = []
+        params: dict[str, Any] = {"limit": limit}
+        if statuses:
+            clauses.append(f"status IN {_in(statuses)}")
+        if kind is not None:
+            clauses.append("kind = :kind")
+            params["kind"] = kind
+        if subject is not None:
+            clauses.append("subject = :subject")
+            params["subject"] = subject
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        query = f"SELECT * FROM jobs {where} ORDER BY created_at_ms DESC, id DESC LIMIT :limit"  # noqa: S608 - clauses are fixed text
+        async with self.database.read() as connection:
+            rows = (await connection.execute(text(query), params)).mappings().all()
+        return [_job(row) for row in rows]
+
+    async def steps(self, job_id: str) -> list[StepRecord]:
+        """The journal of ``job_id`` in step order."""
+        async with self.database.read() as connection:
+            rows = (
+                (
+                    await connection.execute(
+                        text("SELECT * FROM steps WHERE job_id = :id ORDER BY seq"), {"id": job_id}
+                    )
+                )
+                .mappings()
+                .all()
+            )
+        return [_step(row) for row in rows]
+
+    async def events(
+        self, job_id: str, *, after_seq: int = 0, limit: int = 500
+    ) -> list[EventRecord]:
+        """Events of ``job_id`` with ``seq > after_seq``, oldest first."""
+        async with self.database.read() as connection:
+            rows = (
+                (
+                    await connection.execute(
+                        text(
+                            "SELECT * FROM job_events WHERE job_id = :id AND seq > :after"
+                            " ORDER BY seq LIMIT :limit"
+                        ),
+                        {"id": job_id, "after": after_seq, "limit": limit},
+                    )
+                )
+                .mappings()
+                .all()
+            )
+        return [
+            EventRecord(
+                seq=row["seq"],
+                job_id=row["job_id"],
+                at_ms=row["at_ms"],
+                type=row["type"],
+                data=json.loads(row["data_json"]),
+            )
+            for row in rows
+        ]
+
+    async def last_event_seq(self, job_id: str) -> int:
+        """Sequence number of the newest event of ``job_id`` (0 when it has none)."""
+        async with self.database.read() as connection:
+            value = (
+                await connection.execute(
+                    text("SELECT COALESCE(MAX(seq), 0) FROM job_events WHERE job_id = :id"),
+                    {"id": job_id},
+                )
+            ).scalar_one()
+        return int(value)
+
+    # -- submission ------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        *,
+        kind: str,
+        workflow_version: int,
+        input_json: str,
+        idempotency_key: str | None = None,
+        subject: str | None = None,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> SubmitOutcome:
+        """Create a queued job, or return the unfinished job holding ``idempotency_key``.
+
+        The check and the insert share one ``BEGIN IMMEDIATE`` transaction and a partial
+        unique index backs it, so concurrent submitters of one key get one job.
+        """
+
+        async def work(connection: AsyncConnection) -> SubmitOutcome:
+            if idempotency_key is not None:
+                existing = await self._active_by_key(connection, idempotency_key)
+                if existing is not None:
+                    return SubmitOutcome(job=_job(existing), created=False)
+            now = self.clock()
+            job_id = str(ULID())
+            await connection.execute(
+                text(
+                    "INSERT INTO jobs (id, kind, workflow_version, subject, input_json,"
+                    " idempotency_key, status, trace_context, created_at_ms, updated_at_ms)"
+                    " VALUES (:id, :kind, :version, :subject, :input, :key, :status, :trace,"
+                    " :now, :now)"
+                ),
+                {
+                    "id": job_id,
+                    "kind": kind,
+                    "version": workflow_version,
+                    "subject": subject,
+                    "input": input_json,
+                    "key": idempotency_key,
+                    "status": JobStatus.QUEUED.value,
+                    "trace": json.dumps(dict(trace_context)) if trace_context else None,
+                    "now": now,
+                },
+            )
+            await self._event(connection, job_id, "status", {"status": "queued"}, now)
+            row = await self._row(connection, job_id)
+            return SubmitOutcome(job=_job(row), created=True)
+
+        try:
+            return await self.database.write(work)
+        except IntegrityError:
+            # Another process inserted the same key between our check and insert (possible
+            # only across separate databases' views; kept as a belt-and-braces path).
+            assert idempotency_key is not None  # noqa: S101 - only the key index can conflict
+            existing_job = await self.find_active(idempotency_key)
+            if existing_job is None:
+                raise
+            return SubmitOutcome(job=existing_job, created=False)
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def claim(
+        self, *, owner: str, lease_ms: int, job_id: str | None = None, kinds: Sequence[str] = ()
+    ) -> JobRecord | None:
+        """Move one queued job to running under ``owner``'s lease (compare-and-set).
+
+        Args:
+            owner: Lease owner id of the claiming worker.
+            lease_ms: Lease duration; the owner must heartbeat before it lapses.
+            job_id: Claim this job only; otherwise the oldest queued job.
+            kinds: Restrict the oldest-first claim to these workflow kinds.
+
+        Returns:
+            The claimed job, or ``None`` when nothing was claimable.
+        """
+
+        async def work(connection: AsyncConnection) -> JobRecord | None:
+            now = self.clock()
+            if job_id is not None:
+                target = job_id
+            else:
+                kind_clause = ""
+                params: dict[str, Any] = {}
+                if kinds:
+                    names = ", ".join(f":k{i}" for i in range(len(kinds)))
+                    kind_clause = f" AND kind IN ({names})"
+                    params = {f"k{i}": k for i, k in enumerate(kinds)}
+                found = (
+                    await connection.execute(
+                        text(
+                            "SELECT id FROM jobs WHERE status = 'queued'"  # noqa: S608 - fixed text
+                            f"{kind_clause} ORDER BY created_at_ms, id LIMIT 1"
+                        ),
+                        params,
+                    )
+                ).scalar()
+                if found is None:
+                    return None
+                target = found
+            result = await connection.execute(
+                text(
+                    "UPDATE jobs SET status = 'running', lease_owner = :owner,"
+                    " lease_expires_at_ms = :expires, attempt = attempt + 1,"
+                    " started_at_ms = COALESCE(started_at_ms, :now), updated_at_ms = :now"
+                    " WHERE id = :id AND status = 'queued'"
+                ),
+                {"owner": owner, "expires": now + lease_ms, "now": now, "id": target},
+            )
+            if result.rowcount != 1:
+                return None
+            await self._event(connection, target, "status", {"status": "running"}, now)
+            return _job(await self._row(connection, target))
+
+        return await self.database.write(work)
+
+    async def heartbeat(self, job_id: str, *, owner: str, lease_ms: int) -> bool:
+        """Extend ``owner``'s lease; ``False`` means the lease was lost (stop working)."""
+
+        async def work(connection: AsyncConnection) -> bool:
+            now = self.clock()
+            result = await connection.execute(
+                text(
+                    "UPDATE jobs SET lease_expires_at_ms = :expires, updated_at_ms = :now"
+                    " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
+                ),
+                {"expires": now + lease_ms, "now": now, "id": job_id, "owner": owner},
+            )
+            return bool(result.rowcount == 1)
+
+        return await self.database.write(work)
+
+    async def requeue_expired(self) -> list[str]:
+        """Return running jobs whose lease lapsed to ``queued``; their ids."""
+
+        async def work(connection: AsyncConnection) -> list[str]:
+            now = self.clock()
+            ids = list(
+                (
+                    await connection.execute(
+                        text(
+                            "UPDATE jobs SET status = 'queued', lease_owner = NULL,"
+                            " lease_expires_at_ms = NULL, updated_at_ms = :now"
+                            " WHERE status = 'running' AND lease_expires_at_ms < :now"
+                            " RETURNING id"
+                        ),
+                        {"now": now},
+                    )
+                ).scalars()
+            )
+            for job_id in ids:
+                await self._event(
+                    connection,
+                    job_id,
+                    "status",
+                    {"status": "queued", "reason": "lease_expired"},
+                    now,
+                )
+            return ids
+
+        return await self.database.write(work)
+
+    async def requeue_from(self, job_id: str, *, owner: str, reason: str) -> bool:
+        """Re-queue ``job_id`` if it is still running under ``owner`` (a dead worker)."""
+
+        async def work(connection: AsyncConnection) -> bool:
+            now = self.clock()
+            result = await connection.execute(
+                text(
+                    "UPDATE jobs SET status = 'queued', lease_owner = NULL,"
+                    " lease_expires_at_ms = NULL, updated_at_ms = :now"
+                    " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
+                ),
+                {"now": now, "id": job_id, "owner": owner},
+            )
+            if result.rowcount != 1:
+                return False
+            await self._event(
+                connection, job_id, "status", {"status": "queued", "reason": reason}, now
+            )
+            return True
+
+        return await self.database.write(work)
+
+    # -- outcomes --------------------------------------------------------------------------
+
+    async def finish(
+        self,
+        job_id: str,
+        *,
+        owner: str,
+        status: JobStatus,
+        output_json: str | None = None,
+        error: ErrorInfo | None = None,
+    ) -> bool:
+        """Record a running job's outcome if ``owner`` still holds it.
+
+        ``status`` is succeeded, failed, cancelled or parked. Returns ``False`` (and writes
+        nothing) when the lease was lost to another worker.
+        """
+
+        async def work(connection: AsyncConnection) -> bool:
+            now = self.clock()
+            ended = now if status in TERMINAL_JOB_STATUSES else None
+            result = await connection.execute(
+                text(
+                    "UPDATE jobs SET status = :status, output_json = :output,"
+                    " error_code = :code, error_message = :message, lease_owner = NULL,"
+                    " lease_expires_at_ms = NULL, updated_at_ms = :now, ended_at_ms = :ended"
+                    " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
+                ),
+                {
+                    "status": status.value,
+                    "output": output_json,
+                    "code": error.code if error else None,
+                    "message": _bounded(error.message) if error else None,
+                    "now": now,
+                    "ended": ended,
+                    "id": job_id,
+                    "owner": owner,
+                },
+            )
+            if result.rowcount != 1:
+                return False
+            data: dict[str, Any] = {"status": status.value}
+            if error:
+                data["error"] = {"code": error.code, "message": error.message}
+            await self._event(connection, job_id, "status", data, now)
+            return True
+
+        return await self.database.write(work)
+
+    async def request_cancel(self, job_id: str) -> JobRecord | None:
+        """Cancel a job: queued and parked jobs at once, running ones cooperatively.
+
+        Returns the job after the request, or ``None`` if it does not exist. Finished jobs
+        are returned unchanged.
+        """
+
+        async def work(connection: AsyncConnection) -> JobRecord | None:
+            now = self.clock()
+            direct = await connection.execute(
+                text(
+                    "UPDATE jobs SET status = 'cancelled', cancel_requested = 1,"
+                    " lease_owner = NULL, lease_expires_at_ms = NULL, updated_at_ms = :now,"
+                    " ended_at_ms = :now WHERE id = :id AND status IN ('queued', 'parked')"
+                ),
+                {"now": now, "id": job_id},
+            )
+            if direct.rowcount == 1:
+                await self._event(connection, job_id, "status", {"status": "cancelled"}, now)
+            else:
+                flagged = await connection.execute(
+                    text(
+                        "UPDATE jobs SET cancel_requested = 1, updated_at_ms = :now"
+                        " WHERE id = :id AND status = 'running' AND cancel_requested = 0"
+                    ),
+                    {"now": now, "id": job_id},
+                )
+                if flagged.rowcount == 1:
+                    await self._event(connection, job_id, "cancel_requested", {}, now)
+            row = await self._row_or_none(connection, job_id)
+            return _job(row) if row else None
+
+        return await self.database.write(work)
+
+    async def cancel_requested(self, job_id: str) -> bool:
+        """Whether cancellation of ``job_id`` was requested (cheap read for long loops)."""
+        async with self.database.read() as connection:
+            value = (
+                await connection.execute(
+                    text("SELECT cancel_requested FROM jobs WHERE id = :id"), {"id": job_id}
+                )
+            ).scalar()
+        return bool(value)
+
+    async def retry(self, job_id: str) -> JobRecord | None:
+        """Re-queue a failed or parked job; it resumes after its last completed step.
+
+        Returns the job after the attempt (unchanged if it was not failed or parked), or
+        ``None`` when it does not exist. A failed job whose idempotency key was taken by a
+        newer unfinished job stays failed.
+        """
+
+        async def work(connection: AsyncConnection) -> JobRecord | None:
+            now = self.clock()
+            try:
+                result = await connection.execute(
+                    text(
+                        "UPDATE jobs SET status = 'queued', error_code = NULL,"
+                        " error_message = NULL, cancel_requested = 0, ended_at_ms = NULL,"
+                        " updated_at_ms = :now WHERE id = :id AND status IN ('failed', 'parked')"
+                    ),
+                    {"now": now, "id": job_id},
+                )
+            except IntegrityError:
+                result = None
+            if result is not None and result.rowcount == 1:
+                await self._event(
+                    connection, job_id, "status", {"status": "queued", "reason": "retry"}, now
+                )
+            row = await self._row_or_none(connection, job_id)
+            return _job(row) if row else None
+
+        return await self.database.write(work)
+
+    async def report_progress(
+        self, job_id: str, *, owner: str, progress: Mapping[str, Any], event: bool
+    ) -> bool:
+        """Store the latest progress of a running job; append an event when ``event``."""
+
+        async def work(connection: AsyncConnection) -> bool:
+            now = self.clock()
+            result = await connection.execute(
+                text(
+                    "UPDATE jobs SET progress_json = :progress, updated_at_ms = :now"
+                    " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
+                ),
+                {"progress": _event_json(progress), "now": now, "id": job_id, "owner": owner},
+            )
+            if result.rowcount != 1:
+                return False
+            if event:
+                await self._event(connection, job_id, "progress", dict(progress), now)
+            return True
+
+        return await self.database.write(work)
+
+    # -- the journal -----------------------------------------------------------------------
+
+    async def begin_step(self, job_id: str, *, seq: int, name: str) -> StepRecord | None:
+        """Record that step ``seq`` starts (inserting it, or counting a re-run).
+
+        Returns ``None`` without recording anything when cancellation of the job was
+        requested: the check and the start share one transaction.
+        """
+
+        async def work(connection: AsyncConnection) -> StepRecord | None:
+            cancelled = (
+                await connection.execute(
+                    text("SELECT cancel_requested FROM jobs WHERE id = :id"), {"id": job_id}
+                )
+            ).scalar()
+            if cancelled:
+                return None
+            now = self.clock()
+            await connection.execute(
+                text(
+                    "INSERT INTO steps (job_id, seq, name, status, attempts, started_at_ms)"
+                    " VALUES (:id, :seq, :name, 'running', 1, :now)"
+                    " ON CONFLICT (job_id, seq) DO UPDATE SET status = 'running',"
+                    " attempts = attempts + 1, error_code = NULL, error_message = NULL,"
+                    " ended_at_ms = NULL"
+                ),
+                {"id": job_id, "seq": seq, "name": name, "now": now},
+            )
+            await self._event(
+                connection, job_id, "step", {"seq": seq, "name": name, "status": "running"}, now
+            )
+            row = (
+                (
+                    await connection.execute(
+                        text("SELECT * FROM steps WHERE job_id = :id AND seq = :seq"),
+                        {"id": job_id, "seq": seq},
+                    )
+                )
+                .mappings()
+                .one()
+            )
+            return _step(row)
+
+        return await self.database.write(work)
+
+    async def end_step(
+        self,
+        job_id: str,
+        *,
+        seq: int,
+        name: str,
+        output_json: str | None = None,
+        error: ErrorInfo | None = None,
+    ) -> None:
+        """Record a step's outcome: its output (succeeded) or its error (failed)."""
+
+        async def work(connection: AsyncConnection) -> None:
+            now = self.clock()
+            status = StepStatus.FAILED if error else StepStatus.SUCCEEDED
+            await connection.execute(
+                text(
+                    "UPDATE steps SET status = :status, output_json = :output,"
+                    " error_code = :code, error_message = :message, ended_at_ms = :now"
+                    " WHERE job_id = :id AND seq = :seq"
+                ),
+                {
+                    "status": status.value,
+                    "output": output_json,
+                    "code": error.code if error else None,
+                    "message": _bounded(error.message) if error else None,
+                    "now": now,
+                    "id": job_id,
+                    "seq": seq,
+                },
+            )
+            data: dict[str, Any] = {"seq": seq, "name": name, "status": status.value}
+            if error:
+                data["error"] = {"code": error.code, "message": error.message}
+            await self._event(connection, job_id, "step", data, now)
+
+        await self.database.write(work)
+
+    # -- retention -------------------------------------------------------------------------
+
+    async def prune_terminal(self, *, keep: int) -> int:
+        """Delete the oldest finished jobs beyond the newest ``keep``; never active ones."""
+
+        async def work(connection: AsyncConnection) -> int:
+            result = await connection.execute(
+                text(
+                    f"DELETE FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)} AND id NOT IN ("  # noqa: S608
+                    f" SELECT id FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)}"
+                    " ORDER BY ended_at_ms DESC, created_at_ms DESC, id DESC LIMIT :keep)"
+                ),
+                {"keep": keep},
+            )
+            return int(result.rowcount)
+
+        return await self.database.write(work)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _active_by_key(self, connection: AsyncConnection, key: str) -> RowMapping | None:
+        return (
+            (
+                await connection.execute(
+                    text(
+                        "SELECT * FROM jobs WHERE idempotency_key = :key"  # noqa: S608
+                        f" AND status IN {_in(ACTIVE_JOB_STATUSES)}"
+                    ),
+                    {"key": key},
+                )
+            )
+            .mappings()
+            .first()
+        )
+
+    async def _row(self, connection: AsyncConnection, job_id: str) -> RowMapping:
+        return (
+            (await connection.execute(text("SELECT * FROM jobs WHERE id = :id"), {"id": job_id}))
+            .mappings()
+            .one()
+        )
+
+    async def _row_or_none(self, connection: AsyncConnection, job_id: str) -> RowMapping | None:
+        return (
+            (await connection.execute(text("SELECT * FROM jobs WHERE id = :id"), {"id": job_id}))
+            .mappings()
+            .first()
+        )
+
+    async def _event(
+        self,
+        connection: AsyncConnection,
+        job_id: str,
+        kind: str,
+        data: Mapping[str, Any],
+        now: int,
+    ) -> None:
+        await connection.execute(
+            text(
+                "INSERT INTO job_events (job_id, at_ms, type, data_json)"
+                " VALUES (:id, :at, :type, :data)"
+            ),
+            {"id": job_id, "at": now, "type": kind, "data": _event_json(data)},
+        )

@@ -1,0 +1,127 @@
+"""Versioned schema migrations of the journal.
+
+Each migration is applied once, in order, inside one ``BEGIN IMMEDIATE`` transaction that
+also records its version in ``schema_migrations``; concurrent openers serialise on the write
+lock and the later one finds nothing to do. Never edit a released migration: append one.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from sbproxy.store.database import Database, StoreError
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "migrate"]
+
+MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
+    (
+        1,
+        "jobs, steps and job events",
+        (
+            """
+            CREATE TABLE jobs (
+                id TEXT NOT NULL PRIMARY KEY,
+                kind TEXT NOT NULL,
+                workflow_version INTEGER NOT NULL,
+                subject TEXT,
+                input_json TEXT NOT NULL,
+                idempotency_key TEXT,
+                status TEXT NOT NULL,
+                attempt INTEGER NOT NULL DEFAULT 0,
+                lease_owner TEXT,
+                lease_expires_at_ms INTEGER,
+                cancel_requested INTEGER NOT NULL DEFAULT 0,
+                progress_json TEXT,
+                output_json TEXT,
+                error_code TEXT,
+                error_message TEXT,
+                trace_context TEXT,
+                created_at_ms INTEGER NOT NULL,
+                updated_at_ms INTEGER NOT NULL,
+                started_at_ms INTEGER,
+                ended_at_ms INTEGER
+            )
+            """,
+            # One unfinished job per idempotency key; finished jobs release their key.
+            """
+            CREATE UNIQUE INDEX jobs_active_idempotency_key ON jobs (idempotency_key)
+            WHERE idempotency_key IS NOT NULL AND status IN ('queued', 'running', 'parked')
+            """,
+            "CREATE INDEX jobs_status_created ON jobs (status, created_at_ms, id)",
+            "CREATE INDEX jobs_subject ON jobs (subject) WHERE subject IS NOT NULL",
+            """
+            CREATE TABLE steps (
+                job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+                seq INTEGER NOT NULL,
+                name TEXT NOT NULL,
+                status TEXT NOT NULL,
+                attempts INTEGER NOT NULL DEFAULT 0,
+                output_json TEXT,
+                error_code TEXT,
+                error_message TEXT,
+                started_at_ms INTEGER NOT NULL,
+                ended_at_ms INTEGER,
+                PRIMARY KEY (job_id, seq)
+            )
+            """,
+            """
+            CREATE TABLE job_events (
+                seq INTEGER PRIMARY KEY AUTOINCREMENT,
+                job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+                at_ms INTEGER NOT NULL,
+                type TEXT NOT NULL,
+                data_json TEXT NOT NULL
+            )
+            """,
+            "CREATE INDEX job_events_job_seq ON job_events (job_id, seq)",
+        ),
+    ),
+)
+
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+
+async def _apply(connection: AsyncConnection) -> None:
+    await connection.execute(
+        text(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            " version INTEGER NOT NULL PRIMARY KEY,"
+            " description TEXT NOT NULL,"
+            " applied_at_ms INTEGER NOT NULL)"
+        )
+    )
+    current = (
+        await connection.execute(text("SELECT COALESCE(MAX(version), 0) FROM schema_migrations"))
+    ).scalar_one()
+    if current > SCHEMA_VERSION:
+        raise StoreError(
+            f"the journal has schema version {current}, newer than this sbproxy knows "
+            f"({SCHEMA_VERSION})",
+            code="store_version_mismatch",
+            retryable=False,
+            remediation="Run the newer sbproxy, or point this one at another cache directory.",
+        )
+    for version, description, statements in MIGRATIONS:
+        if version <= current:
+            continue
+        for statement in statements:
+            await connection.execute(text(statement))
+        await connection.execute(
+            text(
+                "INSERT INTO schema_migrations (version, description, applied_at_ms)"
+                " VALUES (:v, :d, :t)"
+            ),
+            {"v": version, "d": description, "t": int(time.time() * 1000)},
+        )
+
+
+async def migrate(database: Database) -> None:
+    """Bring ``database`` to :data:`SCHEMA_VERSION`.
+
+    Raises:
+        StoreError: ``store_version_mismatch`` when the file is newer than this code.
+    """
+    await database.write(_apply)

@@ -1,0 +1,65 @@
+"""Table mappings of the journal (SQLModel). The DDL itself lives in versioned migrations;
+a test keeps these mappings and the migrated schema identical.
+"""
+
+from __future__ import annotations
+
+from sqlmodel import Field, SQLModel
+
+__all__ = ["EventRow", "JobRow", "StepRow"]
+
+
+class JobRow(SQLModel, table=True):
+    """One workflow run."""
+
+    __tablename__ = "jobs"
+
+    id: str = Field(primary_key=True)
+    kind: str
+    workflow_version: int
+    subject: str | None = None
+    input_json: str
+    idempotency_key: str | None = None
+    status: str
+    attempt: int = 0
+    lease_owner: str | None = None
+    lease_expires_at_ms: int | None = None
+    cancel_requested: int = 0
+    progress_json: str | None = None
+    output_json: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    trace_context: str | None = None
+    created_at_ms: int
+    updated_at_ms: int
+    started_at_ms: int | None = None
+    ended_at_ms: int | None = None
+
+
+class StepRow(SQLModel, table=True):
+    """One journal entry: a step of a job, by position."""
+
+    __tablename__ = "steps"
+
+    job_id: str = Field(primary_key=True, foreign_key="jobs.id")
+    seq: int = Field(primary_key=True)
+    name: str
+    status: str
+    attempts: int = 0
+    output_json: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    started_at_ms: int
+    ended_at_ms: int | None = None
+
+
+class EventRow(SQLModel, table=True):
+    """One job event; ``seq`` is global, durable and strictly increasing."""
+
+    __tablename__ = "job_events"
+
+    seq: int | None = Field(default=None, primary_key=True)
+    job_id: str = Field(foreign_key="jobs.id")
+    at_ms: int
+    type: str
+    data_json: str

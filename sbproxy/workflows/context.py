@@ -1,0 +1,223 @@
+"""What workflow and step code sees while a job runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from opentelemetry import trace
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from sbproxy.errors import SbproxyError
+from sbproxy.store import ErrorInfo, JobRecord, JobStore, StepRecord, StepStatus
+from sbproxy.telemetry import ATTR_JOB_ID, ATTR_JOB_KIND, ATTR_STEP, ATTR_STEP_ATTEMPT, tracer
+from sbproxy.workflows.declare import StepDef
+from sbproxy.workflows.errors import JobCancelled, NondeterminismError, StepFailed
+from sbproxy.workflows.faults import fault_point
+
+__all__ = ["StepContext", "WorkflowContext"]
+
+A = TypeVar("A")
+R = TypeVar("R")
+
+# Progress is persisted at most this often (plus always at completion); one event is one
+# SQLite commit (~4 ms with synchronous=FULL here), so a few per second per job is cheap.
+PROGRESS_INTERVAL_S = 0.25
+
+
+def _is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, SbproxyError) and exc.retryable and not isinstance(exc, JobCancelled)
+
+
+class _JobState:
+    """Mutable run state shared by the workflow and step contexts (one job run)."""
+
+    def __init__(self, job: JobRecord, owner: str) -> None:
+        self.job = job
+        self.owner = owner
+        self.cancel_requested = job.cancel_requested
+        self.lease_lost = False
+
+
+class StepContext:
+    """Passed to a step: progress reporting and cooperative cancellation.
+
+    Attributes:
+        job_id: The job's id.
+        step_name: This step's journal name.
+        seq: Position of the step in the journal.
+        attempt: 1 for the first run of this step, more after a crash or a retry.
+    """
+
+    def __init__(
+        self, *, store: JobStore, state: _JobState, step_name: str, seq: int, attempt: int
+    ) -> None:
+        self._store = store
+        self._state = state
+        self.job_id = state.job.id
+        self.step_name = step_name
+        self.seq = seq
+        self.attempt = attempt
+        self._last_progress = 0.0
+
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether cancellation was seen (refreshed by the heartbeat)."""
+        return self._state.cancel_requested
+
+    def check_cancelled(self) -> None:
+        """Raise :class:`JobCancelled` if cancellation was requested; call it in long loops."""
+        if self._state.cancel_requested:
+            raise JobCancelled(f"job {self.job_id} was cancelled during step {self.step_name}")
+
+    async def report_progress(
+        self,
+        *,
+        done: int,
+        total: int | None = None,
+        unit: str = "bytes",
+        current: str | None = None,
+        force: bool = False,
+    ) -> None:
+        """Report progress (``done`` of ``total`` ``unit``; ``current`` item name).
+
+        Throttled to one write every 0.25 s unless ``force`` or the work is complete.
+        """
+        now = time.monotonic()
+        complete = total is not None and done >= total
+        if not (force or complete) and now - self._last_progress < PROGRESS_INTERVAL_S:
+            return
+        self._last_progress = now
+        progress: dict[str, Any] = {"done": done, "total": total, "unit": unit}
+        if current is not None:
+            progress["current"] = current
+        progress["step"] = self.step_name
+        await self._store.report_progress(
+            self.job_id, owner=self._state.owner, progress=progress, event=True
+        )
+
+
+class WorkflowContext:
+    """Passed to a workflow body: runs steps through the journal.
+
+    Attributes:
+        job_id: The job's id (stable across restarts; use it to name temporary files).
+        attempt: How many times a worker has claimed this job.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        state: _JobState,
+        journal: Mapping[int, StepRecord],
+    ) -> None:
+        self._store = store
+        self._state = state
+        self._journal = dict(journal)
+        self._seq = 0
+        self.job_id = state.job.id
+        self.attempt = state.job.attempt
+
+    @property
+    def steps_run(self) -> int:
+        """How many steps the body has reached so far."""
+        return self._seq
+
+    def journal_tail(self) -> int:
+        """Highest recorded step position plus one (0 for an empty journal)."""
+        return max(self._journal, default=-1) + 1
+
+    async def step(self, definition: StepDef[A, R], arg: A, *, name: str | None = None) -> R:
+        """Run (or replay) one step and return its result.
+
+        Args:
+            definition: The declared step.
+            arg: Its single argument.
+            name: Journal name when one step function runs several times in a workflow
+                (``download:<path>``); defaults to the declared name.
+
+        Raises:
+            NondeterminismError: the journal holds a different step at this position.
+            JobCancelled: cancellation was requested.
+            StepFailed: the step failed permanently or ran out of retries (its reason code).
+        """
+        seq = self._seq
+        self._seq += 1
+        step_name = name or definition.name
+        recorded = self._journal.get(seq)
+        if recorded is not None and recorded.name != step_name:
+            raise NondeterminismError(
+                f"job {self.job_id} journaled step {seq} as {recorded.name!r} but the "
+                f"workflow now runs {step_name!r} there",
+                remediation="Finish or cancel jobs before changing a workflow's steps; "
+                "`sbproxy jobs cancel` discards this one.",
+            )
+        if recorded is not None and recorded.status == StepStatus.SUCCEEDED:
+            assert recorded.output_json is not None  # noqa: S101 - succeeded steps have output
+            return definition.decode(recorded.output_json)
+        started = await self._store.begin_step(self.job_id, seq=seq, name=step_name)
+        if started is None:
+            self._state.cancel_requested = True
+            raise JobCancelled(f"job {self.job_id} was cancelled before step {step_name}")
+        with tracer().start_as_current_span(
+            f"step {step_name}",
+            attributes={
+                ATTR_JOB_ID: self.job_id,
+                ATTR_JOB_KIND: self._state.job.kind,
+                ATTR_STEP: step_name,
+                ATTR_STEP_ATTEMPT: started.attempts,
+            },
+        ) as span:
+            fault_point(f"step:{step_name}:before")
+            context = StepContext(
+                store=self._store,
+                state=self._state,
+                step_name=step_name,
+                seq=seq,
+                attempt=started.attempts,
+            )
+            try:
+                result = await self._run(definition, context, arg)
+            except JobCancelled as exc:
+                await self._store.end_step(
+                    self.job_id, seq=seq, name=step_name, error=ErrorInfo(exc.code, exc.message)
+                )
+                raise
+            except SbproxyError as exc:
+                span.set_status(trace.StatusCode.ERROR, exc.code)
+                await self._store.end_step(
+                    self.job_id, seq=seq, name=step_name, error=ErrorInfo(exc.code, str(exc))
+                )
+                raise StepFailed(
+                    f"step {step_name} failed: {exc}", code=exc.code, retryable=False
+                ) from exc
+            except Exception as exc:
+                span.set_status(trace.StatusCode.ERROR, "internal")
+                message = f"{type(exc).__name__}: {exc}"
+                await self._store.end_step(
+                    self.job_id, seq=seq, name=step_name, error=ErrorInfo("internal", message)
+                )
+                raise StepFailed(
+                    f"step {step_name} crashed: {message}", code="internal", retryable=False
+                ) from exc
+            encoded = definition.encode(result)
+            fault_point(f"step:{step_name}:after")
+            await self._store.end_step(self.job_id, seq=seq, name=step_name, output_json=encoded)
+        # Return what a replay would return, so a resumed run sees identical values.
+        return definition.decode(encoded)
+
+    async def _run(self, definition: StepDef[A, R], context: StepContext, arg: A) -> R:
+        policy = definition.retry
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(_is_retryable),
+            stop=stop_after_attempt(policy.max_attempts),
+            wait=wait_random_exponential(multiplier=policy.initial_delay_s, max=policy.max_delay_s),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                context.check_cancelled()
+                return await definition.fn(context, arg)
+        raise AssertionError("unreachable")  # pragma: no cover - tenacity reraises

@@ -1,0 +1,138 @@
+"""Declaring workflows and steps.
+
+A **step** is an async function ``(ctx: StepContext, arg) -> result`` with a stable name, one
+argument and a JSON-serialisable result (a pydantic model, or plain JSON types). Its result
+is journaled; on replay the recorded result is returned instead of running it again. Its
+docstring has an ``Idempotency:`` paragraph saying why running it twice is safe (a step
+that was running when the process died runs again).
+
+A **workflow** is an async function ``(ctx: WorkflowContext, input) -> result`` whose body is
+deterministic: every side effect happens inside a step. It is registered under a kind name
+and a version in a :class:`Registry`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from pydantic import BaseModel, TypeAdapter
+
+if TYPE_CHECKING:
+    from sbproxy.workflows.context import StepContext, WorkflowContext
+
+__all__ = ["Registry", "RetryPolicy", "StepDef", "WorkflowDef", "step"]
+
+A = TypeVar("A")
+R = TypeVar("R")
+I = TypeVar("I", bound=BaseModel)  # noqa: E741 - conventional type-variable name
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a step retries errors marked ``retryable`` (network, 5xx, timeouts).
+
+    Delays grow exponentially from ``initial_delay_s`` up to ``max_delay_s`` with full jitter
+    (tenacity's ``wait_random_exponential``); after ``max_attempts`` runs the last error fails
+    the job. Permanent errors (``retryable=False``) fail at once.
+    """
+
+    max_attempts: int = 3
+    initial_delay_s: float = 0.5
+    max_delay_s: float = 30.0
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+def _return_adapter(fn: Callable[..., Any]) -> TypeAdapter[Any]:
+    hints = typing.get_type_hints(fn)
+    return TypeAdapter(hints.get("return", Any))
+
+
+@dataclass(frozen=True)
+class StepDef(Generic[A, R]):
+    """A declared step: name, function, retry policy, and the adapter of its result."""
+
+    name: str
+    fn: Callable[[StepContext, A], Awaitable[R]]
+    retry: RetryPolicy
+    result: TypeAdapter[R] = field(compare=False)
+
+    def encode(self, value: R) -> str:
+        """The journal text of a result."""
+        return self.result.dump_json(value).decode()
+
+    def decode(self, recorded: str) -> R:
+        """A result back from the journal."""
+        return self.result.validate_json(recorded)
+
+
+def step(
+    name: str, *, retry: RetryPolicy = NO_RETRY
+) -> Callable[[Callable[[StepContext, A], Awaitable[R]]], StepDef[A, R]]:
+    """Declare a step under a stable ``name`` (the journal records it; never rename one)."""
+
+    def wrap(fn: Callable[[StepContext, A], Awaitable[R]]) -> StepDef[A, R]:
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"step {name!r} must be an async function")
+        return StepDef(name=name, fn=fn, retry=retry, result=_return_adapter(fn))
+
+    return wrap
+
+
+@dataclass(frozen=True)
+class WorkflowDef(Generic[I, R]):
+    """A registered workflow kind."""
+
+    kind: str
+    version: int
+    fn: Callable[[WorkflowContext, I], Awaitable[R]]
+    input_type: type[I]
+    result: TypeAdapter[R] = field(compare=False)
+
+
+class Registry:
+    """The workflow kinds a worker can run."""
+
+    def __init__(self) -> None:
+        self._workflows: dict[str, WorkflowDef[Any, Any]] = {}
+
+    def workflow(
+        self, kind: str, *, version: int = 1
+    ) -> Callable[[Callable[[WorkflowContext, I], Awaitable[R]]], WorkflowDef[I, R]]:
+        """Register a workflow function under ``kind``; bump ``version`` when its step
+        sequence changes (jobs journaled by another version are parked, not re-run)."""
+
+        def wrap(fn: Callable[[WorkflowContext, I], Awaitable[R]]) -> WorkflowDef[I, R]:
+            if kind in self._workflows:
+                raise ValueError(f"workflow kind {kind!r} is already registered")
+            hints = typing.get_type_hints(fn)
+            params = list(inspect.signature(fn).parameters)
+            if len(params) != 2:
+                raise TypeError(f"workflow {kind!r} must take (ctx, input)")
+            input_type = hints[params[1]]
+            if not (isinstance(input_type, type) and issubclass(input_type, BaseModel)):
+                raise TypeError(f"workflow {kind!r} input must be a pydantic model")
+            definition: WorkflowDef[I, R] = WorkflowDef(
+                kind=kind,
+                version=version,
+                fn=fn,
+                input_type=typing.cast("type[I]", input_type),
+                result=TypeAdapter(hints.get("return", Any)),
+            )
+            self._workflows[kind] = definition
+            return definition
+
+        return wrap
+
+    def get(self, kind: str) -> WorkflowDef[Any, Any] | None:
+        """The workflow registered as ``kind``."""
+        return self._workflows.get(kind)
+
+    def kinds(self) -> tuple[str, ...]:
+        """Every registered kind."""
+        return tuple(self._workflows)

@@ -1,0 +1,291 @@
+"""The workflow engine: submit jobs, run them (inline or in a worker loop), recover them.
+
+One :class:`WorkflowEngine` per process and journal. The server runs :meth:`run_worker`; a
+CLI process that starts a job runs it with :meth:`run_job` and holds the lease itself; after a
+crash, either of them finds the job again (``running`` under a dead owner, or with a lapsed
+lease), returns it to the queue and finishes it from its last completed step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+from pydantic import BaseModel
+
+from sbproxy.store import (
+    Database,
+    EventRecord,
+    JobRecord,
+    JobStatus,
+    JobStore,
+    StepRecord,
+    SubmitOutcome,
+    Synchronous,
+)
+from sbproxy.telemetry import current_carrier
+from sbproxy.workflows.declare import Registry, WorkflowDef
+from sbproxy.workflows.errors import JobNotFound, WorkflowError
+from sbproxy.workflows.executor import LeaseSettings, execute
+from sbproxy.workflows.identity import WorkerIdentity, owner_is_gone
+
+__all__ = ["WorkflowEngine"]
+
+logger = logging.getLogger(__name__)
+
+# Finished jobs kept for inspection; active jobs are never pruned. The reference keeps 256.
+DEFAULT_HISTORY_LIMIT = 256
+
+
+class WorkflowEngine:
+    """Submit, run, watch, cancel and retry jobs of the workflows in ``registry``.
+
+    Args:
+        store: The job repository.
+        registry: Workflow kinds this process can run.
+        lease: Lease duration and heartbeat period.
+        history_limit: Finished jobs to keep (oldest pruned first; active jobs never).
+    """
+
+    def __init__(
+        self,
+        store: JobStore,
+        registry: Registry,
+        *,
+        lease: LeaseSettings | None = None,
+        history_limit: int = DEFAULT_HISTORY_LIMIT,
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.lease = lease or LeaseSettings()
+        self.history_limit = history_limit
+        self.identity = WorkerIdentity.current()
+
+    @classmethod
+    async def open(
+        cls,
+        path: Path,
+        registry: Registry,
+        *,
+        synchronous: Synchronous = "FULL",
+        lease: LeaseSettings | None = None,
+        history_limit: int = DEFAULT_HISTORY_LIMIT,
+    ) -> WorkflowEngine:
+        """Open the journal at ``path`` (creating it) and return an engine over it."""
+        database = await Database.open(path, synchronous=synchronous)
+        return cls(JobStore(database), registry, lease=lease, history_limit=history_limit)
+
+    async def close(self) -> None:
+        """Close the journal."""
+        await self.store.database.close()
+
+    # -- submission and inspection ---------------------------------------------------------
+
+    async def submit(
+        self,
+        workflow: WorkflowDef[Any, Any],
+        arg: BaseModel,
+        *,
+        idempotency_key: str | None = None,
+        subject: str | None = None,
+    ) -> SubmitOutcome:
+        """Queue a job, or join the unfinished job that holds ``idempotency_key``.
+
+        The current trace context is stored with a new job so every later run links to it.
+        """
+        if not isinstance(arg, workflow.input_type):
+            raise TypeError(f"{workflow.kind} takes {workflow.input_type.__name__}")
+        return await self.store.submit(
+            kind=workflow.kind,
+            workflow_version=workflow.version,
+            input_json=arg.model_dump_json(),
+            idempotency_key=idempotency_key,
+            subject=subject,
+            trace_context=current_carrier() or None,
+        )
+
+    async def get(self, job_id: str) -> JobRecord:
+        """The job ``job_id``.
+
+        Raises:
+            JobNotFound: ``job_not_found``.
+        """
+        job = await self.store.get(job_id)
+        if job is None:
+            raise JobNotFound(f"no job {job_id}", details={"job_id": job_id})
+        return job
+
+    async def steps(self, job_id: str) -> list[StepRecord]:
+        """The journal of ``job_id``."""
+        return await self.store.steps(job_id)
+
+    async def cancel(self, job_id: str) -> JobRecord:
+        """Request cancellation (immediate for queued or parked jobs, cooperative when running).
+
+        Raises:
+            JobNotFound: ``job_not_found``.
+        """
+        job = await self.store.request_cancel(job_id)
+        if job is None:
+            raise JobNotFound(f"no job {job_id}", details={"job_id": job_id})
+        return job
+
+    async def retry(self, job_id: str) -> JobRecord:
+        """Re-queue a failed or parked job; it resumes after its last completed step.
+
+        Raises:
+            JobNotFound: ``job_not_found``.
+        """
+        job = await self.store.retry(job_id)
+        if job is None:
+            raise JobNotFound(f"no job {job_id}", details={"job_id": job_id})
+        return job
+
+    async def follow(
+        self, job_id: str, *, after_seq: int = 0, poll_s: float = 0.2
+    ) -> AsyncIterator[EventRecord]:
+        """Yield the events of ``job_id`` as they are written, until the job is finished.
+
+        Works across processes and restarts: it polls the journal from ``after_seq``.
+
+        Raises:
+            JobNotFound: ``job_not_found``.
+        """
+        await self.get(job_id)
+        last = after_seq
+        while True:
+            events = await self.store.events(job_id, after_seq=last)
+            for event in events:
+                last = event.seq
+                yield event
+            if not events:
+                job = await self.get(job_id)
+                if job.terminal or job.status == JobStatus.PARKED:
+                    # Drain anything written between the read and the status check.
+                    for event in await self.store.events(job_id, after_seq=last):
+                        last = event.seq
+                        yield event
+                    return
+                await anyio.sleep(poll_s)
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def recover(self) -> list[str]:
+        """Return jobs of dead or lapsed workers to the queue; their ids.
+
+        Two compare-and-set passes: leases past their expiry, then running jobs whose owner
+        process is certainly gone (same boot, pid dead or reused) even if the lease is fresh.
+        """
+        recovered = await self.store.requeue_expired()
+        for job in await self.store.list_jobs(statuses=(JobStatus.RUNNING,), limit=10_000):
+            owner = job.lease_owner
+            if owner is None or not owner_is_gone(owner):
+                continue
+            if await self.store.requeue_from(job.id, owner=owner, reason="owner_gone"):
+                recovered.append(job.id)
+        if recovered:
+            logger.info("recovered %d job(s): %s", len(recovered), ", ".join(recovered))
+        return recovered
+
+    async def run_job(self, job_id: str, *, poll_s: float = 0.2) -> JobRecord:
+        """Run ``job_id`` in this process until it finishes, and return it.
+
+        A queued job is claimed and executed here. A job running under a live owner is
+        waited for; one whose owner died is recovered and then run here.
+
+        Raises:
+            JobNotFound: ``job_not_found``.
+            WorkflowError: ``unknown_workflow`` when the job's kind is not registered here
+                (checked before claiming, so the job stays queued for a worker that knows it).
+        """
+        while True:
+            job = await self.get(job_id)
+            if job.terminal or job.status == JobStatus.PARKED:
+                return job
+            if self.registry.get(job.kind) is None:
+                raise WorkflowError(
+                    f"job {job_id} is a {job.kind!r} job, which this process cannot run",
+                    code="unknown_workflow",
+                    remediation="Let a process that knows this workflow (`sbproxy serve`) run it.",
+                    details={"job_id": job_id, "kind": job.kind},
+                )
+            if job.status == JobStatus.RUNNING:
+                if job.lease_owner and owner_is_gone(job.lease_owner):
+                    await self.store.requeue_from(
+                        job.id, owner=job.lease_owner, reason="owner_gone"
+                    )
+                else:
+                    await self.store.requeue_expired()
+                    await anyio.sleep(poll_s)
+                continue
+            claimed = await self.store.claim(
+                owner=self.identity.owner, lease_ms=self.lease.lease_ms, job_id=job_id
+            )
+            if claimed is None:
+                continue  # another worker claimed it first: wait for that run
+            finished = await execute(
+                claimed,
+                store=self.store,
+                registry=self.registry,
+                owner=self.identity.owner,
+                lease=self.lease,
+            )
+            await self.store.prune_terminal(keep=self.history_limit)
+            if finished.terminal or finished.status == JobStatus.PARKED:
+                return finished
+
+    async def run_worker(
+        self,
+        *,
+        concurrency: int = 4,
+        poll_s: float = 0.2,
+        recovery_s: float = 5.0,
+        until_idle: bool = False,
+    ) -> None:
+        """Claim and run queued jobs, at most ``concurrency`` at once.
+
+        Recovers dead workers' jobs at start and every ``recovery_s``. With ``until_idle``
+        it returns once nothing is queued or running here; otherwise it runs until
+        cancelled.
+        """
+        limiter = anyio.Semaphore(concurrency)
+        kinds = self.registry.kinds()
+        running = 0
+        last_recovery = -recovery_s
+
+        async def run_one(job: JobRecord) -> None:
+            nonlocal running
+            try:
+                await execute(
+                    job,
+                    store=self.store,
+                    registry=self.registry,
+                    owner=self.identity.owner,
+                    lease=self.lease,
+                )
+                await self.store.prune_terminal(keep=self.history_limit)
+            finally:
+                running -= 1
+                limiter.release()
+
+        async with anyio.create_task_group() as group:
+            while True:
+                now = anyio.current_time()
+                if now - last_recovery >= recovery_s:
+                    last_recovery = now
+                    await self.recover()
+                await limiter.acquire()
+                job = await self.store.claim(
+                    owner=self.identity.owner, lease_ms=self.lease.lease_ms, kinds=kinds
+                )
+                if job is None:
+                    limiter.release()
+                    if until_idle and running == 0:
+                        return
+                    await anyio.sleep(poll_s)
+                    continue
+                running += 1
+                group.start_soon(run_one, job)

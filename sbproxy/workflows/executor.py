@@ -1,0 +1,144 @@
+"""Run one claimed job: heartbeat its lease, replay its journal, record its outcome."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+from opentelemetry import trace
+from pydantic import ValidationError
+
+from sbproxy.errors import SbproxyError
+from sbproxy.store import ErrorInfo, JobRecord, JobStatus, JobStore
+from sbproxy.telemetry import (
+    ATTR_JOB_ATTEMPT,
+    ATTR_JOB_ID,
+    ATTR_JOB_KIND,
+    link_from_carrier,
+    tracer,
+)
+from sbproxy.workflows.context import WorkflowContext, _JobState
+from sbproxy.workflows.declare import Registry
+from sbproxy.workflows.errors import JobCancelled, LeaseLost, NondeterminismError, StepFailed
+
+__all__ = ["LeaseSettings", "execute"]
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseSettings:
+    """Lease duration and heartbeat period, in seconds.
+
+    The heartbeat runs three times per lease so that one slow commit never loses a lease.
+    """
+
+    def __init__(self, *, lease_s: float = 15.0, heartbeat_s: float | None = None) -> None:
+        self.lease_s = lease_s
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else lease_s / 3
+
+    @property
+    def lease_ms(self) -> int:
+        """Lease duration in milliseconds."""
+        return int(self.lease_s * 1000)
+
+
+async def _heartbeat(
+    store: JobStore, state: _JobState, lease: LeaseSettings, scope: anyio.CancelScope
+) -> None:
+    while True:
+        await anyio.sleep(lease.heartbeat_s)
+        alive = await store.heartbeat(state.job.id, owner=state.owner, lease_ms=lease.lease_ms)
+        if not alive:
+            logger.warning("job %s: lease lost; stopping this run", state.job.id)
+            state.lease_lost = True
+            scope.cancel()
+            return
+        if not state.cancel_requested and await store.cancel_requested(state.job.id):
+            state.cancel_requested = True
+
+
+async def execute(
+    job: JobRecord, *, store: JobStore, registry: Registry, owner: str, lease: LeaseSettings
+) -> JobRecord:
+    """Run ``job`` (already claimed by ``owner``) to an outcome and record it.
+
+    Returns:
+        The job as stored afterwards. If the lease was lost to another worker the record
+        shows that worker's view; this run wrote nothing after losing it.
+    """
+    link = link_from_carrier(job.trace_context)
+    with tracer().start_as_current_span(
+        f"job {job.kind}",
+        links=[link] if link else None,
+        attributes={ATTR_JOB_ID: job.id, ATTR_JOB_KIND: job.kind, ATTR_JOB_ATTEMPT: job.attempt},
+    ) as span:
+        status, output, error = await _run(
+            job, store=store, registry=registry, owner=owner, lease=lease
+        )
+        if status is not None:
+            if error is not None:
+                span.set_status(trace.StatusCode.ERROR, error.code)
+            await store.finish(job.id, owner=owner, status=status, output_json=output, error=error)
+    final = await store.get(job.id)
+    assert final is not None  # noqa: S101 - jobs are never deleted while running
+    return final
+
+
+async def _run(
+    job: JobRecord, *, store: JobStore, registry: Registry, owner: str, lease: LeaseSettings
+) -> tuple[JobStatus | None, str | None, ErrorInfo | None]:
+    definition = registry.get(job.kind)
+    if definition is None:
+        return JobStatus.FAILED, None, ErrorInfo("unknown_workflow", f"no workflow {job.kind!r}")
+    if definition.version != job.workflow_version:
+        return (
+            JobStatus.PARKED,
+            None,
+            ErrorInfo(
+                "nondeterminism",
+                f"job was journaled by {job.kind} v{job.workflow_version}; this worker runs "
+                f"v{definition.version}. Finish it with the matching version or cancel it.",
+            ),
+        )
+    try:
+        arg = definition.input_type.model_validate(job.input)
+    except ValidationError as exc:
+        return JobStatus.FAILED, None, ErrorInfo("invalid_input", str(exc))
+    journal = {record.seq: record for record in await store.steps(job.id)}
+    state = _JobState(job, owner)
+    context = WorkflowContext(store=store, state=state, journal=journal)
+    result: Any = None
+    outcome: tuple[JobStatus | None, str | None, ErrorInfo | None] = (None, None, None)
+    async with anyio.create_task_group() as group:
+        group.start_soon(_heartbeat, store, state, lease, group.cancel_scope)
+        try:
+            result = await definition.fn(context, arg)
+            if context.journal_tail() > context.steps_run:
+                raise NondeterminismError(
+                    f"job {job.id} journaled {context.journal_tail()} steps but the workflow "
+                    f"now finishes after {context.steps_run}"
+                )
+            outcome = (JobStatus.SUCCEEDED, definition.result.dump_json(result).decode(), None)
+        except NondeterminismError as exc:
+            outcome = (JobStatus.PARKED, None, ErrorInfo(exc.code, str(exc)))
+        except JobCancelled as exc:
+            outcome = (JobStatus.CANCELLED, None, ErrorInfo(exc.code, exc.message))
+        except StepFailed as exc:
+            outcome = (JobStatus.FAILED, None, ErrorInfo(exc.code, exc.message))
+        except LeaseLost:
+            outcome = (None, None, None)
+        except SbproxyError as exc:
+            outcome = (JobStatus.FAILED, None, ErrorInfo(exc.code, str(exc)))
+        except Exception as exc:
+            logger.exception("job %s: workflow %s crashed", job.id, job.kind)
+            outcome = (
+                JobStatus.FAILED,
+                None,
+                ErrorInfo("internal", f"{type(exc).__name__}: {exc}"),
+            )
+        finally:
+            group.cancel_scope.cancel()
+    if state.lease_lost:
+        return None, None, None
+    return outcome

@@ -1,0 +1,73 @@
+"""Named fault points that tests arm to kill the process at an exact place.
+
+Crash safety is proven, not assumed: a test arms a point, the process dies there with
+``SIGKILL`` (no cleanup, no ``finally``), a new process resumes the job, and the test checks
+the final state and how often each side effect happened.
+
+Arming:
+
+* environment ``SBPROXY_FAULT_POINTS="step:publish:after,pull.after_download"``; an entry
+  ``name=N`` fires on the N-th time the point is reached (default: the first);
+* in-process, :func:`arm` with an optional action (tests that raise instead of dying).
+
+The executor passes ``step:<step name>:before`` (journal says running, side effect not yet
+done) and ``step:<step name>:after`` (side effect done, output not yet recorded) for every
+step; domain code adds its own points with :func:`fault_point`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+__all__ = ["ENV_VAR", "arm", "disarm_all", "fault_point"]
+
+ENV_VAR = "SBPROXY_FAULT_POINTS"
+
+_lock = threading.Lock()
+_hits: dict[str, int] = {}
+_armed: dict[str, tuple[int, Callable[[], None] | None]] = {}
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _from_env() -> dict[str, int]:
+    points: dict[str, int] = {}
+    for entry in os.environ.get(ENV_VAR, "").split(","):
+        name, _, count = entry.strip().partition("=")
+        if name:
+            points[name] = int(count) if count.isdigit() and int(count) > 0 else 1
+    return points
+
+
+def arm(name: str, *, on_hit: int = 1, action: Callable[[], None] | None = None) -> None:
+    """Arm ``name`` in this process: on its ``on_hit``-th hit run ``action`` (default SIGKILL)."""
+    with _lock:
+        _armed[name] = (on_hit, action)
+        _hits.pop(name, None)
+
+
+def disarm_all() -> None:
+    """Forget every in-process arming and hit count."""
+    with _lock:
+        _armed.clear()
+        _hits.clear()
+
+
+def fault_point(name: str) -> None:
+    """Pass a fault point: does nothing unless ``name`` is armed and its hit count is due."""
+    env_points = _from_env() if ENV_VAR in os.environ else {}
+    with _lock:
+        armed = _armed.get(name)
+        target = armed[0] if armed else env_points.get(name)
+        if target is None:
+            return
+        _hits[name] = _hits.get(name, 0) + 1
+        if _hits[name] != target:
+            return
+        action = armed[1] if armed else None
+    (action or _kill)()

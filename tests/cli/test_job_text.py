@@ -1,0 +1,99 @@
+"""Rendering of jobs for people: sizes, progress, ages, and how a watch replays its backlog."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+
+from sbproxy.cli._event_view import LineView
+from sbproxy.cli._job_text import age_text, duration_text, progress_text, size_text
+from sbproxy.store import EventRecord
+
+JOB = "01JABCDEFGHJKMNPQRSTVWXYZ0"
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (120 * MIB, "120.0 MiB"),
+        (3 * 2**40, "3.0 TiB"),
+    ],
+)
+def test_sizes_use_binary_units_with_one_decimal(value: int, text: str) -> None:
+    assert size_text(value) == text
+
+
+@pytest.mark.parametrize(
+    ("progress", "full", "compact"),
+    [
+        (
+            {"done": 120 * MIB, "total": 253_125_017, "unit": "bytes"},
+            "120.0 MiB / 241.4 MiB (49%)",
+            "49%",
+        ),
+        ({"done": 5 * MIB, "total": None, "unit": "bytes"}, "5.0 MiB", "5.0 MiB"),
+        ({"done": 3, "total": 10, "unit": "files"}, "3 / 10 files (30%)", "30%"),
+        (
+            {"done": 1, "total": 2, "unit": "files", "current": "a.gguf"},
+            "1 / 2 files (50%) [a.gguf]",
+            "50%",
+        ),
+        ({"done": 7, "total": 0, "unit": "bytes"}, "7 B / 0 B", "7 B"),
+    ],
+)
+def test_progress_text(progress: dict[str, Any], full: str, compact: str) -> None:
+    assert progress_text(progress) == full
+    assert progress_text(progress, compact=True) == compact
+
+
+def test_ages_and_durations_read_naturally() -> None:
+    now = 10**12
+    assert age_text(now - 200, now) == "just now"
+    assert age_text(now - 12_000, now) == "12s ago"
+    assert age_text(now - 5 * 60_000, now) == "5m ago"
+    assert age_text(now - 3 * 3_600_000, now) == "3h ago"
+    assert age_text(now - 2 * 86_400_000, now) == "2d ago"
+    assert len(age_text(now - 30 * 86_400_000, now)) == len("2001-09-09")
+    assert duration_text(12) == "12ms"
+    assert duration_text(4_300) == "4.3s"
+    assert duration_text(185_000) == "3m05s"
+    assert duration_text(3_720_000) == "1h02m"
+
+
+def event(number: int, at_ms: int, kind: str, **data: Any) -> EventRecord:
+    return EventRecord(seq=number, job_id=JOB, at_ms=at_ms, type=kind, data=data)
+
+
+def test_backlog_progress_collapses_to_the_latest_report_while_live_progress_streams() -> None:
+    out = io.StringIO()
+    view = LineView(JOB, live_from_ms=1000, stream=out)
+    backlog = [
+        event(1, 10, "status", status="running"),
+        event(2, 20, "step", seq=0, name="download:a", status="running"),
+        *(
+            event(3 + i, 30 + i, "progress", step="download:a", done=i, total=9, unit="files")
+            for i in range(1, 9)
+        ),
+    ]
+    live = [
+        event(20, 1001, "progress", step="download:a", done=9, total=9, unit="files"),
+        event(21, 1002, "step", seq=0, status="failed", error={"code": "x", "message": "boom"}),
+        event(22, 1003, "status", status="failed", error={"code": "x", "message": "boom"}),
+    ]
+    for record in (*backlog, *live):
+        view.show(record)
+    view.close()
+    assert out.getvalue().splitlines() == [
+        f"{JOB}: running",
+        f"{JOB}: step download:a started",
+        f"{JOB}: running step download:a 8 / 9 files (88%)",
+        f"{JOB}: running step download:a 9 / 9 files (100%)",
+        f"{JOB}: step download:a failed: x: boom",
+        f"{JOB}: failed: x: boom",
+    ]

@@ -1,0 +1,271 @@
+"""The SQLite journal: pragmas, migrations, compare-and-set transitions, events, retention,
+and secrets that never reach the database file."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlmodel import SQLModel
+
+from sbproxy.store import Database, ErrorInfo, JobStatus, JobStore, StoreError
+from sbproxy.store.migrations import SCHEMA_VERSION
+from sbproxy.store.tables import EventRow, JobRow, StepRow
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[JobStore]:
+    database = await Database.open(tmp_path / "jobs" / "journal.db")
+    try:
+        yield JobStore(database)
+    finally:
+        await database.close()
+
+
+async def submit(store: JobStore, key: str | None = None, kind: str = "demo") -> str:
+    outcome = await store.submit(
+        kind=kind, workflow_version=1, input_json="{}", idempotency_key=key
+    )
+    return outcome.job.id
+
+
+async def test_pragmas_and_schema_version(store: JobStore) -> None:
+    path = store.database.path
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        version = raw.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0]
+    assert version == SCHEMA_VERSION
+    async with store.database.read() as connection:
+        from sqlalchemy import text
+
+        synchronous = (await connection.execute(text("PRAGMA synchronous"))).scalar()
+        busy = (await connection.execute(text("PRAGMA busy_timeout"))).scalar()
+    assert synchronous == 2  # FULL
+    assert busy == 30_000
+
+
+async def test_migrations_are_idempotent_and_match_the_mappings(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    for _ in range(2):
+        database = await Database.open(path)
+        await database.close()
+    with sqlite3.connect(path) as raw:
+        applied = raw.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0]
+        assert applied == SCHEMA_VERSION
+        for row_type in (JobRow, StepRow, EventRow):
+            table = SQLModel.metadata.tables[str(row_type.__tablename__)]
+            columns = {r[1] for r in raw.execute(f"PRAGMA table_info({table.name})")}
+            assert columns == {c.name for c in table.columns}, table.name
+
+
+async def test_a_newer_journal_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    database = await Database.open(path)
+    await database.close()
+    with sqlite3.connect(path) as raw:
+        raw.execute(
+            "INSERT INTO schema_migrations VALUES (?, 'from the future', 0)", (SCHEMA_VERSION + 1,)
+        )
+    with pytest.raises(StoreError) as info:
+        await Database.open(path)
+    assert info.value.code == "store_version_mismatch"
+
+
+async def test_unusable_journal_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    path.write_bytes(b"this is not a sqlite database" * 100)
+    with pytest.raises(StoreError) as info:
+        await Database.open(path)
+    assert info.value.code == "store_failed"
+    assert str(path) in str(info.value)
+
+
+async def test_idempotency_key_joins_the_unfinished_job(store: JobStore) -> None:
+    first = await store.submit(
+        kind="demo", workflow_version=1, input_json="{}", idempotency_key="k"
+    )
+    again = await store.submit(
+        kind="demo", workflow_version=1, input_json="{}", idempotency_key="k"
+    )
+    assert first.created and not again.created
+    assert again.job.id == first.job.id
+    # Once the job is finished, the key is free again.
+    claimed = await store.claim(owner="w", lease_ms=10_000)
+    assert claimed is not None
+    assert await store.finish(claimed.id, owner="w", status=JobStatus.SUCCEEDED, output_json="1")
+    later = await store.submit(
+        kind="demo", workflow_version=1, input_json="{}", idempotency_key="k"
+    )
+    assert later.created and later.job.id != first.job.id
+
+
+async def test_claim_is_compare_and_set(store: JobStore) -> None:
+    job_id = await submit(store)
+    assert (await store.claim(owner="a", lease_ms=10_000, job_id=job_id)) is not None
+    assert (await store.claim(owner="b", lease_ms=10_000, job_id=job_id)) is None
+    assert (await store.claim(owner="b", lease_ms=10_000)) is None
+    # Only the lease owner may finish or heartbeat it.
+    assert not await store.finish(job_id, owner="b", status=JobStatus.SUCCEEDED)
+    assert not await store.heartbeat(job_id, owner="b", lease_ms=10_000)
+    assert await store.heartbeat(job_id, owner="a", lease_ms=10_000)
+    job = await store.get(job_id)
+    assert job is not None
+    assert job.status == JobStatus.RUNNING
+    assert job.lease_owner == "a"
+    assert job.attempt == 1
+
+
+async def test_terminal_jobs_are_immutable(store: JobStore) -> None:
+    job_id = await submit(store)
+    await store.claim(owner="a", lease_ms=10_000)
+    assert await store.finish(job_id, owner="a", status=JobStatus.SUCCEEDED, output_json='"ok"')
+    assert not await store.finish(job_id, owner="a", status=JobStatus.FAILED)
+    cancelled = await store.request_cancel(job_id)
+    assert cancelled is not None
+    assert cancelled.status == JobStatus.SUCCEEDED
+    retried = await store.retry(job_id)
+    assert retried is not None
+    assert retried.status == JobStatus.SUCCEEDED
+
+
+async def test_expired_leases_return_to_the_queue(tmp_path: Path) -> None:
+    now = [1_000_000]
+    database = await Database.open(tmp_path / "journal.db")
+    store = JobStore(database, clock=lambda: now[0])
+    try:
+        job_id = await submit(store)
+        await store.claim(owner="dead", lease_ms=5_000)
+        now[0] += 4_999
+        assert await store.requeue_expired() == []
+        now[0] += 2
+        assert await store.requeue_expired() == [job_id]
+        job = await store.get(job_id)
+        assert job is not None
+        assert job.status == JobStatus.QUEUED
+        assert job.lease_owner is None
+        # The dead owner can no longer write.
+        assert not await store.finish(job_id, owner="dead", status=JobStatus.SUCCEEDED)
+    finally:
+        await database.close()
+
+
+async def test_cancel_is_immediate_when_queued_and_cooperative_when_running(
+    store: JobStore,
+) -> None:
+    queued = await submit(store)
+    job = await store.request_cancel(queued)
+    assert job is not None
+    assert job.status == JobStatus.CANCELLED
+    running = await submit(store)
+    await store.claim(owner="w", lease_ms=10_000, job_id=running)
+    job = await store.request_cancel(running)
+    assert job is not None
+    assert job.status == JobStatus.RUNNING
+    assert job.cancel_requested
+    assert await store.cancel_requested(running)
+    assert await store.request_cancel("01ARZ3NDEKTSV4RRFFQ69G5FAV") is None
+
+
+async def test_retry_only_from_failed_or_parked(store: JobStore) -> None:
+    job_id = await submit(store, key="r")
+    await store.claim(owner="w", lease_ms=10_000)
+    assert await store.finish(
+        job_id, owner="w", status=JobStatus.FAILED, error=ErrorInfo("boom", "it broke")
+    )
+    job = await store.retry(job_id)
+    assert job is not None
+    assert job.status == JobStatus.QUEUED
+    assert job.error is None
+    # A retried job holds its key again: a new submit joins it.
+    again = await store.submit(
+        kind="demo", workflow_version=1, input_json="{}", idempotency_key="r"
+    )
+    assert again.job.id == job_id
+
+
+async def test_event_sequence_is_monotonic_across_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    database = await Database.open(path)
+    store = JobStore(database)
+    job_id = await submit(store)
+    await store.claim(owner="w", lease_ms=10_000)
+    await store.report_progress(job_id, owner="w", progress={"done": 1, "total": 2}, event=True)
+    first = await store.events(job_id)
+    await database.close()
+
+    database = await Database.open(path)
+    store = JobStore(database)
+    await store.report_progress(job_id, owner="w", progress={"done": 2, "total": 2}, event=True)
+    events = await store.events(job_id)
+    await database.close()
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(seqs)
+    assert len(set(seqs)) == len(seqs)
+    assert seqs[: len(first)] == [e.seq for e in first]
+    assert [e.type for e in events] == ["status", "status", "progress", "progress"]
+    assert events[-1].data == {"done": 2, "total": 2}
+    database = await Database.open(path)
+    tail = await JobStore(database).events(job_id, after_seq=first[-1].seq)
+    await database.close()
+    assert [e.seq for e in tail] == seqs[len(first) :]
+
+
+async def test_retention_never_prunes_active_jobs(store: JobStore) -> None:
+    active = await submit(store, kind="long")
+    finished = []
+    for index in range(4):
+        job_id = await submit(store, kind="short")
+        claimed = await store.claim(owner="w", lease_ms=10_000, job_id=job_id)
+        assert claimed is not None
+        await store.finish(
+            job_id, owner="w", status=JobStatus.FAILED, error=ErrorInfo("x", str(index))
+        )
+        finished.append(job_id)
+    deleted = await store.prune_terminal(keep=2)
+    assert deleted == 2
+    remaining = {job.id for job in await store.list_jobs()}
+    assert remaining == {active, finished[2], finished[3]}
+
+
+async def test_secrets_never_reach_the_database_file(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    database = await Database.open(path)
+    store = JobStore(database)
+    secrets = [
+        "hf_SuperSecretTokenValue1234567890",
+        "eyJhbGciOiJIUzI1NiJ9.payload.signature",
+        "hunter2-admin-password",
+    ]
+    job_id = await submit(store)
+    await store.claim(owner="w", lease_ms=10_000)
+    await store.begin_step(job_id, seq=0, name="download")
+    await store.end_step(
+        job_id,
+        seq=0,
+        name="download",
+        error=ErrorInfo(
+            "http_error",
+            f"401 with Authorization: Bearer {secrets[1]} and token {secrets[0]}",
+        ),
+    )
+    await store.report_progress(
+        job_id, owner="w", progress={"current": f"https://u:{secrets[2]}@host/x"}, event=True
+    )
+    await store.finish(
+        job_id,
+        owner="w",
+        status=JobStatus.FAILED,
+        error=ErrorInfo("http_error", f'{{"password": "{secrets[2]}"}} bearer {secrets[0]}'),
+    )
+    job = await store.get(job_id)
+    await database.close()
+    assert job is not None
+    assert job.error is not None
+    assert "[REDACTED]" in job.error.message
+    blob = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("journal.db"))
+    for secret in secrets:
+        assert secret.encode() not in blob, secret

@@ -1,0 +1,361 @@
+"""The workflow engine in one process: replay, nondeterminism, retries, cancellation,
+leases, the worker loop and progress events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+from pydantic import BaseModel
+
+from sbproxy.errors import SbproxyError
+from sbproxy.store import JobStatus
+from sbproxy.workflows import (
+    LeaseSettings,
+    Registry,
+    RetryPolicy,
+    StepContext,
+    WorkflowContext,
+    WorkflowEngine,
+    arm,
+    disarm_all,
+    step,
+)
+
+pytestmark = pytest.mark.anyio
+
+FAST_RETRY = RetryPolicy(max_attempts=3, initial_delay_s=0.001, max_delay_s=0.01)
+
+
+class Count(BaseModel):
+    n: int
+
+
+class Boom(BaseException):
+    """Stands in for a process dying mid-run (not an Exception: nothing handles it)."""
+
+
+calls: dict[str, int] = {}
+
+
+def bump(name: str) -> int:
+    calls[name] = calls.get(name, 0) + 1
+    return calls[name]
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> None:
+    calls.clear()
+    disarm_all()
+
+
+@pytest.fixture
+async def journal(tmp_path: Path) -> Path:
+    return tmp_path / "jobs" / "journal.db"
+
+
+async def open_engine(journal: Path, registry: Registry, lease_s: float = 5.0) -> WorkflowEngine:
+    return await WorkflowEngine.open(
+        journal, registry, lease=LeaseSettings(lease_s=lease_s, heartbeat_s=0.05)
+    )
+
+
+@step("one")
+async def one(ctx: StepContext, arg: Count) -> Count:
+    """Idempotency: pure except for the test's call counter."""
+    bump("one")
+    return Count(n=arg.n + 1)
+
+
+@step("two")
+async def two(ctx: StepContext, arg: Count) -> Count:
+    """Idempotency: pure except for the test's call counter."""
+    bump("two")
+    return Count(n=arg.n * 10)
+
+
+@step("other")
+async def other(ctx: StepContext, arg: Count) -> Count:
+    """Idempotency: pure."""
+    return arg
+
+
+def two_step_registry() -> Registry:
+    registry = Registry()
+
+    @registry.workflow("pair", version=1)
+    async def pair(ctx: WorkflowContext, arg: Count) -> Count:
+        return await ctx.step(two, await ctx.step(one, arg))
+
+    return registry
+
+
+@pytest.fixture
+async def engine(journal: Path) -> AsyncIterator[WorkflowEngine]:
+    engine = await open_engine(journal, two_step_registry())
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+async def test_completed_steps_are_replayed_not_rerun(journal: Path) -> None:
+    registry = two_step_registry()
+    pair = registry.get("pair")
+    assert pair is not None
+
+    def die() -> None:
+        raise Boom
+
+    arm("step:two:before", action=die)
+    first = await open_engine(journal, registry, lease_s=0.3)
+    submitted = await first.submit(pair, Count(n=4))
+    with pytest.raises(BaseExceptionGroup) as died:
+        await first.run_job(submitted.job.id)
+    assert died.group_contains(Boom)
+    await first.close()
+    assert calls == {"one": 1}
+
+    disarm_all()
+    second = await open_engine(journal, registry, lease_s=0.3)
+    job = await second.run_job(submitted.job.id)  # waits for the dead lease to lapse
+    steps = await second.steps(job.id)
+    await second.close()
+    assert job.status == JobStatus.SUCCEEDED
+    assert job.output == {"n": 50}
+    assert job.attempt == 2
+    assert calls == {"one": 1, "two": 1}
+    assert [(s.name, s.status, s.attempts) for s in steps] == [
+        ("one", "succeeded", 1),
+        ("two", "succeeded", 2),
+    ]
+
+
+async def test_changed_step_sequence_parks_the_job(journal: Path) -> None:
+    original = two_step_registry()
+    pair = original.get("pair")
+    assert pair is not None
+
+    def die() -> None:
+        raise Boom
+
+    arm("step:two:before", action=die)
+    engine = await open_engine(journal, original, lease_s=0.3)
+    submitted = await engine.submit(pair, Count(n=1))
+    with pytest.raises(BaseExceptionGroup) as died:
+        await engine.run_job(submitted.job.id)
+    assert died.group_contains(Boom)
+    await engine.close()
+    disarm_all()
+
+    changed = Registry()
+
+    @changed.workflow("pair", version=1)
+    async def pair_changed(ctx: WorkflowContext, arg: Count) -> Count:
+        return await ctx.step(other, arg)  # step 0 used to be "one"
+
+    engine = await open_engine(journal, changed, lease_s=0.3)
+    parked = await engine.run_job(submitted.job.id)
+    await engine.close()
+    assert parked.status == JobStatus.PARKED
+    assert parked.error is not None
+    assert parked.error.code == "nondeterminism"
+    assert "'one'" in parked.error.message
+    assert calls == {"one": 1}
+
+    # The original code can take it back: retry resumes after the completed step.
+    engine = await open_engine(journal, original)
+    await engine.retry(parked.id)
+    done = await engine.run_job(parked.id)
+    await engine.close()
+    assert done.status == JobStatus.SUCCEEDED
+    assert done.output == {"n": 20}
+    assert calls == {"one": 1, "two": 1}
+
+
+async def test_a_job_of_another_workflow_version_is_parked(journal: Path) -> None:
+    engine = await open_engine(journal, two_step_registry())
+    pair = engine.registry.get("pair")
+    assert pair is not None
+    submitted = await engine.submit(pair, Count(n=1))
+    await engine.close()
+    newer = Registry()
+
+    @newer.workflow("pair", version=2)
+    async def pair_v2(ctx: WorkflowContext, arg: Count) -> Count:
+        return arg
+
+    engine = await open_engine(journal, newer)
+    job = await engine.run_job(submitted.job.id)
+    await engine.close()
+    assert job.status == JobStatus.PARKED
+    assert job.error is not None
+    assert "v1" in job.error.message
+
+
+class Flaky(SbproxyError):
+    default_code = "upstream_unavailable"
+    default_retryable = True
+
+
+@step("flaky", retry=FAST_RETRY)
+async def flaky(ctx: StepContext, arg: Count) -> Count:
+    """Idempotency: pure except for the counter."""
+    if bump("flaky") <= arg.n:
+        raise Flaky("503 from the mirror")
+    return arg
+
+
+@step("permanent", retry=FAST_RETRY)
+async def permanent(ctx: StepContext, arg: Count) -> Count:
+    """Idempotency: raises before any effect."""
+    bump("permanent")
+    raise SbproxyError("sha256 of model.gguf is wrong", code="digest_mismatch")
+
+
+@step("buggy", retry=FAST_RETRY)
+async def buggy(ctx: StepContext, arg: Count) -> Count:
+    """Idempotency: raises before any effect."""
+    bump("buggy")
+    raise KeyError("oops")
+
+
+def single(definition: object) -> Registry:
+    registry = Registry()
+
+    @registry.workflow("single")
+    async def run(ctx: WorkflowContext, arg: Count) -> Count:
+        return await ctx.step(definition, arg)  # type: ignore[arg-type]
+
+    return registry
+
+
+@pytest.mark.parametrize(
+    ("definition", "failures", "status", "code", "expected_calls"),
+    [
+        (flaky, 2, JobStatus.SUCCEEDED, None, 3),
+        (flaky, 5, JobStatus.FAILED, "upstream_unavailable", 3),
+        (permanent, 0, JobStatus.FAILED, "digest_mismatch", 1),
+        (buggy, 0, JobStatus.FAILED, "internal", 1),
+    ],
+)
+async def test_retry_policy_and_reason_codes(
+    journal: Path,
+    definition: object,
+    failures: int,
+    status: JobStatus,
+    code: str | None,
+    expected_calls: int,
+) -> None:
+    registry = single(definition)
+    engine = await open_engine(journal, registry)
+    workflow = registry.get("single")
+    assert workflow is not None
+    submitted = await engine.submit(workflow, Count(n=failures))
+    job = await engine.run_job(submitted.job.id)
+    steps = await engine.steps(job.id)
+    await engine.close()
+    assert job.status == status
+    assert (job.error.code if job.error else None) == code
+    assert sum(calls.values()) == expected_calls
+    assert steps[0].status == ("succeeded" if status == JobStatus.SUCCEEDED else "failed")
+
+
+@step("long")
+async def long_step(ctx: StepContext, arg: Count) -> Count:
+    """Idempotency: only counts loop turns."""
+    for turn in range(2000):
+        bump("turns")
+        ctx.check_cancelled()
+        await ctx.report_progress(done=turn, total=2000, unit="items")
+        await anyio.sleep(0.005)
+    return arg
+
+
+async def test_cooperative_cancellation_of_a_running_job(journal: Path) -> None:
+    registry = single(long_step)
+    engine = await open_engine(journal, registry)
+    workflow = registry.get("single")
+    assert workflow is not None
+    submitted = await engine.submit(workflow, Count(n=0))
+    result = {}
+
+    async def run() -> None:
+        result["job"] = await engine.run_job(submitted.job.id)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        while calls.get("turns", 0) < 5:
+            await anyio.sleep(0.01)
+        await engine.cancel(submitted.job.id)
+    await engine.close()
+    job = result["job"]
+    assert job.status == JobStatus.CANCELLED
+    assert calls["turns"] < 2000
+
+
+async def test_progress_events_are_throttled_and_the_last_one_kept(journal: Path) -> None:
+    registry = Registry()
+
+    @step("count")
+    async def count(ctx: StepContext, arg: Count) -> Count:
+        """Idempotency: pure."""
+        for done in range(1, arg.n + 1):
+            await ctx.report_progress(done=done, total=arg.n, current="file.bin")
+        return arg
+
+    @registry.workflow("progress")
+    async def run(ctx: WorkflowContext, arg: Count) -> Count:
+        return await ctx.step(count, arg)
+
+    engine = await open_engine(journal, registry)
+    submitted = await engine.submit(run, Count(n=5000))
+    job = await engine.run_job(submitted.job.id)
+    events = [e async for e in engine.follow(job.id)]
+    await engine.close()
+    progress = [e for e in events if e.type == "progress"]
+    assert 1 <= len(progress) < 50
+    assert progress[-1].data["done"] == 5000
+    assert job.progress is not None
+    assert job.progress["done"] == 5000
+    assert job.progress["current"] == "file.bin"
+    assert [e.data["status"] for e in events if e.type == "status"] == [
+        "queued",
+        "running",
+        "succeeded",
+    ]
+
+
+async def test_worker_loop_respects_its_concurrency_limit(journal: Path) -> None:
+    registry = Registry()
+    active = {"now": 0, "max": 0}
+
+    @step("busy")
+    async def busy(ctx: StepContext, arg: Count) -> Count:
+        """Idempotency: only tracks concurrency."""
+        active["now"] += 1
+        active["max"] = max(active["max"], active["now"])
+        await anyio.sleep(0.05)
+        active["now"] -= 1
+        return arg
+
+    @registry.workflow("busy")
+    async def run(ctx: WorkflowContext, arg: Count) -> Count:
+        return await ctx.step(busy, arg)
+
+    engine = await open_engine(journal, registry)
+    ids = [(await engine.submit(run, Count(n=i))).job.id for i in range(7)]
+    with anyio.fail_after(30):
+        await engine.run_worker(concurrency=2, poll_s=0.01, until_idle=True)
+    jobs = [await engine.get(job_id) for job_id in ids]
+    await engine.close()
+    assert all(job.status == JobStatus.SUCCEEDED for job in jobs)
+    assert active["max"] == 2
+
+
+async def test_run_job_of_an_unknown_id(engine: WorkflowEngine) -> None:
+    with pytest.raises(SbproxyError) as info:
+        await engine.run_job("01ARZ3NDEKTSV4RRFFQ69G5FAV")
+    assert info.value.code == "job_not_found"
