@@ -15,21 +15,19 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-import anyio.abc
 import click
 from ulid import ULID
 
-from sbproxy.cli._event_view import EventView, open_view
+from sbproxy.cli._event_view import open_view
 from sbproxy.cli._job_text import job_outcome_line, job_table, last_error, show_lines
+from sbproxy.cli._live import follow, run_followed
+from sbproxy.cli._options import cache_dir_option, config_option, load_cli_config, resolve_layout
 from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, emit_json, fail, format_option
-from sbproxy.config import load_config
-from sbproxy.errors import ConfigError, SbproxyError
-from sbproxy.model_host.artifacts import resolve_cache_root
+from sbproxy.errors import SbproxyError
 from sbproxy.model_host.flows import registry
 from sbproxy.store import JobRecord, JobStatus, StepRecord, StepStatus, wall_clock_ms
 from sbproxy.workflows import WorkflowEngine
@@ -57,22 +55,7 @@ _INVALID_INPUT_CODES = frozenset(
 
 def _journal_options(fn: F) -> F:
     """``--cache-dir`` and ``-f/--config``: which journal the verb reads."""
-    fn = click.option(
-        "-f",
-        "--config",
-        "config_path",
-        type=click.Path(path_type=Path, dir_okay=False),
-        envvar="SB_CONFIG_FILE",
-        default=None,
-        help="sb.yml whose proxy.model_host.cache.directory names the cache root "
-        "(env SB_CONFIG_FILE; not read when --cache-dir is given).",
-    )(fn)
-    return click.option(
-        "--cache-dir",
-        type=click.Path(path_type=Path, file_okay=False),
-        default=None,
-        help="Cache root holding jobs/journal.db (default: the config's, else the platform's).",
-    )(fn)
+    return config_option(cache_dir_option(fn))
 
 
 job_id_argument = click.argument("job_id", metavar="ID")
@@ -90,22 +73,13 @@ def _journal_path(
     command: str, cache_dir: Path | None, config_path: Path | None, output_format: str
 ) -> Path:
     """The journal file the options select (exit 2 on an invalid config or cache root)."""
-    configured: str | None = None
-    if cache_dir is None and config_path is not None:
-        try:
-            compiled = load_config(config_path)
-        except ConfigError as exc:
-            fail(command, exc, output_format=output_format)
-        if compiled.model_host is not None:
-            configured = compiled.model_host.cache.directory
-    try:
-        # A flag is relative to this process's working directory, which is well defined.
-        layout = resolve_cache_root(
-            cache_dir.absolute() if cache_dir is not None else None, configured=configured
-        )
-    except SbproxyError as exc:
-        fail(command, exc, output_format=output_format)
-    return layout.journal
+    # The config matters only for its cache directory, so it is not read under --cache-dir.
+    config = (
+        load_cli_config(command, config_path, output_format=output_format)
+        if cache_dir is None
+        else None
+    )
+    return resolve_layout(command, cache_dir, config, output_format=output_format).journal
 
 
 def _parse_job_id(value: str) -> str:
@@ -161,14 +135,6 @@ def _run(command: str, output_format: str, work: Callable[[], Awaitable[int]]) -
 
 def _outcome_status(job: JobRecord) -> int:
     return 0 if job.status == JobStatus.SUCCEEDED else EXIT_RUNTIME
-
-
-async def _follow(engine: WorkflowEngine, job_id: str, *, after_seq: int, view: EventView) -> None:
-    try:
-        async for event in engine.follow(job_id, after_seq=after_seq):
-            view.show(event)
-    finally:
-        view.close()
 
 
 def _completed_prefix(steps: Sequence[StepRecord]) -> int:
@@ -300,7 +266,7 @@ def watch_command(
         async with _engine(journal) as engine:
             await engine.get(wanted)
             view = open_view(wanted, live_from_ms=wall_clock_ms())
-            await _follow(engine, wanted, after_seq=0, view=view)
+            await follow(engine, wanted, after_seq=0, view=view)
             job = await engine.get(wanted)
         return _report_outcome(command, job, output_format)
 
@@ -389,7 +355,7 @@ def retry_command(
                         f"(`sbproxy jobs watch {job.id}` follows it)"
                     )
                 return 0
-            final = await _run_here(engine, job, after_seq=after_seq)
+            final = await run_followed(engine, job.id, after_seq=after_seq)
         return _report_outcome(command, final, output_format, ran_here=True)
 
     _run(command, output_format, work)
@@ -429,26 +395,3 @@ async def _requeue(engine: WorkflowEngine, job_id: str) -> JobRecord:
         code="job_not_retryable",
         details={"job_id": job_id, "status": retried.status.value},
     )
-
-
-async def _run_here(engine: WorkflowEngine, job: JobRecord, *, after_seq: int) -> JobRecord:
-    """Run a re-queued job in this process while its new events stream to stderr."""
-    view = open_view(job.id, live_from_ms=wall_clock_ms())
-    failures: list[Exception] = []
-
-    async def guarded(group: anyio.abc.TaskGroup, work: Callable[[], Awaitable[object]]) -> None:
-        try:
-            await work()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
-            failures.append(exc)
-            group.cancel_scope.cancel()
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(guarded, group, partial(engine.run_job, job.id))
-        # Ends by itself once the job is finished or parked.
-        group.start_soon(
-            guarded, group, partial(_follow, engine, job.id, after_seq=after_seq, view=view)
-        )
-    if failures:
-        raise failures[0]
-    return await engine.get(job.id)

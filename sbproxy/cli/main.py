@@ -6,6 +6,7 @@ import click
 
 from sbproxy import __version__
 from sbproxy.cli.config_cmd import config_group
+from sbproxy.cli.engines_cmd import engines_group
 from sbproxy.cli.jobs_cmd import jobs_group
 from sbproxy.cli.models_cmd import models_group
 
@@ -23,6 +24,7 @@ def cli() -> None:
 
 
 cli.add_command(config_group)
+cli.add_command(engines_group)
 cli.add_command(jobs_group)
 cli.add_command(models_group)
 

@@ -1,14 +1,18 @@
-"""``sbproxy models``: list and inspect the model catalog as this machine would resolve it.
+"""``sbproxy models``: the catalog as this machine would resolve it, and the artifact cache.
 
-Both verbs load the built-in catalog, or the ``--catalog-file`` that replaces it, probe this
-host's worker (GPU with the most free memory, else CPU), and run automatic artifact
-resolution (engine ``auto``, one replica) for each model, so the output says which exact
-variant would be served here and why the others would not.
+``list`` and ``show`` load the built-in catalog, or the ``--catalog-file`` (or the ``-f``
+config's ``catalog_file``) that replaces it, probe this host's worker (GPU with the most free
+memory, else CPU), and run automatic artifact resolution (engine ``auto``, one replica) for
+each model, so the output says which exact variant would be served here and why the others
+would not, and whether it is already in the cache. The cache verbs (``pull``, ``import``,
+``remove``, ``prune``, ``gc``, ``verify``) live in ``models_pull_cmd`` and
+``models_cache_cmd`` and are attached to the group here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
@@ -27,18 +31,18 @@ from sbproxy.catalog import (
     resolve_artifact,
     variant_digest,
 )
+from sbproxy.cli._host import HostChoice, choose_host, run_host
+from sbproxy.cli._options import cache_dir_option, catalog_file_option, config_option
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.cli.models_cache_cmd import gc_command, prune_command, remove_command, verify_command
+from sbproxy.cli.models_pull_cmd import import_command, pull_command
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
 from sbproxy.model_host.runtime import probe_worker
+from sbproxy.model_host.service import open_service
 
 __all__ = ["models_group"]
 
-catalog_file_option = click.option(
-    "--catalog-file",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Catalog YAML that replaces the built-in catalog entirely.",
-)
+NOT_PULLED = "not-pulled"
 
 
 class _Outcome:
@@ -60,28 +64,54 @@ class _Outcome:
         self.error = error
 
 
+@dataclass(frozen=True)
+class _CacheView:
+    """What the cache holds, as ``list`` and ``show`` report it.
+
+    Attributes:
+        statuses: Model id -> ``cached`` (models absent here are ``not-pulled``).
+        snapshots: Artifact digest -> snapshot path of every published artifact.
+    """
+
+    statuses: dict[str, str] = field(default_factory=dict)
+    snapshots: dict[str, str] = field(default_factory=dict)
+
+    def status(self, model_id: str) -> str:
+        return self.statuses.get(model_id, NOT_PULLED)
+
+
 @click.group("models", invoke_without_command=True)
 @click.pass_context
 def models_group(ctx: click.Context) -> None:
-    """List and inspect catalog models (bare `sbproxy models` lists them)."""
+    """List, inspect, pull and manage catalog models (bare `sbproxy models` lists them)."""
     if ctx.invoked_subcommand is None:
         ctx.invoke(list_command)
 
 
 @models_group.command("list")
+@config_option
 @catalog_file_option
+@cache_dir_option
 @format_option
-def list_command(catalog_file: Path | None = None, output_format: str = "text") -> None:
+def list_command(
+    config_path: Path | None = None,
+    catalog_file: Path | None = None,
+    cache_dir: Path | None = None,
+    output_format: str = "text",
+) -> None:
     """List catalog models with the variant each would resolve to on this machine.
 
     FIT is fits, too-large (no variant fits this worker's memory), capability-refused
     (accelerator, compute capability, engine or pickle policy) or unknown (the entry has no
-    catalog v2 variants). MEMORY is the selected variant's catalog minimum.
+    catalog v2 variants). MEMORY is the selected variant's catalog minimum. STATUS is cached
+    when some variant of the model is published in the cache, else not-pulled.
     """
     command = "models.list"
-    catalog, worker = _prepare(command, catalog_file, output_format)
+    host = _host(command, config_path, cache_dir, catalog_file, output_format)
+    catalog, worker = _prepare(command, host.catalog_path, output_format)
+    view = _cache_view(command, host, catalog, output_format)
     rows = [
-        _list_row(catalog, model_id, entry, worker)
+        {**_list_row(catalog, model_id, entry, worker), "status": view.status(model_id)}
         for model_id, entry in sorted(catalog.models.items())
     ]
     if output_format == "json":
@@ -94,7 +124,17 @@ def list_command(catalog_file: Path | None = None, output_format: str = "text") 
             },
         )
         return
-    headers = ("MODEL", "VARIANT", "FORMAT", "SIZE", "STABILITY", "FIT", "MEMORY", "ENGINE")
+    headers = (
+        "MODEL",
+        "VARIANT",
+        "FORMAT",
+        "SIZE",
+        "STABILITY",
+        "FIT",
+        "MEMORY",
+        "ENGINE",
+        "STATUS",
+    )
     table = [
         (
             str(row["id"]),
@@ -105,6 +145,7 @@ def list_command(catalog_file: Path | None = None, output_format: str = "text") 
             str(row["fit"]),
             _size_text(row["estimated_memory_bytes"]),
             _text(row["engine"]),
+            str(row["status"]),
         )
         for row in rows
     ]
@@ -115,29 +156,88 @@ def list_command(catalog_file: Path | None = None, output_format: str = "text") 
 
 @models_group.command("show")
 @click.argument("model_id", metavar="ID")
+@config_option
 @catalog_file_option
+@cache_dir_option
 @format_option
-def show_command(model_id: str, catalog_file: Path | None, output_format: str) -> None:
-    """Show one catalog model: its variants, their digests, and which one this machine picks.
+def show_command(
+    model_id: str,
+    config_path: Path | None,
+    catalog_file: Path | None,
+    cache_dir: Path | None,
+    output_format: str,
+) -> None:
+    """Show one catalog model: its variants, their digests, which one this machine picks and
+    which are in the cache.
 
     Exit status 2 if ID is not in the catalog.
     """
     command = "models.show"
-    catalog, worker = _prepare(command, catalog_file, output_format)
+    host = _host(command, config_path, cache_dir, catalog_file, output_format)
+    catalog, worker = _prepare(command, host.catalog_path, output_format)
     try:
         entry = catalog.entry(model_id)
     except CatalogError as exc:
         fail(command, exc, output_format=output_format)
     outcome = _auto_resolve(catalog, model_id, worker)
-    payload = _show_payload(catalog, model_id, entry, worker, outcome)
+    view = _cache_view(command, host, catalog, output_format)
+    payload = _show_payload(catalog, model_id, entry, worker, outcome, view)
     if output_format == "json":
         emit_json(command, payload)
         return
-    for line in _show_text(catalog, model_id, entry, worker, outcome):
+    for line in _show_text(catalog, model_id, entry, worker, outcome, view):
         click.echo(line)
 
 
+for _verb in (
+    pull_command,
+    import_command,
+    remove_command,
+    prune_command,
+    gc_command,
+    verify_command,
+):
+    models_group.add_command(_verb)
+
+
 # --- shared steps ---------------------------------------------------------------------------
+
+
+def _host(
+    command: str,
+    config_path: Path | None,
+    cache_dir: Path | None,
+    catalog_file: Path | None,
+    output_format: str,
+) -> HostChoice:
+    return choose_host(
+        command,
+        config_path=config_path,
+        cache_dir=cache_dir,
+        catalog_file=catalog_file,
+        output_format=output_format,
+    )
+
+
+def _cache_view(command: str, host: HostChoice, catalog: Catalog, output_format: str) -> _CacheView:
+    """What the cache holds. A root without a journal has never had a pull: nothing is
+    cached, and nothing is created there just to say so."""
+    if not host.layout.journal.is_file():
+        return _CacheView()
+
+    async def read() -> _CacheView:
+        async with open_service(
+            host.layout, config=host.config, catalog_file=host.catalog_file
+        ) as service:
+            snapshots = {
+                metadata.artifact_digest: str(service.cache.snapshot(metadata.artifact_digest))
+                for metadata in service.cached()
+                if service.cache.snapshot(metadata.artifact_digest).is_dir()
+            }
+            statuses = {model_id: service.status_of(model_id) for model_id in catalog.models}
+        return _CacheView(statuses=statuses, snapshots=snapshots)
+
+    return run_host(command, output_format, read)
 
 
 def _prepare(
@@ -195,6 +295,7 @@ def _show_payload(
     entry: CatalogEntry,
     worker: WorkerProfile,
     outcome: _Outcome,
+    view: _CacheView,
 ) -> dict[str, object]:
     artifact = outcome.resolution.artifact if outcome.resolution else None
     return {
@@ -208,7 +309,7 @@ def _show_payload(
         "allow_pickle": entry.allow_pickle,
         "quants": list(entry.listed_quants()),
         "hf_repo": entry.hf_repo,
-        "variants": [_variant_json(catalog, model_id, v) for v in entry.variants],
+        "variants": [_variant_json(catalog, model_id, v, view) for v in entry.variants],
         "worker": _worker_json(worker),
         "fit": outcome.fit,
         "selected_variant": artifact.variant_id if artifact else None,
@@ -223,15 +324,22 @@ def _show_payload(
             if outcome.error is not None
             else None
         ),
+        "cached": view.status(model_id) != NOT_PULLED,
     }
 
 
-def _variant_json(catalog: Catalog, model_id: str, variant: ArtifactVariant) -> dict[str, object]:
+def _variant_json(
+    catalog: Catalog, model_id: str, variant: ArtifactVariant, view: _CacheView
+) -> dict[str, object]:
     out: dict[str, object] = variant.model_dump(mode="json")
     out["exact_size_bytes"] = variant.total_size_bytes
-    out["artifact_digest"] = variant_digest(
+    digest = variant_digest(
         catalog_revision=catalog.catalog_revision, logical_model=model_id, variant=variant
     )
+    out["artifact_digest"] = digest
+    out["cached"] = digest in view.snapshots
+    if digest in view.snapshots:
+        out["snapshot_path"] = view.snapshots[digest]
     return out
 
 
@@ -254,6 +362,7 @@ def _show_text(
     entry: CatalogEntry,
     worker: WorkerProfile,
     outcome: _Outcome,
+    view: _CacheView,
 ) -> list[str]:
     context = f"{entry.context_length} tokens" if entry.context_length else "-"
     lines = [
@@ -262,6 +371,7 @@ def _show_text(
         f"modality {entry.modality}",
         f"  context {context}, allow_pickle {str(entry.allow_pickle).lower()}",
         f"  worker  {worker.describe()}",
+        f"  cache   {view.status(model_id)}",
     ]
     if outcome.resolution is not None:
         artifact = outcome.resolution.artifact
@@ -287,6 +397,7 @@ def _show_text(
                 f"engines {', '.join(e.value for e in variant.engines)}",
                 f"    source   {variant.source} @ {variant.revision}",
                 f"    digest   {digest}",
+                f"    cached   {_cached_text(view, digest)}",
                 f"    needs    {', '.join(a.value for a in variant.requirements.accelerators)}, "
                 f"{_size_text(variant.requirements.min_memory_bytes)} memory",
             ]
@@ -303,6 +414,11 @@ def _align(headers: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[st
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in (headers, *rows)
     ]
+
+
+def _cached_text(view: _CacheView, digest: str) -> str:
+    snapshot = view.snapshots.get(digest)
+    return f"yes, at {snapshot}" if snapshot is not None else "no"
 
 
 def _text(value: object) -> str:

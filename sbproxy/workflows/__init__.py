@@ -35,7 +35,7 @@ from sbproxy.workflows.errors import (
 )
 from sbproxy.workflows.executor import LeaseSettings
 from sbproxy.workflows.faults import arm, disarm_all, fault_point
-from sbproxy.workflows.identity import WorkerIdentity, owner_is_gone
+from sbproxy.workflows.identity import WorkerIdentity, owner_is_gone, process_start_ticks
 
 __all__ = [
     "JobCancelled",
@@ -57,5 +57,6 @@ __all__ = [
     "disarm_all",
     "fault_point",
     "owner_is_gone",
+    "process_start_ticks",
     "step",
 ]

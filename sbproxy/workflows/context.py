@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from opentelemetry import trace
@@ -13,13 +13,14 @@ from sbproxy.errors import SbproxyError
 from sbproxy.store import ErrorInfo, JobRecord, JobStore, StepRecord, StepStatus
 from sbproxy.telemetry import ATTR_JOB_ID, ATTR_JOB_KIND, ATTR_STEP, ATTR_STEP_ATTEMPT, tracer
 from sbproxy.workflows.declare import StepDef
-from sbproxy.workflows.errors import JobCancelled, NondeterminismError, StepFailed
+from sbproxy.workflows.errors import JobCancelled, NondeterminismError, StepFailed, WorkflowError
 from sbproxy.workflows.faults import fault_point
 
 __all__ = ["StepContext", "WorkflowContext"]
 
 A = TypeVar("A")
 R = TypeVar("R")
+T = TypeVar("T")
 
 # Progress is persisted at most this often (plus always at completion); one event is one
 # SQLite commit (~4 ms with synchronous=FULL here), so a few per second per job is cheap.
@@ -33,9 +34,10 @@ def _is_retryable(exc: BaseException) -> bool:
 class _JobState:
     """Mutable run state shared by the workflow and step contexts (one job run)."""
 
-    def __init__(self, job: JobRecord, owner: str) -> None:
+    def __init__(self, job: JobRecord, owner: str, resources: Sequence[object] = ()) -> None:
         self.job = job
         self.owner = owner
+        self.resources = tuple(resources)
         self.cancel_requested = job.cancel_requested
         self.lease_lost = False
 
@@ -60,6 +62,20 @@ class StepContext:
         self.seq = seq
         self.attempt = attempt
         self._last_progress = 0.0
+
+    def resource(self, kind: type[T]) -> T:
+        """The engine's resource of type ``kind`` (a cache, a client, ...).
+
+        Raises:
+            WorkflowError: ``missing_resource`` when the engine was built without one.
+        """
+        for candidate in self._state.resources:
+            if isinstance(candidate, kind):
+                return candidate
+        raise WorkflowError(
+            f"step {self.step_name} needs a {kind.__name__}, which this engine does not have",
+            code="missing_resource",
+        )
 
     @property
     def cancel_requested(self) -> bool:

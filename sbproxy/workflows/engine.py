@@ -9,7 +9,7 @@ lease), returns it to the queue and finishes it from its last completed step.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class WorkflowEngine:
         registry: Workflow kinds this process can run.
         lease: Lease duration and heartbeat period.
         history_limit: Finished jobs to keep (oldest pruned first; active jobs never).
+        resources: Objects steps may ask for with ``ctx.resource(Type)`` (a cache, ...).
     """
 
     def __init__(
@@ -57,7 +58,10 @@ class WorkflowEngine:
         *,
         lease: LeaseSettings | None = None,
         history_limit: int = DEFAULT_HISTORY_LIMIT,
+        resources: Sequence[object] = (),
     ) -> None:
+        # Steps may ask for the journal itself too (e.g. to see other jobs of a subject).
+        self.resources = (*resources, store)
         self.store = store
         self.registry = registry
         self.lease = lease or LeaseSettings()
@@ -73,10 +77,17 @@ class WorkflowEngine:
         synchronous: Synchronous = "FULL",
         lease: LeaseSettings | None = None,
         history_limit: int = DEFAULT_HISTORY_LIMIT,
+        resources: Sequence[object] = (),
     ) -> WorkflowEngine:
         """Open the journal at ``path`` (creating it) and return an engine over it."""
         database = await Database.open(path, synchronous=synchronous)
-        return cls(JobStore(database), registry, lease=lease, history_limit=history_limit)
+        return cls(
+            JobStore(database),
+            registry,
+            lease=lease,
+            history_limit=history_limit,
+            resources=resources,
+        )
 
     async def close(self) -> None:
         """Close the journal."""
@@ -232,6 +243,7 @@ class WorkflowEngine:
                 registry=self.registry,
                 owner=self.identity.owner,
                 lease=self.lease,
+                resources=self.resources,
             )
             await self.store.prune_terminal(keep=self.history_limit)
             if finished.terminal or finished.status == JobStatus.PARKED:
@@ -265,6 +277,7 @@ class WorkflowEngine:
                     registry=self.registry,
                     owner=self.identity.owner,
                     lease=self.lease,
+                    resources=self.resources,
                 )
                 await self.store.prune_terminal(keep=self.history_limit)
             finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -59,7 +60,13 @@ async def _heartbeat(
 
 
 async def execute(
-    job: JobRecord, *, store: JobStore, registry: Registry, owner: str, lease: LeaseSettings
+    job: JobRecord,
+    *,
+    store: JobStore,
+    registry: Registry,
+    owner: str,
+    lease: LeaseSettings,
+    resources: Sequence[object] = (),
 ) -> JobRecord:
     """Run ``job`` (already claimed by ``owner``) to an outcome and record it.
 
@@ -74,7 +81,7 @@ async def execute(
         attributes={ATTR_JOB_ID: job.id, ATTR_JOB_KIND: job.kind, ATTR_JOB_ATTEMPT: job.attempt},
     ) as span:
         status, output, error = await _run(
-            job, store=store, registry=registry, owner=owner, lease=lease
+            job, store=store, registry=registry, owner=owner, lease=lease, resources=resources
         )
         if status is not None:
             if error is not None:
@@ -86,7 +93,13 @@ async def execute(
 
 
 async def _run(
-    job: JobRecord, *, store: JobStore, registry: Registry, owner: str, lease: LeaseSettings
+    job: JobRecord,
+    *,
+    store: JobStore,
+    registry: Registry,
+    owner: str,
+    lease: LeaseSettings,
+    resources: Sequence[object],
 ) -> tuple[JobStatus | None, str | None, ErrorInfo | None]:
     definition = registry.get(job.kind)
     if definition is None:
@@ -106,7 +119,7 @@ async def _run(
     except ValidationError as exc:
         return JobStatus.FAILED, None, ErrorInfo("invalid_input", str(exc))
     journal = {record.seq: record for record in await store.steps(job.id)}
-    state = _JobState(job, owner)
+    state = _JobState(job, owner, resources)
     context = WorkflowContext(store=store, state=state, journal=journal)
     result: Any = None
     outcome: tuple[JobStatus | None, str | None, ErrorInfo | None] = (None, None, None)

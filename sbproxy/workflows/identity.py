@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["WorkerIdentity", "owner_is_gone"]
+__all__ = ["WorkerIdentity", "owner_is_gone", "process_start_ticks"]
 
 _BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
@@ -27,7 +27,7 @@ def _boot_id() -> str:
         return "unknown-boot"
 
 
-def _start_ticks(pid: int) -> str | None:
+def process_start_ticks(pid: int) -> str | None:
     """Start time of a live process in clock ticks, or ``None`` if gone (zombies included)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -56,7 +56,7 @@ class WorkerIdentity:
         return cls(
             boot_id=_boot_id(),
             pid=pid,
-            start_ticks=_start_ticks(pid) or "0",
+            start_ticks=process_start_ticks(pid) or "0",
             nonce=secrets.token_hex(4),
         )
 
@@ -82,5 +82,5 @@ def owner_is_gone(owner: str) -> bool:
     if boot_id != current_boot:
         return True
     pid = int(pid_text)
-    observed = _start_ticks(pid)
+    observed = process_start_ticks(pid)
     return observed is None or observed != ticks

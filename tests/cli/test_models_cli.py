@@ -43,6 +43,7 @@ ROW_FIELDS = {
     "engine",
     "fit",
     "estimated_memory_bytes",
+    "status",
 }
 
 
@@ -94,10 +95,13 @@ def test_list_json_envelope_and_rows_match_resolution_on_the_probed_worker() -> 
         assert row["fit"] == "fits"
 
 
-def test_list_rows_carry_no_cache_status_yet() -> None:
-    for row in run_json("list")["models"]:
-        assert "status" not in row
-        assert "cached" not in row
+def test_list_rows_report_not_pulled_for_an_empty_cache_without_creating_it(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "cache"
+    for row in run_json("list", "--cache-dir", str(cache))["models"]:
+        assert row["status"] == "not-pulled"
+    assert not cache.exists()
 
 
 def test_list_fit_values_on_a_pinned_worker(
@@ -237,6 +241,7 @@ def test_text_list_is_an_aligned_table(small_cpu_worker: WorkerProfile) -> None:
         "FIT",
         "MEMORY",
         "ENGINE",
+        "STATUS",
     ]
     ids = sorted(load_builtin_catalog().models)
     body = lines[1 : 1 + len(ids)]

@@ -10,7 +10,7 @@ import pytest
 
 from sbproxy.catalog import Accelerator
 from sbproxy.errors import SbproxyError
-from sbproxy.model_host.runtime import cpu_memory_fraction, probe_worker
+from sbproxy.model_host.runtime import cpu_memory_fraction, probe_devices, probe_worker
 
 
 def _no_nvidia(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,13 +60,25 @@ def test_probe_on_this_machine_does_not_fail() -> None:
 @dataclass
 class _Memory:
     free: int
+    total: int
+
+
+@dataclass
+class _Utilization:
+    gpu: int
 
 
 class _FakeNvml:
     """Stands in for NVML on a multi-GPU host, which this test machine is not."""
 
-    def __init__(self, devices: list[tuple[int, tuple[int, int] | None]]) -> None:
+    def __init__(
+        self,
+        devices: list[tuple[int, tuple[int, int] | None]],
+        *,
+        utilization: dict[int, int] | None = None,
+    ) -> None:
         self.devices = devices
+        self.utilization = utilization or {}
         self.shutdowns = 0
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,9 +87,16 @@ class _FakeNvml:
         monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: len(self.devices))
         monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: index)
         monkeypatch.setattr(
-            pynvml, "nvmlDeviceGetMemoryInfo", lambda h: _Memory(self.devices[h][0])
+            pynvml, "nvmlDeviceGetMemoryInfo", lambda h: _Memory(self.devices[h][0], 80 * 2**30)
         )
         monkeypatch.setattr(pynvml, "nvmlDeviceGetCudaComputeCapability", self.capability)
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: f"Fake GPU {h}")
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", self.rates)
+
+    def rates(self, handle: int) -> _Utilization:
+        if handle not in self.utilization:
+            raise pynvml.NVMLError_NotSupported()
+        return _Utilization(self.utilization[handle])
 
     def shutdown(self) -> None:
         self.shutdowns += 1
@@ -117,3 +136,18 @@ def test_unexpected_nvml_failure_is_reported_not_guessed(monkeypatch: pytest.Mon
     with pytest.raises(SbproxyError) as info:
         probe_worker(environ={})
     assert info.value.code == "device_probe_failed"
+
+
+def test_device_list_keeps_unknown_utilization_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeNvml([(10 * 2**30, (8, 0)), (60 * 2**30, (9, 0))], utilization={1: 37})
+    fake.install(monkeypatch)
+    first, second = probe_devices()
+    assert (first.index, first.name, first.utilization_percent) == (0, "Fake GPU 0", None)
+    assert second.utilization_percent == 37
+    assert second.total_bytes == 80 * 2**30
+    assert second.memory_occupancy == pytest.approx(0.25)
+
+
+def test_no_nvidia_means_no_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_nvidia(monkeypatch)
+    assert probe_devices() == []

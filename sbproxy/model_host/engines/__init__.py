@@ -1,5 +1,50 @@
-"""Engines of the model host."""
+"""Engines of the model host: driver contract, llama.cpp acquisition and launch, source
+builds, supervised processes."""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from sbproxy.model_host.engines.driver import (
+    Availability,
+    Detection,
+    LaunchPlan,
+    LaunchRequest,
+    check_snapshot,
+    launch,
+)
+from sbproxy.model_host.engines.errors import EngineError
+from sbproxy.model_host.engines.llama_build import (
+    BuildInput,
+    BuildOutput,
+    build_identity,
+    engine_build_workflow,
+    published_build,
+)
+from sbproxy.model_host.engines.llama_cpp import detect_llama_cpp, plan_llama_launch, read_version
+from sbproxy.model_host.engines.process import (
+    EngineProcess,
+    minimal_env,
+    reap_orphans,
+    spawn_engine,
+)
+
+__all__ = [
+    "Availability",
+    "BuildInput",
+    "BuildOutput",
+    "Detection",
+    "EngineError",
+    "EngineProcess",
+    "LaunchPlan",
+    "LaunchRequest",
+    "build_identity",
+    "check_snapshot",
+    "detect_llama_cpp",
+    "engine_build_workflow",
+    "launch",
+    "minimal_env",
+    "plan_llama_launch",
+    "published_build",
+    "read_version",
+    "reap_orphans",
+    "spawn_engine",
+]

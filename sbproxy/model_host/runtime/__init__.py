@@ -2,6 +2,58 @@
 
 from __future__ import annotations
 
-from sbproxy.model_host.runtime.devices import cpu_memory_fraction, probe_worker
+from sbproxy.model_host.runtime.admission import (
+    AdmissionGate,
+    AdmissionReason,
+    AdmissionRejected,
+    DrainReport,
+    Permit,
+    keep_alive_expired,
+    reject,
+)
+from sbproxy.model_host.runtime.devices import (
+    DeviceInfo,
+    cpu_memory_fraction,
+    probe_devices,
+    probe_worker,
+)
+from sbproxy.model_host.runtime.memory import (
+    GgufError,
+    GgufFacts,
+    MemoryEstimate,
+    estimate_memory,
+    read_gguf_header,
+)
+from sbproxy.model_host.runtime.residency import (
+    EvictionPlan,
+    EvictionPolicy,
+    Reservation,
+    ReservationRequest,
+    Residency,
+    ResidencyKey,
+)
 
-__all__ = ["cpu_memory_fraction", "probe_worker"]
+__all__ = [
+    "AdmissionGate",
+    "AdmissionReason",
+    "AdmissionRejected",
+    "DeviceInfo",
+    "DrainReport",
+    "EvictionPlan",
+    "EvictionPolicy",
+    "GgufError",
+    "GgufFacts",
+    "MemoryEstimate",
+    "Permit",
+    "Reservation",
+    "ReservationRequest",
+    "Residency",
+    "ResidencyKey",
+    "cpu_memory_fraction",
+    "estimate_memory",
+    "keep_alive_expired",
+    "probe_devices",
+    "probe_worker",
+    "read_gguf_header",
+    "reject",
+]

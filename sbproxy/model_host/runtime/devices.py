@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
 
 import psutil
 import pynvml
@@ -25,9 +27,13 @@ __all__ = [
     "CPU_MEMORY_FRACTION_ENV",
     "DEFAULT_CPU_MEMORY_FRACTION",
     "MAX_CPU_MEMORY_FRACTION",
+    "DeviceInfo",
     "cpu_memory_fraction",
+    "probe_devices",
     "probe_worker",
 ]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -106,27 +112,57 @@ def cpu_memory_fraction(environ: Mapping[str, str]) -> float:
     return value
 
 
-def _probe_nvidia() -> WorkerProfile | None:
-    """The NVIDIA device with the most free memory, or ``None`` when there is none."""
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One accelerator as NVML reports it.
+
+    ``utilization_percent`` (compute activity) is ``None`` when the driver does not report
+    it -- unknown stays absent, never 0 -- and is a different measure from
+    ``memory_occupancy`` (used / total memory).
+    """
+
+    index: int
+    name: str | None
+    total_bytes: int
+    free_bytes: int
+    compute_capability: tuple[int, int] | None
+    utilization_percent: int | None
+
+    @property
+    def memory_occupancy(self) -> float:
+        """Used memory as a fraction of total, in [0, 1]."""
+        return 0.0 if self.total_bytes <= 0 else 1 - self.free_bytes / self.total_bytes
+
+
+def probe_devices() -> list[DeviceInfo]:
+    """Every NVIDIA device (empty without an NVIDIA driver or library).
+
+    Raises:
+        SbproxyError: ``device_probe_failed`` when NVML is present but fails otherwise.
+    """
     try:
         pynvml.nvmlInit()
     except _NO_NVIDIA_ERRORS as exc:
         logger.debug("no NVIDIA devices: %s", exc)
-        return None
+        return []
     except pynvml.NVMLError as exc:
         raise _probe_failed(exc) from exc
     try:
-        best: WorkerProfile | None = None
+        devices = []
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            free = int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
-            if best is None or free > best.memory_bytes:
-                best = WorkerProfile(
-                    accelerator=Accelerator.CUDA,
-                    memory_bytes=free,
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            devices.append(
+                DeviceInfo(
+                    index=index,
+                    name=_optional(_name, handle),
+                    total_bytes=int(memory.total),
+                    free_bytes=int(memory.free),
                     compute_capability=_compute_capability(handle),
+                    utilization_percent=_optional(_utilization, handle),
                 )
-        return best
+            )
+        return devices
     except pynvml.NVMLError as exc:
         raise _probe_failed(exc) from exc
     finally:
@@ -134,6 +170,36 @@ def _probe_nvidia() -> WorkerProfile | None:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError as exc:
             logger.debug("nvmlShutdown failed: %s", exc)
+
+
+def _name(handle: object) -> str:
+    return str(pynvml.nvmlDeviceGetName(handle))
+
+
+def _utilization(handle: object) -> int:
+    return int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+
+
+def _optional(read: Callable[[object], T], handle: object) -> T | None:
+    """A reading the driver may not support: ``None`` instead of a made-up value."""
+    try:
+        return read(handle)
+    except pynvml.NVMLError as exc:
+        logger.debug("NVML reading unavailable: %s", exc)
+        return None
+
+
+def _probe_nvidia() -> WorkerProfile | None:
+    """The NVIDIA device with the most free memory, or ``None`` when there is none."""
+    devices = probe_devices()
+    if not devices:
+        return None
+    best = max(devices, key=lambda d: (d.free_bytes, -d.index))
+    return WorkerProfile(
+        accelerator=Accelerator.CUDA,
+        memory_bytes=best.free_bytes,
+        compute_capability=best.compute_capability,
+    )
 
 
 def _compute_capability(handle: object) -> tuple[int, int] | None:

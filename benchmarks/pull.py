@@ -1,0 +1,285 @@
+"""What a verified pull costs against a plain download of the same bytes on loopback.
+
+Generates one random file (``--size-mib``, default 256) once, serves it from a separate
+``python -m tests.support.hf_server`` process in the Hugging Face ``resolve`` shape, and then,
+``--runs`` times each, interleaved so drift in the machine hits every contender alike:
+
+* ``curl``: ``curl -s -o FILE URL`` -- the floor: no hashing, no fsync;
+* ``sbproxy``: the real ``sbproxy models pull`` CLI process with a fresh cache root each
+  time, ``HF_ENDPOINT`` pointed at the server and an operator catalog pinning the file's
+  SHA-256 and size. Timed from process start to exit, so it includes interpreter start,
+  opening the journal, the durable job (plan, download hashing SHA-256 and BLAKE3 while it
+  streams, checkpoints, promote, publish with fsync) and the result. ``job_s`` is the same
+  pull measured inside the journal (job claimed to job finished);
+* ``httpx_sha256``: for reference, an in-process httpx streaming download that hashes
+  SHA-256 and writes the file (what a minimal verifying downloader costs).
+
+Prints ONE JSON object on stdout: per-run seconds and MiB/s, medians, and
+``sbproxy_over_curl`` (median sbproxy MiB/s over median curl MiB/s; the target is >= 0.8),
+plus ``sbproxy_job_over_curl`` for the in-journal time.
+
+Usage: ``python benchmarks/pull.py [--size-mib 256] [--runs 3] [--dir PATH]``. Run it from
+the repository root with the project's virtual environment; ``--dir`` picks the file system
+(it should be the disk a cache would live on, not tmpfs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SBPROXY = Path(sys.executable).parent / "sbproxy"
+REPO = "bench/random-GGUF"
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+FILENAME = "random.gguf"
+MODEL = "bench-random"
+MIB = 1 << 20
+WRITE_BLOCK = 8 * MIB
+READ_BLOCK = 1 * MIB
+
+
+def generate(path: Path, size_mib: int) -> str:
+    """Write ``size_mib`` MiB of random bytes to ``path``; their SHA-256."""
+    digest = hashlib.sha256()
+    with path.open("wb") as handle:
+        remaining = size_mib * MIB
+        while remaining:
+            block = os.urandom(min(WRITE_BLOCK, remaining))
+            digest.update(block)
+            handle.write(block)
+            remaining -= len(block)
+    return digest.hexdigest()
+
+
+def write_catalog(path: Path, *, sha256: str, size: int) -> None:
+    """An operator catalog (v2) whose one model pins the served file."""
+    document = {
+        "schema_version": 2,
+        "catalog_revision": "bench-1",
+        "models": {
+            MODEL: {
+                "params": "0B",
+                "license": "other",
+                "family": "bench",
+                "context_length": 2048,
+                "variants": [
+                    {
+                        "id": "raw",
+                        "format": "gguf",
+                        "quant": "RAW",
+                        "engines": ["llama_cpp"],
+                        "source": f"hf:{REPO}",
+                        "revision": REVISION,
+                        "files": [{"path": FILENAME, "sha256": sha256, "size_bytes": size}],
+                        "requirements": {
+                            "accelerators": ["cpu", "metal", "cuda"],
+                            "min_memory_bytes": 1024,
+                        },
+                        "stability": "stable",
+                        "certification": "bench",
+                    }
+                ],
+            }
+        },
+    }
+    path.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+
+
+class Server:
+    """``python -m tests.support.hf_server`` in its own process."""
+
+    def __init__(self, source: Path) -> None:
+        self.process = subprocess.Popen(  # noqa: S603 - our own fixed argv
+            [
+                sys.executable,
+                "-m",
+                "tests.support.hf_server",
+                "--file",
+                f"{REPO}:{REVISION}:{FILENAME}={source}",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        banner = json.loads(self.process.stdout.readline())
+        self.endpoint: str = banner["url"]
+        self.url = f"{self.endpoint}/{REPO}/resolve/{REVISION}/{FILENAME}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+def child_env(endpoint: str) -> dict[str, str]:
+    dropped = {"SB_CONFIG_FILE", "SBPROXY_CACHE_DIR", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"}
+    env = {key: value for key, value in os.environ.items() if key not in dropped}
+    env["HF_ENDPOINT"] = endpoint
+    return env
+
+
+def run_curl(server: Server, work: Path, size: int) -> dict[str, Any]:
+    target = work / "curl.out"
+    began = time.perf_counter()
+    subprocess.run(["curl", "-s", "-o", str(target), server.url], check=True)  # noqa: S603,S607
+    elapsed = time.perf_counter() - began
+    assert target.stat().st_size == size
+    target.unlink()
+    return {"seconds": elapsed}
+
+
+def run_sbproxy(server: Server, work: Path, size: int, catalog: Path) -> dict[str, Any]:
+    cache = work / "sbproxy-cache"
+    env = child_env(server.endpoint)
+    began = time.perf_counter()
+    done = subprocess.run(  # noqa: S603 - our own fixed argv
+        [
+            str(SBPROXY),
+            "models",
+            "pull",
+            MODEL,
+            "--catalog-file",
+            str(catalog),
+            "--cache-dir",
+            str(cache),
+            "--format",
+            "json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    elapsed = time.perf_counter() - began
+    if done.returncode != 0:
+        raise RuntimeError(f"sbproxy models pull failed: {done.stderr}")
+    (row,) = json.loads(done.stdout)["artifacts"]
+    assert row["verified_bytes"] == size and row["cache_hit"] is False
+    shown = subprocess.run(  # noqa: S603 - our own fixed argv
+        [
+            str(SBPROXY),
+            "jobs",
+            "show",
+            row["job_id"],
+            "--cache-dir",
+            str(cache),
+            "--format",
+            "json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job = json.loads(shown.stdout)["job"]
+    shutil.rmtree(cache)
+    return {"seconds": elapsed, "job_s": (job["ended_at_ms"] - job["started_at_ms"]) / 1000}
+
+
+def run_httpx(server: Server, work: Path, size: int, sha256: str) -> dict[str, Any]:
+    target = work / "httpx.out"
+    digest = hashlib.sha256()
+    began = time.perf_counter()
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("GET", server.url) as response,
+        target.open("wb") as handle,
+    ):
+        response.raise_for_status()
+        for block in response.iter_bytes(READ_BLOCK):
+            digest.update(block)
+            handle.write(block)
+    elapsed = time.perf_counter() - began
+    assert digest.hexdigest() == sha256 and target.stat().st_size == size
+    target.unlink()
+    return {"seconds": elapsed}
+
+
+def summarise(runs: list[dict[str, Any]], size: int) -> dict[str, Any]:
+    for run in runs:
+        run["mib_per_s"] = round(size / MIB / run["seconds"], 1)
+        run["seconds"] = round(run["seconds"], 3)
+        if "job_s" in run:
+            run["job_mib_per_s"] = round(size / MIB / run["job_s"], 1)
+    out: dict[str, Any] = {
+        "runs": runs,
+        "median_mib_per_s": round(statistics.median(r["mib_per_s"] for r in runs), 1),
+    }
+    if all("job_mib_per_s" in r for r in runs):
+        out["median_job_mib_per_s"] = round(statistics.median(r["job_mib_per_s"] for r in runs), 1)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=256, help="file size in MiB")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each contender")
+    parser.add_argument("--dir", type=Path, default=None, help="where files are written")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="sbproxy-pull-bench-", dir=args.dir) as temp:
+        work = Path(temp)
+        source = work / FILENAME
+        sha256 = generate(source, args.size_mib)
+        size = source.stat().st_size
+        catalog = work / "catalog.yaml"
+        write_catalog(catalog, sha256=sha256, size=size)
+        server = Server(source)
+        try:
+            contenders: dict[str, Callable[[], dict[str, Any]]] = {
+                "curl": lambda: run_curl(server, work, size),
+                "sbproxy": lambda: run_sbproxy(server, work, size, catalog),
+                "httpx_sha256": lambda: run_httpx(server, work, size, sha256),
+            }
+            results: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+            for _ in range(args.runs):
+                for name, contender in contenders.items():
+                    results[name].append(contender())
+        finally:
+            server.stop()
+
+    summary = {name: summarise(runs, size) for name, runs in results.items()}
+    curl = summary["curl"]["median_mib_per_s"]
+    report = {
+        "benchmark": "pull",
+        "size_bytes": size,
+        "runs_each": args.runs,
+        "url_shape": "HF resolve on 127.0.0.1 (python -m tests.support.hf_server, sendfile)",
+        **summary,
+        "sbproxy_over_curl": round(summary["sbproxy"]["median_mib_per_s"] / curl, 3),
+        "sbproxy_job_over_curl": round(summary["sbproxy"]["median_job_mib_per_s"] / curl, 3),
+        "httpx_sha256_over_curl": round(summary["httpx_sha256"]["median_mib_per_s"] / curl, 3),
+        "target_ratio": 0.8,
+        "environment": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "curl": subprocess.run(
+                ["curl", "--version"],  # noqa: S607
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.split("\n", 1)[0],
+        },
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Opening the model host's service for one ``sbproxy models`` verb, and its exit codes.
+
+A verb reads its options into a :class:`HostChoice` (config, cache root, catalog file; bad
+input exits 2 before anything is created), then runs its work on an event loop with
+:func:`run_with_service`, which opens the cache's journal and the catalog for it, or with
+:func:`run_host` when it opens nothing. Both turn errors into exit codes: 2 for bad input
+(unknown model or variant, invalid catalog or config, a blocked removal), 1 for anything that
+went wrong while working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+
+from sbproxy.cli._options import check_catalog_choice, load_cli_config, resolve_layout
+from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, fail
+from sbproxy.config import CompiledConfig
+from sbproxy.errors import CatalogError, ConfigError, ResolutionError, SbproxyError
+from sbproxy.model_host.artifacts import CacheLayout
+from sbproxy.model_host.service import ModelHostService, open_service
+
+__all__ = [
+    "INVALID_INPUT_CODES",
+    "HostChoice",
+    "choose_host",
+    "exit_code_for",
+    "run_host",
+    "run_with_service",
+]
+
+T = TypeVar("T")
+
+# Codes that mean the request itself was wrong (exit 2); anything else is a runtime failure.
+INVALID_INPUT_CODES = frozenset(
+    {
+        "invalid_config",
+        "invalid_cache_dir",
+        "invalid_catalog",
+        "catalog_conflict",
+        "unknown_catalog_model",
+        "unknown_catalog_variant",
+        "variant_not_pinned",
+        "preview_incomplete",
+        "no_compatible_variant",
+        "no_model_host",
+        "no_cache_budget",
+        "invalid_import_path",
+        "removal_blocked",
+    }
+)
+
+
+@dataclass(frozen=True)
+class HostChoice:
+    """What the options of one verb select.
+
+    Attributes:
+        layout: The cache root.
+        config: The ``-f`` configuration, if any.
+        catalog_file: ``--catalog-file``, if given (else the config's, else built-in).
+    """
+
+    layout: CacheLayout
+    config: CompiledConfig | None
+    catalog_file: Path | None
+
+    @property
+    def catalog_path(self) -> Path | None:
+        """The catalog file in force (``None``: the built-in catalog)."""
+        if self.catalog_file is not None:
+            return self.catalog_file
+        host = self.config.model_host if self.config is not None else None
+        return Path(host.catalog_file) if host is not None and host.catalog_file else None
+
+
+def choose_host(
+    command: str,
+    *,
+    config_path: Path | None,
+    cache_dir: Path | None,
+    catalog_file: Path | None,
+    output_format: str,
+) -> HostChoice:
+    """Read the shared options (exit 2 for an invalid config, cache root or catalog choice)."""
+    config = load_cli_config(command, config_path, output_format=output_format)
+    check_catalog_choice(command, catalog_file, config, output_format=output_format)
+    layout = resolve_layout(command, cache_dir, config, output_format=output_format)
+    return HostChoice(layout=layout, config=config, catalog_file=catalog_file)
+
+
+def exit_code_for(error: SbproxyError) -> int:
+    """2 for bad input, 1 for a failure while working."""
+    if isinstance(error, ConfigError | CatalogError | ResolutionError):
+        return EXIT_INVALID
+    return EXIT_INVALID if error.code in INVALID_INPUT_CODES else EXIT_RUNTIME
+
+
+def run_host(command: str, output_format: str, work: Callable[[], Awaitable[T]]) -> T:
+    """Run ``work`` on an event loop and return its result; errors exit (see module doc)."""
+    try:
+        return anyio.run(work)
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format, exit_code=exit_code_for(exc))
+
+
+def run_with_service(
+    command: str,
+    output_format: str,
+    host: HostChoice,
+    work: Callable[[ModelHostService], Awaitable[T]],
+) -> T:
+    """Open the service ``host`` selects (creating the cache root), run ``work`` with it."""
+
+    async def main() -> T:
+        async with open_service(
+            host.layout, config=host.config, catalog_file=host.catalog_file
+        ) as service:
+            return await work(service)
+
+    return run_host(command, output_format, main)

@@ -1,0 +1,61 @@
+"""Running a job in this process while its events stream to stderr.
+
+``jobs retry`` (a re-queued job) and ``models pull`` / ``models import`` (a submitted or
+joined pull job) run the job with :meth:`WorkflowEngine.run_job` -- which claims it, or waits
+for a live owner elsewhere, or recovers it from a dead one -- and follow the journal's events
+of the same job at the same time, so what the reader sees is what the journal records,
+whichever process does the work.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from sbproxy.cli._event_view import EventView, open_view
+from sbproxy.store import JobRecord, wall_clock_ms
+from sbproxy.workflows import WorkflowEngine
+
+__all__ = ["follow", "run_followed"]
+
+
+async def follow(engine: WorkflowEngine, job_id: str, *, after_seq: int, view: EventView) -> None:
+    """Feed the events of ``job_id`` after ``after_seq`` to ``view`` until the job finishes."""
+    try:
+        async for event in engine.follow(job_id, after_seq=after_seq):
+            view.show(event)
+    finally:
+        view.close()
+
+
+async def run_followed(engine: WorkflowEngine, job_id: str, *, after_seq: int = 0) -> JobRecord:
+    """Run ``job_id`` here until it finishes or is parked, showing its events on stderr.
+
+    Events up to ``after_seq`` are not shown; those written before this call (a joined or
+    resumed job's history) are replayed with their progress collapsed. When the run ends the
+    follower is stopped and the journal read once more for the last events, rather than
+    waiting out the follower's poll interval.
+
+    Raises:
+        SbproxyError: whatever running the job raised (``unknown_workflow`` ...).
+    """
+    view = open_view(job_id, live_from_ms=wall_clock_ms())
+    last = after_seq
+
+    async def watch() -> None:
+        nonlocal last
+        async for event in engine.follow(job_id, after_seq=after_seq):
+            view.show(event)
+            last = event.seq
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch)
+            try:
+                await engine.run_job(job_id)
+            finally:
+                group.cancel_scope.cancel()
+        for event in await engine.store.events(job_id, after_seq=last):
+            view.show(event)
+    finally:
+        view.close()
+    return await engine.get(job_id)

@@ -1,0 +1,126 @@
+"""Options several verb groups share, and the settings they select.
+
+``-f/--config`` (env ``SB_CONFIG_FILE``), ``--cache-dir`` and ``--catalog-file`` mean the same
+thing on every verb that takes them:
+
+* the cache root is ``--cache-dir``, else the config's ``proxy.model_host.cache.directory``,
+  else the platform default (:func:`~sbproxy.model_host.artifacts.resolve_cache_root`);
+* the catalog is ``--catalog-file``, else the config's ``proxy.model_host.catalog_file``, else
+  the built-in one. One node loads one catalog, so a ``--catalog-file`` that differs from the
+  config's own ``catalog_file`` is refused (``catalog_conflict``).
+
+Problems with any of them are bad input: exit status 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import get_args
+
+import click
+
+from sbproxy.catalog import EngineChoice
+from sbproxy.cli._output import fail
+from sbproxy.config import CompiledConfig, load_config
+from sbproxy.errors import ConfigError, SbproxyError
+from sbproxy.model_host.artifacts import CacheLayout, resolve_cache_root
+
+__all__ = [
+    "cache_dir_option",
+    "catalog_file_option",
+    "check_catalog_choice",
+    "config_option",
+    "engine_option",
+    "load_cli_config",
+    "resolve_layout",
+]
+
+config_option = click.option(
+    "-f",
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="SB_CONFIG_FILE",
+    default=None,
+    help="sb.yml naming the cache directory, the catalog file and the configured "
+    "deployments (env SB_CONFIG_FILE).",
+)
+
+cache_dir_option = click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Cache root (default: the config's proxy.model_host.cache.directory, else the "
+    "platform's).",
+)
+
+catalog_file_option = click.option(
+    "--catalog-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Catalog YAML that replaces the built-in catalog entirely.",
+)
+
+engine_option = click.option(
+    "--engine",
+    type=click.Choice(list(get_args(EngineChoice))),
+    default="auto",
+    show_default=True,
+    help="Engine the artifact must suit; auto takes the variant's first engine.",
+)
+
+
+def load_cli_config(
+    command: str, config_path: Path | None, *, output_format: str
+) -> CompiledConfig | None:
+    """The configuration ``-f`` names, or ``None`` without one (exit 2 when invalid)."""
+    if config_path is None:
+        return None
+    try:
+        return load_config(config_path)
+    except ConfigError as exc:
+        fail(command, exc, output_format=output_format)
+
+
+def resolve_layout(
+    command: str,
+    cache_dir: Path | None,
+    config: CompiledConfig | None,
+    *,
+    output_format: str,
+) -> CacheLayout:
+    """The cache root the options select (exit 2 when it is not absolute)."""
+    host = config.model_host if config is not None else None
+    configured = host.cache.directory if host is not None else None
+    try:
+        # A flag is relative to this process's working directory, which is well defined.
+        return resolve_cache_root(
+            cache_dir.absolute() if cache_dir is not None else None, configured=configured
+        )
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format)
+
+
+def check_catalog_choice(
+    command: str,
+    catalog_file: Path | None,
+    config: CompiledConfig | None,
+    *,
+    output_format: str,
+) -> None:
+    """Refuse a ``--catalog-file`` that contradicts the config's ``catalog_file`` (exit 2)."""
+    host = config.model_host if config is not None else None
+    if catalog_file is None or host is None or host.catalog_file is None:
+        return
+    if Path(host.catalog_file).absolute() == catalog_file.absolute():
+        return
+    fail(
+        command,
+        SbproxyError(
+            f"--catalog-file {catalog_file} conflicts with the config's "
+            f"proxy.model_host.catalog_file ({host.catalog_file}); one node loads one catalog.",
+            code="catalog_conflict",
+            remediation="Drop --catalog-file, or change the config's catalog_file.",
+        ),
+        output_format=output_format,
+    )

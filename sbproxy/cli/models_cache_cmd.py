@@ -1,0 +1,304 @@
+"""``sbproxy models remove|prune|gc|verify``: keep the artifact cache honest and in budget.
+
+``remove``, ``prune`` and ``gc`` are durable jobs like pulls (``sbproxy jobs list`` shows
+them) and fail closed: an artifact that a configured deployment (``-f``), a live runtime's
+lease, an artifact lock or an unfinished pull protects is never deleted; ``remove`` says why
+and exits 2, ``gc`` skips it and reports the reason. ``verify`` only reads: it re-hashes
+published snapshots (size + BLAKE3, or SHA-256 with ``--full``) and never repairs one.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from sbproxy.cli._cache_text import gc_json, gc_lines, job_error, label, size_text
+from sbproxy.cli._host import choose_host, run_with_service
+from sbproxy.cli._options import (
+    cache_dir_option,
+    catalog_file_option,
+    config_option,
+    engine_option,
+)
+from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.errors import SbproxyError
+from sbproxy.model_host.flows import GcReport, PruneReport, RemoveOutput
+from sbproxy.model_host.service import ModelHostService, Selection
+from sbproxy.store import JobRecord, JobStatus
+
+__all__ = ["gc_command", "prune_command", "remove_command", "verify_command"]
+
+GIB = 2**30
+_BLOCKED_MARKER = "cannot be removed: "
+
+
+def _job_failure(job: JobRecord) -> SbproxyError:
+    """A failed job as an error to report (its code and message are the job's)."""
+    error = job_error(job)
+    return SbproxyError(
+        f"job {job.id} failed: {error['message']}",
+        code=error["code"],
+        details={"job_id": job.id},
+    )
+
+
+@click.command("remove")
+@click.argument("model", metavar="MODEL")
+@click.option("--variant", default=None, help="Exact variant id (default: this machine's pick).")
+@engine_option
+@config_option
+@catalog_file_option
+@cache_dir_option
+@format_option
+def remove_command(
+    *,
+    model: str,
+    variant: str | None,
+    engine: str,
+    config_path: Path | None,
+    catalog_file: Path | None,
+    cache_dir: Path | None,
+    output_format: str,
+) -> None:
+    """Remove one cached artifact (idempotent: removing what is not cached succeeds).
+
+    Refused, with the reason, while the artifact is protected: configured (a deployment of
+    the -f config resolves to it), leased (a running engine uses it), locked, or while a
+    pull of it is queued, running or parked.
+
+    Exit status: 0 removed or not cached; 1 the removal failed; 2 bad input or refused.
+    """
+    command = "models.remove"
+    host = choose_host(
+        command,
+        config_path=config_path,
+        cache_dir=cache_dir,
+        catalog_file=catalog_file,
+        output_format=output_format,
+    )
+
+    async def work(
+        service: ModelHostService,
+    ) -> tuple[Selection, RemoveOutput, JobRecord | None]:
+        selection = service.select(model, variant=variant, engine=engine)
+        digest = selection.artifact.digest
+        output, job = await service.remove(selection)
+        if job is not None and job.status != JobStatus.SUCCEEDED:
+            if job.error is not None and job.error.code == "removal_blocked":
+                reason = job.error.message.rpartition(_BLOCKED_MARKER)[2].strip() or "protected"
+                raise SbproxyError(
+                    f"artifact '{digest}' {_BLOCKED_MARKER}{reason}",
+                    code="removal_blocked",
+                    details={"reason": reason, "artifact_digest": digest, "job_id": job.id},
+                )
+            raise _job_failure(job)
+        return selection, output, job
+
+    selection, output, job = run_with_service(command, output_format, host, work)
+    if output_format == "json":
+        emit_json(
+            command,
+            {
+                "model": selection.artifact.logical_model,
+                "variant": selection.artifact.variant_id,
+                "artifact_digest": output.artifact_digest,
+                "removed": output.removed,
+                "reclaimed_bytes": output.reclaimed_bytes,
+                "job_id": job.id if job is not None else None,
+            },
+        )
+    elif output.removed:
+        click.echo(
+            f"removed {label(selection)} (sha256:{output.artifact_digest}); reclaimed "
+            f"{size_text(output.reclaimed_bytes)}"
+        )
+    else:
+        click.echo(f"{model} is not cached")
+
+
+@click.command("prune")
+@click.option("--dry-run", is_flag=True, help="Only report what would be deleted.")
+@config_option
+@cache_dir_option
+@format_option
+def prune_command(
+    *, dry_run: bool, config_path: Path | None, cache_dir: Path | None, output_format: str
+) -> None:
+    """Delete blobs that no published artifact references (and leftover work directories).
+
+    Exit status: 0 done; 1 the prune job failed; 2 bad input.
+    """
+    command = "models.prune"
+    host = choose_host(
+        command,
+        config_path=config_path,
+        cache_dir=cache_dir,
+        catalog_file=None,
+        output_format=output_format,
+    )
+
+    async def work(service: ModelHostService) -> tuple[PruneReport, int, str | None]:
+        before = service.cache.blob_bytes()
+        if dry_run:
+            return service.prune_preview(), before, None
+        report, job = await service.prune()
+        if report is None:
+            raise _job_failure(job)
+        return report, before, job.id
+
+    report, before, job_id = run_with_service(command, output_format, host, work)
+    if output_format == "json":
+        emit_json(
+            command,
+            {
+                "dry_run": dry_run,
+                "orphan_blobs": report.orphan_blobs,
+                "reclaimed_bytes": report.reclaimed_bytes,
+                "before_bytes": before,
+                "job_id": job_id,
+            },
+        )
+        return
+    verb = "would reclaim" if dry_run else "reclaimed"
+    click.echo(
+        f"{verb} {size_text(report.reclaimed_bytes)} across {report.orphan_blobs} unreferenced "
+        f"blob(s) ({size_text(before)} cached before prune)"
+    )
+
+
+@click.command("gc")
+@click.option(
+    "--budget-gib",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Cache budget in GiB (default: the config's proxy.model_host.cache.budget_gib).",
+)
+@config_option
+@catalog_file_option
+@cache_dir_option
+@format_option
+def gc_command(
+    *,
+    budget_gib: float | None,
+    config_path: Path | None,
+    catalog_file: Path | None,
+    cache_dir: Path | None,
+    output_format: str,
+) -> None:
+    """Bring the cache under its budget: unreferenced blobs first, then least recently used
+    artifacts, keeping protected ones (configured via -f, leased, locked, being pulled).
+
+    Exit status: 0 done (the report says if protected artifacts keep it above budget);
+    1 the gc job failed; 2 bad input or no budget (neither --budget-gib nor the config's).
+    """
+    command = "models.gc"
+    host = choose_host(
+        command,
+        config_path=config_path,
+        cache_dir=cache_dir,
+        catalog_file=catalog_file,
+        output_format=output_format,
+    )
+
+    async def work(service: ModelHostService) -> tuple[GcReport, JobRecord]:
+        # floor(GiB x 2^30), as the reference sizes the budget.
+        budget = int(budget_gib * GIB) if budget_gib is not None else service.budget_bytes()
+        if budget is None:
+            raise SbproxyError(
+                "no cache budget configured.",
+                code="no_cache_budget",
+                remediation="Pass --budget-gib, or set proxy.model_host.cache.budget_gib in "
+                "the -f config.",
+            )
+        report, job = await service.gc(budget_bytes=budget)
+        if report is None:
+            raise _job_failure(job)
+        return report, job
+
+    report, job = run_with_service(command, output_format, host, work)
+    if output_format == "json":
+        emit_json(command, gc_json(report, job))
+        return
+    for line in gc_lines(report):
+        click.echo(line)
+
+
+@click.command("verify")
+@click.argument("model", metavar="[MODEL]", required=False)
+@click.option("--variant", default=None, help="Only this variant of MODEL.")
+@click.option("--full", is_flag=True, help="Re-hash SHA-256 instead of size + BLAKE3.")
+@config_option
+@catalog_file_option
+@cache_dir_option
+@format_option
+def verify_command(
+    *,
+    model: str | None,
+    variant: str | None,
+    full: bool,
+    config_path: Path | None,
+    catalog_file: Path | None,
+    cache_dir: Path | None,
+    output_format: str,
+) -> None:
+    """Re-verify published artifacts (all, or MODEL's) against their recorded digests.
+
+    The fast check compares each file's size and BLAKE3 fingerprint; --full recomputes
+    SHA-256 against the catalog. A corrupt artifact is reported, never repaired: remove it
+    and pull again.
+
+    Exit status: 0 all intact; 1 some artifact is corrupt; 2 bad input (MODEL unknown).
+    """
+    command = "models.verify"
+    if variant is not None and model is None:
+        fail(
+            command,
+            SbproxyError("--variant needs MODEL.", code="usage"),
+            output_format=output_format,
+        )
+    host = choose_host(
+        command,
+        config_path=config_path,
+        cache_dir=cache_dir,
+        catalog_file=catalog_file,
+        output_format=output_format,
+    )
+
+    async def work(service: ModelHostService) -> list[dict[str, object]]:
+        chosen = [
+            metadata
+            for metadata in service.cached()
+            if (model is None or metadata.logical_model == model)
+            and (variant is None or metadata.variant_id == variant)
+        ]
+        if model is not None and not chosen:
+            service.catalog.entry(model)  # an id the catalog does not know is bad input
+        rows = []
+        for metadata in chosen:
+            problem = await service.verify(metadata, full=full)
+            rows.append(
+                {
+                    "model": metadata.logical_model,
+                    "variant": metadata.variant_id,
+                    "artifact_digest": metadata.artifact_digest,
+                    "ok": problem is None,
+                    "problem": problem,
+                }
+            )
+        return rows
+
+    rows = run_with_service(command, output_format, host, work)
+    if output_format == "json":
+        emit_json(command, {"full": full, "artifacts": rows})
+    elif not rows:
+        click.echo(f"no cached artifacts{f' of {model}' if model else ''}")
+    for row in rows if output_format != "json" else ():
+        name = f"{row['model']}:{row['variant']}"
+        if row["ok"]:
+            click.echo(f"{name} ok (sha256:{row['artifact_digest']})")
+        else:
+            click.echo(f"{name} CORRUPT: {row['problem']} (sha256:{row['artifact_digest']})")
+    if any(not row["ok"] for row in rows):
+        sys.exit(EXIT_RUNTIME)

@@ -1,0 +1,138 @@
+"""Removing artifacts and collecting the cache: protection, deletion, orphan blobs.
+
+An artifact is protected -- and removal or collection refuses it with a reason -- when it
+is ``configured`` (a deployment of the loaded configuration resolves to it), ``resident``
+(a running engine serves it), ``pinned``, ``leased`` (some process holds a shared lease on
+it), ``locked`` (a publish or delete holds its lock), or when a pull job for it is
+``queued``, ``running`` or ``parked``. Shared blobs are freed only when no published
+artifact references them any more, and counted once.
+
+Deleting is crash-safe in this order: remove the ready marker (the artifact stops being a
+hit), rename the snapshot to ``snapshots/.deleting-<digest>-<pid>`` and remove it, drop its
+partials, then delete the blobs nothing references. Each piece tolerates being absent, so
+a delete that died half-way simply runs again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sbproxy.model_host.artifacts.cache import ArtifactCache
+from sbproxy.model_host.artifacts.locks import try_hold
+
+__all__ = [
+    "Deletion",
+    "delete_artifact",
+    "delete_orphans",
+    "lease_or_lock_reason",
+    "orphan_blobs",
+]
+
+
+@dataclass(frozen=True)
+class Deletion:
+    """What a delete did: whether there was anything, and the bytes it freed."""
+
+    removed: bool
+    reclaimed_bytes: int
+
+
+def lease_or_lock_reason(cache: ArtifactCache, digest: str) -> str | None:
+    """``leased`` or ``locked`` when another holder has the artifact right now, else None.
+
+    Only a momentary check; callers hold the exclusive mutation lock while they delete, and
+    :func:`delete_artifact` takes the locks for the deletion itself.
+    """
+    with try_hold(cache.lease_lock(digest)) as free:
+        if not free:
+            return "leased"
+    with try_hold(cache.artifact_lock(digest)) as free:
+        if not free:
+            return "locked"
+    return None
+
+
+def _unlink_blobs(cache: ArtifactCache, candidates: set[str], keep: set[str]) -> int:
+    freed = 0
+    for sha256 in sorted(candidates - keep):
+        path = cache.blob(sha256)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        freed += size
+    return freed
+
+
+def delete_artifact(
+    cache: ArtifactCache, digest: str, *, blocked: Mapping[str, str]
+) -> Deletion | str:
+    """Delete one artifact unless something protects it right now.
+
+    Args:
+        cache: The cache.
+        digest: Artifact digest.
+        blocked: Explicit protection (digest -> reason) decided by the caller.
+
+    Returns:
+        The :class:`Deletion`, or the protection reason as a string.
+
+    Blocking: call from a worker thread while holding the exclusive mutation lock.
+    """
+    if digest in blocked:
+        return blocked[digest]
+    with try_hold(cache.lease_lock(digest)) as unleased:
+        if not unleased:
+            return "leased"
+        with try_hold(cache.artifact_lock(digest)) as unlocked:
+            if not unlocked:
+                return "locked"
+            metadata = cache.read_metadata(digest)
+            snapshot = cache.snapshot(digest)
+            if metadata is None and not snapshot.exists():
+                shutil.rmtree(cache.layout.partials / digest, ignore_errors=True)
+                return Deletion(removed=False, reclaimed_bytes=0)
+            used = {item.sha256 for item in metadata.files} if metadata else set()
+            cache.metadata_path(digest).unlink(missing_ok=True)
+            if snapshot.exists():
+                doomed = cache.layout.snapshots / f".deleting-{digest}-{os.getpid()}"
+                snapshot.rename(doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+            shutil.rmtree(cache.layout.partials / digest, ignore_errors=True)
+            freed = _unlink_blobs(cache, used, cache.referenced_blobs())
+            return Deletion(removed=True, reclaimed_bytes=freed)
+
+
+def orphan_blobs(cache: ArtifactCache) -> dict[str, int]:
+    """Blobs nothing references: sha256 -> bytes.
+
+    References are the files of published artifacts and those of unfinished pulls (their
+    ``partials/<digest>/.manifest.json``): a multi-file pull promotes blobs one by one before
+    it publishes, and collecting them in between would break the resumed pull.
+    """
+    if not cache.layout.blobs.is_dir():
+        return {}
+    referenced = cache.referenced_blobs() | cache.pending_blobs()
+    return {
+        path.name: path.stat().st_size
+        for path in cache.layout.blobs.iterdir()
+        if path.is_file() and path.name not in referenced
+    }
+
+
+def delete_orphans(cache: ArtifactCache) -> tuple[int, int]:
+    """Delete unreferenced blobs and leftover staging/deleting directories.
+
+    Returns ``(blobs deleted, bytes freed)``. Blocking; hold the exclusive mutation lock.
+    """
+    orphans = orphan_blobs(cache)
+    freed = _unlink_blobs(cache, set(orphans), set())
+    if cache.layout.snapshots.is_dir():
+        for leftover in cache.layout.snapshots.iterdir():
+            if leftover.name.startswith((".staging-", ".deleting-")):
+                shutil.rmtree(leftover, ignore_errors=True)
+    return len(orphans), freed

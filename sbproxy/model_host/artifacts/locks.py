@@ -1,0 +1,104 @@
+"""Cross-process locks of the cache (files under ``<root>/locks``).
+
+* ``<digest>.lock`` -- exclusive while one artifact is published or deleted;
+* ``blob-<sha256>.lock`` -- exclusive while one blob is promoted;
+* ``cache-mutation.lock`` -- shared by promote/publish, exclusive for gc, prune and removal,
+  so that collection never deletes a blob a publish is about to link;
+* ``lease-<digest>.lock`` -- shared by every live runtime that serves the artifact; removal
+  and collection try it exclusively and refuse (``leased``) when they cannot get it.
+
+All are ``flock(2)`` locks on the standard library's ``fcntl``: the kernel releases them when
+the holder dies, so a crashed process never leaves a stale lock, and one primitive gives
+both shared and exclusive modes (the ``filelock`` package's ``FileLock`` is exclusive only).
+Waiting polls a non-blocking attempt with ``anyio.sleep``, so the event loop never blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+
+__all__ = ["DigestLease", "hold", "try_hold"]
+
+_POLL_S = 0.05
+
+
+def _open(path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _try(fd: int, *, exclusive: bool) -> bool:
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextlib.asynccontextmanager
+async def hold(
+    path: Path, *, exclusive: bool = True, timeout_s: float = 600.0
+) -> AsyncIterator[None]:
+    """Hold a lock on ``path``, waiting up to ``timeout_s``.
+
+    Raises:
+        TimeoutError: the lock stayed unavailable for ``timeout_s``.
+    """
+    fd = _open(path)
+    try:
+        with anyio.fail_after(timeout_s):
+            while not _try(fd, exclusive=exclusive):
+                await anyio.sleep(_POLL_S)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def try_hold(path: Path, *, exclusive: bool = True) -> Iterator[bool]:
+    """Try a lock on ``path`` without waiting; yields whether it was taken."""
+    fd = _open(path)
+    try:
+        taken = _try(fd, exclusive=exclusive)
+        try:
+            yield taken
+        finally:
+            if taken:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+class DigestLease:
+    """A live runtime's shared lease on one artifact, held until :meth:`release`.
+
+    Removal and collection cannot take the artifact while any lease is held, in this or any
+    other process.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = _open(path)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def release(self) -> None:
+        """Drop the lease (idempotent)."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DigestLease:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()

@@ -1,0 +1,320 @@
+"""Supervised engine processes: spawn, readiness, health, logs, shutdown, orphan reaping.
+
+A child engine:
+
+* is started from an argv list, never through a shell, with a minimal environment (the
+  baseline below plus what the driver adds) and stdin closed;
+* leads its own process group (so shutdown signals reach its helpers too) and gets
+  ``SIGKILL`` from the kernel if the host process dies (``PR_SET_PDEATHSIG``);
+* has an **ownership record** ``<owned dir>/<pid>-<start ticks>.json`` naming the host
+  process that owns it. A restarted host reaps every engine whose owner is gone -- and
+  checks the engine's start ticks first, so a pid reused by an unrelated process is never
+  signalled;
+* writes stdout and stderr to a log file and to a bounded in-memory ring buffer whose tail
+  (redacted) goes into errors.
+
+Shutdown: ``SIGTERM`` to the group, a grace period, ``SIGKILL`` to the group, then a
+bounded wait; a process still present after that is ``engine_shutdown_failed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import httpx
+
+from sbproxy.model_host.engines.errors import EngineError
+from sbproxy.redact import redact
+from sbproxy.workflows import WorkerIdentity, owner_is_gone, process_start_ticks
+
+__all__ = [
+    "BASELINE_ENV",
+    "EngineProcess",
+    "ReapReport",
+    "minimal_env",
+    "reap_orphans",
+    "spawn_engine",
+]
+
+# Environment variables an engine may inherit; everything else (tokens, passwords, cloud
+# credentials) is withheld. Follows the reference's baseline list.
+BASELINE_ENV = (
+    "PATH",
+    "HOME",
+    "TMPDIR",
+    "TEMP",
+    "TMP",
+    "LANG",
+    "LC_ALL",
+    "TZ",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "LD_LIBRARY_PATH",
+)
+RING_BYTES = 64 * 1024
+TAIL_LINES = 40
+_PR_SET_PDEATHSIG = 1
+
+
+def minimal_env(
+    extra: Mapping[str, str] | None = None, *, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The baseline variables present in ``environ`` (default: this process) plus ``extra``."""
+    source = os.environ if environ is None else environ
+    env = {name: source[name] for name in BASELINE_ENV if name in source}
+    env.update(extra or {})
+    return env
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class OwnershipRecord:
+    """Who owns an engine process, written beside its siblings in the owned directory."""
+
+    pid: int
+    start_ticks: str
+    owner: str
+    label: str
+    executable: str
+
+    def path(self, directory: Path) -> Path:
+        """Where this record lives."""
+        return directory / f"{self.pid}-{self.start_ticks}.json"
+
+
+class EngineProcess:
+    """One running engine child. Create with :func:`spawn_engine`."""
+
+    def __init__(
+        self,
+        process: asyncio.subprocess.Process,
+        *,
+        record: OwnershipRecord,
+        record_path: Path,
+        log_path: Path,
+    ) -> None:
+        self._process = process
+        self.record = record
+        self.record_path = record_path
+        self.log_path = log_path
+        self.pid = process.pid
+        self._ring: deque[bytes] = deque()
+        self._ring_bytes = 0
+        self._reader = asyncio.get_running_loop().create_task(self._pump())
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status once the process has exited (negative: killed by that signal)."""
+        return self._process.returncode
+
+    def alive(self) -> bool:
+        """Whether the process has not exited yet."""
+        return self._process.returncode is None
+
+    async def _pump(self) -> None:
+        stream = self._process.stdout
+        if stream is None:
+            return
+        with self.log_path.open("ab") as log:
+            while line := await stream.readline():
+                log.write(line)
+                log.flush()
+                self._ring.append(line)
+                self._ring_bytes += len(line)
+                while self._ring_bytes > RING_BYTES and len(self._ring) > 1:
+                    self._ring_bytes -= len(self._ring.popleft())
+
+    def stderr_tail(self, lines: int = TAIL_LINES) -> str:
+        """The last ``lines`` lines the engine printed, redacted."""
+        text = b"".join(list(self._ring)[-lines:]).decode("utf-8", "replace")
+        return redact(text)
+
+    def _error(self, code: str, message: str, *, retryable: bool = False) -> EngineError:
+        tail = self.stderr_tail()
+        return EngineError(
+            message + (f"\n--- last engine output ---\n{tail}" if tail else ""),
+            code=code,
+            retryable=retryable,
+            details={"pid": self.pid, "log": str(self.log_path)},
+        )
+
+    async def wait_ready(self, url: str, *, timeout_s: float, poll_s: float = 0.1) -> None:
+        """Poll ``url`` until it answers 200.
+
+        Raises:
+            EngineError: ``engine_early_exit`` (retryable) if the process exits first;
+                ``engine_readiness_timeout`` (retryable) after ``timeout_s``, having killed
+                the process.
+        """
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while True:
+                if not self.alive():
+                    await self._settle()
+                    raise self._error(
+                        "engine_early_exit",
+                        f"the engine exited with status {self.returncode} before it was ready",
+                        retryable=True,
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(url)).status_code == 200:
+                        return
+                if time.monotonic() >= deadline:
+                    await self.shutdown(grace_s=1.0)
+                    raise self._error(
+                        "engine_readiness_timeout",
+                        f"the engine was not ready within {timeout_s:g} s; it was stopped",
+                        retryable=True,
+                    )
+                await anyio.sleep(poll_s)
+
+    async def probe(self, url: str, *, timeout_s: float = 2.0) -> str:
+        """One health probe: ``ready``, ``unhealthy`` (answers, not 200, or no answer) or
+        ``stopped`` (the process exited)."""
+        if not self.alive():
+            return "stopped"
+        try:
+            async with httpx.AsyncClient(timeout=timeout_s) as client:
+                response = await client.get(url)
+        except httpx.HTTPError:
+            return "unhealthy" if self.alive() else "stopped"
+        return "ready" if response.status_code == 200 else "unhealthy"
+
+    async def _settle(self) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._reader, timeout=2.0)
+        self.record_path.unlink(missing_ok=True)
+
+    def _signal_group(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+
+    async def shutdown(self, *, grace_s: float = 10.0, kill_wait_s: float = 5.0) -> None:
+        """Stop the engine: SIGTERM to its group, ``grace_s``, SIGKILL, ``kill_wait_s``.
+
+        Idempotent. Raises:
+            EngineError: ``engine_shutdown_failed`` when the process survives SIGKILL.
+        """
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._process.wait(), timeout=grace_s)
+        if self.alive():
+            self._signal_group(signal.SIGKILL)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._process.wait(), timeout=kill_wait_s)
+        if self.alive():
+            raise self._error(
+                "engine_shutdown_failed",
+                f"engine pid {self.pid} is still running after SIGKILL",
+            )
+        # Helpers the engine started in its group die with it; sweep any straggler.
+        self._signal_group(signal.SIGKILL)
+        await self._settle()
+
+
+async def spawn_engine(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    log_path: Path,
+    owned_dir: Path,
+    label: str,
+    identity: WorkerIdentity,
+    cwd: Path | None = None,
+) -> EngineProcess:
+    """Start an engine child (see the module docstring).
+
+    Raises:
+        EngineError: ``engine_spawn_failed`` when the executable cannot be started.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    owned_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    except OSError as exc:
+        raise EngineError(
+            f"cannot start {argv[0]}: {exc.strerror or exc}",
+            code="engine_spawn_failed",
+            remediation="Check that the engine executable exists and is executable.",
+        ) from exc
+    record = OwnershipRecord(
+        pid=process.pid,
+        start_ticks=process_start_ticks(process.pid) or "0",
+        owner=identity.owner,
+        label=label,
+        executable=str(argv[0]),
+    )
+    record_path = record.path(owned_dir)
+    temporary = record_path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record.__dict__))
+    temporary.replace(record_path)
+    return EngineProcess(process, record=record, record_path=record_path, log_path=log_path)
+
+
+@dataclass(frozen=True)
+class ReapReport:
+    """What :func:`reap_orphans` did."""
+
+    killed: tuple[int, ...]
+    cleared: tuple[str, ...]
+
+
+def reap_orphans(owned_dir: Path, *, grace_s: float = 5.0) -> ReapReport:
+    """Stop engines whose owner process is gone; drop records of engines already gone.
+
+    An engine is signalled only if its pid still has the start ticks recorded at spawn, so
+    a reused pid is never touched. Blocking (it may wait ``grace_s``): run it at startup.
+    """
+    killed: list[int] = []
+    cleared: list[str] = []
+    if not owned_dir.is_dir():
+        return ReapReport((), ())
+    for path in sorted(owned_dir.glob("*.json")):
+        try:
+            record = OwnershipRecord(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            path.unlink(missing_ok=True)
+            cleared.append(path.name)
+            continue
+        if not owner_is_gone(record.owner):
+            continue
+        if process_start_ticks(record.pid) == record.start_ticks:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(record.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while process_start_ticks(record.pid) == record.start_ticks:
+                if time.monotonic() > deadline:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(record.pid, signal.SIGKILL)
+                    break
+                time.sleep(0.05)
+            killed.append(record.pid)
+        path.unlink(missing_ok=True)
+        cleared.append(path.name)
+    return ReapReport(tuple(killed), tuple(cleared))

@@ -1,0 +1,278 @@
+"""The ``remove``, ``gc`` and ``prune`` workflows.
+
+``remove`` deletes one exact artifact (idempotency key ``remove:<digest>``); ``gc`` brings
+the cache under ``cache.budget_gib``, least recently used first, skipping protected
+artifacts (key ``gc``); ``prune`` deletes blobs no artifact references (key ``prune``).
+Each deletion step re-checks protection under the exclusive cache-mutation lock, so a plan
+made earlier never deletes something that became protected since.
+"""
+
+from __future__ import annotations
+
+import anyio
+import anyio.to_thread
+from pydantic import BaseModel, ConfigDict, Field
+
+from sbproxy.model_host.artifacts.cache import ArtifactCache
+from sbproxy.model_host.artifacts.collect import (
+    Deletion,
+    delete_artifact,
+    delete_orphans,
+    lease_or_lock_reason,
+    orphan_blobs,
+)
+from sbproxy.model_host.artifacts.errors import RemovalBlocked
+from sbproxy.model_host.artifacts.locks import hold
+from sbproxy.model_host.flows.registry import registry
+from sbproxy.store import JobStatus, JobStore
+from sbproxy.workflows import StepContext, WorkflowContext, step
+
+__all__ = [
+    "GcInput",
+    "GcReport",
+    "PruneReport",
+    "RemoveInput",
+    "RemoveOutput",
+    "artifact_subject",
+    "gc_workflow",
+    "prune_workflow",
+    "remove_workflow",
+]
+
+_ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.PARKED)
+
+
+def artifact_subject(digest: str) -> str:
+    """Job subject of everything done to one artifact."""
+    return f"artifact:sha256:{digest}"
+
+
+async def active_pull_state(store: JobStore, digest: str) -> str | None:
+    """State of an unfinished pull job of ``digest`` (``queued``, ``running``, ``parked``)."""
+    jobs = await store.list_jobs(statuses=_ACTIVE, kind="pull", subject=artifact_subject(digest))
+    return jobs[0].status.value if jobs else None
+
+
+class RemoveInput(BaseModel):
+    """Remove one artifact; ``protected`` maps digests to reasons decided by the caller."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    digest: str
+    protected: dict[str, str] = Field(default_factory=dict)
+
+
+class RemoveOutput(BaseModel):
+    """Result of a removal."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    artifact_digest: str
+    removed: bool
+    reclaimed_bytes: int
+
+
+async def _delete(ctx: StepContext, digest: str, protected: dict[str, str]) -> Deletion | str:
+    cache = ctx.resource(ArtifactCache)
+    blocked = dict(protected)
+    state = await active_pull_state(ctx.resource(JobStore), digest)
+    if state is not None and digest not in blocked:
+        blocked[digest] = state
+    async with hold(cache.mutation_lock()):
+        return await anyio.to_thread.run_sync(
+            lambda: delete_artifact(cache, digest, blocked=blocked)
+        )
+
+
+@step("delete")
+async def delete_step(ctx: StepContext, request: RemoveInput) -> RemoveOutput:
+    """Delete the artifact or refuse with the reason that protects it.
+
+    Idempotency: every piece of a deletion tolerates being absent; a second run of a
+    finished deletion reports ``removed: false``.
+    """
+    outcome = await _delete(ctx, request.digest, request.protected)
+    if isinstance(outcome, str):
+        raise RemovalBlocked(
+            f"artifact {request.digest} cannot be removed: {outcome}",
+            details={"reason": outcome, "artifact_digest": request.digest},
+        )
+    return RemoveOutput(
+        artifact_digest=request.digest,
+        removed=outcome.removed,
+        reclaimed_bytes=outcome.reclaimed_bytes,
+    )
+
+
+@registry.workflow("remove", version=1)
+async def remove_workflow(ctx: WorkflowContext, request: RemoveInput) -> RemoveOutput:
+    """Remove one exact artifact (fails closed with ``removal_blocked``)."""
+    return await ctx.step(delete_step, request)
+
+
+class GcInput(BaseModel):
+    """Collect down to ``budget_bytes``; ``protected`` maps digests to reasons."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget_bytes: int = Field(ge=0)
+    protected: dict[str, str] = Field(default_factory=dict)
+
+
+class GcPlan(BaseModel):
+    """Victims in deletion order, and why others were skipped."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    before_bytes: int
+    victims: tuple[str, ...]
+    skipped: dict[str, str]
+
+
+class GcDeleteInput(BaseModel):
+    """One deletion of a collection."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    digest: str
+    protected: dict[str, str]
+
+
+class GcDeleted(BaseModel):
+    """Outcome of one deletion of a collection."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    digest: str
+    reclaimed_bytes: int
+    skipped_reason: str | None = None
+
+
+class GcReport(BaseModel):
+    """Result of a collection (the reference's GC report)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    before_bytes: int
+    after_bytes: int
+    reclaimed_bytes: int
+    deleted_artifacts: list[str]
+    skipped_artifacts: dict[str, str]
+    budget_unsatisfied_bytes: int
+
+
+class PruneReport(BaseModel):
+    """Result of a prune."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    orphan_blobs: int
+    reclaimed_bytes: int
+
+
+@step("orphans")
+async def orphans_step(ctx: StepContext, _: GcInput) -> PruneReport:
+    """Delete blobs no artifact references (and leftover work directories).
+
+    Idempotency: deleting what is already gone frees nothing and reports zero.
+    """
+    cache = ctx.resource(ArtifactCache)
+    async with hold(cache.mutation_lock()):
+        count, freed = await anyio.to_thread.run_sync(delete_orphans, cache)
+    return PruneReport(orphan_blobs=count, reclaimed_bytes=freed)
+
+
+@step("plan")
+async def gc_plan(ctx: StepContext, request: GcInput) -> GcPlan:
+    """Choose victims, least recently used first, until the budget would hold.
+
+    Idempotency: reads only.
+    """
+    cache = ctx.resource(ArtifactCache)
+    store = ctx.resource(JobStore)
+    before = cache.blob_bytes()
+    excess = before - request.budget_bytes
+    victims: list[str] = []
+    skipped: dict[str, str] = {}
+    by_age = sorted(cache.published(), key=lambda m: (m.last_accessed_ms, m.artifact_digest))
+    referenced_by: dict[str, int] = {}
+    for metadata in by_age:
+        for item in metadata.files:
+            referenced_by[item.sha256] = referenced_by.get(item.sha256, 0) + 1
+    for metadata in by_age:
+        if excess <= 0:
+            break
+        digest = metadata.artifact_digest
+        reason = request.protected.get(digest) or await active_pull_state(store, digest)
+        reason = reason or lease_or_lock_reason(cache, digest)
+        if reason is not None:
+            skipped[digest] = reason
+            continue
+        victims.append(digest)
+        for item in metadata.files:
+            referenced_by[item.sha256] -= 1
+            if referenced_by[item.sha256] == 0:  # a shared blob frees its bytes only once
+                excess -= item.size_bytes
+    return GcPlan(before_bytes=before, victims=tuple(victims), skipped=skipped)
+
+
+@step("delete")
+async def gc_delete(ctx: StepContext, request: GcDeleteInput) -> GcDeleted:
+    """Delete one victim unless it became protected since the plan.
+
+    Idempotency: as ``remove``'s delete; a victim already gone frees nothing.
+    """
+    outcome = await _delete(ctx, request.digest, request.protected)
+    if isinstance(outcome, str):
+        return GcDeleted(digest=request.digest, reclaimed_bytes=0, skipped_reason=outcome)
+    return GcDeleted(digest=request.digest, reclaimed_bytes=outcome.reclaimed_bytes)
+
+
+@step("measure")
+async def gc_measure(ctx: StepContext, _: GcInput) -> int:
+    """Physical blob bytes after the collection.
+
+    Idempotency: reads only.
+    """
+    return ctx.resource(ArtifactCache).blob_bytes()
+
+
+@registry.workflow("gc", version=1)
+async def gc_workflow(ctx: WorkflowContext, request: GcInput) -> GcReport:
+    """Bring the cache under its budget: orphan blobs first, then LRU artifacts."""
+    orphans = await ctx.step(orphans_step, request)
+    plan = await ctx.step(gc_plan, request)
+    skipped = dict(plan.skipped)
+    deleted: list[str] = []
+    for digest in plan.victims:
+        done = await ctx.step(
+            gc_delete,
+            GcDeleteInput(digest=digest, protected=request.protected),
+            name=f"delete:{digest}",
+        )
+        if done.skipped_reason is not None:
+            skipped[digest] = done.skipped_reason
+        else:
+            deleted.append(digest)
+    after = await ctx.step(gc_measure, request)
+    before = plan.before_bytes + orphans.reclaimed_bytes
+    return GcReport(
+        before_bytes=before,
+        after_bytes=after,
+        reclaimed_bytes=max(before - after, 0),
+        deleted_artifacts=deleted,
+        skipped_artifacts=skipped,
+        budget_unsatisfied_bytes=max(after - request.budget_bytes, 0),
+    )
+
+
+@registry.workflow("prune", version=1)
+async def prune_workflow(ctx: WorkflowContext, request: GcInput) -> PruneReport:
+    """Delete blobs that no published artifact references."""
+    return await ctx.step(orphans_step, request)
+
+
+def prune_preview(cache: ArtifactCache) -> PruneReport:
+    """What a prune would delete (``--dry-run``): nothing is changed."""
+    orphans = orphan_blobs(cache)
+    return PruneReport(orphan_blobs=len(orphans), reclaimed_bytes=sum(orphans.values()))

@@ -1,0 +1,402 @@
+"""The ``pull`` workflow: make one exact artifact ready in the cache.
+
+Steps (each journaled; a crash resumes after the last completed one):
+
+1. ``plan`` -- a verified hit ends the job (size + BLAKE3 re-check, ``cache_corrupt`` on
+   tampering, never repaired); a miss is checked against the pull policy (``manual``,
+   ``--offline``, pickle opt-in) and lists the files whose blobs are not yet stored.
+2. ``fetch:<path>`` per missing file -- download (``hf:``, resumable, hashed while it
+   streams) or copy (``file:`` and imports), verify size and SHA-256, scan pickles, promote
+   the partial into ``blobs/sha256``.
+3. ``publish`` -- assemble the snapshot from blobs atomically and write the ready marker.
+
+One job per artifact: the idempotency key is the artifact digest, so a second pull of the
+same artifact (another CLI process, the server) joins the running job. Credentials are read
+from the environment inside ``fetch`` and never enter the job input or journal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+from blake3 import blake3
+from pydantic import BaseModel, ConfigDict, Field
+
+from sbproxy.catalog import ArtifactFormat, ResolvedArtifact
+from sbproxy.model_host.artifacts.cache import ArtifactCache
+from sbproxy.model_host.artifacts.download import (
+    RemoteFile,
+    download_file,
+    hash_file,
+    new_session,
+)
+from sbproxy.model_host.artifacts.errors import (
+    CacheCorrupt,
+    DigestMismatch,
+    ManualArtifactMissing,
+    OfflineArtifactMissing,
+    PickleRefused,
+    SizeMismatch,
+    SourceError,
+)
+from sbproxy.model_host.artifacts.pickle_scan import scan_pickle_file
+from sbproxy.model_host.artifacts.sources import (
+    FileSource,
+    HfSource,
+    hf_endpoint,
+    hf_token,
+    parse_source,
+)
+from sbproxy.model_host.flows.registry import registry
+from sbproxy.workflows import RetryPolicy, StepContext, WorkflowContext, step
+
+__all__ = ["PullInput", "PullIntent", "PullOutput", "pull_workflow"]
+
+# Transient network failures (cut streams, timeouts, 5xx) retry inside the fetch step; each
+# retry resumes from the partial. Delays 0.5 s doubling up to 10 s: a minute of patience.
+FETCH_RETRY = RetryPolicy(max_attempts=6, initial_delay_s=0.5, max_delay_s=10.0)
+COPY_BLOCK_BYTES = 4 * 1024 * 1024
+
+
+class PullIntent(StrEnum):
+    """Why the artifact is wanted: an operator's pull overrides ``manual``."""
+
+    EXPLICIT = "explicit"
+    STARTUP = "startup"
+    RUNTIME = "runtime"
+
+
+class PullInput(BaseModel):
+    """Input of a pull (or import) job. Never holds credentials."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    artifact: ResolvedArtifact
+    allow_pickle: bool = False
+    offline: bool = False
+    intent: PullIntent = PullIntent.EXPLICIT
+    pull_policy: str = Field(default="on_demand", description="on_boot, on_demand or manual")
+    local_files: dict[str, str] = Field(
+        default_factory=dict,
+        description="Import: relative path -> absolute local file to copy instead of fetching.",
+    )
+
+
+class FileTask(BaseModel):
+    """One file the job must fetch or copy."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    digest: str
+    path: str
+    sha256: str
+    size_bytes: int
+    url: str | None = None
+    local_path: str | None = None
+    offset_bytes: int = 0
+    total_bytes: int = 0
+    pickle: bool = False
+
+
+class Plan(BaseModel):
+    """Output of ``plan``: a verified hit, or the files still to fetch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hit: bool
+    snapshot_path: str | None = None
+    fetch: tuple[FileTask, ...] = ()
+
+
+class FetchResult(BaseModel):
+    """Output of one ``fetch:<path>`` step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    blake3: str
+    size_bytes: int
+    resumed_from: int = 0
+    transferred_bytes: int = 0
+
+
+class PublishInput(BaseModel):
+    """Input of ``publish``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    artifact: ResolvedArtifact
+    allow_pickle: bool
+    fingerprints: dict[str, str]
+
+
+class PullOutput(BaseModel):
+    """Result of a pull job."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    artifact_digest: str
+    snapshot_path: str
+    verified_bytes: int
+    cache_hit: bool
+    transferred_bytes: int = 0
+
+
+def _remediation(artifact: ResolvedArtifact) -> str:
+    return (
+        f"Run `sbproxy models pull {artifact.logical_model} --variant {artifact.variant_id}` first."
+    )
+
+
+def _check_policy(request: PullInput, cache: ArtifactCache) -> None:
+    """Refuse a miss the pull policy, the network setting or the pickle rules forbid."""
+    artifact = request.artifact
+    if artifact.format == ArtifactFormat.PICKLE and not request.allow_pickle:
+        raise PickleRefused(
+            f"{artifact.logical_model}:{artifact.variant_id} is a pickle artifact and its "
+            "catalog entry does not set allow_pickle: true",
+            remediation="Prefer a safetensors or GGUF variant.",
+        )
+    if request.pull_policy == "manual" and request.intent != PullIntent.EXPLICIT:
+        raise ManualArtifactMissing(
+            f"{artifact.logical_model}:{artifact.variant_id} is not cached and its pull "
+            "policy is manual",
+            remediation=_remediation(artifact),
+        )
+    remote = isinstance(parse_source(artifact.source), HfSource) and not request.local_files
+    if request.offline and remote:
+        missing = [f.path for f in artifact.files if not cache.blob_ok(f.sha256, f.size_bytes)]
+        if missing:
+            raise OfflineArtifactMissing(
+                f"{artifact.logical_model}:{artifact.variant_id} is not cached and network "
+                f"access is off (missing: {', '.join(missing)})",
+                remediation="Pull it without --offline, or import the files with "
+                "`sbproxy models import`.",
+            )
+
+
+def _tasks(request: PullInput, cache: ArtifactCache) -> tuple[FileTask, ...]:
+    """One task per file whose blob is not stored yet, with where to get it."""
+    artifact = request.artifact
+    unknown = set(request.local_files) - {f.path for f in artifact.files}
+    if unknown:
+        raise SourceError(f"{', '.join(sorted(unknown))} is not a file of this artifact")
+    source = parse_source(artifact.source)
+    single = len(artifact.files) == 1
+    tasks = []
+    offset = 0
+    for item in artifact.files:
+        if not cache.blob_ok(item.sha256, item.size_bytes):
+            url = local = None
+            if item.path in request.local_files:
+                local = request.local_files[item.path]
+            elif isinstance(source, FileSource):
+                local = str(source.file(item.path, single=single))
+            else:
+                url = source.url(revision=artifact.revision, path=item.path, endpoint=hf_endpoint())
+            tasks.append(
+                FileTask(
+                    digest=artifact.digest,
+                    path=item.path,
+                    sha256=item.sha256,
+                    size_bytes=item.size_bytes,
+                    url=url,
+                    local_path=local,
+                    offset_bytes=offset,
+                    total_bytes=artifact.total_size_bytes,
+                    pickle=artifact.format == ArtifactFormat.PICKLE,
+                )
+            )
+        offset += item.size_bytes
+    return tuple(tasks)
+
+
+@step("plan")
+async def plan_pull(ctx: StepContext, request: PullInput) -> Plan:
+    """Classify the cache and decide what to fetch.
+
+    Idempotency: reads the cache and writes only ``last_accessed_ms`` of a hit.
+    """
+    cache = ctx.resource(ArtifactCache)
+    artifact = request.artifact
+    state = cache.lookup(artifact)
+    if state.kind == "corrupt":
+        raise CacheCorrupt(
+            f"the cached artifact {artifact.digest} is corrupt: {state.reason}",
+            remediation="Remove it with `sbproxy models remove` and pull again.",
+        )
+    metadata = state.metadata
+    if state.kind == "ready" and metadata is not None:
+        await anyio.to_thread.run_sync(lambda: cache.verify(metadata))
+        if request.local_files:
+            # An import of a cached artifact must still be the file the catalog pins.
+            await anyio.to_thread.run_sync(_check_local_files, request)
+        cache.touch(metadata)
+        return Plan(hit=True, snapshot_path=str(cache.snapshot(artifact.digest)))
+    _check_policy(request, cache)
+    tasks = _tasks(request, cache)
+    cache.record_pending(artifact)
+    return Plan(hit=False, fetch=tasks)
+
+
+def _check_local_files(request: PullInput) -> None:
+    """Refuse import files that are not the catalog's (size first, then SHA-256)."""
+    pinned = {item.path: item for item in request.artifact.files}
+    for relpath, local in request.local_files.items():
+        item = pinned[relpath]
+        path = Path(local)
+        if path.is_symlink() or not path.is_file():
+            raise SourceError(f"{path} is not a regular file (symbolic links are refused)")
+        if path.stat().st_size != item.size_bytes:
+            raise SizeMismatch(
+                f"{path} has {path.stat().st_size} bytes, the catalog says {item.size_bytes}"
+            )
+        sha, _ = hash_file(path)
+        if sha.hexdigest() != item.sha256:
+            raise DigestMismatch(
+                f"{path}: SHA-256 {sha.hexdigest()} does not match the catalog's {item.sha256}",
+                remediation="This is not the file the catalog pins; nothing was imported.",
+            )
+
+
+def _copy_verified(
+    task: FileTask, part: Path, check_cancelled: Callable[[], None]
+) -> tuple[str, str, int]:
+    """Copy a local file into ``part``, hashing it in the same pass; refuses symlinks."""
+    source = Path(task.local_path or "")
+    if source.is_symlink() or not source.is_file():
+        raise SourceError(f"{source} is not a regular file (symbolic links are refused)")
+    size = source.stat().st_size
+    if size != task.size_bytes:
+        raise SizeMismatch(f"{source} has {size} bytes, the catalog says {task.size_bytes}")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    sha, b3 = hashlib.sha256(), blake3()
+    with source.open("rb") as reader, part.open("wb") as writer:
+        while block := reader.read(COPY_BLOCK_BYTES):
+            check_cancelled()
+            sha.update(block)
+            b3.update(block)
+            writer.write(block)
+        writer.flush()
+        os.fsync(writer.fileno())
+    return sha.hexdigest(), b3.hexdigest(), size
+
+
+@step("fetch", retry=FETCH_RETRY)
+async def fetch_file(ctx: StepContext, task: FileTask) -> FetchResult:
+    """Download or copy one file, verify it, scan it if it is a pickle, promote it.
+
+    Idempotency: a blob that is already stored (an earlier run got this far) is reused; a
+    partial download resumes from its checkpoint; promotion is an atomic rename under the
+    blob lock.
+    """
+    cache = ctx.resource(ArtifactCache)
+    part = cache.partial(task.digest, task.path)
+    if cache.blob_ok(task.sha256, task.size_bytes):
+        _, b3 = await anyio.to_thread.run_sync(hash_file, cache.blob(task.sha256))
+        return FetchResult(path=task.path, blake3=b3.hexdigest(), size_bytes=task.size_bytes)
+
+    async def progress(done: int) -> None:
+        await ctx.report_progress(
+            done=task.offset_bytes + done, total=task.total_bytes, current=task.path
+        )
+
+    resumed = transferred = 0
+    if task.local_path is not None:
+        sha, fingerprint, size = await anyio.to_thread.run_sync(
+            _copy_verified, task, part, ctx.check_cancelled
+        )
+        if sha != task.sha256:
+            part.unlink(missing_ok=True)
+            raise DigestMismatch(
+                f"{task.local_path}: SHA-256 {sha} does not match the catalog's {task.sha256}",
+                remediation="This is not the file the catalog pins; nothing was imported.",
+            )
+        await progress(size)
+    else:
+        assert task.url is not None  # noqa: S101 - plan gives every task a url or a path
+        remote = RemoteFile(url=task.url, path=task.path, sha256=task.sha256, size=task.size_bytes)
+        async with new_session() as session:
+            result = await download_file(
+                session,
+                remote,
+                part=part,
+                token=hf_token(),
+                on_progress=progress,
+                check_cancelled=ctx.check_cancelled,
+            )
+        fingerprint = result.blake3
+        resumed, transferred = result.resumed_from, result.downloaded_bytes
+    if task.pickle:
+        try:
+            await anyio.to_thread.run_sync(scan_pickle_file, part)
+        except Exception:
+            part.unlink(missing_ok=True)
+            raise
+    await cache.promote(part, sha256=task.sha256, size=task.size_bytes)
+    return FetchResult(
+        path=task.path,
+        blake3=fingerprint,
+        size_bytes=task.size_bytes,
+        resumed_from=resumed,
+        transferred_bytes=transferred,
+    )
+
+
+@step("publish")
+async def publish_snapshot(ctx: StepContext, request: PublishInput) -> PullOutput:
+    """Publish the snapshot and its ready marker.
+
+    Idempotency: publishing an already published artifact returns it unchanged; a
+    half-built staging directory from a crash is discarded and rebuilt.
+    """
+    cache = ctx.resource(ArtifactCache)
+    fingerprints = dict(request.fingerprints)
+    for item in request.artifact.files:
+        if item.path not in fingerprints:
+            _, b3 = await anyio.to_thread.run_sync(hash_file, cache.blob(item.sha256))
+            fingerprints[item.path] = b3.hexdigest()
+    metadata = await cache.publish(
+        request.artifact, fingerprints=fingerprints, pickle_allowed=request.allow_pickle
+    )
+    return PullOutput(
+        artifact_digest=metadata.artifact_digest,
+        snapshot_path=str(cache.snapshot(metadata.artifact_digest)),
+        verified_bytes=metadata.total_size_bytes,
+        cache_hit=False,
+    )
+
+
+@registry.workflow("pull", version=1)
+async def pull_workflow(ctx: WorkflowContext, request: PullInput) -> PullOutput:
+    """Make ``request.artifact`` ready in the cache (see the module docstring)."""
+    plan = await ctx.step(plan_pull, request)
+    if plan.hit:
+        assert plan.snapshot_path is not None  # noqa: S101 - a hit carries its path
+        return PullOutput(
+            artifact_digest=request.artifact.digest,
+            snapshot_path=plan.snapshot_path,
+            verified_bytes=request.artifact.total_size_bytes,
+            cache_hit=True,
+        )
+    fingerprints: dict[str, str] = {}
+    transferred = 0
+    for task in plan.fetch:
+        fetched = await ctx.step(fetch_file, task, name=f"fetch:{task.path}")
+        fingerprints[task.path] = fetched.blake3
+        transferred += fetched.transferred_bytes
+    published = await ctx.step(
+        publish_snapshot,
+        PublishInput(
+            artifact=request.artifact,
+            allow_pickle=request.allow_pickle,
+            fingerprints=fingerprints,
+        ),
+    )
+    return published.model_copy(update={"transferred_bytes": transferred})

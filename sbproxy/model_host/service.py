@@ -1,0 +1,318 @@
+"""The model host's use-case API for offline work (the CLI today, the admin API later).
+
+A :class:`ModelHostService` binds one cache root (and its job journal), one catalog and,
+optionally, one loaded configuration. Every mutation goes through a durable job: a pull
+of an artifact that already has an unfinished pull joins that job (idempotency key = the
+artifact digest), resuming it if its owner died.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+
+from sbproxy.catalog import (
+    ArtifactRequest,
+    Catalog,
+    ResolvedArtifact,
+    WorkerProfile,
+    load_catalog,
+    resolve_artifact,
+)
+from sbproxy.config import CompiledConfig
+from sbproxy.model_host.artifacts import ArtifactCache, CachedMetadata, CacheLayout
+from sbproxy.model_host.artifacts.collect import orphan_blobs
+from sbproxy.model_host.artifacts.errors import CacheCorrupt
+from sbproxy.model_host.flows import (
+    GcInput,
+    GcReport,
+    PruneReport,
+    PullInput,
+    PullIntent,
+    PullOutput,
+    RemoveInput,
+    RemoveOutput,
+    artifact_subject,
+    gc_workflow,
+    prune_workflow,
+    pull_workflow,
+    registry,
+    remove_workflow,
+)
+from sbproxy.model_host.runtime import probe_worker
+from sbproxy.store import JobRecord, JobStatus
+from sbproxy.workflows import WorkflowEngine
+
+__all__ = ["ArtifactJob", "ModelHostService", "Selection", "open_service"]
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One artifact to act on, and why (the deployment or catalog entry behind it)."""
+
+    artifact: ResolvedArtifact
+    allow_pickle: bool = False
+    pull_policy: str = "on_demand"
+    deployment: str | None = None
+
+
+@dataclass(frozen=True)
+class ArtifactJob:
+    """A finished job about one artifact, with its typed result when it succeeded."""
+
+    selection: Selection
+    job: JobRecord
+    output: PullOutput | None = None
+
+
+@dataclass
+class ModelHostService:
+    """Offline model-host operations over one cache root.
+
+    Attributes:
+        layout: The cache root's layout.
+        catalog: The catalog in force (operator file or built-in).
+        engine: The workflow engine over ``layout.journal``.
+        config: The loaded configuration, if any.
+    """
+
+    layout: CacheLayout
+    catalog: Catalog
+    engine: WorkflowEngine
+    config: CompiledConfig | None = None
+    _worker: WorkerProfile | None = field(default=None, repr=False)
+
+    @property
+    def cache(self) -> ArtifactCache:
+        """The artifact cache."""
+        return ArtifactCache(self.layout)
+
+    def worker(self) -> WorkerProfile:
+        """This machine's worker profile (probed once)."""
+        if self._worker is None:
+            self._worker = probe_worker()
+        return self._worker
+
+    # -- selection -------------------------------------------------------------------------
+
+    def select(self, model: str, *, variant: str | None = None, engine: str = "auto") -> Selection:
+        """Resolve a catalog id to the exact artifact for this worker.
+
+        Raises:
+            ResolutionError: unknown model or variant, or nothing fits this worker.
+        """
+        request = ArtifactRequest.model_validate(
+            {"model": model, "variant": variant, "engine": engine}
+        )
+        resolution = resolve_artifact(self.catalog, request, self.worker())
+        entry = self.catalog.entry(model)
+        return Selection(
+            artifact=resolution.artifact,
+            allow_pickle=entry.allow_pickle,
+            pull_policy=str(entry.pull),
+        )
+
+    def configured(self) -> list[Selection]:
+        """The artifacts of every configured deployment (empty without a configuration)."""
+        if self.config is None:
+            return []
+        chosen = []
+        for deployment_id, deployment in self.config.deployments.items():
+            request = ArtifactRequest.model_validate(
+                {
+                    "model": deployment.model,
+                    "variant": deployment.variant,
+                    "engine": str(deployment.engine),
+                    "replicas": deployment.replicas,
+                    "heterogeneous_variants": deployment.heterogeneous_variants,
+                }
+            )
+            resolution = resolve_artifact(self.catalog, request, self.worker())
+            entry = self.catalog.entry(deployment.model)
+            chosen.append(
+                Selection(
+                    artifact=resolution.artifact,
+                    allow_pickle=entry.allow_pickle,
+                    pull_policy=str(deployment.pull),
+                    deployment=deployment_id,
+                )
+            )
+        return chosen
+
+    def on_boot_entries(self) -> list[Selection]:
+        """Catalog entries whose own pull policy is ``on_boot``."""
+        chosen = []
+        for model_id, entry in self.catalog.models.items():
+            if str(entry.pull) == "on_boot" and entry.variants:
+                chosen.append(self.select(model_id))
+        return chosen
+
+    def protected(self) -> dict[str, str]:
+        """Digests removal and collection must not touch: configured deployments."""
+        return {s.artifact.digest: "configured" for s in self.configured()}
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    async def submit_pull(
+        self,
+        selection: Selection,
+        *,
+        offline: bool = False,
+        intent: PullIntent = PullIntent.EXPLICIT,
+        local_files: Mapping[str, str] | None = None,
+    ) -> JobRecord:
+        """Queue (or join) the pull job of ``selection``; returns the job."""
+        request = PullInput(
+            artifact=selection.artifact,
+            allow_pickle=selection.allow_pickle,
+            offline=offline,
+            intent=intent,
+            pull_policy=selection.pull_policy,
+            local_files=dict(local_files or {}),
+        )
+        submitted = await self.engine.submit(
+            pull_workflow,
+            request,
+            idempotency_key=selection.artifact.digest,
+            subject=artifact_subject(selection.artifact.digest),
+        )
+        return submitted.job
+
+    async def run(self, job: JobRecord) -> JobRecord:
+        """Run ``job`` here (or wait for its live owner) until it finishes."""
+        return await self.engine.run_job(job.id)
+
+    async def pull(
+        self,
+        selection: Selection,
+        *,
+        offline: bool = False,
+        intent: PullIntent = PullIntent.EXPLICIT,
+        local_files: Mapping[str, str] | None = None,
+        on_submit: Callable[[JobRecord], Awaitable[None]] | None = None,
+    ) -> ArtifactJob:
+        """Pull (or import) one artifact and wait for the outcome."""
+        job = await self.submit_pull(
+            selection, offline=offline, intent=intent, local_files=local_files
+        )
+        if on_submit is not None:
+            await on_submit(job)
+        final = await self.run(job)
+        output = (
+            PullOutput.model_validate(final.output) if final.status == JobStatus.SUCCEEDED else None
+        )
+        return ArtifactJob(selection=selection, job=final, output=output)
+
+    async def remove(self, selection: Selection) -> tuple[RemoveOutput, JobRecord | None]:
+        """Remove one artifact; no job when it is not cached (idempotent)."""
+        digest = selection.artifact.digest
+        state = self.cache.lookup(selection.artifact)
+        if state.kind == "missing":
+            return RemoveOutput(artifact_digest=digest, removed=False, reclaimed_bytes=0), None
+        submitted = await self.engine.submit(
+            remove_workflow,
+            RemoveInput(digest=digest, protected=self.protected()),
+            idempotency_key=f"remove:{digest}",
+            subject=artifact_subject(digest),
+        )
+        job = await self.engine.run_job(submitted.job.id)
+        output = (
+            RemoveOutput.model_validate(job.output) if job.status == JobStatus.SUCCEEDED else None
+        )
+        if output is None:
+            return RemoveOutput(artifact_digest=digest, removed=False, reclaimed_bytes=0), job
+        return output, job
+
+    async def gc(self, *, budget_bytes: int) -> tuple[GcReport | None, JobRecord]:
+        """Collect the cache down to ``budget_bytes`` (protected artifacts stay)."""
+        submitted = await self.engine.submit(
+            gc_workflow,
+            GcInput(budget_bytes=budget_bytes, protected=self.protected()),
+            idempotency_key=f"gc:{budget_bytes}",
+        )
+        job = await self.engine.run_job(submitted.job.id)
+        report = GcReport.model_validate(job.output) if job.status == JobStatus.SUCCEEDED else None
+        return report, job
+
+    async def prune(self) -> tuple[PruneReport | None, JobRecord]:
+        """Delete blobs that no published artifact references."""
+        submitted = await self.engine.submit(
+            prune_workflow, GcInput(budget_bytes=0), idempotency_key="prune"
+        )
+        job = await self.engine.run_job(submitted.job.id)
+        report = (
+            PruneReport.model_validate(job.output) if job.status == JobStatus.SUCCEEDED else None
+        )
+        return report, job
+
+    def prune_preview(self) -> PruneReport:
+        """What :meth:`prune` would delete."""
+        orphans = orphan_blobs(self.cache)
+        return PruneReport(orphan_blobs=len(orphans), reclaimed_bytes=sum(orphans.values()))
+
+    def budget_bytes(self) -> int | None:
+        """``cache.budget_gib`` of the configuration in bytes (floor), if set."""
+        host = self.config.model_host if self.config else None
+        if host is None or host.cache.budget_gib is None:
+            return None
+        return int(host.cache.budget_gib * GIB)
+
+    # -- inspection ------------------------------------------------------------------------
+
+    def cached(self) -> list[CachedMetadata]:
+        """Every published artifact."""
+        return self.cache.published()
+
+    def status_of(self, model_id: str) -> str:
+        """``cached`` when some published artifact is a variant of ``model_id``."""
+        for metadata in self.cached():
+            if (
+                metadata.logical_model == model_id
+                and self.cache.snapshot(metadata.artifact_digest).is_dir()
+            ):
+                return "cached"
+        return "not-pulled"
+
+    async def verify(self, metadata: CachedMetadata, *, full: bool) -> str | None:
+        """Re-verify one published artifact; the corruption reason, or None when intact."""
+        try:
+            await anyio.to_thread.run_sync(lambda: self.cache.verify(metadata, full=full))
+        except CacheCorrupt as exc:
+            return exc.message
+        return None
+
+    async def close(self) -> None:
+        """Close the journal."""
+        await self.engine.close()
+
+
+@asynccontextmanager
+async def open_service(
+    layout: CacheLayout,
+    *,
+    config: CompiledConfig | None = None,
+    catalog_file: Path | None = None,
+) -> AsyncIterator[ModelHostService]:
+    """Open the cache's journal and catalog for the duration of a ``with`` block.
+
+    The catalog is ``catalog_file`` if given, else the configuration's ``catalog_file``,
+    else the built-in one.
+    """
+    host = config.model_host if config else None
+    chosen = catalog_file or (Path(host.catalog_file) if host and host.catalog_file else None)
+    catalog = load_catalog(chosen)
+    cache = ArtifactCache(layout)
+    cache.ensure_dirs()
+    engine = await WorkflowEngine.open(layout.journal, registry, resources=[cache])
+    service = ModelHostService(layout=layout, catalog=catalog, engine=engine, config=config)
+    try:
+        yield service
+    finally:
+        await service.close()

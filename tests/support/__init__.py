@@ -1,0 +1,1 @@
+"""Test support: real local servers and helpers shared by tests and benchmarks."""

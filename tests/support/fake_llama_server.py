@@ -1,0 +1,240 @@
+"""A stand-in for ``llama-server`` for lifecycle tests (the real one is used end to end).
+
+It accepts llama-server's flags, answers ``--version``, serves ``/health`` (503 "Loading
+model" while loading, then 200) and the OpenAI routes (chat completions and completions,
+streamed or not, and embeddings), and has fault modes chosen with the environment
+variable ``FAKE_LLAMA_MODE`` (comma-separated):
+
+* ``load_s=<seconds>`` -- stay "loading" this long (default 0.2);
+* ``exit_at_start`` -- print an error and exit with status 3 before listening;
+* ``crash_after_ready_s=<seconds>`` -- exit with status 134 that long after becoming ready;
+* ``hang`` -- listen but never become ready;
+* ``ignore_sigterm`` -- ignore SIGTERM (only SIGKILL stops it);
+* ``token_delay_s=<seconds>`` -- delay between streamed tokens (default 0.01).
+
+``FAKE_LLAMA_RECORD=<file>`` makes it write its argv and environment there as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+VERSION_TEXT = "version: 9999 (fake)\nbuilt with fake for testing\n"
+
+
+def _modes() -> dict[str, str]:
+    modes: dict[str, str] = {}
+    for item in os.environ.get("FAKE_LLAMA_MODE", "").split(","):
+        key, _, value = item.strip().partition("=")
+        if key:
+            modes[key] = value
+    return modes
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llama-server", add_help=False)
+    parser.add_argument("--version", action="store_true")
+    parser.add_argument("--model", "-m")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--ctx-size", "-c", type=int, default=4096)
+    parser.add_argument("--parallel", "-np", type=int, default=1)
+    parser.add_argument("--n-gpu-layers", "-ngl", type=int, default=0)
+    parser.add_argument("--cache-type-k")
+    parser.add_argument("--cache-type-v")
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--ubatch-size", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--flash-attn", action="store_true")
+    parser.add_argument("--no-mmap", action="store_true")
+    parser.add_argument("--mlock", action="store_true")
+    parser.add_argument("--split-mode")
+    parser.add_argument("--tensor-split")
+    return parser
+
+
+class _State:
+    def __init__(self, load_s: float, model: str | None, token_delay_s: float) -> None:
+        self.ready_at = time.monotonic() + load_s
+        self.model = model or "unknown.gguf"
+        self.token_delay_s = token_delay_s
+        self.hang = False
+
+    @property
+    def ready(self) -> bool:
+        return not self.hang and time.monotonic() >= self.ready_at
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    state: _State
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        sys.stderr.write("fake-llama: " + (format % args) + "\n")
+
+    def _json(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            if self.state.ready:
+                self._json(200, {"status": "ok"})
+            else:
+                self._json(503, {"error": {"code": 503, "message": "Loading model"}})
+        elif self.path in ("/v1/models", "/models"):
+            self._json(
+                200, {"object": "list", "data": [{"id": self.state.model, "object": "model"}]}
+            )
+        else:
+            self._json(404, {"error": {"code": 404, "message": "not found"}})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except ValueError:
+            self._json(400, {"error": {"code": 400, "message": "bad json"}})
+            return
+        if not self.state.ready:
+            self._json(503, {"error": {"code": 503, "message": "Loading model"}})
+            return
+        if self.path == "/v1/embeddings":
+            self._json(
+                200,
+                {
+                    "object": "list",
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}],
+                    "model": self.state.model,
+                    "usage": {"prompt_tokens": 3, "total_tokens": 3},
+                },
+            )
+            return
+        if self.path not in ("/v1/chat/completions", "/v1/completions"):
+            self._json(404, {"error": {"code": 404, "message": "not found"}})
+            return
+        chat = self.path == "/v1/chat/completions"
+        words = ["fake", " reply", " from", " the", " stand-in"]
+        words = words[: max(1, min(len(words), int(body.get("max_tokens") or len(words))))]
+        if body.get("stream"):
+            self._stream(words, chat=chat)
+            return
+        text = "".join(words)
+        choice: dict[str, Any] = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": "stop"}
+        )
+        self._json(
+            200,
+            {
+                "id": "fake-1",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.state.model,
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": 5,
+                    "completion_tokens": len(words),
+                    "total_tokens": 5 + len(words),
+                },
+            },
+        )
+
+    def _stream(self, words: list[str], *, chat: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def send(payload: str) -> None:
+            data = f"data: {payload}\n\n".encode()
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+        try:
+            for word in words:
+                delta = {"content": word} if chat else None
+                choice = (
+                    {"index": 0, "delta": delta, "finish_reason": None}
+                    if chat
+                    else {"index": 0, "text": word, "finish_reason": None}
+                )
+                send(
+                    json.dumps(
+                        {
+                            "id": "fake-1",
+                            "object": "chat.completion.chunk",
+                            "model": self.state.model,
+                            "choices": [choice],
+                        }
+                    )
+                )
+                time.sleep(self.state.token_delay_s)
+            send("[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, unknown = _parser().parse_known_args(argv)
+    if args.version:
+        sys.stdout.write(VERSION_TEXT)
+        return 0
+    record = os.environ.get("FAKE_LLAMA_RECORD")
+    if record:
+        with open(record, "w") as handle:  # noqa: PTH123 - plain stdlib stand-in
+            json.dump(
+                {"argv": sys.argv[1:] if argv is None else argv, "env": dict(os.environ)}, handle
+            )
+    modes = _modes()
+    if unknown:
+        sys.stderr.write(f"error: invalid argument: {unknown[0]}\n")
+        return 1
+    if "exit_at_start" in modes:
+        sys.stderr.write("error: failed to load model (fake exit_at_start)\n")
+        return 3
+    if "ignore_sigterm" in modes:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    state = _State(
+        float(modes.get("load_s") or 0.2), args.model, float(modes.get("token_delay_s") or 0.01)
+    )
+    state.hang = "hang" in modes
+    _Handler.state = state
+    server = ThreadingHTTPServer((args.host, args.port), _Handler)
+    sys.stderr.write(f"main: server is listening on http://{args.host}:{args.port}\n")
+    sys.stderr.flush()
+    if "crash_after_ready_s" in modes:
+        delay = float(modes["crash_after_ready_s"] or 0.5)
+
+        def crash() -> None:
+            while not state.ready:
+                time.sleep(0.05)
+            time.sleep(delay)
+            sys.stderr.write("GGML_ASSERT: fake crash after ready\n")
+            sys.stderr.flush()
+            os._exit(134)
+
+        threading.Thread(target=crash, daemon=True).start()
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
