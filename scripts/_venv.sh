@@ -23,7 +23,11 @@ ensure_venv() {
   if [ ! -x "$venv/bin/python" ]; then
     "$(find_python)" -m venv "$venv"
   fi
+  local target="$repo_root"
+  if [ -n "$extras" ]; then
+    target="$repo_root[$extras]"
+  fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -c "$repo_root/constraints.txt" -e "$repo_root[$extras]"
+    -c "$repo_root/constraints.txt" -e "$target"
   export PATH="$venv/bin:$PATH"
 }

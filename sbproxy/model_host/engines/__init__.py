@@ -26,6 +26,7 @@ from sbproxy.model_host.engines.process import (
     reap_orphans,
     spawn_engine,
 )
+from sbproxy.model_host.engines.provision import provision_llama_cpp
 
 __all__ = [
     "Availability",
@@ -43,6 +44,7 @@ __all__ = [
     "launch",
     "minimal_env",
     "plan_llama_launch",
+    "provision_llama_cpp",
     "published_build",
     "read_version",
     "reap_orphans",

@@ -43,7 +43,7 @@ from sbproxy.model_host.artifacts.download import hash_file
 from sbproxy.model_host.artifacts.locks import hold
 from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.model_host.engines.process import minimal_env
-from sbproxy.model_host.flows.registry import registry
+from sbproxy.model_host.registry import registry
 from sbproxy.workflows import StepContext, WorkflowContext, step
 
 __all__ = [
@@ -54,6 +54,8 @@ __all__ = [
     "cmake_flags",
     "engine_build_workflow",
     "published_build",
+    "read_version",
+    "version_of",
 ]
 
 RECIPE_VERSION = 1
@@ -256,23 +258,42 @@ async def build_tree(ctx: StepContext, request: BuildInput) -> BuildTree:
     return BuildTree(work_dir=str(work), bin_dir=str(build / "bin"))
 
 
-def _version(executable: Path) -> str:
-    done = subprocess.run(  # noqa: S603 - our own freshly built binary, no shell
-        [str(executable), "--version"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=minimal_env({"LD_LIBRARY_PATH": str(executable.parent)}),
-        check=False,
-    )
+def read_version(executable: Path) -> str | None:
+    """The ``version`` line of ``<executable> --version``, or ``None`` if it does not answer.
+
+    The binary's own directory goes on ``LD_LIBRARY_PATH``: llama.cpp builds link the shared
+    ``libllama``/``libggml`` that sit beside the executable.
+    """
+    try:
+        done = subprocess.run(  # noqa: S603 - an operator-approved or freshly built binary
+            [str(executable), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=minimal_env({"LD_LIBRARY_PATH": str(executable.parent)}),
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
     text = (done.stdout + done.stderr).strip()
     if done.returncode != 0 or "version" not in text.lower():
+        return None
+    return next((line for line in text.splitlines() if "version" in line.lower()), text)
+
+
+def version_of(executable: Path) -> str:
+    """:func:`read_version` of a freshly built or unpacked binary, which must answer.
+
+    Raises:
+        EngineError: ``engine_provision_failed`` when it does not.
+    """
+    version = read_version(executable)
+    if version is None:
         raise EngineError(
-            f"the built {executable.name} does not answer --version (status {done.returncode}): "
-            f"{text[-500:]}",
+            f"the new {executable.name} does not answer --version; see its build or archive",
             code="engine_provision_failed",
         )
-    return text.splitlines()[0]
+    return version
 
 
 @step("publish")
@@ -290,7 +311,7 @@ async def publish_build(ctx: StepContext, request: BuildInput) -> BuildOutput:
     built = work / "build" / "bin" / "llama-server"
     if not built.is_file():
         raise EngineError(f"{built} was not produced", code="engine_provision_failed")
-    version = await anyio.to_thread.run_sync(_version, built)
+    version = await anyio.to_thread.run_sync(version_of, built)
     final = layout.engines / "llama.cpp" / identity
     staging = layout.engines / "llama.cpp" / f".staging-{identity}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)

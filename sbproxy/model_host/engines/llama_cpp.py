@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from sbproxy.model_host.engines.driver import (
     check_snapshot,
 )
 from sbproxy.model_host.engines.errors import EngineError
-from sbproxy.model_host.engines.llama_build import BuildOutput, published_build
+from sbproxy.model_host.engines.llama_build import BuildOutput, published_build, read_version
 from sbproxy.model_host.engines.process import minimal_env
 
 __all__ = [
@@ -97,8 +96,14 @@ RELEASE_PINS: tuple[ReleasePin, ...] = (
 )
 
 
-def release_pin_for(tag: str, *, system: str, machine: str, acceleration: str) -> ReleasePin | None:
-    """The pinned release archive for this platform, or ``None`` (Linux CUDA has none)."""
+def release_pin_for(
+    tag: str, *, system: str, machine: str, acceleration: str, sha256: str | None = None
+) -> ReleasePin | None:
+    """The pinned release archive for this platform, or ``None`` (Linux CUDA has none).
+
+    ``sha256`` (``engines.llama_cpp.sha256``) pins a tag the built-in table does not know;
+    without it only the built-in pins count.
+    """
     if system == "Linux" and machine in ("x86_64", "AMD64"):
         if acceleration == "cuda":
             return None
@@ -107,26 +112,9 @@ def release_pin_for(tag: str, *, system: str, machine: str, acceleration: str) -
         infix = "macos-arm64" if machine == "arm64" else "macos-x64"
     else:
         return None
+    if sha256 is not None:
+        return ReleasePin(tag, infix, sha256)
     return next((p for p in RELEASE_PINS if p.tag == tag and p.infix == infix), None)
-
-
-def read_version(executable: Path) -> str | None:
-    """First line of ``<executable> --version``, or ``None`` if it does not answer."""
-    try:
-        done = subprocess.run(  # noqa: S603 - an executable the operator allowed, no shell
-            [str(executable), "--version"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env=minimal_env({"LD_LIBRARY_PATH": str(executable.parent)}),
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    text = (done.stdout + done.stderr).strip()
-    if done.returncode != 0 or "version" not in text.lower():
-        return None
-    return next((line for line in text.splitlines() if "version" in line.lower()), text)
 
 
 def _executable(path: Path) -> bool:
@@ -194,9 +182,9 @@ def _installed(
                 executable=on_path,
                 version=version,
             )
-    wanted = "cuda" if config.acceleration == "cuda" else "cpu"
+    wanted = ("src-cuda-",) if config.acceleration == "cuda" else ("src-cpu-", "release-")
     for build in _published(layout):
-        if build.identity.startswith(f"src-{wanted}-"):
+        if build.identity.startswith(wanted):
             return Detection(
                 KIND,
                 Availability.AVAILABLE,
@@ -218,8 +206,14 @@ def _acquisition(config: EngineConfig, *, system: str, machine: str) -> Detectio
             source="source_build",
         )
     tag = config.version or DEFAULT_TAG
-    pin = release_pin_for(tag, system=system, machine=machine, acceleration=config.acceleration)
-    if pin is None and config.sha256 is None:
+    pin = release_pin_for(
+        tag,
+        system=system,
+        machine=machine,
+        acceleration=config.acceleration,
+        sha256=config.sha256,
+    )
+    if pin is None:
         cuda = " (Linux CUDA builds from source)" if config.acceleration == "cuda" else ""
         return Detection(
             KIND,

@@ -6,6 +6,8 @@ processes that run jobs in-process use it. Importing this package registers them
 
 from __future__ import annotations
 
+# Engine builds are model-host jobs too: importing registers the engine_build workflow.
+import sbproxy.model_host.engines.llama_build
 from sbproxy.model_host.flows.collect import (
     GcInput,
     GcReport,
@@ -19,10 +21,9 @@ from sbproxy.model_host.flows.collect import (
     remove_workflow,
 )
 from sbproxy.model_host.flows.pull import PullInput, PullIntent, PullOutput, pull_workflow
-from sbproxy.model_host.flows.registry import registry
+from sbproxy.model_host.registry import registry
 
-# Engine builds are model-host jobs too: importing registers the engine_build workflow.
-import sbproxy.model_host.engines.llama_build  # noqa: F401  isort: skip
+import sbproxy.model_host.engines.llama_release  # noqa: F401  isort: skip
 
 __all__ = [
     "GcInput",

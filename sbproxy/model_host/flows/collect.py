@@ -23,7 +23,7 @@ from sbproxy.model_host.artifacts.collect import (
 )
 from sbproxy.model_host.artifacts.errors import RemovalBlocked
 from sbproxy.model_host.artifacts.locks import hold
-from sbproxy.model_host.flows.registry import registry
+from sbproxy.model_host.registry import registry
 from sbproxy.store import JobStatus, JobStore
 from sbproxy.workflows import StepContext, WorkflowContext, step
 

@@ -53,7 +53,7 @@ from sbproxy.model_host.artifacts.sources import (
     hf_token,
     parse_source,
 )
-from sbproxy.model_host.flows.registry import registry
+from sbproxy.model_host.registry import registry
 from sbproxy.workflows import RetryPolicy, StepContext, WorkflowContext, step
 
 __all__ = ["PullInput", "PullIntent", "PullOutput", "pull_workflow"]
