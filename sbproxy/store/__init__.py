@@ -24,17 +24,20 @@ from sbproxy.store.lifecycle import (
     JobStatus,
     StepStatus,
 )
+from sbproxy.store.runtime import CommittedRevision, RuntimeStore
 
 __all__ = [
     "ACTIVE_JOB_STATUSES",
     "JOB_TRANSITIONS",
     "TERMINAL_JOB_STATUSES",
+    "CommittedRevision",
     "Database",
     "ErrorInfo",
     "EventRecord",
     "JobRecord",
     "JobStatus",
     "JobStore",
+    "RuntimeStore",
     "StepRecord",
     "StepStatus",
     "StoreError",

@@ -151,9 +151,21 @@ class Database:
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
-        """A read transaction (``BEGIN DEFERRED``): a consistent snapshot, no write lock."""
-        async with self._engine.connect() as connection, connection.begin():
+        """A read transaction (``BEGIN DEFERRED``): a consistent snapshot, no write lock.
+
+        Opening and closing the connection are shielded from cancellation so that a
+        cancelled reader never leaves a pooled connection half-closed.
+        """
+        with anyio.CancelScope(shield=True):
+            connection = await self._engine.connect()
+            transaction = await connection.begin()
+        try:
             yield connection
+        finally:
+            with anyio.CancelScope(shield=True):
+                # Nothing was written: ending with a rollback is the cheapest close.
+                await transaction.rollback()
+                await connection.close()
 
     async def write(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
         """Run ``work`` in one ``BEGIN IMMEDIATE`` transaction and commit it.

@@ -79,6 +79,27 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX job_events_job_seq ON job_events (job_id, seq)",
         ),
     ),
+    (
+        2,
+        "deployment generations and committed runtime revisions",
+        (
+            """
+            CREATE TABLE deployment_generations (
+                deployment TEXT NOT NULL PRIMARY KEY,
+                generation INTEGER NOT NULL,
+                updated_at_ms INTEGER NOT NULL
+            )
+            """,
+            """
+            CREATE TABLE runtime_revisions (
+                revision INTEGER PRIMARY KEY,
+                content_digest TEXT NOT NULL,
+                desired_json TEXT NOT NULL,
+                committed_at_ms INTEGER NOT NULL
+            )
+            """,
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sqlmodel import Field, SQLModel
 
-__all__ = ["EventRow", "JobRow", "StepRow"]
+__all__ = ["EventRow", "GenerationRow", "JobRow", "RevisionRow", "StepRow"]
 
 
 class JobRow(SQLModel, table=True):
@@ -63,3 +63,24 @@ class EventRow(SQLModel, table=True):
     at_ms: int
     type: str
     data_json: str
+
+
+class GenerationRow(SQLModel, table=True):
+    """The last generation number handed out per deployment (monotonic across restarts)."""
+
+    __tablename__ = "deployment_generations"
+
+    deployment: str = Field(primary_key=True)
+    generation: int
+    updated_at_ms: int
+
+
+class RevisionRow(SQLModel, table=True):
+    """A committed desired state of the runtime."""
+
+    __tablename__ = "runtime_revisions"
+
+    revision: int | None = Field(default=None, primary_key=True)
+    content_digest: str
+    desired_json: str
+    committed_at_ms: int

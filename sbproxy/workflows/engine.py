@@ -68,6 +68,10 @@ class WorkflowEngine:
         self.history_limit = history_limit
         self.identity = WorkerIdentity.current()
 
+    def add_resource(self, resource: object) -> None:
+        """Make ``resource`` available to steps (for objects built after the engine)."""
+        self.resources = (*self.resources, resource)
+
     @classmethod
     async def open(
         cls,

@@ -12,7 +12,7 @@ from sqlmodel import SQLModel
 
 from sbproxy.store import Database, ErrorInfo, JobStatus, JobStore, StoreError
 from sbproxy.store.migrations import SCHEMA_VERSION
-from sbproxy.store.tables import EventRow, JobRow, StepRow
+from sbproxy.store.tables import EventRow, GenerationRow, JobRow, RevisionRow, StepRow
 
 pytestmark = pytest.mark.anyio
 
@@ -56,7 +56,7 @@ async def test_migrations_are_idempotent_and_match_the_mappings(tmp_path: Path) 
     with sqlite3.connect(path) as raw:
         applied = raw.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0]
         assert applied == SCHEMA_VERSION
-        for row_type in (JobRow, StepRow, EventRow):
+        for row_type in (JobRow, StepRow, EventRow, GenerationRow, RevisionRow):
             table = SQLModel.metadata.tables[str(row_type.__tablename__)]
             columns = {r[1] for r in raw.execute(f"PRAGMA table_info({table.name})")}
             assert columns == {c.name for c in table.columns}, table.name
@@ -269,3 +269,29 @@ async def test_secrets_never_reach_the_database_file(tmp_path: Path) -> None:
     blob = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("journal.db"))
     for secret in secrets:
         assert secret.encode() not in blob, secret
+
+
+async def test_generations_are_monotonic_across_reopen(tmp_path: Path) -> None:
+    from sbproxy.store import RuntimeStore
+
+    path = tmp_path / "journal.db"
+    database = await Database.open(path)
+    runtime = RuntimeStore(database)
+    assert [await runtime.next_generation("a") for _ in range(3)] == [1, 2, 3]
+    assert await runtime.next_generation("b") == 1
+    assert await runtime.latest_revision() is None
+    first = await runtime.commit_revision(content_digest="d1", desired={"x": 1})
+    await database.close()
+    database = await Database.open(path)
+    runtime = RuntimeStore(database)
+    assert await runtime.next_generation("a") == 4
+    second = await runtime.commit_revision(content_digest="d2", desired={"x": 2})
+    latest = await runtime.latest_revision()
+    await database.close()
+    assert second == first + 1
+    assert latest is not None
+    assert (latest.revision, latest.content_digest, dict(latest.desired)) == (
+        second,
+        "d2",
+        {"x": 2},
+    )

@@ -17,7 +17,7 @@ from pathlib import Path
 from sbproxy.model_host.artifacts import CachedMetadata
 from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.model_host.engines.process import EngineProcess, spawn_engine
-from sbproxy.workflows import WorkerIdentity
+from sbproxy.workflows import WorkerIdentity, fault_point
 
 __all__ = [
     "Availability",
@@ -176,6 +176,7 @@ async def launch(
         label=label,
         identity=identity,
     )
+    fault_point("engine.spawned")
     await process.wait_ready(
         f"http://127.0.0.1:{plan.port}{plan.health_path}", timeout_s=ready_timeout_s
     )

@@ -12,11 +12,16 @@ from sbproxy.model_host.artifacts import CachedFile, CachedMetadata
 FAKE_SERVER = Path(__file__).resolve().parents[2] / "support" / "fake_llama_server.py"
 
 
-def fake_llama_server(directory: Path) -> Path:
-    """An executable ``llama-server`` in ``directory`` that runs the stand-in."""
+def fake_llama_server(directory: Path, *, mode: str | None = None) -> Path:
+    """An executable ``llama-server`` in ``directory`` that runs the stand-in.
+
+    ``mode`` is baked into the script (``FAKE_LLAMA_MODE``): engines get a minimal
+    environment, so a variable of the test process would not reach them.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "llama-server"
-    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_SERVER}" "$@"\n')
+    preset = f"export FAKE_LLAMA_MODE='{mode}'\n" if mode is not None else ""
+    path.write_text(f'#!/bin/sh\n{preset}exec "{sys.executable}" "{FAKE_SERVER}" "$@"\n')
     path.chmod(0o755)
     return path
 

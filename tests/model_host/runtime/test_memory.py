@@ -22,6 +22,7 @@ from sbproxy.model_host.runtime.memory import (
     kv_bytes_per_element,
     read_gguf_header,
 )
+from tests.model_host.runtime.support import write_gguf
 from tests.support.real_inputs import GGUF_NAME, GGUF_SIZE, ensure_real_inputs
 
 GIB = 1024**3
@@ -41,52 +42,6 @@ def gemma_gguf() -> Path:
     path = root / GGUF_NAME
     if not path.is_file() or path.stat().st_size != GGUF_SIZE:
         pytest.skip(f"{path} is absent; `python -m tests.support.real_inputs` fetches it")
-    return path
-
-
-def write_gguf(
-    path: Path,
-    *,
-    arch: str = "llama",
-    block_count: int | None = 4,
-    head_count: int | list[int] | None = 8,
-    head_count_kv: int | list[int] | None = 2,
-    key_length: int | None = None,
-    value_length: int | None = None,
-    embedding_length: int | None = 512,
-    context_length: int | None = 4096,
-    vocab: int = 2000,
-    big_endian: bool = False,
-) -> Path:
-    """Write a GGUF (v3, no tensors) with a vocabulary and other arrays to skip."""
-    endian = gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE
-    writer = gguf.GGUFWriter(path, arch, endianess=endian)
-    writer.add_name("synthetic")
-    # Arrays before the shape keys, so the reader must skip them to get there.
-    writer.add_token_list([f"tok{i}\N{LATIN SMALL LETTER E WITH ACUTE}" for i in range(vocab)])
-    writer.add_token_scores([float(i) for i in range(vocab)])
-    writer.add_token_types([1] * vocab)
-    writer.add_array("synthetic.nested", [[1, 2], [3, 4, 5]])
-    writer.add_chat_template("{{ messages }}" * 200)
-    if block_count is not None:
-        writer.add_block_count(block_count)
-    if head_count is not None:
-        writer.add_head_count(head_count)
-    if head_count_kv is not None:
-        writer.add_head_count_kv(head_count_kv)
-    if key_length is not None:
-        writer.add_key_length(key_length)
-    if value_length is not None:
-        writer.add_value_length(value_length)
-    if embedding_length is not None:
-        writer.add_embedding_length(embedding_length)
-    if context_length is not None:
-        writer.add_context_length(context_length)
-    writer.add_feed_forward_length(1024)
-    writer.add_rope_freq_base(10000.0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
     return path
 
 

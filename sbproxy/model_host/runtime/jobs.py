@@ -1,0 +1,240 @@
+"""The durable jobs of the runtime: ``load`` (prepare and warm), ``drain`` and ``reset``.
+
+``load`` (idempotency key ``load:<deployment>``) has four steps: ``resolve`` the exact
+artifact, ``pull`` it (joining the artifact's pull job; the deployment's pull policy
+applies), acquire the ``engine`` (a source build or release download job when needed) and
+``launch`` a new generation. The first three are journaled and replayed after a crash; the
+launch step runs again because engines die with their host (parent-death signal) and the
+restarted host reaps what is left, so a resumed ``load`` converges to a ready engine under
+its original job id.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from sbproxy.catalog import ResolvedArtifact
+from sbproxy.errors import SbproxyError
+from sbproxy.model_host.engines import provision_llama_cpp
+from sbproxy.model_host.flows.pull import PullInput, PullIntent, PullOutput, pull_workflow
+from sbproxy.model_host.registry import registry
+from sbproxy.model_host.runtime.manager import RuntimeManager, Slot
+from sbproxy.store import JobRecord, JobStatus
+from sbproxy.workflows import StepContext, WorkflowContext, step
+
+__all__ = ["load_workflow", "pull_for", "submit_drain", "submit_load", "submit_reset"]
+
+
+class DeploymentInput(BaseModel):
+    """A job about one deployment."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    deployment: str
+    reason: str | None = None
+
+
+class PullStepInput(BaseModel):
+    """The artifact a deployment needs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    deployment: str
+    artifact: ResolvedArtifact
+
+
+class LaunchInput(BaseModel):
+    """What a launch starts."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    deployment: str
+    artifact: ResolvedArtifact
+    executable: str
+
+
+class LoadOutput(BaseModel):
+    """A ready generation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    deployment: str
+    generation: int
+    port: int
+    artifact_digest: str
+
+
+def _slot(ctx: StepContext, deployment: str) -> tuple[RuntimeManager, Slot]:
+    manager = ctx.resource(RuntimeManager)
+    return manager, manager.slot(deployment)
+
+
+async def pull_for(manager: RuntimeManager, slot: Slot, *, intent: str) -> PullOutput:
+    """Make the slot's artifact ready through its pull job (joining a running one).
+
+    Raises:
+        SbproxyError: the pull job's failure (``manual_artifact_missing``, ...).
+    """
+    artifact = slot.artifact or manager.resolve(slot)
+    entry = manager.catalog.entry(artifact.logical_model)
+    request = PullInput(
+        artifact=artifact,
+        allow_pickle=entry.allow_pickle,
+        intent=PullIntent(intent),
+        pull_policy=str(slot.config.pull),
+    )
+    submitted = await manager.engine.submit(
+        pull_workflow,
+        request,
+        idempotency_key=artifact.digest,
+        subject=f"artifact:sha256:{artifact.digest}",
+    )
+    job = await manager.engine.run_job(submitted.job.id)
+    if job.status != JobStatus.SUCCEEDED:
+        error = job.error
+        raise SbproxyError(
+            error.message if error else f"pull job {job.id} {job.status.value}",
+            code=error.code if error else "prepare_failed",
+            details={"job_id": job.id},
+        )
+    return PullOutput.model_validate(job.output)
+
+
+@step("resolve")
+async def resolve_step(ctx: StepContext, request: DeploymentInput) -> ResolvedArtifact:
+    """Resolve the deployment to its exact artifact on this worker.
+
+    Idempotency: pure (catalog and worker profile).
+    """
+    manager, slot = _slot(ctx, request.deployment)
+    return manager.resolve(slot)
+
+
+@step("pull")
+async def pull_step(ctx: StepContext, request: PullStepInput) -> PullOutput:
+    """Ensure the artifact is verified in the cache (policy ``runtime``: manual refuses).
+
+    Idempotency: the pull job is keyed by the artifact digest; a cached artifact is a hit.
+    """
+    manager, slot = _slot(ctx, request.deployment)
+    slot.artifact = request.artifact
+    intent = "startup" if str(slot.config.pull) == "on_boot" else "runtime"
+    return await pull_for(manager, slot, intent=intent)
+
+
+@step("engine")
+async def engine_step(ctx: StepContext, request: DeploymentInput) -> str:
+    """Find or acquire the llama-server executable.
+
+    Idempotency: detection finds an engine acquired by an earlier run.
+    """
+    manager = ctx.resource(RuntimeManager)
+    host = manager.compiled.model_host
+    config = host.engines.llama_cpp if host else None
+    executable = await provision_llama_cpp(
+        config, engine=manager.engine, layout_root=manager.layout.root
+    )
+    return str(executable)
+
+
+@step("launch")
+async def launch_step(ctx: StepContext, request: LaunchInput) -> LoadOutput:
+    """Start a new generation and wait for it to be ready.
+
+    Idempotency: a live ready engine of the deployment is reused; after a host crash there
+    is none (engines die with their host) and a new generation starts.
+    """
+    manager, slot = _slot(ctx, request.deployment)
+    slot.artifact = request.artifact
+    port = await manager.launch_generation(
+        slot, executable=Path(request.executable), job_id=ctx.job_id
+    )
+    return LoadOutput(
+        deployment=slot.deployment,
+        generation=slot.generation,
+        port=port,
+        artifact_digest=request.artifact.digest,
+    )
+
+
+@registry.workflow("load", version=1)
+async def load_workflow(ctx: WorkflowContext, request: DeploymentInput) -> LoadOutput:
+    """Prepare and warm one deployment (see the module docstring)."""
+    artifact = await ctx.step(resolve_step, request)
+    await ctx.step(pull_step, PullStepInput(deployment=request.deployment, artifact=artifact))
+    executable = await ctx.step(engine_step, request)
+    return await ctx.step(
+        launch_step,
+        LaunchInput(deployment=request.deployment, artifact=artifact, executable=executable),
+    )
+
+
+@step("drain")
+async def drain_step(ctx: StepContext, request: DeploymentInput) -> dict[str, object]:
+    """Refuse new work, cancel the queue, wait for active requests, stop the engine.
+
+    Idempotency: draining a stopped deployment only settles its state.
+    """
+    manager, slot = _slot(ctx, request.deployment)
+    return await manager.drain(slot)
+
+
+@registry.workflow("drain", version=1)
+async def drain_workflow(ctx: WorkflowContext, request: DeploymentInput) -> dict[str, object]:
+    """Drain and stop one deployment; the artifact stays cached."""
+    return await ctx.step(drain_step, request)
+
+
+@step("reset")
+async def reset_step(ctx: StepContext, request: DeploymentInput) -> str:
+    """Clear a retained failure.
+
+    Idempotency: a deployment that was reset already is ``configured``; a second reset is
+    refused with ``prepare_failed`` and changes nothing.
+    """
+    manager, slot = _slot(ctx, request.deployment)
+    manager.reset(slot)
+    return slot.state.value
+
+
+@registry.workflow("reset", version=1)
+async def reset_workflow(ctx: WorkflowContext, request: DeploymentInput) -> str:
+    """Clear a failed deployment's retained error so it can launch again."""
+    return await ctx.step(reset_step, request)
+
+
+async def submit_load(manager: RuntimeManager, deployment: str) -> JobRecord:
+    """Queue (or join) the ``load`` job of ``deployment``."""
+    submitted = await manager.engine.submit(
+        load_workflow,
+        DeploymentInput(deployment=deployment),
+        idempotency_key=f"load:{deployment}",
+        subject=f"deployment:{deployment}",
+    )
+    return submitted.job
+
+
+async def submit_drain(
+    manager: RuntimeManager, deployment: str, *, reason: str = "stop"
+) -> JobRecord:
+    """Queue (or join) the ``drain`` job of ``deployment``."""
+    submitted = await manager.engine.submit(
+        drain_workflow,
+        DeploymentInput(deployment=deployment, reason=reason),
+        idempotency_key=f"drain:{deployment}",
+        subject=f"deployment:{deployment}",
+    )
+    return submitted.job
+
+
+async def submit_reset(manager: RuntimeManager, deployment: str) -> JobRecord:
+    """Queue the ``reset`` job of ``deployment``."""
+    submitted = await manager.engine.submit(
+        reset_workflow,
+        DeploymentInput(deployment=deployment),
+        idempotency_key=f"reset:{deployment}",
+        subject=f"deployment:{deployment}",
+    )
+    return submitted.job

@@ -1,0 +1,141 @@
+"""A runtime host for tests: a cache, a catalog with one tiny GGUF artifact served from a
+``file:`` source, a configuration, and a manager whose engine is the stand-in llama-server."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import yaml
+
+from sbproxy.catalog import Accelerator, WorkerProfile, load_catalog
+from sbproxy.config import CompiledConfig, load_config_text
+from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
+from sbproxy.model_host.flows import registry
+from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.runtime.state import LaunchBackoff
+from sbproxy.store import RuntimeStore
+from sbproxy.workflows import LeaseSettings, WorkflowEngine
+from tests.model_host.engines.support import fake_llama_server
+from tests.model_host.runtime.support import write_gguf
+
+GIB = 1024**3
+
+
+def write_catalog(root: Path) -> Path:
+    """A catalog whose ``tiny`` model is a synthetic GGUF in a ``file:`` source directory."""
+    source = root / "source"
+    source.mkdir(parents=True, exist_ok=True)
+    gguf = write_gguf(source / "tiny.gguf", vocab=50)
+    data = gguf.read_bytes()
+    document = {
+        "schema_version": 2,
+        "catalog_revision": "runtime-test-1",
+        "models": {
+            "tiny": {
+                "params": "1M",
+                "license": "apache-2.0",
+                "family": "test",
+                "context_length": 4096,
+                "variants": [
+                    {
+                        "id": "q4_k_m",
+                        "format": "gguf",
+                        "quant": "Q4_K_M",
+                        "engines": ["llama_cpp"],
+                        "source": f"file:{source}",
+                        "revision": "main",
+                        "files": [
+                            {
+                                "path": "tiny.gguf",
+                                "sha256": hashlib.sha256(data).hexdigest(),
+                                "size_bytes": len(data),
+                            }
+                        ],
+                        "requirements": {"accelerators": ["cpu"], "min_memory_bytes": 1},
+                        "stability": "preview",
+                        "certification": "test",
+                    }
+                ],
+            }
+        },
+    }
+    path = root / "catalog.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def config_text(root: Path, *, executable: Path, deployments: dict[str, dict[str, Any]]) -> str:
+    document = {
+        "proxy": {
+            "model_host": {
+                "catalog_file": str(root / "catalog.yaml"),
+                "shutdown_deadline_ms": 2000,
+                "cache": {"directory": str(root / "cache")},
+                "engines": {"llama_cpp": {"path": str(executable)}},
+                "deployments": deployments,
+            }
+        }
+    }
+    return yaml.safe_dump(document)
+
+
+@dataclass
+class Host:
+    manager: RuntimeManager
+    engine: WorkflowEngine
+    layout: CacheLayout
+    root: Path
+
+
+@asynccontextmanager
+async def runtime_host(
+    root: Path,
+    *,
+    deployments: dict[str, dict[str, Any]],
+    mode: str | None = None,
+    backoff: LaunchBackoff | None = None,
+    memory_bytes: int = 16 * GIB,
+    start: bool = True,
+) -> AsyncIterator[Host]:
+    """A started manager (maintenance every 0.1 s) inside a task group."""
+    if not (root / "catalog.yaml").exists():
+        write_catalog(root)
+    executable = fake_llama_server(root / "bin", mode=mode)
+    compiled: CompiledConfig = load_config_text(
+        config_text(root, executable=executable, deployments=deployments)
+    )
+    layout = CacheLayout(root=root / "cache")
+    cache = ArtifactCache(layout)
+    cache.ensure_dirs()
+    engine = await WorkflowEngine.open(
+        layout.journal, registry, resources=[cache], lease=LeaseSettings(lease_s=5, heartbeat_s=0.5)
+    )
+    manager = RuntimeManager(
+        compiled=compiled,
+        layout=layout,
+        catalog=load_catalog(root / "catalog.yaml"),
+        engine=engine,
+        runtime_store=RuntimeStore(engine.store.database),
+        worker=WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=memory_bytes),
+        backoff=backoff or LaunchBackoff(base_s=0.05, max_s=0.2, max_attempts=3),
+        ready_timeout_s=20,
+        health_interval_s=0.1,
+    )
+    engine.add_resource(manager)
+    try:
+        async with anyio.create_task_group() as group:
+            if start:
+                await manager.start(group)
+            try:
+                yield Host(manager=manager, engine=engine, layout=layout, root=root)
+            finally:
+                await manager.shutdown()
+                group.cancel_scope.cancel()
+    finally:
+        await engine.close()

@@ -1,0 +1,228 @@
+"""The runtime manager with the stand-in engine: cold start, warm start, coalescing,
+self-healing, crash loop and reset, drain, keep-alive, pull policy, status."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from sbproxy.config import PriorityClass
+from sbproxy.errors import SbproxyError
+from sbproxy.model_host.runtime.admission import AdmissionRejected
+from sbproxy.model_host.runtime.jobs import submit_drain, submit_reset
+from sbproxy.model_host.runtime.state import DeploymentState
+from sbproxy.store import JobStatus
+from sbproxy.workflows import process_start_ticks
+from tests.model_host.engines.support import fake_llama_server
+from tests.model_host.runtime.host import runtime_host
+
+pytestmark = pytest.mark.anyio
+
+TINY = {"model": "tiny", "variant": "q4_k_m", "max_concurrency": 2, "queue_timeout_ms": 15000}
+
+
+async def until(predicate: object, timeout_s: float = 15) -> None:
+    with anyio.fail_after(timeout_s):
+        while not predicate():  # type: ignore[operator]
+            await anyio.sleep(0.05)
+
+
+async def health(base_url: str) -> int:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(f"{base_url}/health")).status_code
+
+
+async def test_cold_start_on_the_first_request(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+        slot = host.manager.slot("tiny")
+        assert slot.state == DeploymentState.CONFIGURED
+        upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        assert await health(upstream.base_url) == 200
+        (status,) = host.manager.status()
+        assert status.state == DeploymentState.READY
+        assert status.generation == 1
+        assert status.active_requests == 1
+        assert status.memory is not None
+        assert status.memory["total_bytes"] == sum(
+            v for k, v in status.memory.items() if k != "total_bytes"
+        )
+        assert status.job_id is not None
+        upstream.release()
+        job = await host.engine.run_job(status.job_id)  # waits for the load job to settle
+        assert job.kind == "load"
+        assert job.status == JobStatus.SUCCEEDED
+        assert [s.name for s in await host.engine.steps(job.id)] == [
+            "resolve",
+            "pull",
+            "engine",
+            "launch",
+        ]
+
+
+async def test_warm_deployments_are_ready_without_a_request(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": {**TINY, "warm": True}}) as host:
+        slot = host.manager.slot("tiny")
+        await until(lambda: slot.state == DeploymentState.READY)
+        assert slot.port is not None
+
+
+async def test_concurrent_cold_requests_share_one_launch(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+        upstreams = []
+
+        async def one() -> None:
+            upstreams.append(await host.manager.acquire("tiny", priority=PriorityClass.STANDARD))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(one)
+            group.start_soon(one)
+        assert {u.generation for u in upstreams} == {1}
+        assert len({u.base_url for u in upstreams}) == 1
+        for upstream in upstreams:
+            upstream.release()
+
+
+async def test_a_dead_engine_is_detected_and_healed_on_the_next_request(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+        first = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        first.release()
+        slot = host.manager.slot("tiny")
+        assert slot.process is not None
+        slot.process._process.kill()  # the engine dies under us
+        await until(lambda: slot.state == DeploymentState.FAILED)
+        assert slot.reason_code == "engine_health_failed"
+        assert slot.port is None
+        healed = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        assert healed.generation == 2
+        assert await health(healed.base_url) == 200
+        healed.release()
+
+
+async def test_crash_loop_is_retained_until_reset(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}, mode="exit_at_start") as host:
+        with pytest.raises(AdmissionRejected) as info:
+            await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        assert info.value.code == "crash_loop"
+        slot = host.manager.slot("tiny")
+        assert slot.crash is not None
+        assert slot.crash.attempts == 3
+        assert slot.crash.reason == "engine_early_exit"
+        assert "failed to load model" in slot.crash.last_error
+        launches = slot.generation
+        with pytest.raises(AdmissionRejected) as again:
+            await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        assert again.value.code == "crash_loop"
+        assert slot.generation == launches  # no new launch while crash-looped
+
+        fake_llama_server(host.root / "bin")  # the operator fixes the engine
+        reset = await submit_reset(host.manager, "tiny")
+        done = await host.engine.run_job(reset.id)
+        assert done.status == JobStatus.SUCCEEDED
+        assert slot.state == DeploymentState.CONFIGURED
+        upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        assert await health(upstream.base_url) == 200
+        upstream.release()
+
+
+async def test_reset_requires_a_retained_failure(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+        upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        upstream.release()
+        slot = host.manager.slot("tiny")
+        port = slot.port
+        job = await host.engine.run_job((await submit_reset(host.manager, "tiny")).id)
+        assert job.status == JobStatus.FAILED
+        assert job.error is not None
+        assert job.error.code == "prepare_failed"
+        assert (slot.state, slot.port) == (DeploymentState.READY, port)
+
+
+async def test_drain_waits_for_active_requests_then_stops(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+        upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        slot = host.manager.slot("tiny")
+        assert slot.process is not None
+        pid = slot.process.pid
+        job = await submit_drain(host.manager, "tiny")
+        finished: list[object] = []
+
+        async def drain() -> None:
+            finished.append(await host.engine.run_job(job.id))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(drain)
+            await until(lambda: slot.state == DeploymentState.DRAINING)
+            with pytest.raises(AdmissionRejected) as info:
+                await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+            assert info.value.code == "draining"
+            await anyio.sleep(0.2)
+            assert not finished  # still waiting for the active request
+            upstream.release()
+        assert slot.state == DeploymentState.STOPPED
+        assert process_start_ticks(pid) is None
+        drained = await host.engine.get(job.id)
+        assert drained.output == {
+            "active_at_start": 1,
+            "cancelled_queued": 0,
+            "remaining_active": 0,
+            "timed_out": False,
+        }
+        # The artifact stays cached; a later request starts a new generation.
+        again = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        assert again.generation == 2
+        again.release()
+
+
+async def test_keep_alive_expiry_stops_an_idle_engine(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": {**TINY, "keep_alive_secs": 1}}) as host:
+        upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        slot = host.manager.slot("tiny")
+        await anyio.sleep(1.3)
+        assert host.manager.status()[0].state == DeploymentState.READY  # active pauses expiry
+        upstream.release()
+        await until(lambda: slot.state == DeploymentState.STOPPED, timeout_s=10)
+        assert host.manager.cache.lookup(slot.artifact).kind == "ready"  # type: ignore[arg-type]
+
+
+async def test_manual_pull_policy_refuses_a_cache_miss(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": {**TINY, "pull": "manual"}}) as host:
+        with pytest.raises(AdmissionRejected) as info:
+            await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        slot = host.manager.slot("tiny")
+        assert slot.reason_code == "manual_artifact_missing"
+        assert "sbproxy models pull" in (slot.last_error or "")
+        assert info.value.code == "engine_unhealthy"
+
+
+async def test_unknown_deployment(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+        with pytest.raises(SbproxyError) as info:
+            await host.manager.acquire("nope", priority=PriorityClass.STANDARD)
+        assert info.value.code == "unknown_deployment"
+
+
+async def test_status_serialises_the_reference_fields(tmp_path: Path) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+        (status,) = host.manager.status()
+        payload = status.to_dict()
+        for field in (
+            "deployment",
+            "replica",
+            "generation",
+            "state",
+            "active_requests",
+            "queued_requests",
+            "engine",
+            "artifact_digest",
+            "selected_devices",
+            "memory",
+            "port",
+            "reason_code",
+            "job_id",
+            "last_error",
+        ):
+            assert field in payload
+        assert payload["state"] == "configured"
