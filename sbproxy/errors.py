@@ -65,7 +65,9 @@ class SbproxyError(Exception):
 
     def __str__(self) -> str:
         if self.remediation:
-            return f"{self.message} {self.remediation}"
+            message = self.message.rstrip()
+            stop = "" if message.endswith((".", "!", "?", ":", "\n")) else "."
+            return f"{message}{stop} {self.remediation}"
         return self.message
 
     def to_dict(self) -> dict[str, object]:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Mapping
 from typing import NoReturn
@@ -17,7 +18,14 @@ import click
 
 from sbproxy.errors import SbproxyError
 
-__all__ = ["EXIT_INVALID", "EXIT_RUNTIME", "emit_json", "fail", "format_option"]
+__all__ = [
+    "EXIT_INVALID",
+    "EXIT_RUNTIME",
+    "configure_server_logging",
+    "emit_json",
+    "fail",
+    "format_option",
+]
 
 EXIT_RUNTIME = 1
 EXIT_INVALID = 2
@@ -59,3 +67,15 @@ def fail(
         emit_json(command, {"ok": False, "error": error.to_dict()})
     click.echo(_scrub(f"sbproxy {command.replace('.', ' ')}: {error}"), err=True)
     sys.exit(exit_code)
+
+
+def configure_server_logging() -> None:
+    """Logging of a long-running process: sbproxy's own INFO lines, libraries' warnings.
+
+    Per-request and per-probe lines (httpx, uvicorn access) stay off: the hot path and the
+    health loop would otherwise write a line every second.
+    """
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("sbproxy").setLevel(logging.INFO)

@@ -6,9 +6,12 @@ import click
 
 from sbproxy import __version__
 from sbproxy.cli.config_cmd import config_group
+from sbproxy.cli.doctor_cmd import doctor_command
 from sbproxy.cli.engines_cmd import engines_group
 from sbproxy.cli.jobs_cmd import jobs_group
 from sbproxy.cli.models_cmd import models_group
+from sbproxy.cli.run_cmd import run_command
+from sbproxy.cli.serve_cmd import serve_command
 
 __all__ = ["cli", "main"]
 
@@ -24,9 +27,12 @@ def cli() -> None:
 
 
 cli.add_command(config_group)
+cli.add_command(doctor_command)
 cli.add_command(engines_group)
 cli.add_command(jobs_group)
 cli.add_command(models_group)
+cli.add_command(serve_command)
+cli.add_command(run_command)
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from sbproxy.catalog import (
 from sbproxy.cli._host import HostChoice, choose_host, run_host
 from sbproxy.cli._options import cache_dir_option, catalog_file_option, config_option
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.cli.models_admin_cmd import ps_command, stop_command
 from sbproxy.cli.models_cache_cmd import gc_command, prune_command, remove_command, verify_command
 from sbproxy.cli.models_pull_cmd import import_command, pull_command
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
@@ -196,6 +197,8 @@ for _verb in (
     prune_command,
     gc_command,
     verify_command,
+    ps_command,
+    stop_command,
 ):
     models_group.add_command(_verb)
 

@@ -34,6 +34,13 @@ from sbproxy.workflows.identity import WorkerIdentity, owner_is_gone
 
 __all__ = ["WorkflowEngine"]
 
+
+def _found(job: JobRecord | None, job_id: str) -> JobRecord:
+    if job is None:
+        raise JobNotFound(f"no job {job_id}", details={"job_id": job_id})
+    return job
+
+
 logger = logging.getLogger(__name__)
 
 # Finished jobs kept for inspection; active jobs are never pruned. The reference keeps 256.
@@ -128,10 +135,7 @@ class WorkflowEngine:
         Raises:
             JobNotFound: ``job_not_found``.
         """
-        job = await self.store.get(job_id)
-        if job is None:
-            raise JobNotFound(f"no job {job_id}", details={"job_id": job_id})
-        return job
+        return _found(await self.store.get(job_id), job_id)
 
     async def steps(self, job_id: str) -> list[StepRecord]:
         """The journal of ``job_id``."""
@@ -143,10 +147,7 @@ class WorkflowEngine:
         Raises:
             JobNotFound: ``job_not_found``.
         """
-        job = await self.store.request_cancel(job_id)
-        if job is None:
-            raise JobNotFound(f"no job {job_id}", details={"job_id": job_id})
-        return job
+        return _found(await self.store.request_cancel(job_id), job_id)
 
     async def retry(self, job_id: str) -> JobRecord:
         """Re-queue a failed or parked job; it resumes after its last completed step.
@@ -154,10 +155,7 @@ class WorkflowEngine:
         Raises:
             JobNotFound: ``job_not_found``.
         """
-        job = await self.store.retry(job_id)
-        if job is None:
-            raise JobNotFound(f"no job {job_id}", details={"job_id": job_id})
-        return job
+        return _found(await self.store.retry(job_id), job_id)
 
     async def follow(
         self, job_id: str, *, after_seq: int = 0, poll_s: float = 0.2

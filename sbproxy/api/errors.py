@@ -1,0 +1,279 @@
+"""Where errors meet HTTP: the one map from sbproxy error codes to status codes and bodies.
+
+Handlers and domain code raise :class:`~sbproxy.errors.SbproxyError` (or let Litestar raise
+its own ``HTTPException`` for routing, method and body-size problems); nothing else in the
+package builds an error response. Two shapes:
+
+* **gateway** (the OpenAI-compatible listener): the OpenAI envelope
+  ``{"error": {"message", "type", "code", "sbproxy_reason", "retryable"}}``. ``type`` is
+  ``managed_model_error`` for refusals of the model host (admission, engine, unknown model),
+  ``invalid_request_error`` for a bad request and ``authentication_error`` for a missing or
+  wrong key -- the types OpenAI clients already know. Retryable admission refusals carry
+  ``Retry-After`` (whole seconds, at least 1).
+* **admin**: ``{"code", "error"}`` plus structured details such as ``deployment`` and
+  ``job_id`` (reference section 2). Private details (stack traces, paths) never appear.
+
+An unexpected exception becomes a 500 with code ``internal`` and is logged; bad input never
+reaches that branch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any, Final
+
+from litestar import MediaType, Request, Response
+from litestar.exceptions import HTTPException
+from litestar.types import ExceptionHandlersMap
+
+from sbproxy.errors import JsonScalar, SbproxyError
+
+__all__ = [
+    "ApiError",
+    "BodyTooLarge",
+    "InvalidBody",
+    "InvalidJobId",
+    "Unauthorized",
+    "UnknownModel",
+    "UnknownOrigin",
+    "admin_exception_handlers",
+    "gateway_exception_handlers",
+    "status_for",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(SbproxyError):
+    """Root of the errors the HTTP surface itself detects (bad input, bad credentials)."""
+
+
+class InvalidBody(ApiError):
+    """The request body is not the JSON the route expects (``invalid_body``)."""
+
+    default_code = "invalid_body"
+
+
+class InvalidJobId(ApiError):
+    """A job id that is not a ULID (``invalid_job_id``)."""
+
+    default_code = "invalid_job_id"
+
+
+class Unauthorized(ApiError):
+    """Missing or wrong credentials (``unauthorized``)."""
+
+    default_code = "unauthorized"
+
+
+class UnknownModel(ApiError):
+    """The request names a model no route of its origin serves (``model_not_found``)."""
+
+    default_code = "model_not_found"
+
+
+class UnknownOrigin(ApiError):
+    """The Host header matches no configured origin (``unknown_origin``)."""
+
+    default_code = "unknown_origin"
+
+
+class BodyTooLarge(ApiError):
+    """The request body is larger than the listener accepts (``request_body_too_large``)."""
+
+    default_code = "request_body_too_large"
+
+
+# The status of each stable code. Admission reasons follow the spec's table: load-dependent
+# refusals are 429 (queue_full) or 503; an unhealthy or crash-looped engine is a 503 as well
+# (the service is unavailable until an operator acts); capacity refusals are 503.
+_STATUS: Final[dict[str, int]] = {
+    "invalid_body": 400,
+    "invalid_job_id": 400,
+    "invalid_last_event_id": 400,
+    "unauthorized": 401,
+    "model_not_found": 404,
+    "unknown_origin": 404,
+    "unknown_deployment": 404,
+    "job_not_found": 404,
+    "request_body_too_large": 413,
+    "queue_full": 429,
+    "queue_timeout": 503,
+    "draining": 503,
+    "engine_unhealthy": 503,
+    "crash_loop": 503,
+    "insufficient_capacity": 503,
+    "no_ready_replica": 503,
+    "upstream_unavailable": 502,
+    "job_not_retryable": 409,
+    "job_not_cancellable": 409,
+}
+
+_CLIENT_TYPES: Final[dict[int, str]] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    413: "invalid_request_error",
+}
+
+# Litestar's own HTTP exceptions, as stable codes.
+_HTTP_CODES: Final[dict[int, str]] = {
+    400: "invalid_body",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_body_too_large",
+}
+
+
+def status_for(error: SbproxyError) -> int:
+    """The HTTP status of ``error``: by its code, else 502 for an upstream-side failure."""
+    return _STATUS.get(error.code, 502)
+
+
+def _retry_after(error: SbproxyError) -> dict[str, str]:
+    if not error.retryable:
+        return {}
+    hint = error.details.get("retry_after_ms")
+    millis = hint if isinstance(hint, int) and hint > 0 else 1000
+    return {"Retry-After": str(max(1, math.ceil(millis / 1000)))}
+
+
+def _challenge(status: int) -> dict[str, str]:
+    return {"WWW-Authenticate": 'Basic realm="sbproxy-admin"'} if status == 401 else {}
+
+
+def _http_code(exc: HTTPException) -> str:
+    return _HTTP_CODES.get(exc.status_code, "http_error")
+
+
+def _http_message(exc: HTTPException) -> str:
+    if exc.status_code == 413:
+        return "the request body is too large"
+    if exc.status_code == 404:
+        return "no such route"
+    if exc.status_code == 405:
+        return "method not allowed on this route"
+    return str(exc.detail) if exc.detail else "bad request"
+
+
+# -- gateway --------------------------------------------------------------------------------
+
+
+def openai_error(
+    *,
+    status: int,
+    message: str,
+    code: str,
+    retryable: bool,
+    headers: Mapping[str, str] | None = None,
+) -> Response[dict[str, object]]:
+    """The OpenAI error envelope (reference section 2, "Managed errors")."""
+    body: dict[str, object] = {
+        "error": {
+            "message": message,
+            "type": _CLIENT_TYPES.get(status, "managed_model_error"),
+            "code": code,
+            "sbproxy_reason": code,
+            "retryable": retryable,
+        }
+    }
+    return Response(body, status_code=status, headers=dict(headers or {}))
+
+
+def _gateway_sbproxy(_: Request[Any, Any, Any], exc: SbproxyError) -> Response[object]:
+    status = status_for(exc)
+    if status == 502:
+        logger.warning("gateway request failed: %s (%s)", exc.message, exc.code)
+    return openai_error(  # type: ignore[return-value]
+        status=status,
+        message=exc.message,
+        code=exc.code,
+        retryable=exc.retryable,
+        headers=_retry_after(exc),
+    )
+
+
+def _gateway_http(_: Request[Any, Any, Any], exc: HTTPException) -> Response[object]:
+    return openai_error(  # type: ignore[return-value]
+        status=exc.status_code,
+        message=_http_message(exc),
+        code=_http_code(exc),
+        retryable=False,
+        headers=exc.headers,
+    )
+
+
+def _gateway_internal(_: Request[Any, Any, Any], exc: Exception) -> Response[object]:
+    logger.exception("gateway request failed", exc_info=exc)
+    return openai_error(  # type: ignore[return-value]
+        status=500, message="internal error; see the server log", code="internal", retryable=False
+    )
+
+
+def gateway_exception_handlers() -> ExceptionHandlersMap:
+    """Exception handlers of the gateway app."""
+    return {
+        SbproxyError: _gateway_sbproxy,
+        HTTPException: _gateway_http,
+        Exception: _gateway_internal,
+    }
+
+
+# -- admin ----------------------------------------------------------------------------------
+
+
+def admin_error(
+    *,
+    status: int,
+    code: str,
+    message: str,
+    details: Mapping[str, JsonScalar] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response[dict[str, object]]:
+    """The admin error body ``{"code", "error", **details}``."""
+    body: dict[str, object] = {"code": code, "error": message}
+    for key, value in (details or {}).items():
+        body.setdefault(key, value)
+    return Response(
+        body, status_code=status, headers=dict(headers or {}), media_type=MediaType.JSON
+    )
+
+
+def _admin_sbproxy(_: Request[Any, Any, Any], exc: SbproxyError) -> Response[object]:
+    status = status_for(exc)
+    if status == 502:
+        logger.warning("admin request failed: %s (%s)", exc.message, exc.code)
+    return admin_error(  # type: ignore[return-value]
+        status=status,
+        code=exc.code,
+        message=exc.message,
+        details=exc.details,
+        headers={**_retry_after(exc), **_challenge(status)},
+    )
+
+
+def _admin_http(_: Request[Any, Any, Any], exc: HTTPException) -> Response[object]:
+    return admin_error(  # type: ignore[return-value]
+        status=exc.status_code,
+        code=_http_code(exc),
+        message=_http_message(exc),
+        headers=exc.headers,
+    )
+
+
+def _admin_internal(_: Request[Any, Any, Any], exc: Exception) -> Response[object]:
+    logger.exception("admin request failed", exc_info=exc)
+    return admin_error(  # type: ignore[return-value]
+        status=500, code="internal", message="internal error; see the server log"
+    )
+
+
+def admin_exception_handlers() -> ExceptionHandlersMap:
+    """Exception handlers of the admin app."""
+    return {
+        SbproxyError: _admin_sbproxy,
+        HTTPException: _admin_http,
+        Exception: _admin_internal,
+    }

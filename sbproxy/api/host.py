@@ -1,0 +1,96 @@
+"""Assembly of one serving host from a loaded configuration.
+
+:func:`open_host` builds the artifact cache, the catalog, the workflow engine (whose steps
+may use the cache and the manager), the runtime store and the runtime manager; it starts the
+manager (orphan reaping, warm loads, maintenance) and the job worker loop in one task group.
+On exit it shuts the manager down -- loads settle or are left for the next start, every
+deployment is drained within ``shutdown_deadline_ms`` and its engine stopped -- then cancels
+the worker loop and closes the journal. Jobs that did not finish stay ``queued`` or
+``running`` in the journal and resume at the next start under their original ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+
+import sbproxy.model_host.runtime.jobs  # noqa: F401 - registers the load/drain/reset workflows
+from sbproxy.catalog import load_catalog
+from sbproxy.config import CompiledConfig
+from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
+from sbproxy.model_host.flows import registry
+from sbproxy.model_host.runtime import probe_worker
+from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.store import RuntimeStore
+from sbproxy.workflows import WorkflowEngine
+
+__all__ = ["ServedHost", "open_host"]
+
+logger = logging.getLogger(__name__)
+
+# Jobs the worker loop runs at once (pulls, loads, drains of different deployments).
+WORKER_CONCURRENCY = 4
+
+
+@dataclass
+class ServedHost:
+    """A running host: the manager, its workflow engine, and the task group they live in."""
+
+    manager: RuntimeManager
+    engine: WorkflowEngine
+    layout: CacheLayout
+    group: anyio.abc.TaskGroup
+
+
+@asynccontextmanager
+async def open_host(
+    compiled: CompiledConfig, *, cache_dir: Path | None = None
+) -> AsyncIterator[ServedHost]:
+    """Build, start and (on exit) shut down the host of ``compiled``.
+
+    Raises:
+        SbproxyError: ``invalid_cache_dir``, ``invalid_catalog`` or a device probe failure
+            before anything starts.
+    """
+    host_config = compiled.model_host
+    layout = resolve_cache_root(
+        cache_dir, configured=host_config.cache.directory if host_config else None
+    )
+    catalog_file = host_config.catalog_file if host_config else None
+    catalog = load_catalog(Path(catalog_file) if catalog_file else None)
+    worker = await anyio.to_thread.run_sync(probe_worker)
+    cache = ArtifactCache(layout)
+    cache.ensure_dirs()
+    engine = await WorkflowEngine.open(layout.journal, registry, resources=[cache])
+    try:
+        manager = RuntimeManager(
+            compiled=compiled,
+            layout=layout,
+            catalog=catalog,
+            engine=engine,
+            runtime_store=RuntimeStore(engine.store.database),
+            worker=worker,
+        )
+        engine.add_resource(manager)
+        async with anyio.create_task_group() as group:
+            await manager.start(group)
+            group.start_soon(_worker, engine)
+            try:
+                yield ServedHost(manager=manager, engine=engine, layout=layout, group=group)
+            finally:
+                await manager.shutdown()
+                group.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await engine.close()
+
+
+async def _worker(engine: WorkflowEngine) -> None:
+    await engine.run_worker(concurrency=WORKER_CONCURRENCY)

@@ -1,0 +1,169 @@
+"""``sbproxy models ps`` and ``models stop``: live runtime state through the admin API.
+
+Only the running server owns engine processes, so these verbs talk to its authenticated
+admin API: ``--admin-url`` (env ``SB_ADMIN_URL``, default ``http://127.0.0.1:9090``),
+``--username`` (``SB_ADMIN_USERNAME``, default ``admin``) and ``--password``
+(``SB_ADMIN_PASSWORD``; required, never printed). Connect timeout 3 s, request timeout 30 s.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+import httpx
+
+from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.errors import SbproxyError
+
+__all__ = ["ps_command", "stop_command"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+TERMINAL = {"succeeded", "failed", "cancelled", "parked"}
+
+
+def admin_options(func: F) -> F:
+    """The three admin connection options."""
+    func = click.option(
+        "--password",
+        envvar="SB_ADMIN_PASSWORD",
+        required=True,
+        help="Admin password (env SB_ADMIN_PASSWORD).",
+    )(func)
+    func = click.option(
+        "--username", envvar="SB_ADMIN_USERNAME", default="admin", show_default=True
+    )(func)
+    func = click.option(
+        "--admin-url", envvar="SB_ADMIN_URL", default="http://127.0.0.1:9090", show_default=True
+    )(func)
+    return func
+
+
+def _call(
+    command: str,
+    method: str,
+    url: str,
+    *,
+    auth: tuple[str, str],
+    output_format: str,
+    json_body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    try:
+        response = httpx.request(
+            method,
+            url,
+            auth=auth,
+            json=json_body,
+            timeout=httpx.Timeout(30.0, connect=3.0),
+        )
+    except httpx.HTTPError as exc:
+        fail(
+            command,
+            SbproxyError(
+                f"cannot reach the admin API at {url}: {type(exc).__name__}",
+                code="admin_unreachable",
+                remediation="Is `sbproxy serve` running with proxy.admin.enabled? Check "
+                "--admin-url / SB_ADMIN_URL.",
+            ),
+            output_format=output_format,
+            exit_code=EXIT_RUNTIME,
+        )
+    try:
+        body: dict[str, Any] = response.json()
+    except ValueError:
+        body = {}
+    if response.status_code >= 400:
+        reason = body.get("code") or body.get("reason_code") or body.get("error") or ""
+        fail(
+            command,
+            SbproxyError(
+                f"admin request returned HTTP {response.status_code}: {reason}",
+                code=str(body.get("code") or "admin_error"),
+            ),
+            output_format=output_format,
+            exit_code=EXIT_INVALID if response.status_code in (400, 401, 404) else EXIT_RUNTIME,
+        )
+    return body
+
+
+@click.command("ps")
+@admin_options
+@format_option
+def ps_command(admin_url: str, username: str, password: str, output_format: str) -> None:
+    """Show running deployments: state, port, active and queued requests, reason."""
+    body = _call(
+        "models.ps",
+        "GET",
+        f"{admin_url.rstrip('/')}/admin/model-host/status",
+        auth=(username, password),
+        output_format=output_format,
+    )
+    if output_format == "json":
+        emit_json("models.ps", body)
+        return
+    rows = body.get("deployments", [])
+    header = ("DEPLOYMENT", "STATE", "GEN", "PORT", "ACTIVE", "QUEUED", "REASON")
+    table = [header] + [
+        (
+            str(r.get("deployment")),
+            str(r.get("state")),
+            str(r.get("generation")),
+            str(r.get("port") or "-"),
+            str(r.get("active_requests")),
+            str(r.get("queued_requests")),
+            str(r.get("reason_code") or "-"),
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+
+
+@click.command("stop")
+@click.argument("deployment")
+@click.option("--wait", is_flag=True, help="Follow the drain job until it ends.")
+@admin_options
+@format_option
+def stop_command(
+    deployment: str, wait: bool, admin_url: str, username: str, password: str, output_format: str
+) -> None:
+    """Drain DEPLOYMENT and stop its engine (the artifact stays cached)."""
+    base = admin_url.rstrip("/")
+    auth = (username, password)
+    body = _call(
+        "models.stop",
+        "POST",
+        f"{base}/admin/model-host/stop",
+        auth=auth,
+        output_format=output_format,
+        json_body={"deployment": deployment},
+    )
+    if wait and body.get("job_id"):
+        deadline = time.monotonic() + 600
+        job: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            job = _call(
+                "models.stop",
+                "GET",
+                f"{base}/admin/model-host/jobs/{body['job_id']}",
+                auth=auth,
+                output_format=output_format,
+            ).get("job", {})
+            if job.get("status") in TERMINAL:
+                break
+            time.sleep(0.2)
+        body["job"] = job
+        body["state"] = "stopped" if job.get("status") == "succeeded" else job.get("status")
+    if output_format == "json":
+        emit_json("models.stop", body)
+    else:
+        click.echo(
+            f"{deployment} {body.get('state')}"
+            + (f" (job {body['job_id']})" if body.get("job_id") else "")
+        )
+    if wait and body.get("job", {}).get("status") not in (None, "succeeded"):
+        sys.exit(EXIT_RUNTIME)
