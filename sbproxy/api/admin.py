@@ -10,6 +10,15 @@ configured.
 Lifecycle routes (``load``, ``stop``, ``drain``, ``reset``) take ``{"deployment": id}`` (the
 legacy key ``model`` is accepted), queue a durable job, start it in the background and answer
 202 ``{schema_version: 1, deployment, state: "queued", job_id, poll_url}``.
+
+Cache routes: ``GET /admin/model-host/catalog`` (the catalog in force, metadata only),
+``GET /admin/model-host/files`` (the verified artifact cache, with ``resident`` set for the
+artifact of a ready deployment), ``DELETE /admin/model-host/artifacts/{digest}`` (one exact
+removal through the ``remove`` job) and ``POST /admin/model-host/gc`` (protected LRU
+collection to ``cache.budget_gib`` through the ``gc`` job). Both mutations await their job
+and protect the artifacts of configured deployments (``configured``) and of ready ones
+(``resident``); the jobs add leases, locks and unfinished pulls. A protected removal is a
+409 ``removal_blocked`` with its ``reason`` and runs no job.
 """
 
 from __future__ import annotations
@@ -19,29 +28,51 @@ import binascii
 import hashlib
 import hmac
 import ipaddress
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import anyio.abc
+import anyio.to_thread
 import msgspec
-from litestar import Litestar, Request, Response, Router, get, post
+from litestar import Litestar, Request, Response, Router, delete, get, post
 from litestar.connection import ASGIConnection
+from litestar.handlers import HTTPRouteHandler
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
+from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from sbproxy.api.errors import InvalidBody, Unauthorized, admin_exception_handlers
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Rejections, build_registry
+from sbproxy.catalog import ArtifactRequest, Catalog, resolve_artifact
+from sbproxy.errors import SbproxyError
+from sbproxy.model_host.flows import (
+    GcInput,
+    GcReport,
+    RemoveInput,
+    RemoveOutput,
+    artifact_subject,
+    gc_workflow,
+    remove_workflow,
+)
 from sbproxy.model_host.runtime.jobs import submit_drain, submit_load, submit_reset
 from sbproxy.model_host.runtime.manager import RuntimeManager
-from sbproxy.store import JobRecord
+from sbproxy.model_host.runtime.state import DeploymentState
+from sbproxy.store import JobRecord, JobStatus
 
 __all__ = ["Admin", "create_admin_app"]
 
 MAX_BODY_BYTES: Final = 512 * 1024
 _DECODER = msgspec.json.Decoder()
+GIB: Final = 1024**3
+# Integers above this lose precision in JSON readers that use doubles (reference section 2).
+MAX_SAFE_JSON_INTEGER: Final = 2**53 - 1
+MAX_METADATA_CHARS: Final = 256
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_BLOCKED_MARKER: Final = "cannot be removed: "
 
 
 @dataclass
@@ -147,6 +178,205 @@ def _queued(deployment: str, job: JobRecord) -> Response[dict[str, object]]:
     )
 
 
+def _bounded(value: str) -> str:
+    return value[:MAX_METADATA_CHARS]
+
+
+def _exact(value: int | None) -> int | None:
+    if value is not None and value > MAX_SAFE_JSON_INTEGER:
+        raise SbproxyError("model catalog metadata exceeds the exact JSON integer range")
+    return value
+
+
+def catalog_document(catalog: Catalog) -> dict[str, object]:
+    """The ``GET /admin/model-host/catalog`` body: metadata only (no sources or files).
+
+    Raises:
+        SbproxyError: ``internal`` when an integer exceeds 2^53 - 1.
+    """
+    models: dict[str, object] = {}
+    for model_id, entry in sorted(catalog.models.items()):
+        variants = [
+            {
+                "id": variant.id,
+                "format": variant.format.value,
+                "quant": _bounded(variant.quant),
+                "engines": [engine.value for engine in variant.engines],
+                "accelerators": sorted({a.value for a in variant.requirements.accelerators}),
+                "min_memory_bytes": _exact(variant.requirements.min_memory_bytes),
+                "download_size_bytes": _exact(variant.total_size_bytes),
+                "stability": variant.stability.value,
+                "certification": _bounded(variant.certification),
+            }
+            for variant in entry.variants
+        ]
+        models[model_id] = {
+            "params": _bounded(entry.params),
+            "license": _bounded(entry.license),
+            "family": _bounded(entry.family),
+            "context_length": _exact(entry.context_length),
+            "allow_pickle": entry.allow_pickle,
+            "variants": variants,
+        }
+    return {
+        "schema_version": 1,
+        "catalog_revision": catalog.catalog_revision,
+        "models": models,
+    }
+
+
+def resident_digests(manager: RuntimeManager) -> set[str]:
+    """Artifact digests of ready deployments."""
+    return {
+        slot.artifact.digest
+        for slot in manager.slots.values()
+        if slot.state == DeploymentState.READY and slot.artifact is not None
+    }
+
+
+def protection(manager: RuntimeManager) -> dict[str, str]:
+    """Digests removal and collection must not touch, with the reason (resident wins).
+
+    Configured: every deployment's artifact (the one its slot resolved, else resolved now
+    against the catalog; a deployment that does not resolve protects nothing). Resident:
+    the artifact of a ready deployment.
+    """
+    protected: dict[str, str] = {}
+    for slot in manager.slots.values():
+        digest = slot.artifact.digest if slot.artifact is not None else None
+        if digest is None:
+            request = ArtifactRequest.model_validate(
+                {
+                    "model": slot.config.model,
+                    "variant": slot.config.variant,
+                    "engine": str(slot.config.engine),
+                    "replicas": slot.config.replicas,
+                    "heterogeneous_variants": slot.config.heterogeneous_variants,
+                }
+            )
+            try:
+                digest = resolve_artifact(manager.catalog, request, manager.worker).artifact.digest
+            except SbproxyError:
+                continue
+        protected[digest] = "configured"
+    for digest in resident_digests(manager):
+        protected[digest] = "resident"
+    return protected
+
+
+def _blocked(digest: str, reason: str, job_id: str | None = None) -> SbproxyError:
+    details: dict[str, str | None] = {"reason": reason, "artifact_digest": digest}
+    if job_id is not None:
+        details["job_id"] = job_id
+    return SbproxyError(
+        f"artifact removal refused: {reason}", code="removal_blocked", details=details
+    )
+
+
+def _job_failed(job: JobRecord, what: str) -> SbproxyError:
+    code = job.error.code if job.error is not None else "job_failed"
+    # A failure the map knows no status for reads as 502; the message stays generic.
+    return SbproxyError(
+        f"{what} failed ({code}); inspect the job", code=code, details={"job_id": job.id}
+    )
+
+
+def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
+    """The catalog, files, artifact removal and gc routes (under the admin router)."""
+
+    @get("/model-host/catalog", sync_to_thread=False)
+    def catalog() -> dict[str, object]:
+        """The catalog in force: models and variants, metadata only."""
+        return catalog_document(manager.catalog)
+
+    @get("/model-host/files")
+    async def files() -> dict[str, object]:
+        """The verified artifact cache; ``resident`` marks the artifact of a ready deployment."""
+        cache = manager.cache
+        published, total = await anyio.to_thread.run_sync(
+            lambda: (cache.published(), cache.blob_bytes())
+        )
+        resident = resident_digests(manager)
+        return {
+            "schema_version": 1,
+            "cache_root": str(manager.layout.root),
+            "total_bytes": total,
+            "artifacts": [
+                {
+                    "logical_model": m.logical_model,
+                    "variant_id": m.variant_id,
+                    "artifact_digest": m.artifact_digest,
+                    "total_size_bytes": m.total_size_bytes,
+                    "last_accessed_ms": m.last_accessed_ms,
+                    "resident": m.artifact_digest in resident,
+                }
+                for m in published
+            ],
+        }
+
+    @delete("/model-host/artifacts/{digest:str}", status_code=200)
+    async def remove_artifact(digest: FromPath[str]) -> dict[str, object]:
+        """Remove one exact verified artifact (a ``remove`` job, awaited)."""
+        if not _DIGEST.fullmatch(digest):
+            raise SbproxyError(
+                "artifact digest must be 64 lowercase hex characters",
+                code="invalid_artifact_digest",
+            )
+        details = {"artifact_digest": digest}
+        metadata = await anyio.to_thread.run_sync(lambda: manager.cache.read_metadata(digest))
+        if metadata is None:
+            raise SbproxyError(
+                "artifact is not in the verified cache", code="artifact_not_found", details=details
+            )
+        protected = protection(manager)
+        if digest in protected:
+            raise _blocked(digest, protected[digest])
+        submitted = await manager.engine.submit(
+            remove_workflow,
+            RemoveInput(digest=digest, protected=protected),
+            idempotency_key=f"remove:{digest}",
+            subject=artifact_subject(digest),
+        )
+        job = await manager.engine.run_job(submitted.job.id)
+        if job.status != JobStatus.SUCCEEDED:
+            if job.error is not None and job.error.code == "removal_blocked":
+                reason = job.error.message.rpartition(_BLOCKED_MARKER)[2].strip() or "protected"
+                raise _blocked(digest, reason, job.id)
+            raise _job_failed(job, "artifact removal")
+        output = RemoveOutput.model_validate(job.output)
+        return {
+            "artifact_digest": output.artifact_digest,
+            "removed": output.removed,
+            "reclaimed_bytes": output.reclaimed_bytes,
+            "job_id": job.id,
+        }
+
+    @post("/model-host/gc", status_code=200)
+    async def gc() -> dict[str, object]:
+        """Protected LRU collection down to ``cache.budget_gib`` (a ``gc`` job, awaited)."""
+        host = manager.compiled.model_host
+        budget_gib = host.cache.budget_gib if host is not None else None
+        if budget_gib is None:
+            raise SbproxyError(
+                "no cache budget configured",
+                code="no_cache_budget",
+                remediation="Set proxy.model_host.cache.budget_gib.",
+            )
+        budget = int(budget_gib * GIB)  # floor(GiB x 2^30), as the reference sizes it
+        submitted = await manager.engine.submit(
+            gc_workflow,
+            GcInput(budget_bytes=budget, protected=protection(manager)),
+            idempotency_key=f"gc:{budget}",
+        )
+        job = await manager.engine.run_job(submitted.job.id)
+        if job.status != JobStatus.SUCCEEDED:
+            raise _job_failed(job, "cache collection")
+        report = GcReport.model_validate(job.output)
+        return {**report.model_dump(mode="json"), "job_id": job.id}
+
+    return [catalog, files, remove_artifact, gc]
+
+
 def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
     """The admin app (see the module docstring)."""
     manager = admin.manager
@@ -212,7 +442,15 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
     admin_router = Router(
         path="/admin",
         guards=[guard],
-        route_handlers=[status, load, stop, drain, reset, jobs_router(manager.engine, admin.spawn)],
+        route_handlers=[
+            status,
+            load,
+            stop,
+            drain,
+            reset,
+            *cache_handlers(manager),
+            jobs_router(manager.engine, admin.spawn),
+        ],
     )
     return Litestar(
         route_handlers=[admin_router, metrics],

@@ -93,11 +93,13 @@ _STATUS: Final[dict[str, int]] = {
     "invalid_body": 400,
     "invalid_job_id": 400,
     "invalid_last_event_id": 400,
+    "invalid_artifact_digest": 400,
     "unauthorized": 401,
     "model_not_found": 404,
     "unknown_origin": 404,
     "unknown_deployment": 404,
     "job_not_found": 404,
+    "artifact_not_found": 404,
     "request_body_too_large": 413,
     "queue_full": 429,
     "queue_timeout": 503,
@@ -109,6 +111,8 @@ _STATUS: Final[dict[str, int]] = {
     "upstream_unavailable": 502,
     "job_not_retryable": 409,
     "job_not_cancellable": 409,
+    "removal_blocked": 409,
+    "no_cache_budget": 409,
 }
 
 _CLIENT_TYPES: Final[dict[int, str]] = {

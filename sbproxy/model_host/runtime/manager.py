@@ -16,7 +16,6 @@ the deployment is retained in ``crash_loop`` until ``reset``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import socket
@@ -575,8 +574,11 @@ class RuntimeManager:
     async def _maintenance(self) -> None:
         while True:
             await anyio.sleep(self.health_interval_s)
-            with contextlib.suppress(Exception):
+            try:
                 await self.tick()
+            except Exception:
+                # One failed pass (a probe, a journal write) must not stop the loop.
+                logger.exception("maintenance tick failed")
 
     async def tick(self) -> None:
         """One maintenance pass: health probes of ready engines, keep-alive expiry."""

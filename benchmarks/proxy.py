@@ -1,0 +1,560 @@
+"""What the gateway adds on the request path: direct to a fast upstream vs through sbproxy.
+
+A fast upstream (a raw asyncio + httptools HTTP server, uvloop when installed, in its own
+process) stands in for the engine: it answers ``POST /v1/chat/completions`` with a fixed
+small JSON body, or, when the request has ``"stream": true``, with a few SSE chunks and
+``data: [DONE]`` in one write; ``GET /health`` answers 200 at once. It is the deployment's
+engine: a tiny executable ``llama-server`` wrapper (accepting llama-server's flags) runs this
+file in ``upstream`` mode, and ``engines.llama_cpp.path`` points at the wrapper.
+
+The real ``sbproxy serve -f sb.yml`` process then runs with one warm deployment
+(``max_concurrency`` 64, ``max_queue_depth`` 256); once the admin status route says
+``ready``, the engine's port is read from it and, for each scenario, the upstream directly
+and the gateway are measured back to back in the same run:
+
+* ``chat`` and ``chat_stream`` with ``wrk`` (one thread, ``--duration`` seconds each, at 1
+  and 16 connections): p50/p99 of the whole response (for the stream: all chunks up to
+  ``[DONE]``) and requests/s; an in-Python aiohttp load generator replaces wrk when it is
+  not installed;
+* ``chat_stream_ttfb``: an aiohttp load generator timing the first body chunk (the first
+  SSE event) of streamed requests, at 1 and 16 concurrent clients.
+
+Prints ONE JSON object: per scenario and concurrency the direct and proxied figures, the
+added p50/p99 (ms), the proxied over direct requests/s, and the issue's targets (added p50 at
+1 client <= 1 ms; at 16 clients >= 1,500 requests/s through the proxy with p99 <= 20 ms)
+with whether they were met.
+
+Usage: ``python benchmarks/proxy.py [--duration 5] [--loader auto|wrk|python]`` from the
+repository root with the project's virtual environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, cast
+
+ROOT = Path(__file__).resolve().parents[1]
+PASSWORD = "bench-password"  # noqa: S105 - a throwaway loopback admin
+PUBLIC_MODEL = "bench-chat"
+CHAT_BODY = {"model": PUBLIC_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+STREAM_BODY = {**CHAT_BODY, "stream": True}
+CONCURRENCY = (1, 16)
+TARGET_ADDED_P50_MS_AT_1 = 1.0
+TARGET_RPS_AT_16 = 1500.0
+TARGET_P99_MS_AT_16 = 20.0
+
+# --------------------------------------------------------------------------- the upstream
+
+_COMPLETION = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "bench.gguf",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello there!"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+    },
+    separators=(",", ":"),
+).encode()
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None, usage: bool = False) -> bytes:
+    event: dict[str, Any] = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "bench.gguf",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    if usage:
+        event["usage"] = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    data = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+_STREAM_BODY = (
+    _chunk({"role": "assistant", "content": "Hello"})
+    + _chunk({"content": " there"})
+    + _chunk({"content": "!"})
+    + _chunk({}, finish="stop", usage=True)
+    + f"{len(_DONE):x}\r\n".encode()
+    + _DONE
+    + b"\r\n0\r\n\r\n"
+)
+
+
+def _response(status: str, content_type: bytes, body: bytes) -> bytes:
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: ".encode()
+        + content_type
+        + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+
+
+_CHAT_RESPONSE = _response("200 OK", b"application/json", _COMPLETION)
+_STREAM_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n" + _STREAM_BODY
+)
+_HEALTH_RESPONSE = _response("200 OK", b"application/json", b'{"status":"ok"}')
+_MODELS_RESPONSE = _response(
+    "200 OK", b"application/json", b'{"object":"list","data":[{"id":"bench.gguf"}]}'
+)
+_NOT_FOUND = _response("404 Not Found", b"application/json", b'{"error":"not found"}')
+_BAD_REQUEST = _response("400 Bad Request", b"application/json", b'{"error":"bad request"}')
+
+
+class _Upstream(asyncio.Protocol):
+    """HTTP/1.1 keep-alive, parsed with httptools; one canned answer per route."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        import httptools
+
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self.transport is not None
+            self.transport.write(_BAD_REQUEST)
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.body = []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        assert self.transport is not None
+        path = self.url.split(b"?", 1)[0]
+        if path.endswith(b"/chat/completions") or path.endswith(b"/completions"):
+            try:
+                stream = bool(json.loads(b"".join(self.body) or b"{}").get("stream"))
+            except ValueError:
+                self.transport.write(_BAD_REQUEST)
+                return
+            self.transport.write(_STREAM_RESPONSE if stream else _CHAT_RESPONSE)
+        elif path == b"/health":
+            self.transport.write(_HEALTH_RESPONSE)
+        elif path in (b"/v1/models", b"/models"):
+            self.transport.write(_MODELS_RESPONSE)
+        else:
+            self.transport.write(_NOT_FOUND)
+        if not self.parser.should_keep_alive():
+            self.transport.close()
+
+
+def run_upstream(argv: list[str]) -> None:
+    """``llama-server``-compatible entry point: ``--version``, ``--host``, ``--port``."""
+    parser = argparse.ArgumentParser(prog="llama-server", add_help=False)
+    parser.add_argument("--version", action="store_true")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    args, _ = parser.parse_known_args(argv)
+    if args.version:
+        sys.stdout.write("version: 9999 (bench upstream)\nbuilt for benchmarks/proxy.py\n")
+        return
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - plain asyncio works too
+        pass
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_Upstream, args.host, args.port, backlog=1024)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with server:
+            await stop.wait()
+
+    asyncio.run(serve())
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def write_wrapper(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "llama-server"
+    path.write_text(
+        f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" upstream "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+def write_config(root: Path, gateway_port: int, admin_port: int) -> Path:
+    sys.path.insert(0, str(ROOT))
+    import yaml
+
+    from tests.model_host.runtime.host import config_text, write_catalog
+
+    write_catalog(root)
+    document = yaml.safe_load(
+        config_text(
+            root,
+            executable=write_wrapper(root / "bin"),
+            deployments={
+                "bench": {
+                    "model": "tiny",
+                    "variant": "q4_k_m",
+                    "max_concurrency": 64,
+                    "max_queue_depth": 256,
+                    "warm": True,
+                }
+            },
+        )
+    )
+    document["proxy"].update(
+        {
+            "http_bind_port": gateway_port,
+            "admin": {"enabled": True, "port": admin_port, "password": PASSWORD},
+        }
+    )
+    document["origins"] = {
+        "localhost": {
+            "action": {
+                "type": "ai_proxy",
+                "providers": [
+                    {
+                        "name": "local",
+                        "provider_type": "managed_model",
+                        "deployment": "bench",
+                        "models": [PUBLIC_MODEL],
+                        "default_model": PUBLIC_MODEL,
+                    }
+                ],
+            }
+        }
+    }
+    path = root / "sb.yml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def wait_ready(admin_port: int, process: subprocess.Popen[bytes], timeout_s: float = 90) -> int:
+    """Poll the admin status route until the deployment is ready; the engine's port."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"sbproxy serve exited with {process.returncode}")
+        try:
+            status = httpx.get(
+                f"http://127.0.0.1:{admin_port}/admin/model-host/status",
+                auth=("admin", PASSWORD),
+                timeout=2,
+            ).json()
+            deployment = status["deployments"][0]
+            last = deployment
+            if deployment.get("state") == "ready" and deployment.get("port"):
+                port: int = deployment["port"]
+                return port
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+            last = error
+        time.sleep(0.1)
+    raise SystemExit(f"deployment not ready after {timeout_s} s: {last}")
+
+
+# --------------------------------------------------------------------------- load
+
+
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = %s
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Host"] = "localhost"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRKJSON {"requests":%%d,"duration_us":%%d,"p50_us":%%d,"p90_us":%%d,"p99_us":%%d,' ..
+    '"mean_us":%%f,"max_us":%%d,"errors":%%d,"non_2xx":%%d}\\n',
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(90),
+    latency:percentile(99), latency.mean, latency.max,
+    e.connect + e.read + e.write + e.timeout, e.status))
+end
+"""
+
+
+def wrk_run(
+    wrk: str, url: str, body: dict[str, Any], clients: int, duration: float, tmp: Path
+) -> dict[str, Any]:
+    script = tmp / f"wrk-{abs(hash(json.dumps(body)))}.lua"
+    script.write_text(WRK_SCRIPT % json.dumps(json.dumps(body)))
+    out = subprocess.run(  # noqa: S603 - wrk found on PATH, our arguments
+        [
+            wrk,
+            "-t1",
+            f"-c{clients}",
+            f"-d{max(1, round(duration))}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    line = next(x for x in out.splitlines() if x.startswith("WRKJSON "))
+    raw = json.loads(line.removeprefix("WRKJSON "))
+    return {
+        "p50_ms": raw["p50_us"] / 1000,
+        "p90_ms": raw["p90_us"] / 1000,
+        "p99_ms": raw["p99_us"] / 1000,
+        "mean_ms": round(raw["mean_us"] / 1000, 3),
+        "max_ms": raw["max_us"] / 1000,
+        "requests": raw["requests"],
+        "requests_per_s": round(raw["requests"] / (raw["duration_us"] / 1e6), 1),
+        "errors": raw["errors"],
+        "non_2xx": raw["non_2xx"],
+    }
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+async def _python_load(
+    url: str, body: dict[str, Any], clients: int, duration: float, *, first_byte: bool
+) -> dict[str, Any]:
+    """``clients`` keep-alive workers posting ``body`` back to back for ``duration`` s.
+
+    Latency is to the first body chunk when ``first_byte`` (then the rest is drained), or to
+    the end of the response otherwise."""
+    import aiohttp
+
+    payload = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", "Host": "localhost"}
+    latencies: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=clients, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one() -> None:
+            nonlocal errors
+            started = time.perf_counter()
+            async with session.post(url, data=payload, headers=headers) as response:
+                chunk = await response.content.readany()
+                first = time.perf_counter()
+                while chunk:
+                    chunk = await response.content.readany()
+                if response.status != 200:
+                    errors += 1
+                latencies.append((first if first_byte else time.perf_counter()) - started)
+
+        async def worker(until: float) -> None:
+            nonlocal errors
+            while time.perf_counter() < until:
+                try:
+                    await one()
+                except aiohttp.ClientError:
+                    errors += 1
+
+        await asyncio.gather(*(worker(time.perf_counter() + 0.5) for _ in range(clients)))
+        latencies.clear()
+        errors = 0
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(started + duration) for _ in range(clients)))
+        elapsed = time.perf_counter() - started
+    ordered = sorted(latencies)
+    return {
+        "p50_ms": round(_percentile(ordered, 50) * 1000, 3),
+        "p90_ms": round(_percentile(ordered, 90) * 1000, 3),
+        "p99_ms": round(_percentile(ordered, 99) * 1000, 3),
+        "mean_ms": round(statistics.fmean(ordered) * 1000, 3) if ordered else None,
+        "max_ms": round(ordered[-1] * 1000, 3) if ordered else None,
+        "requests": len(ordered),
+        "requests_per_s": round(len(ordered) / elapsed, 1),
+        "errors": errors,
+        "non_2xx": None,
+    }
+
+
+def python_run(
+    url: str, body: dict[str, Any], clients: int, duration: float, *, first_byte: bool = False
+) -> dict[str, Any]:
+    return asyncio.run(_python_load(url, body, clients, duration, first_byte=first_byte))
+
+
+def compare(direct: dict[str, Any], proxied: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "direct": direct,
+        "proxy": proxied,
+        "added_p50_ms": round(proxied["p50_ms"] - direct["p50_ms"], 3),
+        "added_p99_ms": round(proxied["p99_ms"] - direct["p99_ms"], 3),
+        "proxy_over_direct_rps": round(proxied["requests_per_s"] / direct["requests_per_s"], 3),
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:  # noqa: PLR0915 - one linear script
+    if len(sys.argv) > 1 and sys.argv[1] == "upstream":
+        run_upstream(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
+    parser.add_argument("--loader", choices=("auto", "wrk", "python"), default="auto")
+    args = parser.parse_args()
+    wrk = shutil.which("wrk") if args.loader in ("auto", "wrk") else None
+    if args.loader == "wrk" and wrk is None:
+        raise SystemExit("wrk is not installed")
+
+    with tempfile.TemporaryDirectory(prefix="sbproxy-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        gateway_port, admin_port = free_port(), free_port()
+        config = write_config(tmp, gateway_port, admin_port)
+        log = (tmp / "serve.log").open("wb")
+        process = subprocess.Popen(  # noqa: S603 - this interpreter, our arguments
+            [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            cwd=ROOT,
+        )
+        try:
+            engine_port = wait_ready(admin_port, process)
+            targets = {
+                "direct": f"http://127.0.0.1:{engine_port}/v1/chat/completions",
+                "proxy": f"http://127.0.0.1:{gateway_port}/v1/chat/completions",
+            }
+
+            def measure(
+                body: dict[str, Any], clients: int, *, first_byte: bool = False
+            ) -> dict[str, Any]:
+                runs: dict[str, dict[str, Any]] = {}
+                for name, url in targets.items():  # back to back: same machine state
+                    if wrk is not None and not first_byte:
+                        wrk_run(wrk, url, body, clients, 1, tmp)  # warm-up, not kept
+                        runs[name] = wrk_run(wrk, url, body, clients, args.duration, tmp)
+                    else:
+                        runs[name] = python_run(
+                            url, body, clients, args.duration, first_byte=first_byte
+                        )
+                return compare(runs["direct"], runs["proxy"])
+
+            results: dict[str, dict[str, Any]] = {"chat": {}, "chat_stream": {}}
+            results["chat_stream_ttfb"] = {}
+            for clients in CONCURRENCY:
+                key = f"clients_{clients}"
+                results["chat"][key] = measure(CHAT_BODY, clients)
+                results["chat_stream"][key] = measure(STREAM_BODY, clients)
+                results["chat_stream_ttfb"][key] = measure(STREAM_BODY, clients, first_byte=True)
+            stats = process.poll()
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            log.close()
+        if stats is not None:
+            raise SystemExit(f"sbproxy serve died during the run: {stats}")
+
+    one = results["chat"]["clients_1"]
+    sixteen = results["chat"]["clients_16"]
+    checks = {
+        "added_p50_ms_at_1_client": {
+            "target": f"<= {TARGET_ADDED_P50_MS_AT_1}",
+            "measured": one["added_p50_ms"],
+            "met": one["added_p50_ms"] <= TARGET_ADDED_P50_MS_AT_1,
+        },
+        "proxy_requests_per_s_at_16_clients": {
+            "target": f">= {TARGET_RPS_AT_16:.0f}",
+            "measured": sixteen["proxy"]["requests_per_s"],
+            "met": sixteen["proxy"]["requests_per_s"] >= TARGET_RPS_AT_16,
+        },
+        "proxy_p99_ms_at_16_clients": {
+            "target": f"<= {TARGET_P99_MS_AT_16}",
+            "measured": sixteen["proxy"]["p99_ms"],
+            "met": sixteen["proxy"]["p99_ms"] <= TARGET_P99_MS_AT_16,
+        },
+    }
+    wrk_version = None
+    if wrk is not None:
+        probe = subprocess.run(  # noqa: S603 - wrk found on PATH
+            [wrk, "-v"], capture_output=True, text=True, check=False
+        )
+        wrk_version = (probe.stdout or probe.stderr).splitlines()[0].strip()
+    print(
+        json.dumps(
+            {
+                "benchmark": "proxy",
+                "loader": "wrk -t1" if wrk is not None else "python aiohttp",
+                "ttfb_loader": "python aiohttp (first body chunk)",
+                "duration_s_each": args.duration,
+                "results": results,
+                "targets": checks,
+                "targets_met": all(c["met"] for c in checks.values()),
+                "targets_measured_on": "chat (non-streaming), wrk when installed",
+                "environment": {
+                    "python": platform.python_version(),
+                    "platform": platform.platform(),
+                    "cpu_count": os.cpu_count(),
+                    "wrk": wrk_version,
+                },
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
