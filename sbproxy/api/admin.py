@@ -83,7 +83,6 @@ class Admin:
         manager: The runtime manager.
         username: HTTP Basic user name.
         password: HTTP Basic password (kept only as its SHA-256 below).
-        group: Task group that runs the jobs the routes start.
         rejections: Admission refusals counted by the gateway (for ``/metrics``).
         registry: Metrics registry (default: one reading ``manager``).
         allowlist: Client networks allowed (``proxy.admin.ip_allowlist``); empty: any.
@@ -92,7 +91,6 @@ class Admin:
     manager: RuntimeManager
     username: str
     password: str
-    group: anyio.abc.TaskGroup
     rejections: Rejections = field(default_factory=Rejections)
     registry: CollectorRegistry | None = None
     allowlist: tuple[str, ...] = ()
@@ -139,12 +137,8 @@ class Admin:
             raise Unauthorized("wrong admin credentials")
 
     def spawn(self, work: Callable[[], Awaitable[object]]) -> None:
-        """Run ``work`` in the background task group."""
-
-        async def run() -> None:
-            await work()
-
-        self.group.start_soon(run)
+        """Run ``work`` in the background; the manager's shutdown waits for it to settle."""
+        self.manager.background(work)
 
 
 def deployment_of(body: bytes) -> str:

@@ -102,7 +102,6 @@ def build_servers(
             manager=host.manager,
             username=settings.username,
             password=settings.password.get_secret_value(),
-            group=host.group,
             rejections=rejections,
             allowlist=tuple(settings.ip_allowlist),
         )

@@ -61,7 +61,6 @@ async def served(
             manager=host.manager,
             username=ADMIN[0],
             password=ADMIN[1],
-            group=group,
             rejections=gateway.rejections,
         )
         servers = [

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,6 +180,7 @@ class RuntimeManager:
             is_protected=self._protected,
         )
         self._tick = 0
+        self._background = 0
         self._group: anyio.abc.TaskGroup | None = None
         self.slots: dict[str, Slot] = {
             deployment_id: Slot(
@@ -274,6 +275,25 @@ class RuntimeManager:
     def owned_dir(self) -> Path:
         """Ownership records of the engines this host started."""
         return self.layout.engines / "owned"
+
+    def run_in_background(self, job_id: str) -> None:
+        """Run a job on the manager's task group; :meth:`shutdown` lets it settle first."""
+        self.background(lambda: self.engine.run_job(job_id))
+
+    def background(self, work: Callable[[], Awaitable[object]]) -> None:
+        """Run ``work`` on the manager's task group, counted so that :meth:`shutdown` waits
+        for it (up to the deadline) instead of cancelling it mid-write."""
+        if self._group is None:
+            return
+        self._background += 1
+
+        async def run() -> None:
+            try:
+                await work()
+            finally:
+                self._background -= 1
+
+        self._group.start_soon(run)
 
     def begin_load(self, deployment: str) -> None:
         """Start (or join) the ``load`` job of ``deployment`` in the background."""
@@ -606,15 +626,14 @@ class RuntimeManager:
                 from sbproxy.model_host.runtime.jobs import submit_drain
 
                 job = await submit_drain(self, slot.deployment, reason="keep_alive")
-                if self._group is not None:
-                    self._group.start_soon(self.engine.run_job, job.id)
+                self.run_in_background(job.id)
 
     async def shutdown(self) -> None:
         """Let in-flight loads settle (up to the deadline), then drain every deployment and
         stop every engine. Unfinished jobs stay in the journal and resume at the next start."""
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self.shutdown_deadline_s):
-                while any(slot.loading for slot in self.slots.values()):
+                while self._background or any(slot.loading for slot in self.slots.values()):
                     await anyio.sleep(0.05)
             for slot in self.slots.values():
                 if slot.process is not None:
