@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from sbproxy.catalog import ArtifactRequest, load_builtin_catalog, resolve_artif
 from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, configure_server_logging, fail
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import probe_worker
+from sbproxy.model_host.runtime.manager import free_port
 
 __all__ = ["build_run_config", "run_command"]
 
@@ -41,13 +41,6 @@ DEPLOYMENT = "local"
 # A local run keeps the context modest: Gemma 3 and Qwen declare 32k+ tokens, which would
 # reserve gigabytes of KV cache per slot on a laptop for no benefit in a first completion.
 RUN_CONTEXT_TOKENS = 4096
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def build_run_config(
@@ -181,7 +174,7 @@ def run_command(
     except SbproxyError as exc:
         fail("run", exc, output_format="text", exit_code=EXIT_INVALID)
     public = name or model
-    admin = admin_port or _free_port()
+    admin = admin_port or free_port()
     if admin == port:
         fail(
             "run",

@@ -239,17 +239,22 @@ class WorkflowEngine:
             )
             if claimed is None:
                 continue  # another worker claimed it first: wait for that run
-            finished = await execute(
-                claimed,
-                store=self.store,
-                registry=self.registry,
-                owner=self.identity.owner,
-                lease=self.lease,
-                resources=self.resources,
-            )
-            await self.store.prune_terminal(keep=self.history_limit)
+            finished = await self._execute(claimed)
             if finished.terminal or finished.status == JobStatus.PARKED:
                 return finished
+
+    async def _execute(self, job: JobRecord) -> JobRecord:
+        """Run a job this worker claimed, then prune finished history."""
+        finished = await execute(
+            job,
+            store=self.store,
+            registry=self.registry,
+            owner=self.identity.owner,
+            lease=self.lease,
+            resources=self.resources,
+        )
+        await self.store.prune_terminal(keep=self.history_limit)
+        return finished
 
     async def run_worker(
         self,
@@ -273,15 +278,7 @@ class WorkflowEngine:
         async def run_one(job: JobRecord) -> None:
             nonlocal running
             try:
-                await execute(
-                    job,
-                    store=self.store,
-                    registry=self.registry,
-                    owner=self.identity.owner,
-                    lease=self.lease,
-                    resources=self.resources,
-                )
-                await self.store.prune_terminal(keep=self.history_limit)
+                await self._execute(job)
             finally:
                 running -= 1
                 limiter.release()

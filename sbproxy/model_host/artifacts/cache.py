@@ -24,7 +24,6 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sbproxy.catalog import ResolvedArtifact
 from sbproxy.model_host.artifacts.download import hash_file
-from sbproxy.model_host.artifacts.errors import CacheCorrupt, DiskFull
+from sbproxy.model_host.artifacts.errors import CacheCorrupt, disk_full_errors
 from sbproxy.model_host.artifacts.layout import CacheLayout
 from sbproxy.model_host.artifacts.locks import DigestLease, hold
 
@@ -47,6 +46,7 @@ __all__ = [
 ]
 
 METADATA_SCHEMA_VERSION = 1
+_CACHE_KEPT = "the cache was left as it was"
 # Hard links fail across file systems and on some (network) file systems; copy instead.
 _LINK_FALLBACK_ERRNOS = {errno.EXDEV, errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.EMLINK}
 
@@ -123,20 +123,6 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
         os.fsync(handle.fileno())
     temporary.replace(path)
     fsync_dir(path.parent)
-
-
-@contextlib.contextmanager
-def _disk_errors(action: str) -> Iterator[None]:
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFull(
-                f"no space left on the cache file system while {action}",
-                remediation="Free space (sbproxy models gc / prune) or move the cache, then "
-                "pull again; the cache was left as it was.",
-            ) from exc
-        raise
 
 
 class ArtifactCache:
@@ -280,7 +266,7 @@ class ArtifactCache:
             if self.blob_ok(sha256, size):
                 part.unlink(missing_ok=True)
             else:
-                with _disk_errors("promoting a verified file"):
+                with disk_full_errors("promoting a verified file", kept=_CACHE_KEPT):
                     part.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
                     part.replace(target)
                     fsync_dir(self.layout.blobs)
@@ -345,7 +331,7 @@ class ArtifactCache:
                 last_accessed_ms=created,
             )
             try:
-                with _disk_errors("publishing a snapshot"):
+                with disk_full_errors("publishing a snapshot", kept=_CACHE_KEPT):
                     self._assemble(staging, artifact, metadata)
                     if final.exists():
                         # A snapshot without a marker (a crash between the rename and the

@@ -27,7 +27,6 @@ reads into large buffers); ``benchmarks/pull.py`` measures it side by side.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -47,10 +46,10 @@ from yarl import URL
 
 from sbproxy.model_host.artifacts.errors import (
     DigestMismatch,
-    DiskFull,
     HttpStatusError,
     SizeMismatch,
     TransportError,
+    disk_full_errors,
 )
 from sbproxy.model_host.artifacts.sources import same_origin
 from sbproxy.workflows import fault_point
@@ -428,6 +427,27 @@ async def _attempt(
     on_progress: Callable[[int], Awaitable[None]],
     check_cancelled: Callable[[], None],
 ) -> DownloadResult:
+    """One transfer attempt; a full file system becomes ``disk_full`` (partial kept)."""
+    with disk_full_errors(f"writing {part}", kept="the partial download is kept"):
+        return await _transfer(
+            session,
+            remote,
+            part=part,
+            token=token,
+            on_progress=on_progress,
+            check_cancelled=check_cancelled,
+        )
+
+
+async def _transfer(
+    session: aiohttp.ClientSession,
+    remote: RemoteFile,
+    *,
+    part: Path,
+    token: str | None,
+    on_progress: Callable[[int], Awaitable[None]],
+    check_cancelled: Callable[[], None],
+) -> DownloadResult:
     offset, etag = await anyio.to_thread.run_sync(_resume_offset, part, remote)
     headers = {"Accept-Encoding": "identity"}
     if offset > 0 and etag:
@@ -473,14 +493,6 @@ async def _attempt(
             f"GET {remote.url}: {type(exc).__name__} after "
             f"{sink.completed if sink else offset} bytes: {exc}"
         ) from exc
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFull(
-                f"no space left on the cache file system while writing {part}",
-                remediation="Free space (sbproxy models gc / prune) or move the cache, then "
-                "pull again; the partial download is kept.",
-            ) from exc
-        raise
     finally:
         if sink is not None:
             sink.close()
