@@ -44,6 +44,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from sbproxy.api.desired import desired_handlers
 from sbproxy.api.errors import InvalidBody, Unauthorized, admin_exception_handlers
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Rejections, build_registry
@@ -386,6 +387,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
         return {
             "schema_version": 1,
             "serving": True,
+            "runtime_revision": manager.revision,
             "deployments": rows,
             "models": rows,
         }
@@ -443,6 +445,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             drain,
             reset,
             *cache_handlers(manager),
+            *desired_handlers(manager),
             jobs_router(manager.engine, admin.spawn),
         ],
     )

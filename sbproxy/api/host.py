@@ -21,13 +21,15 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-import sbproxy.model_host.runtime.jobs  # noqa: F401 - registers the load/drain/reset workflows
+import sbproxy.model_host.runtime.jobs  # registers the load/drain/reset workflows
+import sbproxy.model_host.runtime.reload  # noqa: F401 - registers the reload workflow
 from sbproxy.catalog import load_catalog
 from sbproxy.config import CompiledConfig
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime import probe_worker
 from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.runtime.reload import admin_desired
 from sbproxy.store import RuntimeStore
 from sbproxy.workflows import WorkflowEngine
 
@@ -55,10 +57,14 @@ async def open_host(
 ) -> AsyncIterator[ServedHost]:
     """Build, start and (on exit) shut down the host of ``compiled``.
 
+    Under ``authority: admin_managed`` the deployments come from the revision store
+    (:func:`~sbproxy.model_host.runtime.reload.admin_desired`).
+
     Raises:
-        SbproxyError: ``invalid_cache_dir``, ``invalid_catalog`` or a device probe failure
-            before anything starts.
+        SbproxyError: ``invalid_cache_dir``, ``invalid_catalog``, ``store_failed``,
+            ``invalid_desired`` or a device probe failure before anything starts.
     """
+    compiled, _ = await admin_desired(compiled)
     host_config = compiled.model_host
     layout = resolve_cache_root(
         cache_dir, configured=host_config.cache.directory if host_config else None

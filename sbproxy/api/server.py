@@ -14,6 +14,13 @@ Shutdown (SIGTERM, SIGINT): both listeners stop accepting and let in-flight requ
 within ``shutdown_deadline_ms``; then the runtime drains every deployment within the same
 deadline and stops its engine; the worker loop is cancelled and unfinished jobs stay in the
 journal, to resume at the next start. A second SIGINT forces the listeners closed.
+
+Reload: ``SIGHUP`` and, when ``watch_config`` is on, a change of the configuration file
+(watched with ``watchfiles``, which coalesces an editor's bursts of writes and renames) run
+the reload transaction (``model_host/runtime/reload.py``) against the file, as
+``POST /admin/reload`` and ``sbproxy apply`` do. A file that does not validate, or a
+candidate that cannot be prepared, is logged with its reason and leaves everything running
+as it was. A committed reload hands the gateway its new routes and keys.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from sbproxy.api.keys import KeyPlane
 from sbproxy.api.metrics import Rejections
 from sbproxy.config import CompiledConfig
 from sbproxy.errors import SbproxyError
+from sbproxy.model_host.runtime.reload import reload_from_source
 
 __all__ = ["Listener", "build_servers", "serve"]
 
@@ -77,6 +85,12 @@ def build_servers(
         keys=KeyPlane(list(proxy.api_keys)),
         rejections=rejections,
     )
+
+    def swap(candidate: CompiledConfig) -> None:
+        gateway.routing = Routing(candidate.routes)
+        gateway.keys = KeyPlane(list(candidate.config.proxy.api_keys))
+
+    host.manager.on_commit.append(swap)
     common = {
         "lifespan": "on",
         "log_level": "warning",
@@ -121,9 +135,45 @@ def build_servers(
     return servers, gateway, admin
 
 
-async def _on_signals(servers: list[Listener]) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+async def reload_logged(host: ServedHost, *, source: str) -> None:
+    """Reload from the configuration file; log the outcome (never raises a reload error)."""
+    try:
+        job_id, report = await reload_from_source(host.manager, source=source)
+    except SbproxyError as exc:
+        logger.error("reload (%s) refused, nothing changed: [%s] %s", source, exc.code, exc)
+        return
+    plan = report.plan
+    logger.warning(
+        "reload (%s) committed revision %d (job %s): added %s, changed %s, removed %s, "
+        "preserved %s",
+        source,
+        report.revision,
+        job_id,
+        list(plan.added),
+        list(plan.changed),
+        list(plan.removed),
+        list(plan.preserved),
+    )
+
+
+async def _watch_config(host: ServedHost) -> None:
+    import watchfiles
+
+    source = host.manager.compiled.source
+    if source is None:
+        return
+    path = source.resolve()
+    async for changes in watchfiles.awatch(path.parent, recursive=False):
+        if any(Path(changed).resolve() == path for _, changed in changes):
+            await reload_logged(host, source="watch")
+
+
+async def _on_signals(servers: list[Listener], host: ServedHost) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for received in signals:
+            if received == signal.SIGHUP:
+                host.manager.background(lambda: reload_logged(host, source="sighup"))
+                continue
             if received == signal.SIGINT and all(s.should_exit for s in servers):
                 for server in servers:
                     server.force_exit = True
@@ -138,6 +188,7 @@ async def serve(
     cache_dir: Path | None = None,
     on_listening: Callable[[list[str]], None] | None = None,
     watch: Callable[[ServedHost], Coroutine[Any, Any, None]] | None = None,
+    watch_config: bool = False,
 ) -> None:
     """Run the host of ``compiled`` until SIGTERM or SIGINT (see the module docstring).
 
@@ -148,6 +199,8 @@ async def serve(
         watch: Started beside the listeners once they accept (``sbproxy run`` follows its
             deployment's readiness with it); it may stop the server by sending this process
             SIGTERM.
+        watch_config: Reload when the configuration file changes (``SIGHUP`` always
+            reloads).
 
     Raises:
         SbproxyError: ``listen_failed`` when a listener cannot start (port in use, ...).
@@ -156,7 +209,9 @@ async def serve(
     async with open_host(compiled, cache_dir=cache_dir) as host:
         servers, _, _ = build_servers(compiled, host)
         async with anyio.create_task_group() as group:
-            group.start_soon(_on_signals, servers)
+            group.start_soon(_on_signals, servers, host)
+            if watch_config:
+                group.start_soon(_watch_config, host)
             try:
                 async with anyio.create_task_group() as listeners:
                     for server in servers:

@@ -35,13 +35,21 @@ __all__ = ["serve_command"]
     default=None,
     help="Cache root; overrides proxy.model_host.cache.directory.",
 )
-def serve_command(config_file: Path, cache_dir: Path | None) -> None:
+@click.option(
+    "--watch/--no-watch",
+    default=True,
+    show_default=True,
+    help="Reload when the configuration file changes (SIGHUP always reloads).",
+)
+def serve_command(config_file: Path, cache_dir: Path | None, watch: bool) -> None:
     """Serve the OpenAI-compatible gateway and the admin API until SIGTERM or SIGINT.
 
     The gateway listens on proxy.bind_address:proxy.http_bind_port (loopback by default);
     the admin API, when proxy.admin.enabled, on proxy.admin.bind:proxy.admin.port.
     Shutdown drains deployments within proxy.model_host.shutdown_deadline_ms and stops
-    their engines; unfinished jobs resume at the next start.
+    their engines; unfinished jobs resume at the next start. Editing the file (with
+    --watch), SIGHUP, POST /admin/reload and `sbproxy apply` reload it: the candidate is
+    prepared in full before any route changes, and a bad candidate changes nothing.
     """
     from sbproxy.api.server import serve
 
@@ -59,6 +67,7 @@ def serve_command(config_file: Path, cache_dir: Path | None) -> None:
                 compiled,
                 cache_dir=cache_dir.absolute() if cache_dir else None,
                 on_listening=listening,
+                watch_config=watch,
             )
         )
     except SbproxyError as exc:

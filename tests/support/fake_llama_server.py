@@ -39,6 +39,11 @@ def _modes() -> dict[str, str]:
     return modes
 
 
+# A launch with ``--seed 666`` exits at start like ``exit_at_start``: tests use it to make one
+# generation of a deployment fail (its definition changed) while the prior one works.
+FAIL_SEED = 666
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-server", add_help=False)
     parser.add_argument("--version", action="store_true")
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         sys.stderr.write(f"error: invalid argument: {unknown[0]}\n")
         return 1
-    if "exit_at_start" in modes:
+    if "exit_at_start" in modes or args.seed == FAIL_SEED:
         sys.stderr.write("error: failed to load model (fake exit_at_start)\n")
         return 3
     if "ignore_sigterm" in modes:

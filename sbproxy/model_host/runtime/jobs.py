@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from sbproxy.catalog import ResolvedArtifact
+from sbproxy.catalog import Catalog, ResolvedArtifact
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.engines import provision_llama_cpp
 from sbproxy.model_host.flows.pull import PullInput, PullIntent, PullOutput, pull_workflow
@@ -24,7 +24,14 @@ from sbproxy.model_host.runtime.manager import RuntimeManager, Slot
 from sbproxy.store import JobRecord, JobStatus
 from sbproxy.workflows import StepContext, WorkflowContext, step
 
-__all__ = ["load_workflow", "pull_for", "submit_drain", "submit_load", "submit_reset"]
+__all__ = [
+    "load_workflow",
+    "pull_artifact",
+    "pull_for",
+    "submit_drain",
+    "submit_load",
+    "submit_reset",
+]
 
 
 class DeploymentInput(BaseModel):
@@ -78,12 +85,28 @@ async def pull_for(manager: RuntimeManager, slot: Slot, *, intent: str) -> PullO
         SbproxyError: the pull job's failure (``manual_artifact_missing``, ...).
     """
     artifact = slot.artifact or manager.resolve(slot)
-    entry = manager.catalog.entry(artifact.logical_model)
+    return await pull_artifact(manager, artifact, pull_policy=str(slot.config.pull), intent=intent)
+
+
+async def pull_artifact(
+    manager: RuntimeManager,
+    artifact: ResolvedArtifact,
+    *,
+    pull_policy: str,
+    intent: str,
+    catalog: Catalog | None = None,
+) -> PullOutput:
+    """Make ``artifact`` ready through its pull job (key = the artifact digest).
+
+    Raises:
+        SbproxyError: the pull job's failure (``manual_artifact_missing``, ...).
+    """
+    entry = (catalog or manager.catalog).entry(artifact.logical_model)
     request = PullInput(
         artifact=artifact,
         allow_pickle=entry.allow_pickle,
         intent=PullIntent(intent),
-        pull_policy=str(slot.config.pull),
+        pull_policy=pull_policy,
     )
     submitted = await manager.engine.submit(
         pull_workflow,

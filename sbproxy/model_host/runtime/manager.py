@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -67,7 +68,15 @@ from sbproxy.model_host.runtime.state import (
 from sbproxy.store import RuntimeStore, wall_clock_ms
 from sbproxy.workflows import WorkerIdentity, WorkflowEngine
 
-__all__ = ["RuntimeManager", "Slot", "UnknownDeployment", "Upstream"]
+__all__ = [
+    "RuntimeManager",
+    "Slot",
+    "UnknownDeployment",
+    "Upstream",
+    "desired_digest",
+    "desired_of",
+    "new_slot",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +115,7 @@ class Slot:
     health_misses: int = 0
     ready: anyio.Event = field(default_factory=anyio.Event)
     loading: bool = False
+    launching: anyio.Lock = field(default_factory=anyio.Lock)
 
 
 @dataclass
@@ -183,18 +193,19 @@ class RuntimeManager:
         self._background = 0
         self._group: anyio.abc.TaskGroup | None = None
         self.slots: dict[str, Slot] = {
-            deployment_id: Slot(
-                deployment=deployment_id,
-                config=deployment,
-                gate=AdmissionGate(
-                    deployment_id,
-                    max_active=deployment.max_concurrency,
-                    max_queue=deployment.max_queue_depth,
-                    queue_timeout_s=deployment.queue_timeout_ms / 1000,
-                ),
-            )
+            deployment_id: new_slot(deployment_id, deployment)
             for deployment_id, deployment in compiled.deployments.items()
         }
+        # Reload bookkeeping (runtime/reload.py): staged generations not yet routed, the
+        # candidates of reloads in flight by content digest, the callbacks a commit runs
+        # (the gateway swaps its routes and keys), and whether a reload is protecting every
+        # current reservation from eviction while it stages.
+        self.staged: dict[str, Slot] = {}
+        self.candidates: dict[str, CompiledConfig] = {}
+        self.on_commit: list[Callable[[CompiledConfig], None]] = []
+        self.protect_all = False
+        self.reload_lock = anyio.Lock()
+        self.revision: int | None = None
 
     # -- lookup ----------------------------------------------------------------------------
 
@@ -214,7 +225,12 @@ class RuntimeManager:
         return found
 
     def _protected(self, key: ResidencyKey) -> bool:
+        if self.protect_all:
+            return True
         slot = self.slots.get(key.deployment)
+        staged = self.staged.get(key.deployment)
+        if staged is not None and staged.generation == key.generation:
+            return True
         if slot is None or slot.generation != key.generation:
             return False
         busy = slot.gate.active > 0 or slot.gate.queued > 0
@@ -262,8 +278,10 @@ class RuntimeManager:
         report = await anyio.to_thread.run_sync(reap_orphans, self.owned_dir)
         if report.killed:
             logger.warning("reaped orphan engines: %s", report.killed)
-        desired = {k: v.model_dump(mode="json") for k, v in self.compiled.deployments.items()}
-        await self.runtime_store.commit_revision(content_digest=_digest(desired), desired=desired)
+        desired = desired_of(self.compiled)
+        self.revision = await self.runtime_store.commit_revision(
+            content_digest=desired_digest(desired), desired=desired
+        )
         for slot in self.slots.values():
             if slot.config.warm:
                 self.begin_load(slot.deployment)
@@ -335,17 +353,26 @@ class RuntimeManager:
 
     def resolve(self, slot: Slot) -> ResolvedArtifact:
         """Resolve the deployment's exact artifact on this worker."""
+        slot.artifact = self.resolve_config(slot.config, self.catalog)
+        return slot.artifact
+
+    def resolve_config(self, config: DeploymentConfig, catalog: Catalog) -> ResolvedArtifact:
+        """Resolve one deployment definition against ``catalog`` on this worker.
+
+        Raises:
+            ResolutionError: ``unknown_catalog_model``, ``unknown_catalog_variant``, ...
+            NoCompatibleVariantError: ``no_compatible_variant``.
+        """
         request = ArtifactRequest.model_validate(
             {
-                "model": slot.config.model,
-                "variant": slot.config.variant,
-                "engine": str(slot.config.engine),
-                "replicas": slot.config.replicas,
-                "heterogeneous_variants": slot.config.heterogeneous_variants,
+                "model": config.model,
+                "variant": config.variant,
+                "engine": str(config.engine),
+                "replicas": config.replicas,
+                "heterogeneous_variants": config.heterogeneous_variants,
             }
         )
-        slot.artifact = resolve_artifact(self.catalog, request, self.worker).artifact
-        return slot.artifact
+        return resolve_artifact(catalog, request, self.worker).artifact
 
     def _fail(self, slot: Slot, code: str, message: str) -> None:
         slot.state = DeploymentState.FAILED
@@ -371,16 +398,30 @@ class RuntimeManager:
             format_quant=metadata.quant,
         )
 
-    async def launch_generation(self, slot: Slot, *, executable: Path, job_id: str) -> int:
+    async def launch_generation(
+        self, slot: Slot, *, executable: Path, job_id: str, generation: int | None = None
+    ) -> int:
         """Start a new generation of ``slot`` and wait until it is ready; its port.
 
-        Idempotency: a live, ready engine of this slot is reused. Launch failures retry with
-        the backoff; exhaustion (or a non-retryable failure) retains ``crash_loop``.
+        Idempotency: a live, ready engine of this slot is reused; concurrent callers (a load
+        job and a resumed reload) serialize on the slot, and the second finds it ready.
+        Launch failures retry with the backoff; exhaustion (or a non-retryable failure)
+        retains ``crash_loop``. ``generation`` restarts a stopped generation under its own
+        number (a failed ``recreate`` rollout restoring the prior engine); by default a new
+        generation number is taken from the store.
 
         Raises:
             EngineError: ``crash_loop`` (or the non-retryable launch error).
             AdmissionRejected: ``insufficient_capacity`` when the estimate does not fit.
         """
+        async with slot.launching:
+            return await self._launch_locked(
+                slot, executable=executable, job_id=job_id, generation=generation
+            )
+
+    async def _launch_locked(
+        self, slot: Slot, *, executable: Path, job_id: str, generation: int | None
+    ) -> int:
         if (
             slot.process is not None
             and slot.process.alive()
@@ -398,14 +439,16 @@ class RuntimeManager:
         slot.state = DeploymentState.PREPARING
         slot.job_id = job_id
         estimate = self.estimate(slot, metadata)
-        slot.generation = await self.runtime_store.next_generation(slot.deployment)
+        slot.generation = generation or await self.runtime_store.next_generation(slot.deployment)
         key = ResidencyKey(slot.deployment, slot.generation)
         self._tick += 1
         plan = self.residency.reserve(
             key, estimate=estimate, devices=(0,), protected=True, tick=self._tick
         )
         for victim in plan.victims:
-            await self.stop_engine(self.slot(victim.key.deployment), reason="evicted")
+            victim_slot = self.slots.get(victim.key.deployment)
+            if victim_slot is not None and victim_slot.generation == victim.key.generation:
+                await self.stop_engine(victim_slot, reason="evicted")
         slot.estimate = estimate
         first_failure: int | None = None
         for attempt in range(1, self.backoff.max_attempts + 1):
@@ -640,6 +683,26 @@ class RuntimeManager:
                     await self.drain(slot)
 
 
-def _digest(desired: Mapping[str, object]) -> str:
-    """SHA-256 of the RFC 8785 canonical JSON of a desired state (stable across key order)."""
+def new_slot(deployment: str, config: DeploymentConfig) -> Slot:
+    """A ``configured`` slot for one deployment definition, with its admission gate."""
+    return Slot(
+        deployment=deployment,
+        config=config,
+        gate=AdmissionGate(
+            deployment,
+            max_active=config.max_concurrency,
+            max_queue=config.max_queue_depth,
+            queue_timeout_s=config.queue_timeout_ms / 1000,
+        ),
+    )
+
+
+def desired_of(compiled: CompiledConfig) -> dict[str, Any]:
+    """The desired deployments of ``compiled`` as JSON objects by id."""
+    return {k: v.model_dump(mode="json") for k, v in compiled.deployments.items()}
+
+
+def desired_digest(desired: Mapping[str, object]) -> str:
+    """SHA-256 hex of the RFC 8785 canonical JSON of desired deployments (stable across key
+    order and a JSON round trip)."""
     return hashlib.sha256(rfc8785.dumps(dict(desired))).hexdigest()  # type: ignore[arg-type]

@@ -14,10 +14,11 @@ import anyio
 import yaml
 
 from sbproxy.catalog import Accelerator, WorkerProfile, load_catalog
-from sbproxy.config import CompiledConfig, load_config_text
+from sbproxy.config import CompiledConfig, load_config, load_config_text
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.runtime.reload import admin_desired  # also registers "reload"
 from sbproxy.model_host.runtime.state import LaunchBackoff
 from sbproxy.store import RuntimeStore
 from sbproxy.workflows import LeaseSettings, WorkflowEngine
@@ -70,19 +71,39 @@ def write_catalog(root: Path) -> Path:
     return path
 
 
-def config_text(root: Path, *, executable: Path, deployments: dict[str, dict[str, Any]]) -> str:
+def config_text(
+    root: Path,
+    *,
+    executable: Path,
+    deployments: dict[str, dict[str, Any]],
+    host: dict[str, Any] | None = None,
+    proxy: dict[str, Any] | None = None,
+) -> str:
     document = {
         "proxy": {
+            **(proxy or {}),
             "model_host": {
                 "catalog_file": str(root / "catalog.yaml"),
                 "shutdown_deadline_ms": 2000,
                 "cache": {"directory": str(root / "cache")},
                 "engines": {"llama_cpp": {"path": str(executable)}},
+                **(host or {}),
                 "deployments": deployments,
-            }
+            },
         }
     }
     return yaml.safe_dump(document)
+
+
+def candidate(
+    root: Path, *, deployments: dict[str, dict[str, Any]], host: dict[str, Any] | None = None
+) -> CompiledConfig:
+    """A compiled configuration like the one :func:`runtime_host` started with, with other
+    deployments (for reloads)."""
+    executable = root / "bin" / "llama-server"
+    return load_config_text(
+        config_text(root, executable=executable, deployments=deployments, host=host)
+    )
 
 
 @dataclass
@@ -102,14 +123,26 @@ async def runtime_host(
     backoff: LaunchBackoff | None = None,
     memory_bytes: int = 16 * GIB,
     start: bool = True,
+    host: dict[str, Any] | None = None,
+    config_file: bool = False,
+    worker: bool = False,
 ) -> AsyncIterator[Host]:
-    """A started manager (maintenance every 0.1 s) inside a task group."""
+    """A started manager (maintenance every 0.1 s) inside a task group.
+
+    ``host`` adds ``proxy.model_host`` fields (``authority``, ``store_path``, ...);
+    ``config_file`` writes the configuration to ``root/sb.yml`` and loads it from there (a
+    reloadable source); ``worker`` runs the job worker loop (it resumes interrupted jobs).
+    """
     if not (root / "catalog.yaml").exists():
         write_catalog(root)
     executable = fake_llama_server(root / "bin", mode=mode)
-    compiled: CompiledConfig = load_config_text(
-        config_text(root, executable=executable, deployments=deployments)
-    )
+    text = config_text(root, executable=executable, deployments=deployments, host=host)
+    if config_file:
+        (root / "sb.yml").write_text(text)
+        compiled: CompiledConfig = load_config(root / "sb.yml")
+    else:
+        compiled = load_config_text(text)
+    compiled, _ = await admin_desired(compiled)
     layout = CacheLayout(root=root / "cache")
     cache = ArtifactCache(layout)
     cache.ensure_dirs()
@@ -132,6 +165,8 @@ async def runtime_host(
         async with anyio.create_task_group() as group:
             if start:
                 await manager.start(group)
+            if worker:
+                group.start_soon(engine.run_worker)
             try:
                 yield Host(manager=manager, engine=engine, layout=layout, root=root)
             finally:

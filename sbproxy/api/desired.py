@@ -1,0 +1,276 @@
+"""Desired-state routes: ``GET|PUT /admin/model-host/deployments`` and ``POST /admin/reload``.
+
+Both mutations run the reload transaction (``model_host/runtime/reload.py``) and answer when
+it ends: 200 ``{schema_version: 1, revision, content_digest, plan: {added, changed, removed,
+preserved}, job_id}``.
+
+``PUT /admin/model-host/deployments`` (``admin_managed`` only) replaces the whole map: body
+``{expected_revision: null | int, deployments: {id: deployment}}``, unknown fields and
+duplicate keys refused. Errors (body ``{code, error, ...}``): 403 ``authority_read_only``;
+400 ``invalid_body`` / ``invalid_desired`` (with the dotted ``path``) /
+``unknown_catalog_model`` / ``unknown_catalog_variant``; 409 ``revision_conflict`` (with
+``expected_revision`` and ``actual_revision``); 422 when the candidate cannot be prepared
+(``prepare_failed``, ``insufficient_capacity``, ``crash_loop``, ``manual_artifact_missing``,
+...; the store is unchanged); 502 ``runtime_commit_failed`` with
+``durable_state_advanced: true``, ``revision`` and ``content_digest`` when the store moved
+but the runtime could not commit (the next start converges to the store).
+
+``POST /admin/reload`` re-reads the configuration file the server started from (an optional
+body ``{"source": path}`` must name that file: 409 ``source_mismatch`` otherwise, which is
+how ``sbproxy apply -f`` makes sure it reloads what it validated). 400 ``invalid_config``
+lists the file's problems with their dotted paths; 409 ``restart_required`` /
+``foundation_change``; 422 as above. Nothing changes on any failure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Final
+
+import anyio.to_thread
+from litestar import Request, Response, get, post, put
+from litestar.handlers import HTTPRouteHandler
+from pydantic import TypeAdapter, ValidationError
+
+from sbproxy.api.errors import InvalidBody, admin_error, status_for
+from sbproxy.config import DeploymentConfig
+from sbproxy.config._rules import Identifier
+from sbproxy.config.model_host import Authority
+from sbproxy.errors import SbproxyError
+from sbproxy.model_host.runtime.desired_store import MAX_REVISION
+from sbproxy.model_host.runtime.manager import RuntimeManager, desired_digest, desired_of
+from sbproxy.model_host.runtime.reload import (
+    ReloadReport,
+    reload,
+    reload_from_source,
+    revision_store,
+    with_deployments,
+)
+
+__all__ = ["desired_handlers"]
+
+# Failures to prepare a candidate are the caller's to fix (422), whatever status the same
+# code has on the gateway (where insufficient capacity or a crash loop is a 503).
+_PREPARE: Final[frozenset[str]] = frozenset(
+    {
+        "prepare_failed",
+        "insufficient_capacity",
+        "crash_loop",
+        "engine_early_exit",
+        "engine_not_ready",
+        "engine_blocked",
+        "engine_incompatible",
+        "engine_not_found",
+        "artifact_not_ready",
+        "manual_artifact_missing",
+        "offline_artifact_missing",
+        "digest_mismatch",
+        "no_compatible_variant",
+        "unsafe_argument",
+    }
+)
+_STATUS: Final[dict[str, int]] = {
+    "authority_read_only": 403,
+    "invalid_desired": 400,
+    "invalid_config": 400,
+    "unknown_catalog_model": 400,
+    "unknown_catalog_variant": 400,
+    "revision_conflict": 409,
+    "restart_required": 409,
+    "foundation_change": 409,
+    "superseded": 409,
+    "source_mismatch": 409,
+    "no_config_source": 409,
+}
+_DEPLOYMENTS: Final = TypeAdapter(dict[Identifier, DeploymentConfig])
+MAX_DEPLOYMENTS = 1024
+
+
+def _status(code: str) -> int:
+    if code in _PREPARE:
+        return 422
+    return _STATUS.get(code) or status_for(SbproxyError("", code=code))
+
+
+def _failure(exc: SbproxyError) -> Response[dict[str, object]]:
+    return admin_error(
+        status=_status(exc.code), code=exc.code, message=exc.message, details=exc.details
+    )
+
+
+def _answer(job_id: str, report: ReloadReport) -> dict[str, object]:
+    return {
+        "schema_version": 1,
+        "revision": report.store_revision or report.revision,
+        "content_digest": report.store_digest or report.content_digest,
+        "runtime_revision": report.revision,
+        "plan": report.plan.to_dict(),
+        "job_id": job_id,
+    }
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise InvalidBody(f"duplicate key {key!r} in the body")
+        seen[key] = value
+    return seen
+
+
+def parse_put(body: bytes) -> tuple[int | None, dict[str, DeploymentConfig]]:
+    """``(expected_revision, deployments)`` of a PUT body.
+
+    Raises:
+        InvalidBody: ``invalid_body`` -- not a JSON object, an unknown or missing field, a
+            duplicate key, an ``expected_revision`` that is not null or an integer in
+            [0, 2^53 - 1], more than 1024 deployments.
+        SbproxyError: ``invalid_desired`` naming the dotted path of the first problem.
+    """
+    try:
+        document = json.loads(body, object_pairs_hook=_no_duplicates)
+    except ValueError as exc:
+        if isinstance(exc, InvalidBody):
+            raise
+        raise InvalidBody("invalid JSON body; expected {expected_revision, deployments}") from None
+    if not isinstance(document, dict):
+        raise InvalidBody("invalid JSON body; expected {expected_revision, deployments}")
+    unknown = sorted(set(document) - {"expected_revision", "deployments"})
+    if unknown:
+        raise InvalidBody(f"unknown field(s) {', '.join(unknown)}")
+    if "expected_revision" not in document or "deployments" not in document:
+        raise InvalidBody("expected_revision and deployments are required")
+    expected = document["expected_revision"]
+    if expected is not None and (
+        isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
+    ):
+        raise InvalidBody("expected_revision must be null or a non-negative integer")
+    if expected is not None and expected > MAX_REVISION:
+        raise InvalidBody(f"expected_revision must be at most {MAX_REVISION}")
+    raw = document["deployments"]
+    if not isinstance(raw, dict):
+        raise InvalidBody("deployments must be an object of deployment definitions by id")
+    if len(raw) > MAX_DEPLOYMENTS:
+        raise InvalidBody(f"at most {MAX_DEPLOYMENTS} deployments")
+    try:
+        deployments = _DEPLOYMENTS.validate_python(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        path = ".".join(str(part) for part in ("deployments", *first["loc"]))
+        raise SbproxyError(
+            f"{path}: {first['msg']}",
+            code="invalid_desired",
+            remediation="Fix the named field; GET /admin/model-host/deployments shows the "
+            "current definitions.",
+            details={"path": path},
+        ) from None
+    return expected, deployments
+
+
+def desired_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
+    """The desired-state routes (under the admin router)."""
+
+    @get("/model-host/deployments")
+    async def get_deployments() -> dict[str, object]:
+        """The authoritative desired deployments and their revision."""
+        host = manager.compiled.model_host
+        authority = host.authority if host else Authority.FILE_MANAGED
+        if authority == Authority.ADMIN_MANAGED:
+            stored = await anyio.to_thread.run_sync(revision_store(manager.compiled).load)
+            return {
+                "schema_version": 1,
+                "authority": authority.value,
+                "read_only": False,
+                "revision": stored.revision if stored else None,
+                "content_digest": stored.content_digest if stored else None,
+                "deployments": dict(stored.deployments) if stored else {},
+            }
+        desired = desired_of(manager.compiled)
+        return {
+            "schema_version": 1,
+            "authority": authority.value,
+            "read_only": True,
+            "revision": manager.revision,
+            "content_digest": desired_digest(desired),
+            "deployments": desired,
+        }
+
+    @put("/model-host/deployments", status_code=200)
+    async def put_deployments(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
+        """Replace the ``admin_managed`` desired deployments (compare-and-set)."""
+        try:
+            store = revision_store(manager.compiled)
+        except SbproxyError as exc:
+            return _failure(exc)
+        expected, deployments = parse_put(await request.body())
+        current = await anyio.to_thread.run_sync(store.load)
+        actual = current.revision if current else None
+        if actual != expected:
+            return _failure(
+                SbproxyError(
+                    f"the store is at revision {actual}, not {expected}",
+                    code="revision_conflict",
+                    remediation="GET /admin/model-host/deployments and retry with its revision.",
+                    details={"expected_revision": expected, "actual_revision": actual},
+                )
+            )
+        candidate = with_deployments(manager.compiled, deployments)
+        try:
+            job_id, report = await reload(
+                manager, candidate, source="admin_put", use_store=True, expected_revision=expected
+            )
+        except SbproxyError as exc:
+            if exc.code == "revision_conflict":
+                now = await anyio.to_thread.run_sync(store.load)
+                exc.details.update(
+                    {
+                        "expected_revision": expected,
+                        "actual_revision": now.revision if now else None,
+                    }
+                )
+            elif exc.code == "runtime_commit_failed":
+                now = await anyio.to_thread.run_sync(store.load)
+                exc.details.update(
+                    {
+                        "durable_state_advanced": True,
+                        "revision": now.revision if now else None,
+                        "content_digest": now.content_digest if now else None,
+                    }
+                )
+            return _failure(exc)
+        return Response(_answer(job_id, report), status_code=200)
+
+    @post("/reload", status_code=200)
+    async def reload_route(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
+        """Re-read the configuration file and apply it through the reload transaction."""
+        body = await request.body()
+        if body.strip():
+            try:
+                document = json.loads(body)
+            except ValueError:
+                raise InvalidBody("invalid JSON body; expected {} or {source}") from None
+            if not isinstance(document, dict) or set(document) - {"source"}:
+                raise InvalidBody("invalid JSON body; expected {} or {source}")
+            wanted = document.get("source")
+            if wanted is not None:
+                if not isinstance(wanted, str) or not wanted:
+                    raise InvalidBody("source must be a file path")
+                running = manager.compiled.source
+                if running is None or Path(wanted).resolve() != running.resolve():
+                    return _failure(
+                        SbproxyError(
+                            f"this server runs {running or 'no file'}, not {wanted}",
+                            code="source_mismatch",
+                            remediation="Edit the file the server was started with "
+                            "(`sbproxy serve -f`), or restart it with this one.",
+                            details={"source": str(running) if running else None},
+                        )
+                    )
+        try:
+            job_id, report = await reload_from_source(manager, source="admin")
+        except SbproxyError as exc:
+            return _failure(exc)
+        return Response(_answer(job_id, report), status_code=200)
+
+    return [get_deployments, put_deployments, reload_route]
