@@ -31,7 +31,7 @@ from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.workflows import process_start_ticks
 from tests.model_host.runtime.host import candidate, config_text, runtime_host
 
-WARM = {"model": "tiny", "variant": "q4_k_m", "warm": True}
+WARM: dict[str, Any] = {"model": "tiny", "variant": "q4_k_m", "warm": True}
 
 
 def deployment(**fields: Any) -> DeploymentConfig:
@@ -267,7 +267,7 @@ async def test_recreate_stops_the_old_generation_first_and_restores_it_on_failur
             old_gone_at_launch.append(process_start_ticks(restored_pid) is None)
             return await launch(target, **options)
 
-        manager.launch_generation = observed_launch  # type: ignore[method-assign]
+        manager.launch_generation = observed_launch  # type: ignore[method-assign,assignment]
         fixed = {"a": {**recreate, "extra_args": ["--seed", "1"]}}
         _, report = await reload(manager, candidate(tmp_path, deployments=fixed), source="test")
         new = manager.slot("a")
