@@ -37,7 +37,7 @@ from sbproxy.api.errors import InvalidBody, admin_error, status_for
 from sbproxy.config import DeploymentConfig
 from sbproxy.config._rules import Identifier
 from sbproxy.config.model_host import Authority
-from sbproxy.errors import SbproxyError
+from sbproxy.errors import ConfigError, SbproxyError
 from sbproxy.model_host.runtime.desired_store import MAX_REVISION
 from sbproxy.model_host.runtime.manager import RuntimeManager, desired_digest, desired_of
 from sbproxy.model_host.runtime.reload import (
@@ -94,9 +94,16 @@ def _status(code: str) -> int:
 
 
 def _failure(exc: SbproxyError) -> Response[dict[str, object]]:
-    return admin_error(
+    response = admin_error(
         status=_status(exc.code), code=exc.code, message=exc.message, details=exc.details
     )
+    if isinstance(exc, ConfigError) and isinstance(response.content, dict):
+        # Every problem with its dotted path (and line), as `sbproxy config validate` lists.
+        response.content["errors"] = [issue.to_dict() for issue in exc.issues]
+        response.content["error"] = "; ".join(issue.render() for issue in exc.issues[:5]) or (
+            exc.message
+        )
+    return response
 
 
 def _answer(job_id: str, report: ReloadReport) -> dict[str, object]:

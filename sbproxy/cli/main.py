@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from sbproxy import __version__
+from sbproxy.cli.apply_cmd import apply_command
 from sbproxy.cli.config_cmd import config_group
 from sbproxy.cli.doctor_cmd import doctor_command
 from sbproxy.cli.engines_cmd import engines_group
@@ -26,6 +27,7 @@ def cli() -> None:
     """
 
 
+cli.add_command(apply_command)
 cli.add_command(config_group)
 cli.add_command(doctor_command)
 cli.add_command(engines_group)

@@ -19,7 +19,7 @@ import httpx
 from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.errors import SbproxyError
 
-__all__ = ["ps_command", "stop_command"]
+__all__ = ["admin_call", "admin_options", "ps_command", "stop_command"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 TERMINAL = {"succeeded", "failed", "cancelled", "parked"}
@@ -42,7 +42,7 @@ def admin_options(func: F) -> F:
     return func
 
 
-def _call(
+def admin_call(
     command: str,
     method: str,
     url: str,
@@ -76,15 +76,19 @@ def _call(
     except ValueError:
         body = {}
     if response.status_code >= 400:
-        reason = body.get("code") or body.get("reason_code") or body.get("error") or ""
+        reason = body.get("code") or body.get("reason_code") or ""
+        message = body.get("error") or ""
         fail(
             command,
             SbproxyError(
-                f"admin request returned HTTP {response.status_code}: {reason}",
-                code=str(body.get("code") or "admin_error"),
+                f"admin request returned HTTP {response.status_code}: {reason}"
+                + (f": {message}" if message and message != reason else ""),
+                code=str(reason or "admin_error"),
             ),
             output_format=output_format,
-            exit_code=EXIT_INVALID if response.status_code in (400, 401, 404) else EXIT_RUNTIME,
+            exit_code=EXIT_INVALID
+            if response.status_code in (400, 401, 404, 409, 422)
+            else EXIT_RUNTIME,
         )
     return body
 
@@ -94,7 +98,7 @@ def _call(
 @format_option
 def ps_command(admin_url: str, username: str, password: str, output_format: str) -> None:
     """Show running deployments: state, port, active and queued requests, reason."""
-    body = _call(
+    body = admin_call(
         "models.ps",
         "GET",
         f"{admin_url.rstrip('/')}/admin/model-host/status",
@@ -134,7 +138,7 @@ def stop_command(
     """Drain DEPLOYMENT and stop its engine (the artifact stays cached)."""
     base = admin_url.rstrip("/")
     auth = (username, password)
-    body = _call(
+    body = admin_call(
         "models.stop",
         "POST",
         f"{base}/admin/model-host/stop",
@@ -146,7 +150,7 @@ def stop_command(
         deadline = time.monotonic() + 600
         job: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            job = _call(
+            job = admin_call(
                 "models.stop",
                 "GET",
                 f"{base}/admin/model-host/jobs/{body['job_id']}",

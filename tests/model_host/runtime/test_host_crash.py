@@ -62,3 +62,53 @@ def test_killed_warm_start_converges_after_restart(tmp_path: Path, fault: str) -
     assert process_start_ticks(result["engine_pid"]) is None  # stopped by the clean shutdown
     if fault != "step:launch:before":
         assert result["generation"] >= 2  # the killed run had taken generation 1
+
+
+def reload_host(
+    root: Path, phase: str, *, fault: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SBPROXY_FAULT")}
+    if fault:
+        env["SBPROXY_FAULT_POINTS"] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "tests.model_host.runtime.reloadproc", str(root), phase],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def reload_jobs(root: Path) -> list[tuple[str, str]]:
+    with sqlite3.connect(root / "cache" / "jobs" / "journal.db") as raw:
+        return list(raw.execute("SELECT id, status FROM jobs WHERE kind = 'reload'"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault", ["reload.recreate.stopped", "step:rollout:after", "reload.committed"]
+)
+def test_killed_recreate_rollout_converges_after_restart(tmp_path: Path, fault: str) -> None:
+    killed = reload_host(tmp_path, "apply", fault=fault)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    before = json.loads(killed.stdout.splitlines()[0])
+    ((job_id, status),) = reload_jobs(tmp_path)
+    assert status == "running"
+    owned = tmp_path / "cache" / "engines" / "owned"
+    orphans = [int(p.name.split("-")[0]) for p in owned.glob("*.json")] if owned.is_dir() else []
+
+    restarted = reload_host(tmp_path, "resume")
+    assert restarted.returncode == 0, restarted.stderr
+    result = json.loads(restarted.stdout.splitlines()[-1])
+    # The interrupted reload finished under its original id, on its second attempt.
+    assert result["jobs"] == [[job_id, "succeeded", 2]]
+    assert result["state"] == "ready"
+    assert result["extra_args"] == ["--seed", "7"]  # the committed (edited) definition
+    assert result["generation"] > before["generation"]
+    assert result["revision"] >= 2
+    # No engine of the killed host survives: neither the old generation nor a staged one.
+    for pid in {before["engine_pid"], *orphans}:
+        assert process_start_ticks(pid) is None
+    assert process_start_ticks(result["engine_pid"]) is None  # stopped by the clean shutdown
