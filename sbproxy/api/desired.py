@@ -38,7 +38,7 @@ from sbproxy.config import DeploymentConfig
 from sbproxy.config._rules import Identifier
 from sbproxy.config.model_host import Authority
 from sbproxy.errors import ConfigError, SbproxyError
-from sbproxy.model_host.runtime.desired_store import MAX_REVISION
+from sbproxy.model_host.runtime.desired_store import MAX_REVISION, RevisionStore
 from sbproxy.model_host.runtime.manager import RuntimeManager, desired_digest, desired_of
 from sbproxy.model_host.runtime.reload import (
     ReloadReport,
@@ -175,6 +175,25 @@ def parse_put(body: bytes) -> tuple[int | None, dict[str, DeploymentConfig]]:
     return expected, deployments
 
 
+async def _add_store_details(exc: SbproxyError, store: RevisionStore, expected: int | None) -> None:
+    """Name the store's revision in a conflict or a post-store commit failure."""
+    if exc.code not in ("revision_conflict", "runtime_commit_failed"):
+        return
+    now = await anyio.to_thread.run_sync(store.load)
+    if exc.code == "revision_conflict":
+        exc.details.update(
+            {"expected_revision": expected, "actual_revision": now.revision if now else None}
+        )
+    else:
+        exc.details.update(
+            {
+                "durable_state_advanced": True,
+                "revision": now.revision if now else None,
+                "content_digest": now.content_digest if now else None,
+            }
+        )
+
+
 def desired_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     """The desired-state routes (under the admin router)."""
 
@@ -210,7 +229,13 @@ def desired_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
             store = revision_store(manager.compiled)
         except SbproxyError as exc:
             return _failure(exc)
-        expected, deployments = parse_put(await request.body())
+        body = await request.body()
+        try:
+            expected, deployments = parse_put(body)
+        except InvalidBody:
+            raise
+        except SbproxyError as exc:
+            return _failure(exc)
         current = await anyio.to_thread.run_sync(store.load)
         actual = current.revision if current else None
         if actual != expected:
@@ -228,23 +253,7 @@ def desired_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
                 manager, candidate, source="admin_put", use_store=True, expected_revision=expected
             )
         except SbproxyError as exc:
-            if exc.code == "revision_conflict":
-                now = await anyio.to_thread.run_sync(store.load)
-                exc.details.update(
-                    {
-                        "expected_revision": expected,
-                        "actual_revision": now.revision if now else None,
-                    }
-                )
-            elif exc.code == "runtime_commit_failed":
-                now = await anyio.to_thread.run_sync(store.load)
-                exc.details.update(
-                    {
-                        "durable_state_advanced": True,
-                        "revision": now.revision if now else None,
-                        "content_digest": now.content_digest if now else None,
-                    }
-                )
+            await _add_store_details(exc, store, expected)
             return _failure(exc)
         return Response(_answer(job_id, report), status_code=200)
 

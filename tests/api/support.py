@@ -51,9 +51,15 @@ async def served(
     deployments: dict[str, dict[str, Any]] | None = None,
     mode: str | None = None,
     keys: Sequence[ApiKeyRecord] = (),
+    model_host: dict[str, Any] | None = None,
 ) -> AsyncIterator[Served]:
     async with (
-        runtime_host(root, deployments=deployments or {"tiny": TINY}, mode=mode) as host,
+        runtime_host(
+            root,
+            deployments={"tiny": TINY} if deployments is None else deployments,
+            mode=mode,
+            host=model_host,
+        ) as host,
         anyio.create_task_group() as group,
     ):
         gateway = Gateway(manager=host.manager, routing=Routing(ROUTES), keys=KeyPlane(list(keys)))

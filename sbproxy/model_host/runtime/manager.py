@@ -201,6 +201,7 @@ class RuntimeManager:
         # (the gateway swaps its routes and keys), and whether a reload is protecting every
         # current reservation from eviction while it stages.
         self.staged: dict[str, Slot] = {}
+        self.recreated: list[tuple[Slot, bool]] = []
         self.candidates: dict[str, CompiledConfig] = {}
         self.on_commit: list[Callable[[CompiledConfig], None]] = []
         self.protect_all = False

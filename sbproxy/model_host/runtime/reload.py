@@ -12,17 +12,18 @@ The file watcher, ``SIGHUP``, ``POST /admin/reload``, ``sbproxy apply`` and the 
 2. ``prepare`` -- resolve every added or changed deployment against the candidate catalog,
    pull the artifacts that are ``warm`` or ``pull: on_boot`` (their pull jobs) and acquire
    the engine when something must start warm. Nothing live changes yet.
-3. ``store`` (``admin_managed`` only) -- compare-and-set the new revision into the revision
-   store (``revision_conflict`` when stale). A failure after this point is reported as
-   ``runtime_commit_failed`` with ``durable_state_advanced``: the store moved, the runtime
-   did not, and the next start converges to the store.
-4. ``rollout`` -- for each added or changed deployment build a staged generation. ``recreate``
+3. ``rollout`` -- for each added or changed deployment build a staged generation. ``recreate``
    drains and stops the old generation first; ``rolling`` keeps it serving while the new
    one starts (both must fit: every current reservation is protected from eviction while a
    reload stages, so a replacement that does not fit alongside is ``insufficient_capacity``).
    ``warm`` deployments start here (capacity reserved before the engine starts). On any
    failure the staged engines are stopped and recreated generations are restarted under
    their own generation numbers; the routes never changed.
+4. ``store`` (``admin_managed`` only) -- compare-and-set the new revision into the revision
+   store; when it is stale (``revision_conflict``) a ``discard`` step undoes the rollout.
+   A failure after this point is reported as ``runtime_commit_failed`` with
+   ``durable_state_advanced``: the store moved, the runtime did not, and the next start
+   converges to the store.
 5. ``commit`` -- swap the live deployments atomically (preserved ones keep their generation,
    port and process), hand the candidate to the gateway (routes, keys), drain and stop the
    superseded and removed generations within ``shutdown_deadline_ms``, and record the
@@ -376,6 +377,7 @@ async def store_step(ctx: StepContext, request: ReloadInput) -> StoreResult:
         SbproxyError: ``store_failed``.
     """
     manager = ctx.resource(RuntimeManager)
+    _candidate(manager, request)  # a resumed job whose candidate was never stored is over
     store = revision_store(manager.compiled)
     current = await anyio.to_thread.run_sync(store.load)
     if (
@@ -411,6 +413,7 @@ async def rollout_step(ctx: StepContext, request: RolloutInput) -> list[str]:
     staged: dict[str, Slot] = {}
     recreated: list[tuple[Slot, bool]] = []
     manager.staged = staged
+    manager.recreated = recreated
     manager.protect_all = True
     try:
         for deployment in sorted((*request.plan.added, *request.plan.changed)):
@@ -436,6 +439,7 @@ async def rollout_step(ctx: StepContext, request: RolloutInput) -> list[str]:
     except BaseException:
         with anyio.CancelScope(shield=True):
             await _roll_back(manager, staged, recreated)
+            manager.recreated = []
         raise
     finally:
         manager.protect_all = False
@@ -482,6 +486,7 @@ async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
     candidate = _candidate(manager, request.request)
     plan = request.plan
     staged, manager.staged = manager.staged, {}
+    manager.recreated = []
     slots = dict(manager.slots)
     retired: list[Slot] = []
     for deployment in plan.removed:
@@ -519,16 +524,34 @@ async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
     )
 
 
+@step("discard")
+async def discard_step(ctx: StepContext, request: ReloadInput) -> list[str]:
+    """Undo a rollout whose revision could not be stored: stop the staged engines, restart
+    the generations a ``recreate`` stopped. The deployments discarded.
+
+    Idempotency: after a restart nothing is staged and nothing is discarded.
+    """
+    manager = ctx.resource(RuntimeManager)
+    discarded = sorted(manager.staged)
+    await _roll_back(manager, manager.staged, manager.recreated)
+    manager.recreated = []
+    return discarded
+
+
 @registry.workflow("reload", version=1)
 async def reload_workflow(ctx: WorkflowContext, request: ReloadInput) -> ReloadReport:
-    """Prepare, (store,) roll out and commit one candidate (see the module docstring)."""
+    """Plan, prepare, roll out, (store,) and commit one candidate (module docstring)."""
     plan = await ctx.step(plan_step, request)
     prepared = await ctx.step(prepare_step, PrepareInput(request=request, plan=plan))
+    await ctx.step(rollout_step, RolloutInput(request=request, plan=plan, prepared=prepared))
     stored: StoreResult | None = None
     if request.use_store:
-        stored = await ctx.step(store_step, request)
+        try:
+            stored = await ctx.step(store_step, request)
+        except StepFailed:
+            await ctx.step(discard_step, request)
+            raise
     try:
-        await ctx.step(rollout_step, RolloutInput(request=request, plan=plan, prepared=prepared))
         report = await ctx.step(commit_step, CommitInput(request=request, plan=plan))
     except StepFailed as exc:
         if stored is None:
