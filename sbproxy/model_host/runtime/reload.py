@@ -515,6 +515,12 @@ async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
     for old in retired:
         if old.process is not None or old.state == DeploymentState.DRAINING:
             await manager.drain(old)
+    cache = candidate.model_host.cache if candidate.model_host else None
+    manager.residency.max_resident_models = cache.max_resident_models if cache else None
+    for victim in manager.residency.excess():  # a lowered limit evicts idle generations
+        evicted = manager.slots.get(victim.key.deployment)
+        if evicted is not None and evicted.generation == victim.key.generation:
+            await manager.drain(evicted)
     desired = request.request.desired
     manager.revision = await manager.runtime_store.commit_revision(
         content_digest=request.request.content_digest, desired=desired

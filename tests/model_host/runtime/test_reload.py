@@ -14,7 +14,7 @@ import anyio
 import httpx
 import pytest
 
-from sbproxy.config import DeploymentConfig, load_config_text
+from sbproxy.config import DeploymentConfig, PriorityClass, load_config_text
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime.desired_store import (
     RevisionConflict,
@@ -276,3 +276,26 @@ async def test_recreate_stops_the_old_generation_first_and_restores_it_on_failur
         assert new.generation > generation
         assert new.config.extra_args == ["--seed", "1"]
         assert new.state == DeploymentState.READY
+
+
+@pytest.mark.anyio
+async def test_lowering_max_resident_models_evicts_the_least_recently_used(
+    tmp_path: Path,
+) -> None:
+    async with runtime_host(tmp_path, deployments={"a": WARM, "b": WARM, "c": WARM}) as host:
+        manager = host.manager
+        await until(lambda: all(s.state == DeploymentState.READY for s in manager.slots.values()))
+        # b, then a, then c used most recently: with room for two, b goes.
+        for deployment in ("b", "a", "c"):
+            upstream = await manager.acquire(deployment, priority=PriorityClass.STANDARD)
+            upstream.release()
+        wanted = candidate(
+            tmp_path,
+            deployments={"a": WARM, "b": WARM, "c": WARM},
+            host={"cache": {"directory": str(tmp_path / "cache"), "max_resident_models": 2}},
+        )
+        _, report = await reload(manager, wanted, source="test")
+        assert report.plan.preserved == ("a", "b", "c")
+        assert manager.slot("b").state == DeploymentState.STOPPED
+        assert manager.slot("a").state == manager.slot("c").state == DeploymentState.READY
+        assert len(manager.residency.reservations) == 2
