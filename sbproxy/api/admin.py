@@ -48,7 +48,7 @@ from sbproxy.api.desired import desired_handlers
 from sbproxy.api.errors import InvalidBody, Unauthorized, admin_exception_handlers
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Rejections, build_registry
-from sbproxy.catalog import ArtifactRequest, Catalog, resolve_artifact
+from sbproxy.catalog import Catalog
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.flows import (
     GcInput,
@@ -240,17 +240,8 @@ def protection(manager: RuntimeManager) -> dict[str, str]:
     for slot in manager.slots.values():
         digest = slot.artifact.digest if slot.artifact is not None else None
         if digest is None:
-            request = ArtifactRequest.model_validate(
-                {
-                    "model": slot.config.model,
-                    "variant": slot.config.variant,
-                    "engine": str(slot.config.engine),
-                    "replicas": slot.config.replicas,
-                    "heterogeneous_variants": slot.config.heterogeneous_variants,
-                }
-            )
             try:
-                digest = resolve_artifact(manager.catalog, request, manager.worker).artifact.digest
+                digest = manager.resolve_config(slot.config, manager.catalog).digest
             except SbproxyError:
                 continue
         protected[digest] = "configured"

@@ -23,12 +23,13 @@ import anyio.to_thread
 
 import sbproxy.model_host.runtime.jobs  # registers the load/drain/reset workflows
 import sbproxy.model_host.runtime.reload  # noqa: F401 - registers the reload workflow
-from sbproxy.catalog import load_catalog
+from sbproxy.catalog import Catalog, WorkerProfile, load_catalog, resolve_artifact
 from sbproxy.config import CompiledConfig
+from sbproxy.errors import ConfigError, ConfigIssue, SbproxyError
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime import probe_worker
-from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.runtime.manager import RuntimeManager, artifact_request
 from sbproxy.model_host.runtime.reload import admin_desired
 from sbproxy.store import RuntimeStore
 from sbproxy.workflows import WorkflowEngine
@@ -62,7 +63,8 @@ async def open_host(
 
     Raises:
         SbproxyError: ``invalid_cache_dir``, ``invalid_catalog``, ``store_failed``,
-            ``invalid_desired`` or a device probe failure before anything starts.
+            ``invalid_desired``, ``invalid_config`` (a deployment that does not resolve on
+            this worker) or a device probe failure, before anything starts.
     """
     compiled, _ = await admin_desired(compiled)
     host_config = compiled.model_host
@@ -72,6 +74,7 @@ async def open_host(
     catalog_file = host_config.catalog_file if host_config else None
     catalog = load_catalog(Path(catalog_file) if catalog_file else None)
     worker = await anyio.to_thread.run_sync(probe_worker)
+    _check_resolvable(compiled, catalog, worker)
     cache = ArtifactCache(layout)
     cache.ensure_dirs()
     engine = await WorkflowEngine.open(layout.journal, registry, resources=[cache])
@@ -96,6 +99,29 @@ async def open_host(
     finally:
         with anyio.CancelScope(shield=True):
             await engine.close()
+
+
+def _check_resolvable(compiled: CompiledConfig, catalog: Catalog, worker: WorkerProfile) -> None:
+    """Startup prepares the whole candidate like a reload: every deployment must resolve to
+    an exact artifact on this worker before anything starts.
+
+    Raises:
+        ConfigError: ``invalid_config`` listing each deployment that does not resolve, with
+            its dotted path and the catalog's reason (unknown model or variant, no variant
+            for this worker).
+    """
+    issues = []
+    for deployment_id, deployment in compiled.deployments.items():
+        try:
+            resolve_artifact(catalog, artifact_request(deployment), worker)
+        except SbproxyError as exc:
+            path = compiled.lowered_from.get(deployment_id) or (
+                f"proxy.model_host.deployments.{deployment_id}"
+            )
+            issues.append(ConfigIssue(f"{path}.model", f"{exc.message} ({exc.code})"))
+    if issues:
+        source = str(compiled.source) if compiled.source else None
+        raise ConfigError(issues, source=source)
 
 
 async def _worker(engine: WorkflowEngine) -> None:

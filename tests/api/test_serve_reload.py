@@ -198,3 +198,20 @@ def test_the_file_watcher_reloads_an_edited_file(tmp_path: Path) -> None:
         edit(config, add_second)
         wait_for(lambda: "second" in deployments(admin_port))
         assert chat(gateway_port, "second-chat").status_code == 200
+
+
+def test_serve_refuses_a_candidate_that_does_not_resolve(tmp_path: Path) -> None:
+    config = write_config(tmp_path, free_port(), free_port())
+    edit(config, lambda d: d["proxy"]["model_host"]["deployments"]["tiny"].update(model="nope"))
+    refused = subprocess.run(
+        [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert "proxy.model_host.deployments.tiny.model" in refused.stderr
+    assert "unknown_catalog_model" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -73,6 +73,7 @@ __all__ = [
     "Slot",
     "UnknownDeployment",
     "Upstream",
+    "artifact_request",
     "desired_digest",
     "desired_of",
     "new_slot",
@@ -364,16 +365,7 @@ class RuntimeManager:
             ResolutionError: ``unknown_catalog_model``, ``unknown_catalog_variant``, ...
             NoCompatibleVariantError: ``no_compatible_variant``.
         """
-        request = ArtifactRequest.model_validate(
-            {
-                "model": config.model,
-                "variant": config.variant,
-                "engine": str(config.engine),
-                "replicas": config.replicas,
-                "heterogeneous_variants": config.heterogeneous_variants,
-            }
-        )
-        return resolve_artifact(catalog, request, self.worker).artifact
+        return resolve_artifact(catalog, artifact_request(config), self.worker).artifact
 
     def _fail(self, slot: Slot, code: str, message: str) -> None:
         slot.state = DeploymentState.FAILED
@@ -682,6 +674,19 @@ class RuntimeManager:
             for slot in self.slots.values():
                 if slot.process is not None:
                     await self.drain(slot)
+
+
+def artifact_request(config: DeploymentConfig) -> ArtifactRequest:
+    """What a deployment asks the catalog for (model, variant, engine, replicas)."""
+    return ArtifactRequest.model_validate(
+        {
+            "model": config.model,
+            "variant": config.variant,
+            "engine": str(config.engine),
+            "replicas": config.replicas,
+            "heterogeneous_variants": config.heterogeneous_variants,
+        }
+    )
 
 
 def new_slot(deployment: str, config: DeploymentConfig) -> Slot:
