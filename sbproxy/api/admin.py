@@ -47,6 +47,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from sbproxy.api.errors import InvalidBody, Unauthorized, admin_exception_handlers
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Rejections, build_registry
+from sbproxy.api.tracing import server_spans
+from sbproxy.api.usage import UsageLedger, usage_handlers
 from sbproxy.catalog import ArtifactRequest, Catalog, resolve_artifact
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.flows import (
@@ -86,6 +88,7 @@ class Admin:
         rejections: Admission refusals counted by the gateway (for ``/metrics``).
         registry: Metrics registry (default: one reading ``manager``).
         allowlist: Client networks allowed (``proxy.admin.ip_allowlist``); empty: any.
+        usage: The gateway's token usage (``GET /admin/model-host/usage``, ``/metrics``).
     """
 
     manager: RuntimeManager
@@ -94,6 +97,7 @@ class Admin:
     rejections: Rejections = field(default_factory=Rejections)
     registry: CollectorRegistry | None = None
     allowlist: tuple[str, ...] = ()
+    usage: UsageLedger | None = None
 
     def __post_init__(self) -> None:
         self._user = hashlib.sha256(self.username.encode()).digest()
@@ -101,7 +105,7 @@ class Admin:
         self.password = ""
         self._networks = tuple(ipaddress.ip_network(n, strict=False) for n in self.allowlist)
         if self.registry is None:
-            self.registry = build_registry(self.manager, self.rejections)
+            self.registry = build_registry(self.manager, self.rejections, usage=self.usage)
 
     def allowed(self, client: str | None) -> None:
         """Refuse a client outside the allowlist.
@@ -444,11 +448,13 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             reset,
             *cache_handlers(manager),
             jobs_router(manager.engine, admin.spawn),
+            *usage_handlers(admin.usage),
         ],
     )
     return Litestar(
         route_handlers=[admin_router, metrics],
         exception_handlers=admin_exception_handlers(),
+        middleware=[server_spans("admin")],
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(title="sbproxy admin", version="1"),
         debug=debug,

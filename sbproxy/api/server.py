@@ -104,6 +104,7 @@ def build_servers(
             password=settings.password.get_secret_value(),
             rejections=rejections,
             allowlist=tuple(settings.ip_allowlist),
+            usage=gateway.usage,
         )
         tls = settings.tls
         servers.append(

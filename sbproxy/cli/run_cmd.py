@@ -34,6 +34,7 @@ from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, configure_server_log
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import probe_worker
 from sbproxy.model_host.runtime.manager import free_port
+from sbproxy.telemetry import traces_from_environment
 
 __all__ = ["build_run_config", "run_command"]
 
@@ -236,7 +237,8 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
     configure_server_logging()
     try:
         compiled = load_config(path)
-        anyio.run(lambda: serve(compiled, watch=watch))
+        with traces_from_environment():
+            anyio.run(lambda: serve(compiled, watch=watch))
     except SbproxyError as exc:
         click.echo(f"sbproxy run: {exc}", err=True)
         return EXIT_RUNTIME

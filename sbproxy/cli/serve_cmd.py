@@ -15,6 +15,7 @@ import click
 from sbproxy.cli._output import configure_server_logging
 from sbproxy.config import load_config
 from sbproxy.errors import SbproxyError
+from sbproxy.telemetry import traces_from_environment
 
 __all__ = ["serve_command"]
 
@@ -41,7 +42,8 @@ def serve_command(config_file: Path, cache_dir: Path | None) -> None:
     The gateway listens on proxy.bind_address:proxy.http_bind_port (loopback by default);
     the admin API, when proxy.admin.enabled, on proxy.admin.bind:proxy.admin.port.
     Shutdown drains deployments within proxy.model_host.shutdown_deadline_ms and stops
-    their engines; unfinished jobs resume at the next start.
+    their engines; unfinished jobs resume at the next start. Traces are exported over
+    OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set.
     """
     from sbproxy.api.server import serve
 
@@ -54,13 +56,14 @@ def serve_command(config_file: Path, cache_dir: Path | None) -> None:
 
     try:
         compiled = load_config(config_file)
-        anyio.run(
-            lambda: serve(
-                compiled,
-                cache_dir=cache_dir.absolute() if cache_dir else None,
-                on_listening=listening,
+        with traces_from_environment():
+            anyio.run(
+                lambda: serve(
+                    compiled,
+                    cache_dir=cache_dir.absolute() if cache_dir else None,
+                    on_listening=listening,
+                )
             )
-        )
     except SbproxyError as exc:
         click.echo(f"serve: {exc} ({exc.code})", err=True)
         sys.exit(2 if exc.code == "invalid_config" else 1)
