@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import click
 
-from sbproxy.cli._output import configure_server_logging
+from sbproxy.cli._output import configure_server_logging, freeze_startup_heap
 from sbproxy.config import load_config
 from sbproxy.errors import SbproxyError
 from sbproxy.telemetry import traces_from_environment
@@ -53,6 +53,7 @@ def serve_command(config_file: Path, cache_dir: Path | None) -> None:
         names = ("gateway", "admin")
         for name, address in zip(names, addresses, strict=False):
             click.echo(f"sbproxy: {name} listening on {address}", err=True)
+        freeze_startup_heap()
 
     try:
         compiled = load_config(config_file)
