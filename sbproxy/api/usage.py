@@ -189,6 +189,34 @@ class UsageLedger:
             account.completion = totals.completion_tokens
             account.requests = totals.requests
 
+    async def reconfigure(self, budgets: Mapping[str, TokenBudget | None]) -> None:
+        """Take new key records (a committed reload): keys and budgets as given, each
+        window re-summed from the store (pending usage is written first, so nothing is lost
+        or counted twice); this process's token counters are kept.
+
+        Raises:
+            StoreError: ``store_failed`` when the journal cannot be written or read.
+        """
+        await self.flush()
+        lifetime = self._accounts
+        accounts = {
+            name: _Account(
+                name=name,
+                period=budget.period if budget else BudgetPeriod.DAY,
+                max_tokens=budget.max_tokens if budget else None,
+            )
+            for name, budget in budgets.items()
+        }
+        for name, account in accounts.items():
+            if name in lifetime:
+                account.lifetime_prompt = lifetime[name].lifetime_prompt
+                account.lifetime_completion = lifetime[name].lifetime_completion
+        keyless = lifetime.get(KEYLESS_ACCOUNT)
+        if keyless is not None and not budgets:
+            accounts[KEYLESS_ACCOUNT] = keyless
+        self._accounts = accounts
+        await self.load()
+
     async def start(self) -> None:
         """Load the windows, then flush in the background every ``flush_interval_s``."""
         await self.load()

@@ -292,3 +292,26 @@ async def test_usage_route_requires_admin_credentials(tmp_path: Path) -> None:
         assert anonymous.json()["code"] == "unauthorized"
         empty = await http.get("/admin/model-host/usage", auth=ADMIN)
         assert empty.json() == {"schema_version": 1, "flush_interval_s": 1.0, "keys": []}
+
+
+async def test_reconfigure_takes_new_budgets_and_keeps_counts(tmp_path: Path) -> None:
+    database = await Database.open(tmp_path / "journal.db")
+    try:
+        clock = Clock(ms("2026-03-04T10:15:00"))
+        ledger = UsageLedger(UsageStore(database), {"alice": None}, clock=clock)
+        await ledger.load()
+        ledger.record("alice", prompt_tokens=30, completion_tokens=20)
+        ledger.check("alice")
+        await ledger.reconfigure(
+            {
+                "alice": TokenBudget(max_tokens=40, period=BudgetPeriod.HOUR),
+                "carol": TokenBudget(max_tokens=10, period=BudgetPeriod.MONTH),
+            }
+        )
+        with pytest.raises(TokenBudgetExceeded):  # the hour's 50 tokens, from the store
+            ledger.check("alice")
+        ledger.check("carol")
+        assert {row["key"] for row in ledger.snapshot()} == {"alice", "carol"}
+        assert ledger.tokens_since_start()[("alice", "prompt")] == 30
+    finally:
+        await database.close()
