@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from opentelemetry import propagate, trace
@@ -47,7 +46,6 @@ __all__ = [
     "link_from_carrier",
     "shutdown_tracing",
     "tracer",
-    "traces_from_environment",
 ]
 
 logger = logging.getLogger(__name__)
@@ -109,7 +107,9 @@ def configure_from_environment(environ: Mapping[str, str] | None = None) -> bool
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` (a base URL; ``/v1/traces`` is appended), plus the
     exporter's own ``OTEL_EXPORTER_OTLP_HEADERS``/``_TIMEOUT`` and the batch processor's
     ``OTEL_BSP_*``. ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` turn it off.
-    Idempotent: a process that already has a provider keeps it.
+    Idempotent: a process that already has a provider keeps it. The SDK provider flushes
+    its batched spans at interpreter exit (its own ``atexit`` hook), so a server stopped by
+    SIGTERM exports its last spans.
 
     Returns:
         Whether tracing is on after the call.
@@ -138,18 +138,6 @@ def shutdown_tracing() -> None:
     """Flush and stop the installed provider (at process exit); a no-op without one."""
     if _provider is not None:
         _provider.shutdown()
-
-
-@contextmanager
-def traces_from_environment() -> Iterator[bool]:
-    """:func:`configure_from_environment` for the life of a server process; on exit the
-    spans still batched are exported (:func:`shutdown_tracing`). Yields whether it is on."""
-    on = configure_from_environment()
-    try:
-        yield on
-    finally:
-        if on:
-            shutdown_tracing()
 
 
 def current_carrier() -> dict[str, str]:

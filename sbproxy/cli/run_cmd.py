@@ -40,7 +40,7 @@ from sbproxy.cli._output import (
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import probe_worker
 from sbproxy.model_host.runtime.manager import free_port
-from sbproxy.telemetry import traces_from_environment
+from sbproxy.telemetry import configure_from_environment
 
 __all__ = ["build_run_config", "run_command"]
 
@@ -242,10 +242,10 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
         freeze_startup_heap()
 
     configure_server_logging()
+    configure_from_environment()  # OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         compiled = load_config(path)
-        with traces_from_environment():
-            anyio.run(lambda: serve(compiled, watch=watch))
+        anyio.run(lambda: serve(compiled, watch=watch))
     except SbproxyError as exc:
         click.echo(f"sbproxy run: {exc}", err=True)
         return EXIT_RUNTIME

@@ -15,7 +15,7 @@ import click
 from sbproxy.cli._output import configure_server_logging, freeze_startup_heap
 from sbproxy.config import load_config
 from sbproxy.errors import SbproxyError
-from sbproxy.telemetry import traces_from_environment
+from sbproxy.telemetry import configure_from_environment
 
 __all__ = ["serve_command"]
 
@@ -42,12 +42,12 @@ def serve_command(config_file: Path, cache_dir: Path | None) -> None:
     The gateway listens on proxy.bind_address:proxy.http_bind_port (loopback by default);
     the admin API, when proxy.admin.enabled, on proxy.admin.bind:proxy.admin.port.
     Shutdown drains deployments within proxy.model_host.shutdown_deadline_ms and stops
-    their engines; unfinished jobs resume at the next start. Traces are exported over
-    OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+    their engines; unfinished jobs resume at the next start.
     """
     from sbproxy.api.server import serve
 
     configure_server_logging()
+    configure_from_environment()  # OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set
 
     def listening(addresses: list[str]) -> None:
         names = ("gateway", "admin")
@@ -57,14 +57,13 @@ def serve_command(config_file: Path, cache_dir: Path | None) -> None:
 
     try:
         compiled = load_config(config_file)
-        with traces_from_environment():
-            anyio.run(
-                lambda: serve(
-                    compiled,
-                    cache_dir=cache_dir.absolute() if cache_dir else None,
-                    on_listening=listening,
-                )
+        anyio.run(
+            lambda: serve(
+                compiled,
+                cache_dir=cache_dir.absolute() if cache_dir else None,
+                on_listening=listening,
             )
+        )
     except SbproxyError as exc:
         click.echo(f"serve: {exc} ({exc.code})", err=True)
         sys.exit(2 if exc.code == "invalid_config" else 1)
