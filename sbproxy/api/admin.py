@@ -48,6 +48,8 @@ from sbproxy.api.desired import desired_handlers
 from sbproxy.api.errors import InvalidBody, Unauthorized, admin_exception_handlers
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Rejections, build_registry
+from sbproxy.api.tracing import server_spans
+from sbproxy.api.usage import UsageLedger, usage_handlers
 from sbproxy.catalog import Catalog
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.flows import (
@@ -87,6 +89,7 @@ class Admin:
         rejections: Admission refusals counted by the gateway (for ``/metrics``).
         registry: Metrics registry (default: one reading ``manager``).
         allowlist: Client networks allowed (``proxy.admin.ip_allowlist``); empty: any.
+        usage: The gateway's token usage (``GET /admin/model-host/usage``, ``/metrics``).
     """
 
     manager: RuntimeManager
@@ -95,6 +98,7 @@ class Admin:
     rejections: Rejections = field(default_factory=Rejections)
     registry: CollectorRegistry | None = None
     allowlist: tuple[str, ...] = ()
+    usage: UsageLedger | None = None
 
     def __post_init__(self) -> None:
         self._user = hashlib.sha256(self.username.encode()).digest()
@@ -102,7 +106,7 @@ class Admin:
         self.password = ""
         self._networks = tuple(ipaddress.ip_network(n, strict=False) for n in self.allowlist)
         if self.registry is None:
-            self.registry = build_registry(self.manager, self.rejections)
+            self.registry = build_registry(self.manager, self.rejections, usage=self.usage)
 
     def allowed(self, client: str | None) -> None:
         """Refuse a client outside the allowlist.
@@ -438,11 +442,13 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             *cache_handlers(manager),
             *desired_handlers(manager),
             jobs_router(manager.engine, admin.spawn),
+            *usage_handlers(admin.usage),
         ],
     )
     return Litestar(
         route_handlers=[admin_router, metrics],
         exception_handlers=admin_exception_handlers(),
+        middleware=[server_spans("admin")],
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(title="sbproxy admin", version="1"),
         debug=debug,

@@ -8,8 +8,9 @@ package builds an error response. Two shapes:
   ``{"error": {"message", "type", "code", "sbproxy_reason", "retryable"}}``. ``type`` is
   ``managed_model_error`` for refusals of the model host (admission, engine, unknown model),
   ``invalid_request_error`` for a bad request and ``authentication_error`` for a missing or
-  wrong key -- the types OpenAI clients already know. Retryable admission refusals carry
-  ``Retry-After`` (whole seconds, at least 1).
+  wrong key, ``insufficient_quota`` for a used-up token budget (429
+  ``token_budget_exceeded``) -- the types OpenAI clients already know. Retryable refusals
+  carry ``Retry-After`` (whole seconds, at least 1; for a budget, until its period resets).
 * **admin**: ``{"code", "error"}`` plus structured details such as ``deployment`` and
   ``job_id`` (reference section 2). Private details (stack traces, paths) never appear.
 
@@ -102,6 +103,7 @@ _STATUS: Final[dict[str, int]] = {
     "artifact_not_found": 404,
     "request_body_too_large": 413,
     "queue_full": 429,
+    "token_budget_exceeded": 429,
     "queue_timeout": 503,
     "draining": 503,
     "engine_unhealthy": 503,
@@ -120,6 +122,10 @@ _CLIENT_TYPES: Final[dict[int, str]] = {
     401: "authentication_error",
     413: "invalid_request_error",
 }
+
+# Codes whose OpenAI error type is not the status's: a used-up budget is a quota, as OpenAI
+# names it (clients that branch on ``type`` already know this one).
+_CODE_TYPES: Final[dict[str, str]] = {"token_budget_exceeded": "insufficient_quota"}
 
 # Litestar's own HTTP exceptions, as stable codes.
 _HTTP_CODES: Final[dict[int, str]] = {
@@ -177,7 +183,7 @@ def openai_error(
     body: dict[str, object] = {
         "error": {
             "message": message,
-            "type": _CLIENT_TYPES.get(status, "managed_model_error"),
+            "type": _CODE_TYPES.get(code) or _CLIENT_TYPES.get(status, "managed_model_error"),
             "code": code,
             "sbproxy_reason": code,
             "retryable": retryable,

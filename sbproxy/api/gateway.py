@@ -12,6 +12,19 @@ out as soon as a complete SSE event has arrived (an event split across reads wai
 its own end). The admission permit is released, and the upstream connection closed -- which
 stops the engine's generation -- when the stream ends, fails, or the client disconnects.
 
+Usage and budgets (:mod:`sbproxy.api.usage`): a key over its token budget is refused with
+429 ``token_budget_exceeded`` before admission, so the engine never sees the request. Each
+answer's ``usage`` is counted under the caller's key name: from the body of a plain answer
+(the body is decoded for the ``model`` rewrite anyway), and from the event of a stream that
+carries ``usage``. llama-server puts ``usage`` in the last event of a streamed *completion*
+always, but in a streamed *chat completion* only when ``stream_options.include_usage`` is
+true (then as an extra last event with ``choices: []``, as OpenAI does). So the gateway sets
+``include_usage`` on every streamed chat request -- re-encoding only those bodies -- and,
+when the client had not asked for it, drops that usage-only event from the relay: the client
+sees exactly the stream it asked for. A stream that ends without ``usage`` (the client left
+early, the engine died) is counted as one completion token per relayed event and no prompt
+tokens -- an estimate, so that leaving before the last event does not make tokens free.
+
 Origin matching (``Host`` without its port, case-insensitive):
 
 1. an origin with exactly that name;
@@ -24,7 +37,7 @@ Anything else is a 404 ``unknown_origin``.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -33,6 +46,7 @@ import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
+from opentelemetry import trace
 
 from sbproxy.api.errors import (
     ApiError,
@@ -43,10 +57,21 @@ from sbproxy.api.errors import (
 )
 from sbproxy.api.keys import Caller, KeyPlane
 from sbproxy.api.metrics import Rejections
+from sbproxy.api.tracing import server_spans
+from sbproxy.api.usage import UsageLedger
 from sbproxy.config import Route
 from sbproxy.model_host.runtime import AdmissionRejected
 from sbproxy.model_host.runtime.manager import RuntimeManager, Upstream
 from sbproxy.model_host.runtime.state import DeploymentState
+from sbproxy.store import UsageStore
+from sbproxy.telemetry import (
+    ATTR_DEPLOYMENT,
+    ATTR_INPUT_TOKENS,
+    ATTR_KEY_NAME,
+    ATTR_MODEL,
+    ATTR_OUTPUT_TOKENS,
+    enabled,
+)
 
 __all__ = ["Gateway", "Routing", "create_gateway_app"]
 
@@ -69,6 +94,11 @@ class _Head(msgspec.Struct):
 
     model: str | None = None
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+
+# (prompt tokens, completion tokens) of one answer.
+Usage = tuple[int, int]
 
 
 _HEAD_DECODER = msgspec.json.Decoder(_Head)
@@ -158,21 +188,31 @@ class Gateway:
     keys: KeyPlane
     rejections: Rejections = field(default_factory=Rejections)
     session: aiohttp.ClientSession | None = None
+    usage: UsageLedger = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.usage = UsageLedger(UsageStore(self.manager.engine.store.database), self.keys.budgets)
 
     async def open(self) -> None:
-        """Create the shared upstream session (on the app's event loop)."""
+        """Create the shared upstream session (on the app's event loop) and load usage.
+
+        Raises:
+            StoreError: ``store_failed`` when the usage of the current periods cannot be read.
+        """
         if self.session is None:
             self.session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, force_close=False),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                 auto_decompress=False,
             )
+        await self.usage.start()
 
     async def close(self) -> None:
-        """Close the upstream session."""
+        """Close the upstream session and write pending usage."""
         if self.session is not None:
             await self.session.close()
             self.session = None
+        await self.usage.stop()
 
     def availability(self, deployment: str) -> dict[str, object]:
         """``{state: ready|cold|unavailable, ready_replicas, desired_replicas}``."""
@@ -220,6 +260,16 @@ class Gateway:
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
             raise InvalidBody(f"the body is not a valid request: {exc}") from None
         route = self.routing.route(request.headers.get("host"), head.model)
+        span = trace.get_current_span() if enabled() else None
+        if span is not None:
+            span.set_attribute(ATTR_DEPLOYMENT, route.deployment)
+            span.set_attribute(ATTR_MODEL, route.public_model)
+            if caller.name is not None:
+                span.set_attribute(ATTR_KEY_NAME, caller.name)
+        self.usage.check(caller.name)
+        strip_usage = False
+        if head.stream and path == "/v1/chat/completions":
+            body, strip_usage = ask_for_usage(body, head)
         upstream = await self.admit(route, caller)
         try:
             assert self.session is not None  # noqa: S101 - opened at app startup
@@ -246,14 +296,22 @@ class Gateway:
                 response.release()
                 upstream.release()
             if response.content_type == "application/json":
-                data = rewrite_model(data, route.public_model)
+                data, usage = rewrite_answer(data, route.public_model)
+                if usage is not None:
+                    self.count(caller, usage, span)
             return Response(
                 data,
                 status_code=response.status,
                 media_type=response.content_type or "application/json",
                 headers=headers,
             )
-        relay = _Relay(response, upstream, route.public_model)
+        relay = _Relay(
+            response,
+            upstream,
+            route.public_model,
+            strip_usage=strip_usage,
+            on_usage=lambda usage: self.count(caller, usage, span),
+        )
         return Stream(
             relay.events(),
             status_code=response.status,
@@ -262,43 +320,127 @@ class Gateway:
             background=BackgroundTask(relay.close),
         )
 
+    def count(self, caller: Caller, usage: Usage, span: trace.Span | None) -> None:
+        """Count one answer's ``usage`` for ``caller`` (and note it on the request span)."""
+        self.usage.record(caller.name, prompt_tokens=usage[0], completion_tokens=usage[1])
+        if span is not None:
+            span.set_attribute(ATTR_INPUT_TOKENS, usage[0])
+            span.set_attribute(ATTR_OUTPUT_TOKENS, usage[1])
 
-def rewrite_model(data: bytes, public_model: str) -> bytes:
-    """``data`` with a top-level JSON ``model`` set to ``public_model`` (else unchanged)."""
+
+def ask_for_usage(body: bytes, head: _Head) -> tuple[bytes, bool]:
+    """A streamed chat body that asks the engine for ``usage``, and whether the client had
+    not asked for it itself (then the usage-only event is dropped from the relay)."""
+    if head.stream_options is not None and head.stream_options.get("include_usage") is True:
+        return body, False
+    document = _DECODER.decode(body)  # an object: _Head decoded it
+    document["stream_options"] = {**(head.stream_options or {}), "include_usage": True}
+    return _ENCODER.encode(document), True
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def usage_of(document: object) -> Usage | None:
+    """``(prompt_tokens, completion_tokens)`` of an OpenAI ``usage`` object in ``document``.
+
+    ``None`` when there is no ``usage`` object; a missing or malformed count reads as 0
+    (embeddings report no ``completion_tokens``).
+    """
+    if not isinstance(document, dict):
+        return None
+    usage = document.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+
+
+def rewrite_answer(data: bytes, public_model: str) -> tuple[bytes, Usage | None]:
+    """``data`` with a top-level JSON ``model`` set to ``public_model`` (else unchanged),
+    and the answer's usage if it reports one (one decode for both)."""
     try:
         document = _DECODER.decode(data)
     except msgspec.DecodeError:
-        return data
+        return data, None
+    usage = usage_of(document)
     if not isinstance(document, dict) or "model" not in document:
-        return data
+        return data, usage
     document["model"] = public_model
-    return _ENCODER.encode(document)
+    return _ENCODER.encode(document), usage
+
+
+def rewrite_model(data: bytes, public_model: str) -> bytes:
+    """``data`` with a top-level JSON ``model`` set to ``public_model`` (else unchanged)."""
+    return rewrite_answer(data, public_model)[0]
 
 
 def rewrite_event(event: bytes, public_model: str) -> bytes:
     """One SSE event with the ``model`` of its JSON ``data:`` line rewritten."""
-    if b'"model"' not in event:
-        return event
+    return _rewrite_event(event, public_model)[0]
+
+
+def _rewrite_event(event: bytes, public_model: str) -> tuple[bytes, Usage | None, bool]:
+    """One SSE event rewritten, its usage if any, and whether it is a usage-only event
+    (``choices: []`` with ``usage``)."""
+    if b'"model"' not in event and b'"usage"' not in event:
+        return event, None, False
     lines = event.split(b"\n")
+    usage: Usage | None = None
+    usage_only = False
     for index, line in enumerate(lines):
         if line.startswith(b"data:"):
             payload = line[5:].strip()
-            if payload.startswith(b"{"):
-                lines[index] = b"data: " + rewrite_model(payload, public_model)
-    return b"\n".join(lines)
+            if not payload.startswith(b"{"):
+                continue
+            try:
+                document = _DECODER.decode(payload)
+            except msgspec.DecodeError:
+                continue
+            if not isinstance(document, dict):
+                continue
+            found = usage_of(document)
+            if found is not None:
+                usage = found
+                usage_only = document.get("choices") == []
+            if "model" in document:
+                document["model"] = public_model
+                lines[index] = b"data: " + _ENCODER.encode(document)
+    return b"\n".join(lines), usage, usage_only
 
 
 class _Relay:
-    """One streamed answer: yields complete SSE events, frees everything exactly once."""
+    """One streamed answer: yields complete SSE events, frees everything exactly once, and
+    reports the stream's usage once (see the module docstring for the estimate)."""
 
     def __init__(
-        self, response: aiohttp.ClientResponse, upstream: Upstream, public_model: str
+        self,
+        response: aiohttp.ClientResponse,
+        upstream: Upstream,
+        public_model: str,
+        *,
+        strip_usage: bool = False,
+        on_usage: Callable[[Usage], None] | None = None,
     ) -> None:
         self.response = response
         self.upstream = upstream
         self.public_model = public_model
+        self.strip_usage = strip_usage
+        self.on_usage = on_usage
+        self.usage: Usage | None = None
+        self.relayed_events = 0
         self.finished = False
         self.closed = False
+
+    def _event(self, event: bytes) -> bytes:
+        rewritten, usage, usage_only = _rewrite_event(event, self.public_model)
+        if usage is not None:
+            self.usage = usage
+            if usage_only and self.strip_usage:
+                return b""
+        if not event.endswith(b"[DONE]"):
+            self.relayed_events += 1
+        return rewritten + b"\n\n"
 
     async def events(self) -> AsyncIterator[bytes]:
         pending = b""
@@ -309,19 +451,20 @@ class _Relay:
                 if end < 0:
                     continue
                 complete, pending = pending[: end + 2], pending[end + 2 :]
-                yield b"".join(
-                    rewrite_event(event, self.public_model) + b"\n\n"
-                    for event in complete[:-2].split(b"\n\n")
-                )
+                out = b"".join(self._event(event) for event in complete[:-2].split(b"\n\n"))
+                if out:
+                    yield out
             if pending:
-                yield rewrite_event(pending, self.public_model)
+                out = self._event(pending)[:-2]
+                if out:
+                    yield out
             self.finished = True
         finally:
             await self.close()
 
     async def close(self) -> None:
         """Release the permit; close the upstream connection unless it was read to its end
-        (a closed connection is how the engine learns to stop generating)."""
+        (a closed connection is how the engine learns to stop generating); count usage."""
         if self.closed:
             return
         self.closed = True
@@ -330,6 +473,12 @@ class _Relay:
         else:
             self.response.close()
         self.upstream.release()
+        if self.on_usage is not None:
+            usage = self.usage
+            if usage is None and self.relayed_events:
+                usage = (0, self.relayed_events)
+            if usage is not None:
+                self.on_usage(usage)
 
 
 def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:
@@ -371,6 +520,7 @@ def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:
         exception_handlers=gateway_exception_handlers(),
         on_startup=[gateway.open],
         on_shutdown=[gateway.close],
+        middleware=[server_spans("gateway")],
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None,
         debug=debug,

@@ -14,7 +14,7 @@ import hmac
 from dataclasses import dataclass
 
 from sbproxy.api.errors import Unauthorized
-from sbproxy.config import ApiKeyRecord, PriorityClass
+from sbproxy.config import ApiKeyRecord, PriorityClass, TokenBudget
 
 __all__ = ["KEYLESS", "Caller", "KeyPlane"]
 
@@ -49,6 +49,10 @@ class KeyPlane:
                 digest = bytes.fromhex(record.key_sha256)
             entries.append(_Entry(digest, Caller(name=record.name, priority=record.priority)))
         self._entries = tuple(entries)
+        self.budgets: dict[str, TokenBudget | None] = {
+            record.name: record.token_budget for record in records
+        }
+        """Every configured key name with its token budget (``None``: no budget)."""
 
     @property
     def keyless(self) -> bool:

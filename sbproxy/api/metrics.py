@@ -14,6 +14,19 @@ Names and labels follow reference section 9:
   activity, 0..1) -- only for devices NVML reports; utilization is absent when the driver
   does not report it, never zero, and is never derived from memory occupancy.
 
+Gateway and job metrics (this project's own names, outside the reference's table):
+
+* ``sbproxy_gateway_tokens_total{key,kind}`` (counter): tokens of answered gateway requests
+  by key name (``(keyless)`` without keys) and ``kind`` (``prompt``/``completion``), since
+  the process started, read from the usage ledger;
+* ``sbproxy_jobs_total{workflow,status}`` (counter): jobs this process brought to a terminal
+  status (``succeeded``, ``failed``, ``cancelled``);
+* ``sbproxy_job_duration_seconds{workflow}`` (histogram): seconds from a job's first start
+  to its end, for jobs that ran.
+
+Job tallies are kept by the job store as each terminal write commits
+(:class:`~sbproxy.store.JobOutcomes`), so a scrape reads memory, never the journal.
+
 Each app gets its own :class:`~prometheus_client.CollectorRegistry`, so several apps (tests)
 never collide in the process-global registry.
 """
@@ -25,9 +38,15 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from sbproxy.api.usage import UsageLedger
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import DeviceInfo, probe_devices
 from sbproxy.model_host.runtime.manager import RuntimeManager
@@ -139,13 +158,58 @@ class _HostCollector(Collector):
             yield utilization
 
 
+class _UsageCollector(Collector):
+    def __init__(self, ledger: UsageLedger) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        tokens = CounterMetricFamily(
+            "sbproxy_gateway_tokens",
+            "Tokens of answered gateway requests, by key name and kind (prompt, completion).",
+            labels=["key", "kind"],
+        )
+        for (key, kind), count in sorted(self.ledger.tokens_since_start().items()):
+            tokens.add_metric([key, kind], count)
+        yield tokens
+
+
+class _JobCollector(Collector):
+    def __init__(self, manager: RuntimeManager) -> None:
+        self.outcomes = manager.engine.store.outcomes
+
+    def collect(self) -> Iterator[Metric]:
+        jobs = CounterMetricFamily(
+            "sbproxy_jobs",
+            "Jobs brought to a terminal status by this process, by workflow and status.",
+            labels=["workflow", "status"],
+        )
+        for (workflow, status), count in sorted(self.outcomes.counts().items()):
+            jobs.add_metric([workflow, status], count)
+        yield jobs
+        durations = HistogramMetricFamily(
+            "sbproxy_job_duration_seconds",
+            "Seconds from a job's first start to its end, by workflow.",
+            labels=["workflow"],
+        )
+        for workflow, histogram in sorted(self.outcomes.durations().items()):
+            durations.add_metric(
+                [workflow], buckets=histogram.cumulative(), sum_value=histogram.total_s
+            )
+        yield durations
+
+
 def build_registry(
     manager: RuntimeManager,
     rejections: Rejections,
     *,
+    usage: UsageLedger | None = None,
     devices: Callable[[], Sequence[DeviceInfo]] = probe_devices,
 ) -> CollectorRegistry:
-    """A registry whose only collector reads ``manager`` (and NVML) at each scrape."""
+    """A registry whose collectors read ``manager`` (and NVML), the job store's tallies and
+    the gateway's usage ledger (when given) at each scrape."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_HostCollector(manager, rejections, devices))
+    registry.register(_JobCollector(manager))
+    if usage is not None:
+        registry.register(_UsageCollector(usage))
     return registry

@@ -87,8 +87,11 @@ def build_servers(
     )
 
     def swap(candidate: CompiledConfig) -> None:
+        keys = KeyPlane(list(candidate.config.proxy.api_keys))
         gateway.routing = Routing(candidate.routes)
-        gateway.keys = KeyPlane(list(candidate.config.proxy.api_keys))
+        gateway.keys = keys
+        # The ledger re-sums each key's window under its new budget (pending usage first).
+        host.manager.background(lambda: gateway.usage.reconfigure(keys.budgets))
 
     host.manager.on_commit.append(swap)
     common = {
@@ -118,6 +121,7 @@ def build_servers(
             password=settings.password.get_secret_value(),
             rejections=rejections,
             allowlist=tuple(settings.ip_allowlist),
+            usage=gateway.usage,
         )
         tls = settings.tls
         servers.append(

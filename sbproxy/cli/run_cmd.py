@@ -30,10 +30,17 @@ import click
 import yaml
 
 from sbproxy.catalog import ArtifactRequest, load_builtin_catalog, resolve_artifact
-from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, configure_server_logging, fail
+from sbproxy.cli._output import (
+    EXIT_INVALID,
+    EXIT_RUNTIME,
+    configure_server_logging,
+    fail,
+    freeze_startup_heap,
+)
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import probe_worker
 from sbproxy.model_host.runtime.manager import free_port
+from sbproxy.telemetry import configure_from_environment
 
 __all__ = ["build_run_config", "run_command"]
 
@@ -232,8 +239,10 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
                 return
             await anyio.sleep(0.2)
         click.echo(banner(name=public, port=port, admin_port=admin_port, password=password))
+        freeze_startup_heap()
 
     configure_server_logging()
+    configure_from_environment()  # OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         compiled = load_config(path)
         anyio.run(lambda: serve(compiled, watch=watch))

@@ -12,9 +12,10 @@ from pathlib import Path
 import anyio
 import click
 
-from sbproxy.cli._output import configure_server_logging
+from sbproxy.cli._output import configure_server_logging, freeze_startup_heap
 from sbproxy.config import load_config
 from sbproxy.errors import SbproxyError
+from sbproxy.telemetry import configure_from_environment
 
 __all__ = ["serve_command"]
 
@@ -54,11 +55,13 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool) -> Non
     from sbproxy.api.server import serve
 
     configure_server_logging()
+    configure_from_environment()  # OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set
 
     def listening(addresses: list[str]) -> None:
         names = ("gateway", "admin")
         for name, address in zip(names, addresses, strict=False):
             click.echo(f"sbproxy: {name} listening on {address}", err=True)
+        freeze_startup_heap()
 
     try:
         compiled = load_config(config_file)

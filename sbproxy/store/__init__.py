@@ -24,16 +24,22 @@ from sbproxy.store.lifecycle import (
     JobStatus,
     StepStatus,
 )
+from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
 from sbproxy.store.runtime import CommittedRevision, RuntimeStore
+from sbproxy.store.usage import HOUR_MS, UsageDelta, UsageStore, UsageTotals
 
 __all__ = [
     "ACTIVE_JOB_STATUSES",
+    "DURATION_BUCKETS_S",
+    "HOUR_MS",
     "JOB_TRANSITIONS",
     "TERMINAL_JOB_STATUSES",
     "CommittedRevision",
     "Database",
+    "DurationHistogram",
     "ErrorInfo",
     "EventRecord",
+    "JobOutcomes",
     "JobRecord",
     "JobStatus",
     "JobStore",
@@ -43,5 +49,8 @@ __all__ = [
     "StoreError",
     "SubmitOutcome",
     "Synchronous",
+    "UsageDelta",
+    "UsageStore",
+    "UsageTotals",
     "wall_clock_ms",
 ]

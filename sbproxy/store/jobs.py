@@ -29,6 +29,7 @@ from sbproxy.store.lifecycle import (
     JobStatus,
     StepStatus,
 )
+from sbproxy.store.outcomes import JobOutcomes
 
 __all__ = [
     "ErrorInfo",
@@ -272,6 +273,18 @@ class JobStore:
     def __init__(self, database: Database, *, clock: Callable[[], int] = wall_clock_ms) -> None:
         self.database = database
         self.clock = clock
+        self.outcomes = JobOutcomes()
+
+    def _count_outcome(self, row: Any, status: JobStatus, ended_ms: int) -> None:
+        """Tally a terminal transition this store just committed (``row``: kind, started)."""
+        if status not in TERMINAL_JOB_STATUSES:
+            return
+        started = row[1]
+        self.outcomes.record(
+            kind=str(row[0]),
+            status=status.value,
+            duration_s=None if started is None else (ended_ms - int(started)) / 1000,
+        )
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -574,7 +587,7 @@ class JobStore:
         nothing) when the lease was lost to another worker.
         """
 
-        async def work(connection: AsyncConnection) -> bool:
+        async def work(connection: AsyncConnection) -> tuple[Any, int] | None:
             now = self.clock()
             ended = now if status in TERMINAL_JOB_STATUSES else None
             result = await connection.execute(
@@ -583,6 +596,7 @@ class JobStore:
                     " error_code = :code, error_message = :message, lease_owner = NULL,"
                     " lease_expires_at_ms = NULL, updated_at_ms = :now, ended_at_ms = :ended"
                     " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
+                    " RETURNING kind, started_at_ms"
                 ),
                 {
                     "status": status.value,
@@ -595,15 +609,20 @@ class JobStore:
                     "owner": owner,
                 },
             )
-            if result.rowcount != 1:
-                return False
+            row = result.first()
+            if row is None:
+                return None
             data: dict[str, Any] = {"status": status.value}
             if error:
                 data["error"] = {"code": error.code, "message": error.message}
             await self._event(connection, job_id, "status", data, now)
-            return True
+            return row, now
 
-        return await self.database.write(work)
+        done = await self.database.write(work)
+        if done is None:
+            return False
+        self._count_outcome(done[0], status, done[1])
+        return True
 
     async def request_cancel(self, job_id: str) -> JobRecord | None:
         """Cancel a job: queued and parked jobs at once, running ones cooperatively.
@@ -612,17 +631,24 @@ class JobStore:
         are returned unchanged.
         """
 
+        cancelled: list[tuple[Any, int]] = []
+
         async def work(connection: AsyncConnection) -> JobRecord | None:
+            cancelled.clear()  # a retried transaction starts over
             now = self.clock()
-            direct = await connection.execute(
-                text(
-                    "UPDATE jobs SET status = 'cancelled', cancel_requested = 1,"
-                    " lease_owner = NULL, lease_expires_at_ms = NULL, updated_at_ms = :now,"
-                    " ended_at_ms = :now WHERE id = :id AND status IN ('queued', 'parked')"
-                ),
-                {"now": now, "id": job_id},
-            )
-            if direct.rowcount == 1:
+            direct = (
+                await connection.execute(
+                    text(
+                        "UPDATE jobs SET status = 'cancelled', cancel_requested = 1,"
+                        " lease_owner = NULL, lease_expires_at_ms = NULL, updated_at_ms = :now,"
+                        " ended_at_ms = :now WHERE id = :id AND status IN ('queued', 'parked')"
+                        " RETURNING kind, started_at_ms"
+                    ),
+                    {"now": now, "id": job_id},
+                )
+            ).first()
+            if direct is not None:
+                cancelled.append((direct, now))
                 await self._event(connection, job_id, "status", {"status": "cancelled"}, now)
             else:
                 flagged = await connection.execute(
@@ -637,7 +663,10 @@ class JobStore:
             row = await self._row_or_none(connection, job_id)
             return _job(row) if row else None
 
-        return await self.database.write(work)
+        record = await self.database.write(work)
+        for row, ended in cancelled:
+            self._count_outcome(row, JobStatus.CANCELLED, ended)
+        return record
 
     async def cancel_requested(self, job_id: str) -> bool:
         """Whether cancellation of ``job_id`` was requested (cheap read for long loops)."""

@@ -100,6 +100,25 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             """,
         ),
     ),
+    (
+        3,
+        "token usage per API key and UTC hour",
+        (
+            # One row per key name and UTC hour: every budget period (hour, day, week, month)
+            # is a whole number of UTC hours, so any period's total is a sum over its hours.
+            """
+            CREATE TABLE token_usage (
+                key_name TEXT NOT NULL,
+                hour_start_ms INTEGER NOT NULL,
+                prompt_tokens INTEGER NOT NULL DEFAULT 0,
+                completion_tokens INTEGER NOT NULL DEFAULT 0,
+                requests INTEGER NOT NULL DEFAULT 0,
+                updated_at_ms INTEGER NOT NULL,
+                PRIMARY KEY (key_name, hour_start_ms)
+            )
+            """,
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sqlmodel import Field, SQLModel
 
-__all__ = ["EventRow", "GenerationRow", "JobRow", "RevisionRow", "StepRow"]
+__all__ = ["EventRow", "GenerationRow", "JobRow", "RevisionRow", "StepRow", "UsageRow"]
 
 
 class JobRow(SQLModel, table=True):
@@ -84,3 +84,17 @@ class RevisionRow(SQLModel, table=True):
     content_digest: str
     desired_json: str
     committed_at_ms: int
+
+
+class UsageRow(SQLModel, table=True):
+    """Tokens one API key used in one UTC hour (``hour_start_ms``: epoch ms, a multiple of
+    3,600,000)."""
+
+    __tablename__ = "token_usage"
+
+    key_name: str = Field(primary_key=True)
+    hour_start_ms: int = Field(primary_key=True)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    requests: int = 0
+    updated_at_ms: int

@@ -68,6 +68,7 @@ async def served(
             username=ADMIN[0],
             password=ADMIN[1],
             rejections=gateway.rejections,
+            usage=gateway.usage,
         )
         servers = [
             Listener(

@@ -12,7 +12,14 @@ from sqlmodel import SQLModel
 
 from sbproxy.store import Database, ErrorInfo, JobStatus, JobStore, StoreError
 from sbproxy.store.migrations import SCHEMA_VERSION
-from sbproxy.store.tables import EventRow, GenerationRow, JobRow, RevisionRow, StepRow
+from sbproxy.store.tables import (
+    EventRow,
+    GenerationRow,
+    JobRow,
+    RevisionRow,
+    StepRow,
+    UsageRow,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -56,7 +63,7 @@ async def test_migrations_are_idempotent_and_match_the_mappings(tmp_path: Path) 
     with sqlite3.connect(path) as raw:
         applied = raw.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0]
         assert applied == SCHEMA_VERSION
-        for row_type in (JobRow, StepRow, EventRow, GenerationRow, RevisionRow):
+        for row_type in (JobRow, StepRow, EventRow, GenerationRow, RevisionRow, UsageRow):
             table = SQLModel.metadata.tables[str(row_type.__tablename__)]
             columns = {r[1] for r in raw.execute(f"PRAGMA table_info({table.name})")}
             assert columns == {c.name for c in table.columns}, table.name

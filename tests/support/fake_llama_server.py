@@ -10,7 +10,12 @@ variable ``FAKE_LLAMA_MODE`` (comma-separated):
 * ``crash_after_ready_s=<seconds>`` -- exit with status 134 that long after becoming ready;
 * ``hang`` -- listen but never become ready;
 * ``ignore_sigterm`` -- ignore SIGTERM (only SIGKILL stops it);
-* ``token_delay_s=<seconds>`` -- delay between streamed tokens (default 0.01).
+* ``token_delay_s=<seconds>`` -- delay between streamed tokens (default 0.01);
+* ``requests_log=<file>`` -- append one JSON line ``{"path", "body"}`` per POST received.
+
+Usage is reported as llama-server does: in every plain answer; in the last event of a
+streamed completion; and in a streamed chat completion only when
+``stream_options.include_usage`` is true, as an extra last event with ``choices: []``.
 
 ``FAKE_LLAMA_RECORD=<file>`` makes it write its argv and environment there as JSON.
 """
@@ -73,6 +78,8 @@ class _State:
         self.model = model or "unknown.gguf"
         self.token_delay_s = token_delay_s
         self.hang = False
+        self.requests_log: str | None = None
+        self.log_lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
@@ -114,6 +121,9 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._json(400, {"error": {"code": 400, "message": "bad json"}})
             return
+        if self.state.requests_log:
+            with self.state.log_lock, open(self.state.requests_log, "a") as log:  # noqa: PTH123
+                log.write(json.dumps({"path": self.path, "body": body}) + "\n")
         if not self.state.ready:
             self._json(503, {"error": {"code": 503, "message": "Loading model"}})
             return
@@ -135,7 +145,8 @@ class _Handler(BaseHTTPRequestHandler):
         words = ["fake", " reply", " from", " the", " stand-in"]
         words = words[: max(1, min(len(words), int(body.get("max_tokens") or len(words))))]
         if body.get("stream"):
-            self._stream(words, chat=chat)
+            options = body.get("stream_options") or {}
+            self._stream(words, chat=chat, include_usage=options.get("include_usage") is True)
             return
         text = "".join(words)
         choice: dict[str, Any] = (
@@ -159,7 +170,7 @@ class _Handler(BaseHTTPRequestHandler):
             },
         )
 
-    def _stream(self, words: list[str], *, chat: bool) -> None:
+    def _stream(self, words: list[str], *, chat: bool, include_usage: bool) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -171,25 +182,41 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             self.wfile.flush()
 
+        usage = {
+            "prompt_tokens": 5,
+            "completion_tokens": len(words),
+            "total_tokens": 5 + len(words),
+        }
         try:
-            for word in words:
+            for index, word in enumerate(words):
                 delta = {"content": word} if chat else None
                 choice = (
                     {"index": 0, "delta": delta, "finish_reason": None}
                     if chat
                     else {"index": 0, "text": word, "finish_reason": None}
                 )
+                event: dict[str, Any] = {
+                    "id": "fake-1",
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "model": self.state.model,
+                    "choices": [choice],
+                }
+                if not chat and index == len(words) - 1:
+                    event["usage"] = usage  # llama-server: always, on the last event
+                send(json.dumps(event))
+                time.sleep(self.state.token_delay_s)
+            if chat and include_usage:
                 send(
                     json.dumps(
                         {
                             "id": "fake-1",
                             "object": "chat.completion.chunk",
                             "model": self.state.model,
-                            "choices": [choice],
+                            "choices": [],
+                            "usage": usage,
                         }
                     )
                 )
-                time.sleep(self.state.token_delay_s)
             send("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
@@ -221,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         float(modes.get("load_s") or 0.2), args.model, float(modes.get("token_delay_s") or 0.01)
     )
     state.hang = "hang" in modes
+    state.requests_log = modes.get("requests_log") or None
     _Handler.state = state
     server = ThreadingHTTPServer((args.host, args.port), _Handler)
     sys.stderr.write(f"main: server is listening on http://{args.host}:{args.port}\n")

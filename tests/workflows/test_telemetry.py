@@ -8,23 +8,16 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import BaseModel
 
-from sbproxy.telemetry import configure_tracing, tracer
+from sbproxy.telemetry import tracer
 from sbproxy.workflows import Registry, StepContext, WorkflowContext, WorkflowEngine, step
+from tests.support.spans import memory_spans
 
 pytestmark = pytest.mark.anyio
-
-_exporter = InMemorySpanExporter()
-_configured = False
 
 
 @pytest.fixture
 def spans() -> InMemorySpanExporter:
-    global _configured  # noqa: PLW0603 - the SDK provider can be installed once per process
-    if not _configured:
-        configure_tracing(_exporter, simple=True)
-        _configured = True
-    _exporter.clear()
-    return _exporter
+    return memory_spans()
 
 
 class Payload(BaseModel):
