@@ -394,8 +394,10 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
         manager.slot(deployment)
         job = await submit_load(manager, deployment)
         manager.begin_load(deployment)  # joins the same job (idempotency key load:<id>)
-        if not manager.slot(deployment).loading:
-            admin.spawn(lambda: manager.engine.run_job(job.id))
+        # Always run it too: a load finishing when this one was queued leaves a new job that
+        # the manager's loader will not pick up. Running one job twice is harmless: the
+        # claim lets one runner execute it and the other wait for its end.
+        admin.spawn(lambda: manager.engine.run_job(job.id))
         return _queued(deployment, job)
 
     async def _drain(request: Request[Any, Any, Any], reason: str) -> Response[dict[str, object]]:

@@ -80,6 +80,20 @@ async def test_load_then_stop_through_jobs(tmp_path: Path) -> None:
         assert {j["id"] for j in listed} >= {body["job_id"], stop.json()["job_id"]}
 
 
+async def test_a_load_queued_while_another_load_finishes_still_runs(tmp_path: Path) -> None:
+    async with served(tmp_path) as host, admin_client(host.admin_url) as http:
+        slot = host.host.manager.slot("tiny")
+        slot.loading = True  # the manager's loader is finishing an earlier load job
+        try:
+            load = await http.post("/admin/model-host/load", json={"deployment": "tiny"})
+            assert load.status_code == 202
+            job = await wait_job(http, load.json()["job_id"])
+            assert job["status"] == "succeeded", job
+            assert slot.state == DeploymentState.READY
+        finally:
+            slot.loading = False
+
+
 async def test_lifecycle_input_errors(tmp_path: Path) -> None:
     async with served(tmp_path) as host, admin_client(host.admin_url) as http:
         unknown = await http.post("/admin/model-host/load", json={"deployment": "nope"})

@@ -321,7 +321,9 @@ class RuntimeManager:
         if slot.loading or self._group is None:
             return
         slot.loading = True
-        self._group.start_soon(self._run_load, deployment)
+        # Counted like any background work: shutdown waits for it even after a reload
+        # retired this slot from ``slots``.
+        self.background(lambda: self._run_load(deployment))
 
     async def _run_load(self, deployment: str) -> None:
         from sbproxy.model_host.runtime.jobs import submit_load

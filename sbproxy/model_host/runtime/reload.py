@@ -53,6 +53,7 @@ from sbproxy.config.model_host import Authority, Rollout
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.engines import provision_llama_cpp
 from sbproxy.model_host.registry import registry
+from sbproxy.model_host.runtime.admission import AdmissionRejected
 from sbproxy.model_host.runtime.desired_store import DeploymentRevision, RevisionStore
 from sbproxy.model_host.runtime.jobs import pull_artifact
 from sbproxy.model_host.runtime.manager import (
@@ -416,6 +417,10 @@ async def rollout_step(ctx: StepContext, request: RolloutInput) -> list[str]:
     manager.recreated = recreated
     manager.protect_all = True
     try:
+        for deployment in (*request.plan.changed, *request.plan.removed):
+            live = manager.slots.get(deployment)
+            if live is not None:  # a load in flight finishes on the slot it started on
+                await _settle(manager, live)
         for deployment in sorted((*request.plan.added, *request.plan.changed)):
             config = candidate.deployments[deployment]
             live = manager.slots.get(deployment)
@@ -429,7 +434,6 @@ async def rollout_step(ctx: StepContext, request: RolloutInput) -> list[str]:
             slot.artifact = artifact
             if live is not None and config.rollout == Rollout.RECREATE:
                 was_ready = live.state == DeploymentState.READY and live.process is not None
-                await _settle(manager, live)
                 await manager.drain(live)
                 recreated.append((live, was_ready))
                 fault_point("reload.recreate.stopped")
@@ -516,8 +520,13 @@ async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
         if old.process is not None or old.state == DeploymentState.DRAINING:
             await manager.drain(old)
     cache = candidate.model_host.cache if candidate.model_host else None
-    manager.residency.max_resident_models = cache.max_resident_models if cache else None
-    for victim in manager.residency.excess():  # a lowered limit evicts idle generations
+    limit = cache.max_resident_models if cache else None
+    try:  # a lowered limit evicts idle generations, least recently used first
+        victims = manager.residency.enforce_limit(limit).victims
+    except AdmissionRejected as exc:  # too much protected work now; the old limit stays
+        logger.warning("max_resident_models %s is not applied: %s", limit, exc)
+        victims = ()
+    for victim in victims:
         evicted = manager.slots.get(victim.key.deployment)
         if evicted is not None and evicted.generation == victim.key.generation:
             await manager.drain(evicted)

@@ -393,13 +393,6 @@ class Residency:
 
     # -- internals ---------------------------------------------------------------------
 
-    def excess(self) -> tuple[Reservation, ...]:
-        """Idle generations to evict so the count fits ``max_resident_models`` again (after
-        a reload lowered it): least recently used first, protected ones never. Fewer than
-        the overflow when too many are protected; the caller drains and releases them."""
-        overflow = self._overflow(len(self._reservations))
-        return tuple(self._candidates()[:overflow])
-
     def _overflow(self, count: int) -> int:
         if self.max_resident_models is None:
             return 0
