@@ -48,7 +48,6 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import anyio
-import anyio.from_thread
 import anyio.to_thread
 from blake3 import blake3
 
@@ -73,6 +72,7 @@ BLOCK_BYTES = 1024 * 1024
 CHECKPOINT_BYTES = 64 * 1024 * 1024
 CHECKPOINT_SECONDS = 2.0
 CONNECT_TIMEOUT_S = 15.0
+PROGRESS_S = 0.25
 MAX_REDIRECTS = 10
 STATE_SCHEMA_VERSION = 1
 # Errors of the connection itself: refused, reset, cut, timed out, TLS, malformed HTTP.
@@ -221,7 +221,6 @@ class _Transfer:
         *,
         part: Path,
         token: str | None,
-        report: Callable[[int], None],
         check_cancelled: Callable[[], None],
         read_timeout: float,
         connect_timeout: float,
@@ -229,7 +228,7 @@ class _Transfer:
         self.remote = remote
         self.part = part
         self.token = token
-        self.report = report
+        self.durable = 0  # bytes of the partial on disk and in its resume state
         self.check_cancelled = check_cancelled
         self.read_timeout = read_timeout
         self.connect_timeout = connect_timeout
@@ -384,7 +383,6 @@ class _Transfer:
                     f"{remote.url}: the stream ended after {sink.queued} of {remote.size} bytes"
                 )
             sink.finish()
-            self.report(sink.queued)
             return _finish(
                 self.part, remote, sha, b3, resumed_from=offset, downloaded=sink.queued - offset
             )
@@ -397,7 +395,6 @@ class _Transfer:
         """Hand the body to ``sink``, one receive call per block; a cut stream keeps what
         arrived (checkpointed) and raises ``transport``."""
         remote = self.remote
-        reported = sink.durable
         while True:
             self._check()
             try:
@@ -416,9 +413,7 @@ class _Transfer:
                     f"{remote.path}: the server sent more than the expected {remote.size} bytes"
                 )
             sink.put((block,), len(block))
-            if sink.durable != reported:
-                reported = sink.durable
-                self.report(reported)
+            self.durable = sink.durable
 
 
 def _open_sink(
@@ -479,7 +474,8 @@ async def download_file(
         remote: URL and expected size and SHA-256.
         part: The partial file; its resume state lives beside it.
         token: Bearer token for the URL's own origin, or ``None``.
-        on_progress: Awaited with the bytes on disk after checkpoints and at the end.
+        on_progress: Awaited with the bytes on disk when a checkpoint moved them (looked at
+            every :data:`PROGRESS_S`) and at the end.
         check_cancelled: Raises to stop between blocks (called on the transfer thread).
         read_timeout: Seconds without a byte (default :func:`read_timeout_s`).
         connect_timeout: Seconds to connect.
@@ -496,18 +492,10 @@ async def download_file(
         DiskFull: ``disk_full`` when the file system is full; the partial is kept.
     """
 
-    async def progress(done: int) -> None:
-        await on_progress(done)
-
-    def report(done: int) -> None:
-        if not transfer.aborted.is_set():
-            anyio.from_thread.run(progress, done)
-
     transfer = _Transfer(
         remote,
         part=part,
         token=token,
-        report=report,
         check_cancelled=check_cancelled,
         read_timeout=read_timeout_s() if read_timeout is None else read_timeout,
         connect_timeout=connect_timeout,
@@ -520,13 +508,39 @@ async def download_file(
         finally:
             finished.set()
 
+    failure: Exception | None = None
+
+    async def report() -> None:
+        # Polled, so the transfer thread never waits for a journal write.
+        nonlocal failure
+        reported = 0
+        try:
+            while True:
+                await anyio.sleep(PROGRESS_S)
+                if transfer.durable > reported:
+                    reported = transfer.durable
+                    await on_progress(reported)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the thread let go
+            failure = exc
+            transfer.abort()
+
     try:
-        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+        async with anyio.create_task_group() as group:
+            group.start_soon(report)
+            try:
+                result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+            except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
+                failure = failure or exc
+            group.cancel_scope.cancel()
     except anyio.get_cancelled_exc_class():
         transfer.abort()
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(finished.wait)
         raise
+    if failure is not None:
+        raise failure
+    await on_progress(result.size)
+    return result
 
 
 def _finish(
