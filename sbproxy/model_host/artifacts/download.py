@@ -292,6 +292,7 @@ class _Transfer:
         connection.connect()
         assert connection.sock is not None  # noqa: S101 - connect() sets it
         connection.sock.settimeout(self.read_timeout)
+        self._check()  # an abort during connect() found no socket to shut down
         return connection
 
     def _open(self, headers: dict[str, str]) -> http.client.HTTPResponse:
@@ -312,6 +313,9 @@ class _Transfer:
             except _NETWORK_ERRORS as exc:
                 self._close()
                 raise TransportError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+            except BaseException:
+                self._close()
+                raise
             location = response.getheader("Location")
             if response.status in (301, 302, 303, 307, 308) and location:
                 self._close()
