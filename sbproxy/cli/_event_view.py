@@ -12,14 +12,16 @@ from __future__ import annotations
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 from sbproxy.cli._job_text import progress_text
 from sbproxy.store import EventRecord
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import TaskID
 
 __all__ = ["EventView", "LineView", "RichView", "open_view"]
 
@@ -130,6 +132,8 @@ class RichView(EventView):
     """Status lines scroll above one live progress bar per running step (a terminal)."""
 
     def __init__(self, job_id: str, *, live_from_ms: int, console: Console) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
         super().__init__(job_id, live_from_ms=live_from_ms)
         self._progress = Progress(
             TextColumn("{task.description}"),
@@ -187,6 +191,8 @@ class RichView(EventView):
 def open_view(job_id: str, *, live_from_ms: int) -> EventView:
     """A rich view when stderr is a terminal, plain lines otherwise."""
     if sys.stderr.isatty():
+        from rich.console import Console  # rich only for a terminal: a pipe gets plain lines
+
         console = Console(stderr=True)
         if console.is_terminal and not console.is_dumb_terminal:
             return RichView(job_id, live_from_ms=live_from_ms, console=console)

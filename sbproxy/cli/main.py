@@ -5,19 +5,29 @@ from __future__ import annotations
 import click
 
 from sbproxy import __version__
-from sbproxy.cli.apply_cmd import apply_command
-from sbproxy.cli.config_cmd import config_group
-from sbproxy.cli.doctor_cmd import doctor_command
-from sbproxy.cli.engines_cmd import engines_group
-from sbproxy.cli.jobs_cmd import jobs_group
-from sbproxy.cli.models_cmd import models_group
-from sbproxy.cli.run_cmd import run_command
-from sbproxy.cli.serve_cmd import serve_command
+from sbproxy.cli._lazy import LazyGroup
 
 __all__ = ["cli", "main"]
 
+# Each verb group is imported only when it runs: `sbproxy models pull` starts without the
+# server stack, the engine builders or the admin client.
+_COMMANDS = {
+    "apply": "sbproxy.cli.apply_cmd:apply_command",
+    "config": "sbproxy.cli.config_cmd:config_group",
+    "doctor": "sbproxy.cli.doctor_cmd:doctor_command",
+    "engines": "sbproxy.cli.engines_cmd:engines_group",
+    "jobs": "sbproxy.cli.jobs_cmd:jobs_group",
+    "models": "sbproxy.cli.models_cmd:models_group",
+    "serve": "sbproxy.cli.serve_cmd:serve_command",
+    "run": "sbproxy.cli.run_cmd:run_command",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+@click.group(
+    cls=LazyGroup,
+    lazy_commands=_COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.version_option(__version__, prog_name="sbproxy")
 def cli() -> None:
     """sbproxy: pull pinned models, run supervised engines, serve an OpenAI-compatible API.
@@ -25,16 +35,6 @@ def cli() -> None:
     Every mutation (pull, verify, prepare, warm, drain, remove, gc, reload) is a durable job
     journaled in SQLite; a restarted host finishes unfinished jobs.
     """
-
-
-cli.add_command(apply_command)
-cli.add_command(config_group)
-cli.add_command(doctor_command)
-cli.add_command(engines_group)
-cli.add_command(jobs_group)
-cli.add_command(models_group)
-cli.add_command(serve_command)
-cli.add_command(run_command)
 
 
 def main() -> None:

@@ -32,11 +32,9 @@ from sbproxy.catalog import (
     variant_digest,
 )
 from sbproxy.cli._host import HostChoice, choose_host, run_host
+from sbproxy.cli._lazy import LazyGroup
 from sbproxy.cli._options import cache_dir_option, catalog_file_option, config_option
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
-from sbproxy.cli.models_admin_cmd import ps_command, stop_command
-from sbproxy.cli.models_cache_cmd import gc_command, prune_command, remove_command, verify_command
-from sbproxy.cli.models_pull_cmd import import_command, pull_command
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
 from sbproxy.model_host.runtime import probe_worker
 from sbproxy.model_host.service import open_service
@@ -81,7 +79,21 @@ class _CacheView:
         return self.statuses.get(model_id, NOT_PULLED)
 
 
-@click.group("models", invoke_without_command=True)
+# The cache verbs are imported when they run (`models pull` needs neither the admin client
+# nor the cache-report code).
+_VERBS = {
+    "pull": "sbproxy.cli.models_pull_cmd:pull_command",
+    "import": "sbproxy.cli.models_pull_cmd:import_command",
+    "remove": "sbproxy.cli.models_cache_cmd:remove_command",
+    "prune": "sbproxy.cli.models_cache_cmd:prune_command",
+    "gc": "sbproxy.cli.models_cache_cmd:gc_command",
+    "verify": "sbproxy.cli.models_cache_cmd:verify_command",
+    "ps": "sbproxy.cli.models_admin_cmd:ps_command",
+    "stop": "sbproxy.cli.models_admin_cmd:stop_command",
+}
+
+
+@click.group("models", cls=LazyGroup, lazy_commands=_VERBS, invoke_without_command=True)
 @click.pass_context
 def models_group(ctx: click.Context) -> None:
     """List, inspect, pull and manage catalog models (bare `sbproxy models` lists them)."""
@@ -188,19 +200,6 @@ def show_command(
         return
     for line in _show_text(catalog, model_id, entry, worker, outcome, view):
         click.echo(line)
-
-
-for _verb in (
-    pull_command,
-    import_command,
-    remove_command,
-    prune_command,
-    gc_command,
-    verify_command,
-    ps_command,
-    stop_command,
-):
-    models_group.add_command(_verb)
 
 
 # --- shared steps ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ and a version in a :class:`Registry`.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import typing
 from collections.abc import Awaitable, Callable
@@ -100,6 +101,17 @@ class Registry:
 
     def __init__(self) -> None:
         self._workflows: dict[str, WorkflowDef[Any, Any]] = {}
+        self._deferred: dict[str, str] = {}
+
+    def defer(self, kind: str, module: str) -> None:
+        """Know ``kind`` before its module is imported: the first :meth:`get` of ``kind``
+        imports ``module`` (``"package.module"``), which must register it.
+
+        A process that never runs such a job (``sbproxy models pull`` and engine builds)
+        then never pays for importing it.
+        """
+        if kind not in self._workflows:
+            self._deferred[kind] = module
 
     def workflow(
         self, kind: str, *, version: int = 1
@@ -125,14 +137,19 @@ class Registry:
                 result=TypeAdapter(hints.get("return", Any)),
             )
             self._workflows[kind] = definition
+            self._deferred.pop(kind, None)
             return definition
 
         return wrap
 
     def get(self, kind: str) -> WorkflowDef[Any, Any] | None:
-        """The workflow registered as ``kind``."""
+        """The workflow registered as ``kind`` (importing its deferred module first)."""
+        module = self._deferred.get(kind)
+        if module is not None and kind not in self._workflows:
+            importlib.import_module(module)
+            self._deferred.pop(kind, None)
         return self._workflows.get(kind)
 
     def kinds(self) -> tuple[str, ...]:
-        """Every registered kind."""
-        return tuple(self._workflows)
+        """Every registered kind, deferred ones included."""
+        return (*self._workflows, *(k for k in self._deferred if k not in self._workflows))

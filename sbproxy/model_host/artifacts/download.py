@@ -8,7 +8,7 @@ Resume rules (reference section 5, "HTTP resume"):
 
 * ``<part>`` holds the bytes, ``<part>.resume.json`` the state ``{schema_version, url,
   etag, expected_sha256, expected_size, completed_bytes}``. The state is written before the
-  body and at every checkpoint (every 8 MiB or 2 s) *after* the bytes it counts were
+  body and at every checkpoint (every 64 MiB or 2 s) *after* the bytes it counts were
   ``fdatasync``-ed, so after a crash the partial is cut back to ``completed_bytes``.
 * A resume needs a state that matches url, expected sha256 and size, and a non-empty ETag;
   otherwise the partial is discarded and the download restarts at 0.
@@ -19,31 +19,39 @@ Resume rules (reference section 5, "HTTP resume"):
 * Redirects are followed by hand (at most 10); the bearer token is dropped on any hop to
   another origin (HF redirects file bodies to a CDN).
 
-Why aiohttp and not httpx here: on this project's 2-core machines a verified download with
-httpx reached about 0.6 of curl's throughput on loopback, aiohttp about 1.2 (its C parser
-reads into large buffers); ``benchmarks/pull.py`` measures it side by side.
+Why a blocking ``http.client`` connection on a worker thread, not the event loop: a verified
+download is CPU-bound on this project's 2-core machines (the body is copied from the socket,
+hashed twice and copied into the page cache). On loopback, reading 256 MiB cost the event
+loop 0.12-0.31 s of CPU with aiohttp (its parser copies every piece, and flow control
+pauses the socket every 64 KiB) against 0.04-0.07 s with ``HTTPResponse.read1`` on a thread,
+which receives straight into the returned buffer with the GIL released; TLS decryption
+likewise runs on that thread instead of the event loop. The thread hands the bytes to
+:class:`~sbproxy.model_host.artifacts._sink.PartialSink`, whose own threads hash and write
+them side by side; ``benchmarks/pull.py`` measures the whole against ``curl``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.client
 import json
 import os
-import queue
+import socket
+import ssl
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin, urlsplit
 
-import aiohttp
 import anyio
 import anyio.to_thread
 from blake3 import blake3
-from yarl import URL
 
+from sbproxy.model_host.artifacts._sink import PartialSink
 from sbproxy.model_host.artifacts.errors import (
     DigestMismatch,
     HttpStatusError,
@@ -52,18 +60,23 @@ from sbproxy.model_host.artifacts.errors import (
     disk_full_errors,
 )
 from sbproxy.model_host.artifacts.sources import same_origin
-from sbproxy.workflows import fault_point
 
-__all__ = ["DownloadResult", "RemoteFile", "download_file", "hash_file", "new_session"]
+__all__ = ["DownloadResult", "RemoteFile", "download_file", "hash_file", "read_timeout_s"]
 
 CHUNK_BYTES = 1024 * 1024
-# A checkpoint fdatasyncs the partial: every 64 MiB or 2 s bounds the work a crash loses
-# without letting syncs dominate a fast local transfer.
+# The reader hands the body over in blocks of about this size (one receive call each).
+BLOCK_BYTES = 1024 * 1024
+# A checkpoint fdatasyncs the partial on its own thread (the transfer does not wait for
+# it): every 64 MiB or 2 s bounds the work a crash loses and keeps the dirty pages few, so
+# that the final fsync is short.
 CHECKPOINT_BYTES = 64 * 1024 * 1024
 CHECKPOINT_SECONDS = 2.0
-QUEUE_BLOCKS = 8
+CONNECT_TIMEOUT_S = 15.0
+PROGRESS_S = 0.25
 MAX_REDIRECTS = 10
 STATE_SCHEMA_VERSION = 1
+# Errors of the connection itself: refused, reset, cut, timed out, TLS, malformed HTTP.
+_NETWORK_ERRORS = (OSError, http.client.HTTPException)
 
 
 @dataclass(frozen=True)
@@ -91,20 +104,19 @@ class _Restart(Exception):
     """The server's answer does not fit the partial: discard it and start from 0."""
 
 
-def new_session(
-    *, read_timeout_s: float | None = None, connect_timeout_s: float = 15.0
-) -> aiohttp.ClientSession:
-    """A client session for downloads: no automatic redirects, bounded socket timeouts.
+class _Aborted(Exception):
+    """The awaiting task was cancelled: the transfer thread stops at the next block."""
 
-    ``read_timeout_s`` (seconds without a byte) defaults to ``$SBPROXY_HTTP_READ_TIMEOUT_S``
-    or 60.
-    """
-    if read_timeout_s is None:
-        read_timeout_s = float(os.environ.get("SBPROXY_HTTP_READ_TIMEOUT_S") or 60)
-    timeout = aiohttp.ClientTimeout(
-        total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
-    )
-    return aiohttp.ClientSession(timeout=timeout, auto_decompress=False, trust_env=False)
+
+def read_timeout_s() -> float:
+    """Seconds without a byte before a download gives up: ``$SBPROXY_HTTP_READ_TIMEOUT_S``
+    or 60."""
+    return float(os.environ.get("SBPROXY_HTTP_READ_TIMEOUT_S") or 60)
+
+
+@cache
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 def hash_file(path: Path, *, limit: int | None = None) -> tuple[Any, Any]:
@@ -200,150 +212,277 @@ def _status_error(status: int, url: str) -> HttpStatusError:
     )
 
 
-class _Sink:
-    """Writes body bytes to the partial, hashing them on the way, with checkpoints.
-
-    Hashing and writing run on a dedicated thread fed through a small bounded queue, so the
-    event loop keeps parsing the next network chunk meanwhile (``hashlib``, ``blake3`` and
-    ``os.write`` release the GIL on large buffers). At a checkpoint the queue is drained
-    first, so the state file never counts a byte that is not on disk.
-    """
+class _Transfer:
+    """One download, run on a worker thread; :meth:`abort` may be called from another."""
 
     def __init__(
-        self, part: Path, remote: RemoteFile, etag: str, offset: int, sha: Any, b3: Any
+        self,
+        remote: RemoteFile,
+        *,
+        part: Path,
+        token: str | None,
+        check_cancelled: Callable[[], None],
+        read_timeout: float,
+        connect_timeout: float,
     ) -> None:
-        self.part = part
         self.remote = remote
-        self.etag = etag
-        self.completed = offset
-        self.started_at = offset
-        self.fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
-        os.lseek(self.fd, offset, os.SEEK_SET)
-        os.ftruncate(self.fd, offset)
-        self.last_checkpoint_bytes = offset
-        self.last_checkpoint_time = time.monotonic()
-        self._sha = sha
-        self._b3 = b3
-        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=QUEUE_BLOCKS)
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._consume, name="sbproxy-download", daemon=True)
-        self._thread.start()
+        self.part = part
+        self.token = token
+        self.durable = 0  # bytes of the partial on disk and in its resume state
+        self.check_cancelled = check_cancelled
+        self.read_timeout = read_timeout
+        self.connect_timeout = connect_timeout
+        self.aborted = threading.Event()
+        self._lock = threading.Lock()
+        self._connection: http.client.HTTPConnection | None = None
 
-    def _consume(self) -> None:
+    def abort(self) -> None:
+        """Stop the transfer: shut its socket down so that a blocked read returns now."""
+        self.aborted.set()
+        with self._lock:
+            connection = self._connection
+        if connection is not None and connection.sock is not None:
+            with contextlib.suppress(OSError):
+                connection.sock.shutdown(socket.SHUT_RDWR)
+
+    def _check(self) -> None:
+        if self.aborted.is_set():
+            raise _Aborted
+        self.check_cancelled()
+
+    def run(self) -> DownloadResult:
+        """Download with at most one restart from 0 (see the module docstring)."""
+        self.part.parent.mkdir(parents=True, exist_ok=True)
+        restarted = False
         while True:
-            block = self._queue.get()
             try:
-                if block is None:
-                    return
-                if self._failure is None:
-                    self._sha.update(block)
-                    self._b3.update(block)
-                    fault_point("download.write")
-                    view = memoryview(block)
-                    while view:
-                        view = view[os.write(self.fd, view) :]
-            except BaseException as exc:  # noqa: BLE001 - handed to the event loop side
-                self._failure = exc
-            finally:
-                self._queue.task_done()
+                with disk_full_errors(f"writing {self.part}", kept="the partial download is kept"):
+                    return self._attempt()
+            except _Restart:
+                _discard(self.part)
+                if restarted:
+                    raise TransportError(
+                        f"{self.remote.url}: the server's answers do not match the partial "
+                        "download twice in a row"
+                    ) from None
+                restarted = True
+            except (SizeMismatch, DigestMismatch):
+                _discard(self.part)
+                raise
 
-    def _raise_failure(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-
-    async def write(self, block: bytes) -> None:
-        """Queue ``block`` (waiting in a thread when the queue is full)."""
-        self._raise_failure()
-        if self.completed + len(block) > self.remote.size:
-            raise SizeMismatch(
-                f"{self.remote.path}: the server sent more than the expected "
-                f"{self.remote.size} bytes"
+    def _connect(self, url: str) -> http.client.HTTPConnection:
+        parts = urlsplit(url)
+        connection: http.client.HTTPConnection
+        if parts.scheme == "https":
+            connection = http.client.HTTPSConnection(
+                parts.hostname or "",
+                parts.port,
+                timeout=self.connect_timeout,
+                context=_tls_context(),
             )
+        elif parts.scheme == "http":
+            connection = http.client.HTTPConnection(
+                parts.hostname or "", parts.port, timeout=self.connect_timeout
+            )
+        else:
+            raise HttpStatusError(f"GET {url}: unsupported URL scheme {parts.scheme!r}")
+        with self._lock:
+            self._connection = connection
+        self._check()
+        connection.connect()
+        assert connection.sock is not None  # noqa: S101 - connect() sets it
+        connection.sock.settimeout(self.read_timeout)
+        self._check()  # an abort during connect() found no socket to shut down
+        return connection
+
+    def _open(self, headers: dict[str, str]) -> http.client.HTTPResponse:
+        """GET the URL, following redirects by hand; the token only goes to its origin."""
+        url = current = self.remote.url
+        for _ in range(MAX_REDIRECTS + 1):
+            request_headers = dict(headers)
+            if self.token and same_origin(current, url):
+                request_headers["Authorization"] = f"Bearer {self.token}"
+            parts = urlsplit(current)
+            target = parts.path or "/"
+            if parts.query:
+                target += f"?{parts.query}"
+            try:
+                connection = self._connect(current)
+                connection.request("GET", target, headers=request_headers)
+                response = connection.getresponse()
+            except _NETWORK_ERRORS as exc:
+                self._close()
+                raise TransportError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+            except BaseException:
+                self._close()
+                raise
+            location = response.getheader("Location")
+            if response.status in (301, 302, 303, 307, 308) and location:
+                self._close()
+                current = urljoin(current, location)
+                continue
+            return response
+        self._close()
+        raise HttpStatusError(f"GET {url}: more than {MAX_REDIRECTS} redirects")
+
+    def _close(self) -> None:
+        with self._lock:
+            connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
+
+    def _start(
+        self, response: http.client.HTTPResponse, *, offset: int, etag: str | None
+    ) -> tuple[int, Any, Any] | DownloadResult:
+        """Decide from the status what the body continues: ``(offset, sha, b3)`` to stream
+        from, or a finished result (416 on a complete partial).
+
+        Raises:
+            _Restart: the answer does not fit the partial.
+        """
+        remote, part = self.remote, self.part
+        status = response.status
+        new_etag = response.getheader("ETag") or ""
+        range_start, range_total = _content_range(response.getheader("Content-Range"))
+        if status == 416 and offset > 0:
+            if offset == remote.size and range_total == remote.size and new_etag in ("", etag):
+                sha, b3 = hash_file(part)
+                return _finish(part, remote, sha, b3, resumed_from=offset, downloaded=0)
+            raise _Restart
+        if status == 206 and offset > 0:
+            if range_start != offset or range_total != remote.size or new_etag != etag:
+                raise _Restart
+            sha, b3 = hash_file(part, limit=offset)
+            return offset, sha, b3
+        if status == 200:
+            length = response.getheader("Content-Length")
+            if length is not None and length.strip().isdigit() and int(length) != remote.size:
+                raise SizeMismatch(
+                    f"{remote.path}: the server announces {int(length)} bytes, the catalog "
+                    f"{remote.size}"
+                )
+            return 0, hashlib.sha256(), blake3()
+        raise _status_error(status, remote.url)
+
+    def _attempt(self) -> DownloadResult:
+        remote = self.remote
+        offset, etag = _resume_offset(self.part, remote)
+        headers = {"Accept-Encoding": "identity"}
+        if offset > 0 and etag:
+            headers["Range"] = f"bytes={offset}-"
+            headers["If-Range"] = etag
+        response = self._open(headers)
+        sink: PartialSink | None = None
         try:
-            self._queue.put_nowait(block)
-        except queue.Full:
-            await anyio.to_thread.run_sync(self._queue.put, block)
-        self.completed += len(block)
+            started = self._start(response, offset=offset, etag=etag)
+            if isinstance(started, DownloadResult):
+                return started
+            offset, sha, b3 = started
+            sink = _open_sink(self.part, remote, response.getheader("ETag") or "", offset, sha, b3)
+            sink.checkpoint()  # the state exists before the first body byte counts
+            self._stream(response, sink)
+            if sink.queued != remote.size:
+                sink.checkpoint()  # keep what arrived for the next attempt
+                raise TransportError(
+                    f"{remote.url}: the stream ended after {sink.queued} of {remote.size} bytes"
+                )
+            sink.finish()
+            return _finish(
+                self.part, remote, sha, b3, resumed_from=offset, downloaded=sink.queued - offset
+            )
+        finally:
+            if sink is not None:
+                sink.close()
+            self._close()
 
-    async def flush(self) -> None:
-        """Wait until every queued byte is hashed and written."""
-        await anyio.to_thread.run_sync(self._queue.join)
-        self._raise_failure()
-
-    def due(self) -> bool:
-        return (
-            self.completed - self.last_checkpoint_bytes >= CHECKPOINT_BYTES
-            or time.monotonic() - self.last_checkpoint_time >= CHECKPOINT_SECONDS
-        )
-
-    async def checkpoint(self) -> None:
-        """Make the bytes so far durable and, with an ETag, resumable."""
-        await self.flush()
-        await anyio.to_thread.run_sync(self._sync_and_record)
-        fault_point("download.checkpoint")
-
-    def _sync_and_record(self) -> None:
-        os.fdatasync(self.fd)
-        self.last_checkpoint_bytes = self.completed
-        self.last_checkpoint_time = time.monotonic()
-        if not self.etag:
-            return  # without an ETag a later attempt cannot resume safely: no state
-        _write_state(
-            self.part,
-            {
-                "schema_version": STATE_SCHEMA_VERSION,
-                "url": self.remote.url,
-                "etag": self.etag,
-                "expected_sha256": self.remote.sha256,
-                "expected_size": self.remote.size,
-                "completed_bytes": self.completed,
-            },
-        )
-
-    def close(self) -> None:
-        """Stop the writer thread (after the bytes already queued) and close the file."""
-        self._queue.put(None)
-        self._thread.join()
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+    def _stream(self, response: http.client.HTTPResponse, sink: PartialSink) -> None:
+        """Hand the body to ``sink``, one receive call per block; a cut stream keeps what
+        arrived (checkpointed) and raises ``transport``."""
+        remote = self.remote
+        while True:
+            self._check()
+            try:
+                block = response.read1(BLOCK_BYTES)
+            except _NETWORK_ERRORS as exc:
+                if self.aborted.is_set():
+                    raise _Aborted from exc
+                sink.checkpoint()  # keep what arrived for the next attempt
+                raise TransportError(
+                    f"GET {remote.url}: {type(exc).__name__} after {sink.queued} bytes: {exc}"
+                ) from exc
+            if not block:
+                return
+            if sink.queued + len(block) > remote.size:
+                raise SizeMismatch(
+                    f"{remote.path}: the server sent more than the expected {remote.size} bytes"
+                )
+            sink.put((block,), len(block))
+            self.durable = sink.durable
 
 
-async def _open(
-    session: aiohttp.ClientSession, url: str, headers: dict[str, str], token: str | None
-) -> aiohttp.ClientResponse:
-    current = url
-    for _ in range(MAX_REDIRECTS + 1):
-        request_headers = dict(headers)
-        if token and same_origin(current, url):
-            request_headers["Authorization"] = f"Bearer {token}"
-        response = await session.get(current, headers=request_headers, allow_redirects=False)
-        if response.status in (301, 302, 303, 307, 308) and "Location" in response.headers:
-            location = str(response.url.join(URL(response.headers["Location"])))
-            response.release()
-            current = location
-            continue
-        return response
-    raise HttpStatusError(f"GET {url}: more than {MAX_REDIRECTS} redirects")
+def _open_sink(
+    part: Path, remote: RemoteFile, etag: str, offset: int, sha: Any, b3: Any
+) -> PartialSink:
+    """A sink appending to ``part`` at ``offset`` whose checkpoints record the resume state
+    (only with an ETag: without one a later attempt cannot resume safely)."""
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.lseek(fd, offset, os.SEEK_SET)
+        os.ftruncate(fd, offset)
+    except BaseException:
+        os.close(fd)
+        raise
+
+    def record(completed: int) -> None:
+        if etag:
+            _write_state(
+                part,
+                {
+                    "schema_version": STATE_SCHEMA_VERSION,
+                    "url": remote.url,
+                    "etag": etag,
+                    "expected_sha256": remote.sha256,
+                    "expected_size": remote.size,
+                    "completed_bytes": completed,
+                },
+            )
+
+    return PartialSink(
+        fd,
+        offset=offset,
+        sha=sha,
+        b3=b3,
+        record=record,
+        checkpoint_bytes=CHECKPOINT_BYTES,
+        checkpoint_s=CHECKPOINT_SECONDS,
+    )
 
 
 async def download_file(
-    session: aiohttp.ClientSession,
     remote: RemoteFile,
     *,
     part: Path,
     token: str | None,
     on_progress: Callable[[int], Awaitable[None]],
     check_cancelled: Callable[[], None],
+    read_timeout: float | None = None,
+    connect_timeout: float = CONNECT_TIMEOUT_S,
 ) -> DownloadResult:
     """Download ``remote`` into ``part`` (resuming it when possible) and verify it.
 
+    The transfer runs on a worker thread (see the module docstring); cancelling the awaiting
+    task stops it at once (its socket is shut down) and returns only after the thread has
+    let go of the partial, which is kept for a resume.
+
     Args:
-        session: From :func:`new_session`.
         remote: URL and expected size and SHA-256.
         part: The partial file; its resume state lives beside it.
         token: Bearer token for the URL's own origin, or ``None``.
-        on_progress: Awaited with the bytes on disk at each checkpoint.
-        check_cancelled: Raises to stop between chunks.
+        on_progress: Awaited with the bytes on disk when a checkpoint moved them (looked at
+            every :data:`PROGRESS_S`) and at the end.
+        check_cancelled: Raises to stop between blocks (called on the transfer thread).
+        read_timeout: Seconds without a byte (default :func:`read_timeout_s`).
+        connect_timeout: Seconds to connect.
 
     Returns:
         The verified partial's digests (ready to promote into the blob store).
@@ -356,150 +495,59 @@ async def download_file(
         DigestMismatch: ``digest_mismatch``; the partial is discarded.
         DiskFull: ``disk_full`` when the file system is full; the partial is kept.
     """
-    part.parent.mkdir(parents=True, exist_ok=True)
-    restarted = False
-    while True:
+
+    transfer = _Transfer(
+        remote,
+        part=part,
+        token=token,
+        check_cancelled=check_cancelled,
+        read_timeout=read_timeout_s() if read_timeout is None else read_timeout,
+        connect_timeout=connect_timeout,
+    )
+    finished = threading.Event()
+
+    def run() -> DownloadResult:
         try:
-            return await _attempt(
-                session,
-                remote,
-                part=part,
-                token=token,
-                on_progress=on_progress,
-                check_cancelled=check_cancelled,
-            )
-        except _Restart:
-            _discard(part)
-            if restarted:
-                raise TransportError(
-                    f"{remote.url}: the server's answers do not match the partial download "
-                    "twice in a row"
-                ) from None
-            restarted = True
-        except (SizeMismatch, DigestMismatch):
-            _discard(part)
-            raise
+            return transfer.run()
+        finally:
+            finished.set()
 
+    failure: Exception | None = None
 
-async def _start(
-    response: aiohttp.ClientResponse,
-    remote: RemoteFile,
-    *,
-    part: Path,
-    offset: int,
-    etag: str | None,
-) -> tuple[int, Any, Any] | DownloadResult:
-    """Decide from the status what the body continues: ``(offset, sha, b3)`` to stream
-    from, or a finished result (416 on a complete partial).
+    async def report() -> None:
+        # Polled, so the transfer thread never waits for a journal write.
+        nonlocal failure
+        reported = 0
+        try:
+            while True:
+                await anyio.sleep(PROGRESS_S)
+                if transfer.durable > reported:
+                    reported = transfer.durable
+                    await on_progress(reported)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the thread let go
+            failure = exc
+            transfer.abort()
 
-    Raises:
-        _Restart: the answer does not fit the partial.
-    """
-    status = response.status
-    new_etag = response.headers.get("ETag") or ""
-    range_start, range_total = _content_range(response.headers.get("Content-Range"))
-    if status == 416 and offset > 0:
-        if offset == remote.size and range_total == remote.size and new_etag in ("", etag):
-            sha, b3 = await anyio.to_thread.run_sync(hash_file, part)
-            return await _finish(part, remote, sha, b3, resumed_from=offset, downloaded=0)
-        raise _Restart
-    if status == 206 and offset > 0:
-        if range_start != offset or range_total != remote.size or new_etag != etag:
-            raise _Restart
-        sha, b3 = await anyio.to_thread.run_sync(lambda: hash_file(part, limit=offset))
-        return offset, sha, b3
-    if status == 200:
-        length = response.content_length
-        if length is not None and length != remote.size:
-            raise SizeMismatch(
-                f"{remote.path}: the server announces {length} bytes, the catalog {remote.size}"
-            )
-        return 0, hashlib.sha256(), blake3()
-    raise _status_error(status, remote.url)
-
-
-async def _attempt(
-    session: aiohttp.ClientSession,
-    remote: RemoteFile,
-    *,
-    part: Path,
-    token: str | None,
-    on_progress: Callable[[int], Awaitable[None]],
-    check_cancelled: Callable[[], None],
-) -> DownloadResult:
-    """One transfer attempt; a full file system becomes ``disk_full`` (partial kept)."""
-    with disk_full_errors(f"writing {part}", kept="the partial download is kept"):
-        return await _transfer(
-            session,
-            remote,
-            part=part,
-            token=token,
-            on_progress=on_progress,
-            check_cancelled=check_cancelled,
-        )
-
-
-async def _transfer(
-    session: aiohttp.ClientSession,
-    remote: RemoteFile,
-    *,
-    part: Path,
-    token: str | None,
-    on_progress: Callable[[int], Awaitable[None]],
-    check_cancelled: Callable[[], None],
-) -> DownloadResult:
-    offset, etag = await anyio.to_thread.run_sync(_resume_offset, part, remote)
-    headers = {"Accept-Encoding": "identity"}
-    if offset > 0 and etag:
-        headers["Range"] = f"bytes={offset}-"
-        headers["If-Range"] = etag
     try:
-        response = await _open(session, remote.url, headers, token)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise TransportError(f"GET {remote.url}: {type(exc).__name__}: {exc}") from exc
-    sink: _Sink | None = None
-    try:
-        started = await _start(response, remote, part=part, offset=offset, etag=etag)
-        if isinstance(started, DownloadResult):
-            return started
-        offset, sha, b3 = started
-        sink = _Sink(part, remote, response.headers.get("ETag") or "", offset, sha, b3)
-        await sink.checkpoint()  # the state exists before the first body byte counts
-        async for block in response.content.iter_chunked(CHUNK_BYTES):
-            check_cancelled()
-            await sink.write(block)
-            if sink.due():
-                await sink.checkpoint()
-                await on_progress(sink.completed)
-        if sink.completed != remote.size:
-            raise TransportError(
-                f"{remote.url}: the stream ended after {sink.completed} of {remote.size} bytes"
-            )
-        await sink.flush()
-        await anyio.to_thread.run_sync(os.fsync, sink.fd)
-        await on_progress(sink.completed)
-        return await _finish(
-            part,
-            remote,
-            sha,
-            b3,
-            resumed_from=sink.started_at,
-            downloaded=sink.completed - sink.started_at,
-        )
-    except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-        if sink is not None:
-            await sink.checkpoint()  # keep what arrived for the next attempt
-        raise TransportError(
-            f"GET {remote.url}: {type(exc).__name__} after "
-            f"{sink.completed if sink else offset} bytes: {exc}"
-        ) from exc
-    finally:
-        if sink is not None:
-            sink.close()
-        response.release()
+        async with anyio.create_task_group() as group:
+            group.start_soon(report)
+            try:
+                result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+            except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
+                failure = failure or exc
+            group.cancel_scope.cancel()
+    except anyio.get_cancelled_exc_class():
+        transfer.abort()
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(finished.wait)
+        raise
+    if failure is not None:
+        raise failure
+    await on_progress(result.size)
+    return result
 
 
-async def _finish(
+def _finish(
     part: Path,
     remote: RemoteFile,
     sha: Any,

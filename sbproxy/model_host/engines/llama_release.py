@@ -24,13 +24,12 @@ import shutil
 import tarfile
 from pathlib import Path
 
-import aiohttp
 import anyio
 import anyio.to_thread
 from pydantic import BaseModel, ConfigDict, Field
 
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
-from sbproxy.model_host.artifacts.download import new_session
+from sbproxy.model_host.artifacts.download import read_timeout_s
 from sbproxy.model_host.artifacts.errors import TransportError
 from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.model_host.engines.llama_build import BuildOutput, published_build, version_of
@@ -88,8 +87,14 @@ async def download_archive(ctx: StepContext, request: FetchInput) -> str:
     url = archive_url(request)
     digest = hashlib.sha256()
     received = 0
+    import aiohttp  # only this step needs it: `models pull` starts without it
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=15.0, sock_read=read_timeout_s())
     try:
-        async with new_session() as session, session.get(url) as response:
+        async with (
+            aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session,
+            session.get(url) as response,
+        ):
             if response.status != 200:
                 retryable = response.status == 429 or response.status >= 500
                 raise EngineError(

@@ -1,13 +1,12 @@
 """The durable workflows of the model host (pull, import, remove, gc, prune, ...).
 
 ``registry`` holds every model-host workflow kind; the server's worker loop and the CLI
-processes that run jobs in-process use it. Importing this package registers them all.
+processes that run jobs in-process use it. Importing this package registers them all (the
+engine acquisitions by module name, imported when such a job is first looked up).
 """
 
 from __future__ import annotations
 
-# Engine builds are model-host jobs too: importing registers the engine_build workflow.
-import sbproxy.model_host.engines.llama_build
 from sbproxy.model_host.flows.collect import (
     GcInput,
     GcReport,
@@ -23,7 +22,10 @@ from sbproxy.model_host.flows.collect import (
 from sbproxy.model_host.flows.pull import PullInput, PullIntent, PullOutput, pull_workflow
 from sbproxy.model_host.registry import registry
 
-import sbproxy.model_host.engines.llama_release  # noqa: F401  isort: skip
+# Engine acquisitions are model-host jobs too; their modules (subprocess supervision, the
+# HTTP clients) are imported only when such a job runs, not by every `sbproxy models pull`.
+registry.defer("engine_build", "sbproxy.model_host.engines.llama_build")
+registry.defer("engine_fetch", "sbproxy.model_host.engines.llama_release")
 
 __all__ = [
     "GcInput",

@@ -34,7 +34,6 @@ from sbproxy.model_host.artifacts.download import (
     RemoteFile,
     download_file,
     hash_file,
-    new_session,
 )
 from sbproxy.model_host.artifacts.errors import (
     CacheCorrupt,
@@ -322,15 +321,13 @@ async def fetch_file(ctx: StepContext, task: FileTask) -> FetchResult:
     else:
         assert task.url is not None  # noqa: S101 - plan gives every task a url or a path
         remote = RemoteFile(url=task.url, path=task.path, sha256=task.sha256, size=task.size_bytes)
-        async with new_session() as session:
-            result = await download_file(
-                session,
-                remote,
-                part=part,
-                token=hf_token(),
-                on_progress=progress,
-                check_cancelled=ctx.check_cancelled,
-            )
+        result = await download_file(
+            remote,
+            part=part,
+            token=hf_token(),
+            on_progress=progress,
+            check_cancelled=ctx.check_cancelled,
+        )
         fingerprint = result.blake3
         resumed, transferred = result.resumed_from, result.downloaded_bytes
     if task.pickle:
