@@ -183,6 +183,9 @@ class RuntimeManager:
         host = compiled.model_host
         self.shutdown_deadline_s = (host.shutdown_deadline_ms if host else 30_000) / 1000
         self.safety_margin = host.safety_margin if host else 0.10
+        # Engine launches of different deployments run at once up to this limit
+        # (``max_parallel_prepares``, reference default 2); more wait their turn.
+        self.prepares = anyio.CapacityLimiter(host.max_parallel_prepares if host else 2)
         cache_config = host.cache if host else None
         self.residency = Residency(
             {0: worker.memory_bytes},
@@ -400,6 +403,7 @@ class RuntimeManager:
 
         Idempotency: a live, ready engine of this slot is reused; concurrent callers (a load
         job and a resumed reload) serialize on the slot, and the second finds it ready.
+        Launches across deployments run at most ``max_parallel_prepares`` at once.
         Launch failures retry with the backoff; exhaustion (or a non-retryable failure)
         retains ``crash_loop``. ``generation`` restarts a stopped generation under its own
         number (a failed ``recreate`` rollout restoring the prior engine); by default a new
@@ -409,7 +413,7 @@ class RuntimeManager:
             EngineError: ``crash_loop`` (or the non-retryable launch error).
             AdmissionRejected: ``insufficient_capacity`` when the estimate does not fit.
         """
-        async with slot.launching:
+        async with slot.launching, self.prepares:
             return await self._launch_locked(
                 slot, executable=executable, job_id=job_id, generation=generation
             )

@@ -226,3 +226,36 @@ async def test_status_serialises_the_reference_fields(tmp_path: Path) -> None:
         ):
             assert field in payload
         assert payload["state"] == "configured"
+
+
+async def test_prepares_across_deployments_run_concurrently_up_to_the_limit(
+    tmp_path: Path,
+) -> None:
+    deployments = dict.fromkeys(("a", "b", "c"), TINY)
+    async with runtime_host(
+        tmp_path, deployments=deployments, mode="load_s=1.0", host={"max_parallel_prepares": 2}
+    ) as host:
+        manager = host.manager
+        most = 0
+
+        async def sample() -> None:
+            nonlocal most
+            while True:
+                preparing = sum(
+                    1 for s in manager.slots.values() if s.state == DeploymentState.PREPARING
+                )
+                most = max(most, preparing)
+                await anyio.sleep(0.02)
+
+        async def request(name: str) -> None:
+            upstream = await manager.acquire(name, priority=PriorityClass.STANDARD)
+            upstream.release()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(sample)
+            async with anyio.create_task_group() as requests:
+                for name in deployments:
+                    requests.start_soon(request, name)
+            group.cancel_scope.cancel()
+        assert most == 2
+        assert all(s.state == DeploymentState.READY for s in manager.slots.values())
