@@ -1,4 +1,5 @@
-"""``sbproxy models ps`` and ``models stop``: live runtime state through the admin API.
+"""``sbproxy models ps``, ``models load`` and ``models stop``: the live runtime through the
+admin API.
 
 Only the running server owns engine processes, so these verbs talk to its authenticated
 admin API: ``--admin-url`` (env ``SB_ADMIN_URL``, default ``http://127.0.0.1:9090``),
@@ -19,7 +20,13 @@ import httpx
 from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.errors import SbproxyError
 
-__all__ = ["admin_call", "admin_options", "ps_command", "stop_command"]
+__all__ = [
+    "admin_call",
+    "admin_options",
+    "load_command",
+    "ps_command",
+    "stop_command",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 TERMINAL = {"succeeded", "failed", "cancelled", "parked"}
@@ -127,21 +134,25 @@ def ps_command(admin_url: str, username: str, password: str, output_format: str)
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
 
 
-@click.command("stop")
-@click.argument("deployment")
-@click.option("--wait", is_flag=True, help="Follow the drain job until it ends.")
-@admin_options
-@format_option
-def stop_command(
-    deployment: str, wait: bool, admin_url: str, username: str, password: str, output_format: str
+def _lifecycle(
+    command: str,
+    route: str,
+    deployment: str,
+    *,
+    wait: bool,
+    done_state: str,
+    admin_url: str,
+    username: str,
+    password: str,
+    output_format: str,
 ) -> None:
-    """Drain DEPLOYMENT and stop its engine (the artifact stays cached)."""
+    """POST a lifecycle route, optionally follow its job, report the outcome."""
     base = admin_url.rstrip("/")
     auth = (username, password)
     body = admin_call(
-        "models.stop",
+        command,
         "POST",
-        f"{base}/admin/model-host/stop",
+        f"{base}/admin/model-host/{route}",
         auth=auth,
         output_format=output_format,
         json_body={"deployment": deployment},
@@ -151,7 +162,7 @@ def stop_command(
         job: dict[str, Any] = {}
         while time.monotonic() < deadline:
             job = admin_call(
-                "models.stop",
+                command,
                 "GET",
                 f"{base}/admin/model-host/jobs/{body['job_id']}",
                 auth=auth,
@@ -161,9 +172,9 @@ def stop_command(
                 break
             time.sleep(0.2)
         body["job"] = job
-        body["state"] = "stopped" if job.get("status") == "succeeded" else job.get("status")
+        body["state"] = done_state if job.get("status") == "succeeded" else job.get("status")
     if output_format == "json":
-        emit_json("models.stop", body)
+        emit_json(command, body)
     else:
         click.echo(
             f"{deployment} {body.get('state')}"
@@ -171,3 +182,47 @@ def stop_command(
         )
     if wait and body.get("job", {}).get("status") not in (None, "succeeded"):
         sys.exit(EXIT_RUNTIME)
+
+
+@click.command("stop")
+@click.argument("deployment")
+@click.option("--wait", is_flag=True, help="Follow the drain job until it ends.")
+@admin_options
+@format_option
+def stop_command(
+    deployment: str, wait: bool, admin_url: str, username: str, password: str, output_format: str
+) -> None:
+    """Drain DEPLOYMENT and stop its engine (the artifact stays cached)."""
+    _lifecycle(
+        "models.stop",
+        "stop",
+        deployment,
+        wait=wait,
+        done_state="stopped",
+        admin_url=admin_url,
+        username=username,
+        password=password,
+        output_format=output_format,
+    )
+
+
+@click.command("load")
+@click.argument("deployment")
+@click.option("--wait", is_flag=True, help="Follow the load job until it ends.")
+@admin_options
+@format_option
+def load_command(
+    deployment: str, wait: bool, admin_url: str, username: str, password: str, output_format: str
+) -> None:
+    """Prepare and warm DEPLOYMENT in the running server (pull, engine, launch)."""
+    _lifecycle(
+        "models.load",
+        "load",
+        deployment,
+        wait=wait,
+        done_state="ready",
+        admin_url=admin_url,
+        username=username,
+        password=password,
+        output_format=output_format,
+    )

@@ -89,6 +89,7 @@ _VERBS = {
     "gc": "sbproxy.cli.models_cache_cmd:gc_command",
     "verify": "sbproxy.cli.models_cache_cmd:verify_command",
     "ps": "sbproxy.cli.models_admin_cmd:ps_command",
+    "load": "sbproxy.cli.models_admin_cmd:load_command",
     "stop": "sbproxy.cli.models_admin_cmd:stop_command",
 }
 

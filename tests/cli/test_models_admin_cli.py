@@ -1,0 +1,76 @@
+"""``sbproxy models ps``, ``models load`` and ``models stop`` against a real ``sbproxy serve``:
+Basic-auth admin calls, the JSON envelope, ``--wait`` following the job, errors with reason
+codes, and the admin password never echoed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.api.test_serve import PASSWORD, write_config
+from tests.api.test_serve_reload import ENV, serving
+from tests.model_host.engines.support import free_port
+
+
+def models(
+    admin_port: int, *args: str, password: str = PASSWORD
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sbproxy.cli", "models", *args],
+        capture_output=True,
+        text=True,
+        env={
+            **ENV,
+            "SB_ADMIN_URL": f"http://127.0.0.1:{admin_port}",
+            "SB_ADMIN_PASSWORD": password,
+        },
+        timeout=120,
+        check=False,
+    )
+
+
+def test_ps_load_and_stop_through_the_admin_api(tmp_path: Path) -> None:
+    admin_port = free_port()
+    config = write_config(tmp_path, free_port(), admin_port)
+    with serving(config, "--no-watch"):
+        listed = models(admin_port, "ps", "--format", "json")
+        assert listed.returncode == 0, listed.stderr
+        body = json.loads(listed.stdout)
+        assert (body["schema_version"], body["command"]) == (1, "models.ps")
+        assert [(d["deployment"], d["state"]) for d in body["deployments"]] == [
+            ("tiny", "configured")
+        ]
+
+        loaded = models(admin_port, "load", "tiny", "--wait", "--format", "json")
+        assert loaded.returncode == 0, loaded.stderr
+        load = json.loads(loaded.stdout)
+        assert (load["command"], load["state"], load["job"]["status"]) == (
+            "models.load",
+            "ready",
+            "succeeded",
+        )
+        text = models(admin_port, "ps")
+        assert text.returncode == 0
+        assert "tiny" in text.stdout and "ready" in text.stdout
+
+        stopped = models(admin_port, "stop", "tiny", "--wait", "--format", "json")
+        assert stopped.returncode == 0, stopped.stderr
+        stop = json.loads(stopped.stdout)
+        assert (stop["command"], stop["state"], stop["job"]["status"]) == (
+            "models.stop",
+            "stopped",
+            "succeeded",
+        )
+
+        unknown = models(admin_port, "stop", "nope", "--format", "json")
+        assert unknown.returncode == 2
+        assert json.loads(unknown.stdout)["error"]["code"] == "unknown_deployment"
+
+        wrong = models(admin_port, "ps", password="not-the-password")
+        assert wrong.returncode == 2
+        assert "unauthorized" in wrong.stderr
+        for run in (listed, loaded, text, stopped, unknown, wrong):
+            assert PASSWORD not in run.stdout + run.stderr
+            assert "not-the-password" not in run.stdout + run.stderr
