@@ -154,7 +154,7 @@ def deployment_of(body: bytes) -> str:
     """
     try:
         document = _DECODER.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         raise InvalidBody("invalid JSON body; expected {deployment}") from None
     if not isinstance(document, dict):
         raise InvalidBody("invalid JSON body; expected {deployment}")

@@ -137,7 +137,7 @@ def parse_put(body: bytes) -> tuple[int | None, dict[str, DeploymentConfig]]:
     """
     try:
         document = json.loads(body, object_pairs_hook=_no_duplicates)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         if isinstance(exc, InvalidBody):
             raise
         raise InvalidBody("invalid JSON body; expected {expected_revision, deployments}") from None
@@ -194,6 +194,37 @@ async def _add_store_details(exc: SbproxyError, store: RevisionStore, expected: 
         )
 
 
+def _source_mismatch(body: bytes, manager: RuntimeManager) -> SbproxyError | None:
+    """Check a reload body (empty, ``{}`` or ``{"source": path}``) against the served file.
+
+    Raises:
+        InvalidBody: ``invalid_body`` for anything else.
+    """
+    if not body.strip():
+        return None
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        raise InvalidBody("invalid JSON body; expected {} or {source}") from None
+    if not isinstance(document, dict) or set(document) - {"source"}:
+        raise InvalidBody("invalid JSON body; expected {} or {source}")
+    wanted = document.get("source")
+    if wanted is None:
+        return None
+    if not isinstance(wanted, str) or not wanted:
+        raise InvalidBody("source must be a file path")
+    running = manager.compiled.source
+    if running is not None and Path(wanted).resolve() == running.resolve():
+        return None
+    return SbproxyError(
+        f"this server runs {running.resolve() if running else 'no file'}, not {wanted}",
+        code="source_mismatch",
+        remediation="Edit the file the server was started with (`sbproxy serve -f`), or "
+        "restart it with this one.",
+        details={"source": str(running.resolve()) if running else None},
+    )
+
+
 def desired_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     """The desired-state routes (under the admin router)."""
 
@@ -241,7 +272,8 @@ def desired_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
         if actual != expected:
             return _failure(
                 SbproxyError(
-                    f"the store is at revision {actual}, not {expected}",
+                    f"the store is at revision {'empty' if actual is None else actual}, "
+                    f"not {'empty' if expected is None else expected}",
                     code="revision_conflict",
                     remediation="GET /admin/model-host/deployments and retry with its revision.",
                     details={"expected_revision": expected, "actual_revision": actual},
@@ -260,33 +292,21 @@ def desired_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     @post("/reload", status_code=200)
     async def reload_route(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
         """Re-read the configuration file and apply it through the reload transaction."""
-        body = await request.body()
-        if body.strip():
-            try:
-                document = json.loads(body)
-            except ValueError:
-                raise InvalidBody("invalid JSON body; expected {} or {source}") from None
-            if not isinstance(document, dict) or set(document) - {"source"}:
-                raise InvalidBody("invalid JSON body; expected {} or {source}")
-            wanted = document.get("source")
-            if wanted is not None:
-                if not isinstance(wanted, str) or not wanted:
-                    raise InvalidBody("source must be a file path")
-                running = manager.compiled.source
-                if running is None or Path(wanted).resolve() != running.resolve():
-                    return _failure(
-                        SbproxyError(
-                            f"this server runs {running or 'no file'}, not {wanted}",
-                            code="source_mismatch",
-                            remediation="Edit the file the server was started with "
-                            "(`sbproxy serve -f`), or restart it with this one.",
-                            details={"source": str(running) if running else None},
-                        )
-                    )
+        mismatch = _source_mismatch(await request.body(), manager)
+        if mismatch is not None:
+            return _failure(mismatch)
         try:
             job_id, report = await reload_from_source(manager, source="admin")
         except SbproxyError as exc:
             return _failure(exc)
-        return Response(_answer(job_id, report), status_code=200)
+        answer = _answer(job_id, report)
+        host = manager.compiled.model_host
+        if host is not None and host.authority == Authority.ADMIN_MANAGED:
+            # One meaning of "revision" on every route: the store's (deployments come
+            # from the store here; the file supplies routes, keys and policy).
+            stored = await anyio.to_thread.run_sync(revision_store(manager.compiled).load)
+            answer["revision"] = stored.revision if stored else None
+            answer["content_digest"] = stored.content_digest if stored else None
+        return Response(answer, status_code=200)
 
     return [get_deployments, put_deployments, reload_route]

@@ -82,6 +82,13 @@ LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
 
 
+_STREAM_CUT = (
+    b'data: {"error": {"message": "the engine stopped before the stream ended", '
+    b'"type": "managed_model_error", "code": "upstream_unavailable", '
+    b'"sbproxy_reason": "upstream_unavailable", "retryable": true}}\n\n'
+)
+
+
 class UpstreamUnavailable(ApiError):
     """The engine could not be reached after admission (``upstream_unavailable``)."""
 
@@ -259,6 +266,8 @@ class Gateway:
             head = _HEAD_DECODER.decode(body)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
             raise InvalidBody(f"the body is not a valid request: {exc}") from None
+        except RecursionError:
+            raise InvalidBody("the body is nested too deeply") from None
         route = self.routing.route(request.headers.get("host"), head.model)
         span = trace.get_current_span() if enabled() else None
         if span is not None:
@@ -361,7 +370,7 @@ def rewrite_answer(data: bytes, public_model: str) -> tuple[bytes, Usage | None]
     and the answer's usage if it reports one (one decode for both)."""
     try:
         document = _DECODER.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return data, None
     usage = usage_of(document)
     if not isinstance(document, dict) or "model" not in document:
@@ -395,7 +404,7 @@ def _rewrite_event(event: bytes, public_model: str) -> tuple[bytes, Usage | None
                 continue
             try:
                 document = _DECODER.decode(payload)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 continue
             if not isinstance(document, dict):
                 continue
@@ -459,6 +468,11 @@ class _Relay:
                 if out:
                     yield out
             self.finished = True
+        except aiohttp.ClientError as exc:
+            # The engine went away mid-stream (stopped by a drain deadline, crashed): the
+            # client gets an OpenAI-style error event and a well-formed end of stream.
+            logger.warning("upstream stream ended early: %s", type(exc).__name__)
+            yield _STREAM_CUT
         finally:
             await self.close()
 

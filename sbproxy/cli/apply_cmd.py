@@ -11,11 +11,12 @@ everything running as it was. Admin connection options as ``sbproxy models ps``.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
-from sbproxy.cli._output import EXIT_INVALID, emit_json, fail, format_option
+from sbproxy.cli._output import EXIT_INVALID, emit_json, format_option
 from sbproxy.cli.models_admin_cmd import admin_call, admin_options
 from sbproxy.config import load_config
 from sbproxy.errors import ConfigError
@@ -46,11 +47,17 @@ def apply_command(
     try:
         load_config(config_file)
     except ConfigError as exc:
-        if output_format != "json":
-            click.echo(f"{config_file}: invalid ({len(exc.issues)} problem(s))", err=True)
-            for issue in exc.issues:
-                click.echo(f"  {issue.render(str(config_file))}", err=True)
-        fail("apply", exc, output_format=output_format, exit_code=EXIT_INVALID)
+        if output_format == "json":
+            emit_json(
+                "apply",
+                {
+                    "ok": False,
+                    "error": exc.to_dict(),
+                    "errors": [issue.to_dict() for issue in exc.issues],
+                },
+            )
+        click.echo(f"sbproxy apply: {exc}", err=True)
+        sys.exit(EXIT_INVALID)
     body = admin_call(
         "apply",
         "POST",

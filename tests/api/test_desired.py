@@ -107,6 +107,7 @@ async def test_put_refusals_leave_the_store_unchanged(tmp_path: Path) -> None:
             ({"expected_revision": 1, "deployments": {}, "extra": 1}, 400, "invalid_body"),
             ({"expected_revision": "1", "deployments": {}}, 400, "invalid_body"),
             ({"expected_revision": 2**53, "deployments": {}}, 400, "invalid_body"),
+            (b"[" * 100_000 + b"]" * 100_000, 400, "invalid_body"),
             (
                 {"expected_revision": 1, "deployments": {"a": {**TINY, "max_concurrency": 0}}},
                 400,

@@ -86,6 +86,27 @@ async def test_client_disconnect_mid_stream_releases_the_permit(tmp_path: Path) 
         assert time.monotonic() - closed_at < 2
 
 
+async def test_an_engine_stopped_mid_stream_ends_the_stream_with_an_error_event(
+    tmp_path: Path,
+) -> None:
+    async with served(tmp_path, mode="token_delay_s=0.5") as host:
+        manager = host.host.manager
+        async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
+            body = {"model": "tiny-chat", "messages": [], "stream": True}
+            events: list[str] = []
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    events.append(line)
+                    if len(events) == 1:  # the engine goes away mid-stream
+                        await manager.stop_engine(manager.slot("tiny"))
+        assert '"model":"tiny-chat"' in events[0]
+        assert '"code": "upstream_unavailable"' in events[-1]
+        assert "[DONE]" not in "".join(events)
+        await until(lambda: manager.slot("tiny").gate.active == 0, timeout_s=2)
+
+
 async def test_models_list_reports_availability(tmp_path: Path) -> None:
     async with served(tmp_path) as host, httpx.AsyncClient(base_url=host.gateway_url) as http:
         listed = (await http.get("/v1/models")).json()
@@ -120,6 +141,12 @@ async def test_bad_requests_get_the_openai_error_envelope(tmp_path: Path) -> Non
         assert wrong_type.status_code == 400
         not_object = await http.post("/v1/chat/completions", json=[1, 2])
         assert not_object.status_code == 400
+        deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        nested = await http.post(
+            "/v1/chat/completions", content=deep, headers={"content-type": "application/json"}
+        )
+        assert nested.status_code == 400
+        assert nested.json()["error"]["code"] == "invalid_body"
         other_host = await http.get("/v1/models", headers={"host": "example.com"})
         assert other_host.status_code == 200  # one origin serves every host
 

@@ -141,7 +141,12 @@ def test_sighup_apply_and_admin_reload(tmp_path: Path) -> None:
         )
         refused = apply(config, admin_port)
         assert refused.returncode == 2
-        assert "proxy.model_host.deployments.tiny.max_concurrency" in refused.stderr
+        assert refused.stderr.count("proxy.model_host.deployments.tiny.max_concurrency") == 1
+        as_json = apply(config, admin_port, "--format", "json")
+        assert as_json.returncode == 2
+        assert json.loads(as_json.stdout)["errors"][0]["path"] == (
+            "proxy.model_host.deployments.tiny.max_concurrency"
+        )
         reloaded = httpx.post(
             f"http://127.0.0.1:{admin_port}/admin/reload", auth=("admin", PASSWORD)
         )

@@ -82,6 +82,10 @@ def revision_digest(*, revision: int, catalog_revision: str, deployments: Mappin
     return hashlib.sha256(rfc8785.dumps(body)).hexdigest()  # type: ignore[arg-type]
 
 
+def _named(revision: int | None) -> str:
+    return "empty" if revision is None else str(revision)
+
+
 def _store_error(path: Path, message: str) -> SbproxyError:
     return SbproxyError(
         f"revision store {path}: {message}",
@@ -156,7 +160,8 @@ class RevisionStore:
                 actual = current.revision if current else None
                 if actual != expected_revision:
                     raise RevisionConflict(
-                        f"the store is at revision {actual}, not {expected_revision}",
+                        f"the store is at revision {_named(actual)}, not "
+                        f"{_named(expected_revision)}",
                         remediation="Read GET /admin/model-host/deployments and retry with "
                         "its revision.",
                         details={"expected_revision": expected_revision, "actual_revision": actual},

@@ -478,17 +478,9 @@ async def _roll_back(
             logger.error("rollback could not restart %s: %s", old.deployment, exc)
 
 
-@step("commit")
-async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
-    """Swap the live deployments, hand the candidate to listeners, retire the superseded
-    generations, and record the committed revision.
-
-    Idempotency: a resumed job whose slots already match finds nothing to swap or retire
-    and records the revision.
-    """
-    manager = ctx.resource(RuntimeManager)
-    candidate = _candidate(manager, request.request)
-    plan = request.plan
+def _swap(manager: RuntimeManager, plan: ReloadPlan, candidate: CompiledConfig) -> list[Slot]:
+    """Make the staged generations live and the candidate the desired state; the slots
+    superseded or removed (still running until retired)."""
     staged, manager.staged = manager.staged, {}
     manager.recreated = []
     slots = dict(manager.slots)
@@ -512,6 +504,41 @@ async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
     manager.compiled = candidate
     manager.catalog = catalog
     manager.safety_margin = _margin(candidate)
+    host = candidate.model_host
+    if host is not None:  # policies a running host takes at once
+        manager.shutdown_deadline_s = host.shutdown_deadline_ms / 1000
+        manager.prepares.total_tokens = host.max_parallel_prepares
+    return retired
+
+
+async def _enforce_resident_limit(manager: RuntimeManager, candidate: CompiledConfig) -> None:
+    """Apply ``cache.max_resident_models``: a lowered limit evicts idle generations, least
+    recently used first; with too much protected work the old limit stays (logged)."""
+    cache = candidate.model_host.cache if candidate.model_host else None
+    limit = cache.max_resident_models if cache else None
+    try:
+        victims = manager.residency.enforce_limit(limit).victims
+    except AdmissionRejected as exc:
+        logger.warning("max_resident_models %s is not applied: %s", limit, exc)
+        return
+    for victim in victims:
+        evicted = manager.slots.get(victim.key.deployment)
+        if evicted is not None and evicted.generation == victim.key.generation:
+            await manager.drain(evicted)
+
+
+@step("commit")
+async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
+    """Swap the live deployments, hand the candidate to listeners, retire the superseded
+    generations, and record the committed revision (a new one only when the desired
+    deployments changed).
+
+    Idempotency: a resumed job whose slots already match finds nothing to swap or retire
+    and records the revision.
+    """
+    manager = ctx.resource(RuntimeManager)
+    candidate = _candidate(manager, request.request)
+    retired = _swap(manager, request.plan, candidate)
     manager.candidates.pop(request.request.content_digest, None)
     for listener in manager.on_commit:
         listener(candidate)
@@ -519,24 +546,16 @@ async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
     for old in retired:
         if old.process is not None or old.state == DeploymentState.DRAINING:
             await manager.drain(old)
-    cache = candidate.model_host.cache if candidate.model_host else None
-    limit = cache.max_resident_models if cache else None
-    try:  # a lowered limit evicts idle generations, least recently used first
-        victims = manager.residency.enforce_limit(limit).victims
-    except AdmissionRejected as exc:  # too much protected work now; the old limit stays
-        logger.warning("max_resident_models %s is not applied: %s", limit, exc)
-        victims = ()
-    for victim in victims:
-        evicted = manager.slots.get(victim.key.deployment)
-        if evicted is not None and evicted.generation == victim.key.generation:
-            await manager.drain(evicted)
-    desired = request.request.desired
-    manager.revision = await manager.runtime_store.commit_revision(
-        content_digest=request.request.content_digest, desired=desired
-    )
-    return ReloadReport(
-        revision=manager.revision, content_digest=request.request.content_digest, plan=plan
-    )
+    await _enforce_resident_limit(manager, candidate)
+    digest = request.request.content_digest
+    latest = await manager.runtime_store.latest_revision()
+    if latest is None or latest.content_digest != digest:
+        manager.revision = await manager.runtime_store.commit_revision(
+            content_digest=digest, desired=request.request.desired
+        )
+    else:  # the same desired deployments (routes or keys may differ): no new revision
+        manager.revision = latest.revision
+    return ReloadReport(revision=manager.revision, content_digest=digest, plan=request.plan)
 
 
 @step("discard")

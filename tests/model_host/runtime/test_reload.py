@@ -299,3 +299,21 @@ async def test_lowering_max_resident_models_evicts_the_least_recently_used(
         assert manager.slot("b").state == DeploymentState.STOPPED
         assert manager.slot("a").state == manager.slot("c").state == DeploymentState.READY
         assert len(manager.residency.reservations) == 2
+
+
+@pytest.mark.anyio
+async def test_policies_apply_at_once_and_an_unchanged_state_keeps_its_revision(
+    tmp_path: Path,
+) -> None:
+    async with runtime_host(tmp_path, deployments={"a": WARM}) as host:
+        manager = host.manager
+        await until(lambda: manager.slot("a").state == DeploymentState.READY)
+        revision = manager.revision
+        policy = {"shutdown_deadline_ms": 7000, "max_parallel_prepares": 3}
+        _, report = await reload(
+            manager, candidate(tmp_path, deployments={"a": WARM}, host=policy), source="test"
+        )
+        assert report.plan.preserved == ("a",)
+        assert report.revision == revision  # the desired deployments did not change
+        assert manager.shutdown_deadline_s == 7.0
+        assert manager.prepares.total_tokens == 3
