@@ -91,19 +91,26 @@ def remove_second(document: dict[str, Any]) -> None:
     ]
 
 
-def apply(config: Path, admin_port: int, *options: str) -> subprocess.CompletedProcess[str]:
+def admin_cli(
+    admin_port: int, *args: str, password: str = PASSWORD
+) -> subprocess.CompletedProcess[str]:
+    """Run ``sbproxy ARGS`` against the admin API on ``admin_port``."""
     return subprocess.run(
-        [sys.executable, "-m", "sbproxy.cli", "apply", "-f", str(config), *options],
+        [sys.executable, "-m", "sbproxy.cli", *args],
         capture_output=True,
         text=True,
         env={
             **ENV,
             "SB_ADMIN_URL": f"http://127.0.0.1:{admin_port}",
-            "SB_ADMIN_PASSWORD": PASSWORD,
+            "SB_ADMIN_PASSWORD": password,
         },
         timeout=120,
         check=False,
     )
+
+
+def apply(config: Path, admin_port: int, *options: str) -> subprocess.CompletedProcess[str]:
+    return admin_cli(admin_port, "apply", "-f", str(config), *options)
 
 
 def chat(gateway_port: int, model: str) -> httpx.Response:

@@ -6,29 +6,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.api.test_serve import PASSWORD, write_config
-from tests.api.test_serve_reload import ENV, serving
+from tests.api.test_serve_reload import admin_cli, serving
 from tests.model_host.engines.support import free_port
 
 
 def models(
     admin_port: int, *args: str, password: str = PASSWORD
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sbproxy.cli", "models", *args],
-        capture_output=True,
-        text=True,
-        env={
-            **ENV,
-            "SB_ADMIN_URL": f"http://127.0.0.1:{admin_port}",
-            "SB_ADMIN_PASSWORD": password,
-        },
-        timeout=120,
-        check=False,
-    )
+    return admin_cli(admin_port, "models", *args, password=password)
 
 
 def test_ps_load_and_stop_through_the_admin_api(tmp_path: Path) -> None:
