@@ -603,15 +603,10 @@ async def reload_workflow(ctx: WorkflowContext, request: ReloadInput) -> ReloadR
             },
         ) from exc
     if stored is not None:
-        report = replace_report(report, stored)
+        report = report.model_copy(
+            update={"store_revision": stored.revision, "store_digest": stored.content_digest}
+        )
     return report
-
-
-def replace_report(report: ReloadReport, stored: StoreResult) -> ReloadReport:
-    """``report`` with the store's revision and digest."""
-    return report.model_copy(
-        update={"store_revision": stored.revision, "store_digest": stored.content_digest}
-    )
 
 
 # -- entry points -------------------------------------------------------------------------
