@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from sbproxy import __version__
-from sbproxy.cli._lazy import LazyGroup
+from sbproxy.cli._lazy import LazyGroup, defer_collection
 
 __all__ = ["cli", "main"]
 
@@ -38,5 +38,6 @@ def cli() -> None:
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (collection paused while the command imports, see ``_lazy``)."""
+    defer_collection()
     cli(prog_name="sbproxy")

@@ -32,7 +32,7 @@ from sbproxy.catalog import (
     variant_digest,
 )
 from sbproxy.cli._host import HostChoice, choose_host, run_host
-from sbproxy.cli._lazy import LazyGroup
+from sbproxy.cli._lazy import LazyGroup, resume_collection
 from sbproxy.cli._options import cache_dir_option, catalog_file_option, config_option
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
@@ -99,6 +99,7 @@ _VERBS = {
 def models_group(ctx: click.Context) -> None:
     """List, inspect, pull and manage catalog models (bare `sbproxy models` lists them)."""
     if ctx.invoked_subcommand is None:
+        resume_collection()  # the group runs as a command: nothing more to import
         ctx.invoke(list_command)
 
 

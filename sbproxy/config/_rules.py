@@ -41,6 +41,7 @@ class ConfigModel(BaseModel):
         validate_default=True,
         str_strip_whitespace=False,
         use_attribute_docstrings=False,
+        defer_build=True,
     )
 
 
