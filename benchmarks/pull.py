@@ -1,10 +1,9 @@
 """What a verified pull costs against a plain download of the same bytes on loopback.
 
-Generates one random file (``--size-mib``, default 1024: a small real GGUF; at 256 MiB the
-CLI's fixed start-up cost of under a second weighs as much as the transfer itself) once,
-serves it from a separate
-``python -m tests.support.hf_server`` process in the Hugging Face ``resolve`` shape, and then,
-``--runs`` times each, interleaved so drift in the machine hits every contender alike:
+For each ``--size-mib`` (default 1024 and 4096 MiB: a small GGUF and a 7-8B Q4 one), generates
+one random file, serves it from a separate ``python -m tests.support.hf_server`` process in
+the Hugging Face ``resolve`` shape, and then, ``--runs`` times each, interleaved so drift in
+the machine hits every contender alike:
 
 * ``curl``: ``curl -s -o FILE URL`` -- the floor: no hashing, no fsync;
 * ``sbproxy``: the real ``sbproxy models pull`` CLI process with a fresh cache root each
@@ -20,15 +19,19 @@ serves it from a separate
 * ``httpx_sha256``: for reference, an in-process httpx streaming download that hashes
   SHA-256 and writes the file (what a minimal verifying downloader costs).
 
-Prints ONE JSON object on stdout: per-run seconds and MiB/s, medians, and
-``sbproxy_over_curl`` (median sbproxy MiB/s over median curl MiB/s; the target is >= 0.8),
-plus ``sbproxy_job_over_curl`` for the in-journal time and ``sbproxy_fetch_over_curl`` for
-the fetch step alone (download with SHA-256 and BLAKE3 while streaming, checkpoints, final
-fsync and promotion into the blob store): the like-for-like figure against curl.
+Prints ONE JSON object on stdout. Per size: per-run seconds and MiB/s, medians, and
+``sbproxy_over_curl`` (median sbproxy MiB/s over median curl MiB/s, whole process; the
+target is >= 0.8), ``sbproxy_job_over_curl`` for the in-journal time and
+``sbproxy_fetch_over_curl`` for the fetch step alone (download with SHA-256 and BLAKE3 while
+streaming, checkpoints, final fsync and promotion into the blob store). Then
+``sbproxy_outside_job_s`` (the CLI's fixed cost, median over all runs) and, with two or more
+sizes, ``marginal``: each contender's MiB/s over the extra bytes of the largest size against
+the smallest, in which fixed costs such as process start-up cancel out.
 
-Usage: ``python benchmarks/pull.py [--size-mib 1024] [--runs 3] [--dir PATH]``. Run it from
-the repository root with the project's virtual environment; ``--dir`` picks the file system
-(it should be the disk a cache would live on, not tmpfs).
+Usage: ``python benchmarks/pull.py [--size-mib 1024 4096] [--runs 3] [--dir PATH]``. Run it
+from the repository root with the project's virtual environment; ``--dir`` picks the file
+system (it should be the disk a cache would live on, not tmpfs). Peak disk use is about
+three times the largest size.
 """
 
 from __future__ import annotations
@@ -255,60 +258,102 @@ def summarise(runs: list[dict[str, Any]], size: int) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=int, default=1024, help="file size in MiB")
-    parser.add_argument("--runs", type=int, default=3, help="runs of each contender")
-    parser.add_argument("--dir", type=Path, default=None, help="where files are written")
-    args = parser.parse_args()
+def measure(work: Path, size_mib: int, runs: int) -> dict[str, Any]:
+    """Every contender ``runs`` times, interleaved, on one freshly generated file."""
+    source = work / FILENAME
+    sha256 = generate(source, size_mib)
+    size = source.stat().st_size
+    catalog = work / "catalog.yaml"
+    write_catalog(catalog, sha256=sha256, size=size)
+    server = Server(source)
+    try:
+        contenders: dict[str, Callable[[], dict[str, Any]]] = {
+            "curl": lambda: run_curl(server, work, size),
+            "sbproxy": lambda: run_sbproxy(server, work, size, catalog),
+            "httpx_sha256": lambda: run_httpx(server, work, size, sha256),
+        }
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+        for _ in range(runs):
+            for name, contender in contenders.items():
+                results[name].append(contender())
+    finally:
+        server.stop()
+        source.unlink()
 
-    compile_package()
-    with tempfile.TemporaryDirectory(prefix="sbproxy-pull-bench-", dir=args.dir) as temp:
-        work = Path(temp)
-        source = work / FILENAME
-        sha256 = generate(source, args.size_mib)
-        size = source.stat().st_size
-        catalog = work / "catalog.yaml"
-        write_catalog(catalog, sha256=sha256, size=size)
-        server = Server(source)
-        try:
-            contenders: dict[str, Callable[[], dict[str, Any]]] = {
-                "curl": lambda: run_curl(server, work, size),
-                "sbproxy": lambda: run_sbproxy(server, work, size, catalog),
-                "httpx_sha256": lambda: run_httpx(server, work, size, sha256),
-            }
-            results: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
-            for _ in range(args.runs):
-                for name, contender in contenders.items():
-                    results[name].append(contender())
-        finally:
-            server.stop()
-
-    summary = {name: summarise(runs, size) for name, runs in results.items()}
+    summary = {name: summarise(rows, size) for name, rows in results.items()}
     curl = summary["curl"]["median_mib_per_s"]
-    report = {
-        "benchmark": "pull",
+    return {
         "size_bytes": size,
-        "runs_each": args.runs,
-        "url_shape": "HF resolve on 127.0.0.1 (python -m tests.support.hf_server, sendfile)",
-        "bytecode": "sbproxy compiled before the runs (compileall), as a wheel install does",
         **summary,
         "sbproxy_over_curl": round(summary["sbproxy"]["median_mib_per_s"] / curl, 3),
         "sbproxy_job_over_curl": round(summary["sbproxy"]["median_job_mib_per_s"] / curl, 3),
         "sbproxy_fetch_over_curl": round(summary["sbproxy"]["median_fetch_mib_per_s"] / curl, 3),
         "httpx_sha256_over_curl": round(summary["httpx_sha256"]["median_mib_per_s"] / curl, 3),
+    }
+
+
+def marginal(small: dict[str, Any], large: dict[str, Any]) -> dict[str, Any]:
+    """Throughput over the extra bytes of ``large``: fixed costs (process start) cancel out."""
+    extra_mib = float(large["size_bytes"] - small["size_bytes"]) / MIB
+
+    def rate(name: str) -> float:
+        before, after = (
+            float(statistics.median(r["seconds"] for r in sized[name]["runs"]))
+            for sized in (small, large)
+        )
+        return extra_mib / (after - before)
+
+    curl, sbproxy = rate("curl"), rate("sbproxy")
+    return {
+        "from_bytes": small["size_bytes"],
+        "to_bytes": large["size_bytes"],
+        "curl_mib_per_s": round(curl, 1),
+        "sbproxy_mib_per_s": round(sbproxy, 1),
+        "sbproxy_over_curl": round(sbproxy / curl, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--size-mib",
+        type=int,
+        nargs="+",
+        default=[1024, 4096],
+        help="file sizes in MiB, each measured in turn",
+    )
+    parser.add_argument("--runs", type=int, default=3, help="runs of each contender per size")
+    parser.add_argument("--dir", type=Path, default=None, help="where files are written")
+    args = parser.parse_args()
+
+    compile_package()
+    with tempfile.TemporaryDirectory(prefix="sbproxy-pull-bench-", dir=args.dir) as temp:
+        sizes = [measure(Path(temp), size_mib, args.runs) for size_mib in sorted(args.size_mib)]
+
+    report: dict[str, Any] = {
+        "benchmark": "pull",
+        "runs_each": args.runs,
+        "url_shape": "HF resolve on 127.0.0.1 (python -m tests.support.hf_server, sendfile)",
+        "bytecode": "sbproxy compiled before the runs (compileall), as a wheel install does",
+        "sizes": sizes,
+        "sbproxy_outside_job_s": round(
+            statistics.median(r["outside_job_s"] for s in sizes for r in s["sbproxy"]["runs"]),
+            3,
+        ),
         "target_ratio": 0.8,
-        "environment": {
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "curl": subprocess.run(
-                ["curl", "--version"],  # noqa: S607
-                capture_output=True,
-                text=True,
-                check=False,
-            ).stdout.split("\n", 1)[0],
-        },
+    }
+    if len(sizes) > 1:
+        report["marginal"] = marginal(sizes[0], sizes[-1])
+    report["environment"] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "curl": subprocess.run(
+            ["curl", "--version"],  # noqa: S607
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split("\n", 1)[0],
     }
     print(json.dumps(report, indent=2))
 

@@ -4,7 +4,10 @@ acquires it (a source build or a pinned release download)."""
 from __future__ import annotations
 
 import platform
+from functools import partial
 from pathlib import Path
+
+import anyio.to_thread
 
 from sbproxy.config import EngineConfig
 from sbproxy.model_host.artifacts import CacheLayout
@@ -44,7 +47,8 @@ async def provision_llama_cpp(
     """
     layout = CacheLayout(root=layout_root)
     config = config or EngineConfig()
-    found = detect_llama_cpp(config, layout=layout)
+    # Detection runs `llama-server --version` (and hashes a pinned executable): off the loop.
+    found = await anyio.to_thread.run_sync(partial(detect_llama_cpp, config, layout=layout))
     if found.availability == Availability.AVAILABLE and found.executable:
         return Path(found.executable)
     if found.availability != Availability.ACQUIRABLE:

@@ -115,3 +115,26 @@ async def test_blocked_detection_is_an_error_with_a_remediation(
         await provision(tmp_path / "cache", EngineConfig(version="b1234"))
     assert info.value.code == "engine_blocked"
     assert info.value.remediation is not None
+
+
+async def test_detection_runs_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`llama-server --version` (about 0.1 s) must not stall the loop that serves requests."""
+    from sbproxy.model_host.engines import llama_cpp
+
+    script = tmp_path / "bin" / "llama-server"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_SERVER}" "$@"\n')
+    script.chmod(0o755)
+    threads: list[threading.Thread] = []
+    real = llama_cpp.read_version
+
+    def recording(path: Path) -> str | None:
+        threads.append(threading.current_thread())
+        return real(path)
+
+    monkeypatch.setattr(llama_cpp, "read_version", recording)
+    executable = await provision(tmp_path / "cache", EngineConfig(path=str(script)))
+    assert executable == script
+    assert threads and threading.main_thread() not in threads
