@@ -7,8 +7,9 @@ manager and the worker loop share one anyio task group and one loop -- the manag
 has one owner), supports graceful shutdown with a deadline
 (``timeout_graceful_shutdown``) and TLS for the admin listener, and with uvloop and
 httptools (``uvicorn[standard]``) it measured as fast as Granian for this proxy
-(``measured-here.md``). Multi-process servers are ruled out: engines and admission live in
-this one process.
+(``measured-here.md``). uvicorn picks uvloop only for loops it creates itself; we own the
+loop, so :func:`run_served` asks anyio for a uvloop loop where uvloop is installed.
+Multi-process servers are ruled out: engines and admission live in this one process.
 
 Shutdown (SIGTERM, SIGINT): both listeners stop accepting and let in-flight requests finish
 within ``shutdown_deadline_ms``; then the runtime drains every deployment within the same
@@ -26,6 +27,7 @@ as it was. A committed reload hands the gateway its new routes and keys.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import ipaddress
 import logging
 import signal
@@ -45,7 +47,7 @@ from sbproxy.config import CompiledConfig
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime.reload import reload_from_source
 
-__all__ = ["Listener", "build_servers", "serve"]
+__all__ = ["Listener", "build_servers", "loop_options", "run_served", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +186,16 @@ async def _on_signals(servers: list[Listener], host: ServedHost) -> None:
             logger.info("received %s: shutting down", signal.Signals(received).name)
             for server in servers:
                 server.should_exit = True
+
+
+def loop_options() -> dict[str, Any]:
+    """anyio ``backend_options`` for the server's loop: uvloop when it is installed."""
+    return {"use_uvloop": True} if importlib.util.find_spec("uvloop") is not None else {}
+
+
+def run_served(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``main`` (a :func:`serve` call) on a new event loop, uvloop where available."""
+    anyio.run(main, backend="asyncio", backend_options=loop_options())
 
 
 async def serve(

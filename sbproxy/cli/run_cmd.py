@@ -220,7 +220,7 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
     """Serve the generated configuration until Ctrl-C; the exit status."""
     # The server stack is imported only for a real run: --dry-run and refusals stay fast.
     from sbproxy.api.host import ServedHost
-    from sbproxy.api.server import serve
+    from sbproxy.api.server import run_served, serve
     from sbproxy.config import load_config
     from sbproxy.model_host.runtime.state import DeploymentState
 
@@ -245,7 +245,7 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
     configure_from_environment()  # OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         compiled = load_config(path)
-        anyio.run(lambda: serve(compiled, watch=watch))
+        run_served(lambda: serve(compiled, watch=watch))
     except SbproxyError as exc:
         click.echo(f"sbproxy run: {exc}", err=True)
         return EXIT_RUNTIME

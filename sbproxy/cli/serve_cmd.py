@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import anyio
 import click
 
 from sbproxy.cli._output import configure_server_logging, freeze_startup_heap
@@ -52,7 +51,7 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool) -> Non
     --watch), SIGHUP, POST /admin/reload and `sbproxy apply` reload it: the candidate is
     prepared in full before any route changes, and a bad candidate changes nothing.
     """
-    from sbproxy.api.server import serve
+    from sbproxy.api.server import run_served, serve
 
     configure_server_logging()
     configure_from_environment()  # OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set
@@ -65,7 +64,7 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool) -> Non
 
     try:
         compiled = load_config(config_file)
-        anyio.run(
+        run_served(
             lambda: serve(
                 compiled,
                 cache_dir=cache_dir.absolute() if cache_dir else None,

@@ -89,3 +89,19 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
             process.wait()
         if process.stderr is not None:
             process.stderr.close()
+
+
+def test_the_server_loop_is_uvloop_where_installed() -> None:
+    """uvicorn[standard] brings uvloop on Linux; `serve` and `run` own their loop and ask for it."""
+    import asyncio
+
+    from sbproxy.api.server import loop_options, run_served
+
+    assert loop_options() == {"use_uvloop": True}  # installed with uvicorn[standard] here
+    seen: list[str] = []
+
+    async def main() -> None:
+        seen.append(type(asyncio.get_running_loop()).__module__)
+
+    run_served(main)
+    assert seen and seen[0].startswith("uvloop")
