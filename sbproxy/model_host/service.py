@@ -27,7 +27,7 @@ from sbproxy.catalog import (
 from sbproxy.config import CompiledConfig
 from sbproxy.model_host.artifacts import ArtifactCache, CachedMetadata, CacheLayout
 from sbproxy.model_host.artifacts.collect import orphan_blobs
-from sbproxy.model_host.artifacts.errors import CacheCorrupt
+from sbproxy.model_host.artifacts.errors import CacheCorrupt, OfflineArtifactMissing
 from sbproxy.model_host.flows import (
     GcInput,
     GcReport,
@@ -39,13 +39,14 @@ from sbproxy.model_host.flows import (
     RemoveOutput,
     artifact_subject,
     gc_workflow,
+    network_files,
     prune_workflow,
     pull_workflow,
     registry,
     remove_workflow,
 )
 from sbproxy.model_host.runtime import probe_worker
-from sbproxy.store import JobRecord, JobStatus
+from sbproxy.store import TERMINAL_JOB_STATUSES, JobRecord, JobStatus
 from sbproxy.workflows import WorkflowEngine
 
 __all__ = ["ArtifactJob", "ModelHostService", "Selection", "open_service"]
@@ -183,7 +184,30 @@ class ModelHostService:
             idempotency_key=selection.artifact.digest,
             subject=artifact_subject(selection.artifact.digest),
         )
+        if offline and not submitted.created:
+            self._refuse_online_join(submitted.job)
         return submitted.job
+
+    def _refuse_online_join(self, job: JobRecord) -> None:
+        """An offline caller must not run an unfinished pull that still needs the network.
+
+        Raises:
+            OfflineArtifactMissing: ``offline_artifact_missing``; the job is left as it is,
+                for a pull with network access to finish.
+        """
+        if job.status in TERMINAL_JOB_STATUSES:
+            return
+        joined = PullInput.model_validate(job.input)
+        missing = [] if joined.offline else network_files(joined, self.cache)
+        if missing:
+            artifact = joined.artifact
+            raise OfflineArtifactMissing(
+                f"{artifact.logical_model}:{artifact.variant_id} is not cached: its pull "
+                f"(job {job.id}) is unfinished and still needs the network for "
+                f"{', '.join(missing)}, and network access is off",
+                remediation="Run the same `sbproxy models pull` without --offline to finish "
+                "that job.",
+            )
 
     async def run(self, job: JobRecord) -> JobRecord:
         """Run ``job`` here (or wait for its live owner) until it finishes."""

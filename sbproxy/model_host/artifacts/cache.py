@@ -86,6 +86,20 @@ class CachedMetadata(BaseModel):
     last_accessed_ms: int
 
 
+def _identity(described: CachedMetadata | ResolvedArtifact) -> tuple[object, ...]:
+    """What the artifact digest covers (see ``catalog/digest.py``), as comparable values."""
+    return (
+        described.catalog_revision,
+        described.logical_model,
+        described.variant_id,
+        str(described.format),
+        described.quant,
+        described.source,
+        described.revision,
+        tuple((f.path, f.sha256, f.size_bytes) for f in described.files),
+    )
+
+
 @dataclass(frozen=True)
 class CacheState:
     """What the cache holds for one artifact.
@@ -198,10 +212,8 @@ class ArtifactCache:
             metadata = self.read_metadata(digest)
             if metadata is None:
                 return CacheState("corrupt", reason=f"{marker} is unreadable")
-            expected = [(f.path, f.sha256, f.size_bytes) for f in artifact.files]
-            recorded = [(f.path, f.sha256, f.size_bytes) for f in metadata.files]
-            if metadata.artifact_digest != digest or expected != recorded:
-                return CacheState("corrupt", reason="metadata does not describe this artifact")
+            if metadata.artifact_digest != digest or _identity(metadata) != _identity(artifact):
+                return CacheState("corrupt", reason=f"{marker} does not describe this artifact")
             if snapshot.is_symlink() or not snapshot.is_dir():
                 return CacheState("corrupt", reason=f"{snapshot} is missing or not a directory")
             return CacheState("ready", metadata=metadata)
@@ -212,7 +224,8 @@ class ArtifactCache:
         return CacheState("missing")
 
     def verify(self, metadata: CachedMetadata, *, full: bool = False) -> None:
-        """Re-check every file of a published snapshot: size and BLAKE3, or SHA-256 (full).
+        """Re-check a published snapshot: its ``artifact.json`` against the metadata, then
+        every file: size and BLAKE3, or SHA-256 (full).
 
         Blocking (it reads every byte); call it from a worker thread.
 
@@ -220,6 +233,15 @@ class ArtifactCache:
             CacheCorrupt: ``cache_corrupt`` naming the first bad file.
         """
         root = self.snapshot(metadata.artifact_digest)
+        described = root / "artifact.json"
+        try:
+            copy = CachedMetadata.model_validate_json(described.read_bytes())
+        except (OSError, ValueError):
+            raise CacheCorrupt(f"{described} is missing or unreadable") from None
+        if copy.artifact_digest != metadata.artifact_digest or _identity(copy) != _identity(
+            metadata
+        ):
+            raise CacheCorrupt(f"{described} does not describe the same artifact as its metadata")
         for item in metadata.files:
             path = root / item.path
             if path.is_symlink() or not path.is_file():

@@ -19,7 +19,13 @@ from sbproxy.model_host.flows.collect import (
     prune_workflow,
     remove_workflow,
 )
-from sbproxy.model_host.flows.pull import PullInput, PullIntent, PullOutput, pull_workflow
+from sbproxy.model_host.flows.pull import (
+    PullInput,
+    PullIntent,
+    PullOutput,
+    network_files,
+    pull_workflow,
+)
 from sbproxy.model_host.registry import registry
 
 # Engine acquisitions are model-host jobs too; their modules (subprocess supervision, the
@@ -38,6 +44,7 @@ __all__ = [
     "RemoveOutput",
     "artifact_subject",
     "gc_workflow",
+    "network_files",
     "prune_preview",
     "prune_workflow",
     "pull_workflow",

@@ -9,6 +9,9 @@ Steps (each journaled; a crash resumes after the last completed one):
    streams) or copy (``file:`` and imports), verify size and SHA-256, scan pickles, promote
    the partial into ``blobs/sha256``.
 3. ``publish`` -- assemble the snapshot from blobs atomically and write the ready marker.
+   A blob this job did not fetch itself (shared with another artifact, or left by an
+   earlier run) is re-hashed first and must match its SHA-256 (``cache_corrupt``
+   otherwise), so nothing unverified is ever published.
 
 One job per artifact: the idempotency key is the artifact digest, so a second pull of the
 same artifact (another CLI process, the server) joins the running job. Credentials are read
@@ -21,6 +24,7 @@ import hashlib
 import os
 from collections.abc import Callable
 from enum import StrEnum
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -55,7 +59,14 @@ from sbproxy.model_host.artifacts.sources import (
 from sbproxy.model_host.registry import registry
 from sbproxy.workflows import RetryPolicy, StepContext, WorkflowContext, step
 
-__all__ = ["PullInput", "PullIntent", "PullOutput", "pull_workflow"]
+__all__ = [
+    "PullInput",
+    "PullIntent",
+    "PullOutput",
+    "network_files",
+    "pull_workflow",
+    "reused_blob_fingerprint",
+]
 
 # Transient network failures (cut streams, timeouts, 5xx) retry inside the fetch step; each
 # retry resumes from the partial. Delays 0.5 s doubling up to 10 s: a minute of patience.
@@ -168,9 +179,8 @@ def _check_policy(request: PullInput, cache: ArtifactCache) -> None:
             "policy is manual",
             remediation=_remediation(artifact),
         )
-    remote = isinstance(parse_source(artifact.source), HfSource) and not request.local_files
-    if request.offline and remote:
-        missing = [f.path for f in artifact.files if not cache.blob_ok(f.sha256, f.size_bytes)]
+    if request.offline:
+        missing = network_files(request, cache)
         if missing:
             raise OfflineArtifactMissing(
                 f"{artifact.logical_model}:{artifact.variant_id} is not cached and network "
@@ -178,6 +188,38 @@ def _check_policy(request: PullInput, cache: ArtifactCache) -> None:
                 remediation="Pull it without --offline, or import the files with "
                 "`sbproxy models import`.",
             )
+
+
+def network_files(request: PullInput, cache: ArtifactCache) -> list[str]:
+    """Paths of ``request``'s files that only a download can provide (no blob stored yet)."""
+    artifact = request.artifact
+    if request.local_files or not isinstance(parse_source(artifact.source), HfSource):
+        return []
+    return [f.path for f in artifact.files if not cache.blob_ok(f.sha256, f.size_bytes)]
+
+
+def reused_blob_fingerprint(cache: ArtifactCache, *, path: str, sha256: str) -> str:
+    """BLAKE3 of a stored blob about to serve a new snapshot, after checking its SHA-256.
+
+    A blob found in the store (left by another artifact, or by an earlier run) is only
+    trusted for its size until then: its bytes are hashed once, SHA-256 and BLAKE3 in one
+    read, so a damaged blob is never published as verified. Blocking; run it on a thread.
+
+    Raises:
+        CacheCorrupt: ``cache_corrupt``: the blob's bytes no longer match its name.
+    """
+    blob = cache.blob(sha256)
+    sha, b3 = hash_file(blob)
+    if sha.hexdigest() != sha256:
+        raise CacheCorrupt(
+            f"the stored blob {blob} (for {path}) no longer matches its SHA-256; "
+            "nothing was published",
+            remediation="Run `sbproxy models verify --full` to find the artifacts that share "
+            "it, remove them with `sbproxy models remove`, run `sbproxy models prune`, then "
+            "pull again.",
+        )
+    fingerprint: str = b3.hexdigest()
+    return fingerprint
 
 
 def _tasks(request: PullInput, cache: ArtifactCache) -> tuple[FileTask, ...]:
@@ -298,8 +340,10 @@ async def fetch_file(ctx: StepContext, task: FileTask) -> FetchResult:
     cache = ctx.resource(ArtifactCache)
     part = cache.partial(task.digest, task.path)
     if cache.blob_ok(task.sha256, task.size_bytes):
-        _, b3 = await anyio.to_thread.run_sync(hash_file, cache.blob(task.sha256))
-        return FetchResult(path=task.path, blake3=b3.hexdigest(), size_bytes=task.size_bytes)
+        fingerprint = await anyio.to_thread.run_sync(
+            partial(reused_blob_fingerprint, cache, path=task.path, sha256=task.sha256)
+        )
+        return FetchResult(path=task.path, blake3=fingerprint, size_bytes=task.size_bytes)
 
     async def progress(done: int) -> None:
         await ctx.report_progress(
@@ -357,8 +401,9 @@ async def publish_snapshot(ctx: StepContext, request: PublishInput) -> PullOutpu
     fingerprints = dict(request.fingerprints)
     for item in request.artifact.files:
         if item.path not in fingerprints:
-            _, b3 = await anyio.to_thread.run_sync(hash_file, cache.blob(item.sha256))
-            fingerprints[item.path] = b3.hexdigest()
+            fingerprints[item.path] = await anyio.to_thread.run_sync(
+                partial(reused_blob_fingerprint, cache, path=item.path, sha256=item.sha256)
+            )
     metadata = await cache.publish(
         request.artifact, fingerprints=fingerprints, pickle_allowed=request.allow_pickle
     )

@@ -150,6 +150,49 @@ def test_sigkilled_pull_resumes_under_the_same_job_id(
 
 
 @pytest.mark.slow
+def test_an_offline_pull_does_not_finish_a_crashed_download(
+    tmp_path: Path, mirror: HfMirror, payload: bytes
+) -> None:
+    """`--offline` joining the unfinished job of a killed online pull refuses, and leaves it."""
+    mirror.add_file(REPO, REVISION, FILE, payload, throttle_bps=8 * 1024 * 1024)
+    catalog = write_catalog(tmp_path / "catalog.yaml", payload)
+    command = pull_command(tmp_path, catalog)
+    killed = subprocess.run(
+        command,
+        env=child_env(mirror, SBPROXY_FAULT_POINTS="download.checkpoint=2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    (first,) = journal_jobs(tmp_path)
+    requests_before = len(mirror.requests)
+
+    offline = subprocess.run(
+        [*command, "--offline"],
+        env=child_env(mirror),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert offline.returncode == 1, offline.stderr
+    error = json.loads(offline.stdout)["error"]
+    assert error["code"] == "offline_artifact_missing"
+    assert str(first["id"]) in error["error"]
+    assert "without --offline" in (error.get("remediation") or "")
+    assert len(mirror.requests) == requests_before  # no network from an offline process
+    assert journal_jobs(tmp_path) == [first]  # the job is left for an online pull
+
+    resumed = subprocess.run(
+        command, env=child_env(mirror), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["artifacts"][0]["job_id"] == first["id"]
+
+
+@pytest.mark.slow
 def test_two_processes_pulling_one_artifact_download_it_once(
     tmp_path: Path, mirror: HfMirror, payload: bytes
 ) -> None:
