@@ -32,6 +32,7 @@ from sbproxy.catalog.resolve import (
     Resolution,
     ResolvedArtifact,
     WorkerProfile,
+    pinned_artifact,
     resolve_artifact,
 )
 from sbproxy.catalog.schema import (
@@ -85,6 +86,7 @@ __all__ = [
     "load_catalog",
     "load_catalog_file",
     "parse_catalog",
+    "pinned_artifact",
     "resolve_artifact",
     "variant_digest",
 ]

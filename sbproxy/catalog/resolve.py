@@ -47,6 +47,7 @@ __all__ = [
     "Resolution",
     "ResolvedArtifact",
     "WorkerProfile",
+    "pinned_artifact",
     "resolve_artifact",
 ]
 
@@ -232,26 +233,42 @@ def resolve_artifact(
         if isinstance(outcome, RejectedCandidate):
             rejected.append(outcome)
             continue
-        artifact = ResolvedArtifact(
-            logical_model=model,
-            variant_id=variant.id,
-            format=variant.format,
-            quant=variant.quant,
-            source=variant.source,
-            revision=variant.revision,
-            files=variant.files,
-            catalog_revision=catalog.catalog_revision,
-            digest=variant_digest(
-                catalog_revision=catalog.catalog_revision, logical_model=model, variant=variant
-            ),
-            engine=outcome,
-            stability=variant.stability,
-            # A validated entry with variants always has a context length.
-            context_length=entry.context_length or 0,
-            min_memory_bytes=variant.requirements.min_memory_bytes,
-        )
+        artifact = pinned_artifact(catalog, model, entry, variant, engine=outcome)
         return Resolution(artifact=artifact, rejected=tuple(rejected))
     raise NoCompatibleVariantError(model, tuple(rejected))
+
+
+def pinned_artifact(
+    catalog: Catalog,
+    model: str,
+    entry: CatalogEntry,
+    variant: ArtifactVariant,
+    *,
+    engine: EngineKind,
+) -> ResolvedArtifact:
+    """The artifact ``variant`` of ``entry`` names, served by ``engine``, with no worker check.
+
+    :func:`resolve_artifact` builds its answer with this once a candidate passes; callers
+    that already know the exact variant (a lockfile) use it to name the same bytes.
+    """
+    return ResolvedArtifact(
+        logical_model=model,
+        variant_id=variant.id,
+        format=variant.format,
+        quant=variant.quant,
+        source=variant.source,
+        revision=variant.revision,
+        files=variant.files,
+        catalog_revision=catalog.catalog_revision,
+        digest=variant_digest(
+            catalog_revision=catalog.catalog_revision, logical_model=model, variant=variant
+        ),
+        engine=engine,
+        stability=variant.stability,
+        # A validated entry with variants always has a context length.
+        context_length=entry.context_length or 0,
+        min_memory_bytes=variant.requirements.min_memory_bytes,
+    )
 
 
 def _candidates(

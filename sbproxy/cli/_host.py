@@ -51,6 +51,9 @@ INVALID_INPUT_CODES = frozenset(
         "no_cache_budget",
         "invalid_import_path",
         "removal_blocked",
+        "config_required",
+        "invalid_lockfile",
+        "lockfile_not_found",
     }
 )
 

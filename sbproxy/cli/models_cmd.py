@@ -6,7 +6,8 @@ memory, else CPU), and run automatic artifact resolution (engine ``auto``, one r
 each model, so the output says which exact variant would be served here and why the others
 would not, and whether it is already in the cache. The cache verbs (``pull``, ``import``,
 ``remove``, ``prune``, ``gc``, ``verify``) live in ``models_pull_cmd`` and
-``models_cache_cmd`` and are attached to the group here.
+``models_cache_cmd``, the lockfile verbs (``lock``, ``verify-lock``) in ``models_lock_cmd``,
+and are attached to the group here.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ _VERBS = {
     "ps": "sbproxy.cli.models_admin_cmd:ps_command",
     "load": "sbproxy.cli.models_admin_cmd:load_command",
     "stop": "sbproxy.cli.models_admin_cmd:stop_command",
+    "lock": "sbproxy.cli.models_lock_cmd:lock_command",
+    "verify-lock": "sbproxy.cli.models_lock_cmd:verify_lock_command",
 }
 
 

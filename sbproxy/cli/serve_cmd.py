@@ -1,20 +1,26 @@
 """``sbproxy serve -f sb.yml``: run the gateway, the admin API, the runtime and the job worker.
 
 The work lives in :mod:`sbproxy.api.server`; this module reads options, loads the
-configuration and reports the listening addresses on stderr.
+configuration and reports the listening addresses on stderr. With ``--locked`` it first
+checks ``sbproxy-models.lock`` next to the configuration (as ``sbproxy models verify-lock``
+does) and refuses to start on any drift.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from sbproxy.cli._output import configure_server_logging, freeze_startup_heap
-from sbproxy.config import load_config
+from sbproxy.cli._output import EXIT_INVALID, configure_server_logging, freeze_startup_heap
+from sbproxy.config import CompiledConfig, load_config
 from sbproxy.errors import SbproxyError
 from sbproxy.telemetry import configure_from_environment
+
+if TYPE_CHECKING:
+    from sbproxy.model_host.lockfile import LockReport
 
 __all__ = ["serve_command"]
 
@@ -41,7 +47,13 @@ __all__ = ["serve_command"]
     show_default=True,
     help="Reload when the configuration file changes (SIGHUP always reloads).",
 )
-def serve_command(config_file: Path, cache_dir: Path | None, watch: bool) -> None:
+@click.option(
+    "--locked",
+    is_flag=True,
+    help="Refuse to start unless sbproxy-models.lock next to the config matches what the "
+    "config resolves to and every locked artifact is in the cache (exit 2).",
+)
+def serve_command(config_file: Path, cache_dir: Path | None, watch: bool, locked: bool) -> None:
     """Serve the OpenAI-compatible gateway and the admin API until SIGTERM or SIGINT.
 
     The gateway listens on proxy.bind_address:proxy.http_bind_port (loopback by default);
@@ -50,6 +62,9 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool) -> Non
     their engines; unfinished jobs resume at the next start. Editing the file (with
     --watch), SIGHUP, POST /admin/reload and `sbproxy apply` reload it: the candidate is
     prepared in full before any route changes, and a bad candidate changes nothing.
+
+    With --locked, nothing starts (exit 2) when the lockfile is missing or invalid, or a
+    model drifted from it (see `sbproxy models verify-lock`).
     """
     from sbproxy.api.server import run_served, serve
 
@@ -64,6 +79,12 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool) -> Non
 
     try:
         compiled = load_config(config_file)
+    except SbproxyError as exc:
+        click.echo(f"serve: {exc} ({exc.code})", err=True)
+        sys.exit(EXIT_INVALID if exc.code == "invalid_config" else 1)
+    if locked:
+        _check_lock(config_file, compiled, cache_dir)
+    try:
         run_served(
             lambda: serve(
                 compiled,
@@ -75,3 +96,46 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool) -> Non
     except SbproxyError as exc:
         click.echo(f"serve: {exc} ({exc.code})", err=True)
         sys.exit(2 if exc.code == "invalid_config" else 1)
+
+
+def _check_lock(config_file: Path, compiled: CompiledConfig, cache_dir: Path | None) -> None:
+    """Verify the lockfile next to ``config_file``; on drift or error, explain and exit.
+
+    Runs before anything binds or starts; the service it opens is closed again first.
+    """
+    import anyio
+
+    from sbproxy.cli._host import exit_code_for
+    from sbproxy.cli.models_lock_cmd import check_line
+    from sbproxy.model_host.artifacts import resolve_cache_root
+    from sbproxy.model_host.lockfile import default_lock_path, read_lock, verify_lock
+    from sbproxy.model_host.service import open_service
+
+    path = default_lock_path(config_file)
+    host = compiled.model_host
+
+    async def verify() -> LockReport:
+        lock = read_lock(path)
+        layout = resolve_cache_root(
+            cache_dir.absolute() if cache_dir else None,
+            configured=host.cache.directory if host is not None else None,
+        )
+        async with open_service(layout, config=compiled) as service:
+            return verify_lock(lock, service)
+
+    try:
+        report = anyio.run(verify)
+    except SbproxyError as exc:
+        click.echo(f"serve: --locked: {exc} ({exc.code})", err=True)
+        sys.exit(exit_code_for(exc))
+    if report.drift:
+        drifted = report.drifted
+        click.echo(
+            f"serve: --locked: {len(drifted)} model(s) drifted from {path}; nothing was "
+            "started. Pull the missing artifacts or review and rewrite the lock with "
+            "`sbproxy models lock`:",
+            err=True,
+        )
+        for check in drifted:
+            click.echo(f"  {check_line(check)}", err=True)
+        sys.exit(EXIT_INVALID)

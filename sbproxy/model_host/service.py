@@ -121,31 +121,43 @@ class ModelHostService:
         )
 
     def configured(self) -> list[Selection]:
-        """The artifacts of every configured deployment (empty without a configuration)."""
+        """The artifacts of every configured deployment (empty without a configuration).
+
+        Raises:
+            ResolutionError: a deployment's model or variant is unknown, or nothing fits.
+        """
         if self.config is None:
             return []
-        chosen = []
-        for deployment_id, deployment in self.config.deployments.items():
-            request = ArtifactRequest.model_validate(
-                {
-                    "model": deployment.model,
-                    "variant": deployment.variant,
-                    "engine": str(deployment.engine),
-                    "replicas": deployment.replicas,
-                    "heterogeneous_variants": deployment.heterogeneous_variants,
-                }
-            )
-            resolution = resolve_artifact(self.catalog, request, self.worker())
-            entry = self.catalog.entry(deployment.model)
-            chosen.append(
-                Selection(
-                    artifact=resolution.artifact,
-                    allow_pickle=entry.allow_pickle,
-                    pull_policy=str(deployment.pull),
-                    deployment=deployment_id,
-                )
-            )
-        return chosen
+        return [self.deployment_selection(d) for d in self.config.deployments]
+
+    def deployment_selection(self, deployment_id: str) -> Selection:
+        """The artifact configured deployment ``deployment_id`` resolves to on this worker.
+
+        Raises:
+            KeyError: no configuration, or it has no such deployment.
+            ResolutionError: its model or variant is unknown, or nothing fits this worker.
+            CatalogError: ``unknown_catalog_model``.
+        """
+        if self.config is None:
+            raise KeyError(deployment_id)
+        deployment = self.config.deployments[deployment_id]
+        request = ArtifactRequest.model_validate(
+            {
+                "model": deployment.model,
+                "variant": deployment.variant,
+                "engine": str(deployment.engine),
+                "replicas": deployment.replicas,
+                "heterogeneous_variants": deployment.heterogeneous_variants,
+            }
+        )
+        resolution = resolve_artifact(self.catalog, request, self.worker())
+        entry = self.catalog.entry(deployment.model)
+        return Selection(
+            artifact=resolution.artifact,
+            allow_pickle=entry.allow_pickle,
+            pull_policy=str(deployment.pull),
+            deployment=deployment_id,
+        )
 
     def on_boot_entries(self) -> list[Selection]:
         """Catalog entries whose own pull policy is ``on_boot``."""
