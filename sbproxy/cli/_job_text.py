@@ -198,9 +198,13 @@ def show_lines(job: JobRecord, steps: Sequence[StepRecord], *, now_ms: int) -> l
         lines.append(f"  ended      {_local_time(job.ended_at_ms)} (took {took})")
     if job.status == JobStatus.RUNNING and job.lease_owner:
         expires = job.lease_expires_at_ms or now_ms
-        lines.append(
-            f"  lease      {job.lease_owner} (expires in {max(0, expires - now_ms) // 1000}s)"
-        )
+        if expires > now_ms:
+            held = f"expires in {(expires - now_ms) // 1000}s"
+        else:
+            # Its owner stopped renewing (killed, or the machine went away): the next
+            # process that opens this journal with work to do takes it over and resumes it.
+            held = f"expired {age_text(expires, now_ms)}; resumed by the next worker or rerun"
+        lines.append(f"  lease      {job.lease_owner} ({held})")
     if job.cancel_requested and not job.terminal:
         lines.append("  cancel     requested; stops at the next step boundary")
     if job.progress:

@@ -8,8 +8,14 @@ from typing import Any
 import pytest
 
 from sbproxy.cli._event_view import LineView
-from sbproxy.cli._job_text import age_text, duration_text, progress_text, size_text
-from sbproxy.store import EventRecord
+from sbproxy.cli._job_text import (
+    age_text,
+    duration_text,
+    progress_text,
+    show_lines,
+    size_text,
+)
+from sbproxy.store import EventRecord, JobRecord, JobStatus
 
 JOB = "01JABCDEFGHJKMNPQRSTVWXYZ0"
 MIB = 2**20
@@ -97,3 +103,43 @@ def test_backlog_progress_collapses_to_the_latest_report_while_live_progress_str
         f"{JOB}: step download:a failed: x: boom",
         f"{JOB}: failed: x: boom",
     ]
+
+
+def running_job(*, lease_expires_at_ms: int) -> JobRecord:
+    return JobRecord(
+        id=JOB,
+        kind="pull",
+        workflow_version=1,
+        subject="artifact:sha256:" + "a" * 64,
+        input={},
+        idempotency_key="a" * 64,
+        status=JobStatus.RUNNING,
+        attempt=1,
+        lease_owner="host:1234",
+        lease_expires_at_ms=lease_expires_at_ms,
+        cancel_requested=False,
+        progress=None,
+        output=None,
+        error=None,
+        trace_context=None,
+        created_at_ms=lease_expires_at_ms - 60_000,
+        updated_at_ms=lease_expires_at_ms - 30_000,
+        started_at_ms=lease_expires_at_ms - 60_000,
+        ended_at_ms=None,
+    )
+
+
+def test_show_says_when_a_running_jobs_lease_has_lapsed() -> None:
+    now = 10**12
+    (live,) = [
+        line
+        for line in show_lines(running_job(lease_expires_at_ms=now + 9_500), [], now_ms=now)
+        if "lease" in line
+    ]
+    assert live == "  lease      host:1234 (expires in 9s)"
+    (lapsed,) = [
+        line
+        for line in show_lines(running_job(lease_expires_at_ms=now - 5 * 60_000), [], now_ms=now)
+        if "lease" in line
+    ]
+    assert "expired 5m ago" in lapsed and "expires in" not in lapsed
