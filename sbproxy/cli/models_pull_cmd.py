@@ -341,6 +341,10 @@ def local_files_for(selection: Selection, path: Path) -> dict[str, str]:
     root = path.absolute()
     if not root.exists() and not root.is_symlink():
         raise _bad_path(f"{path} does not exist.")
+    if root.is_dir() and root.is_symlink():
+        # As for file: sources: links inside what is imported are refused, the directory
+        # itself included (directories above it may be links, e.g. /tmp on some systems).
+        raise _bad_path(f"{path} is a symbolic link to a directory; pass the real directory.")
     if not root.is_dir():
         if len(artifact.files) != 1:
             raise _bad_path(
@@ -352,6 +356,9 @@ def local_files_for(selection: Selection, path: Path) -> dict[str, str]:
     missing = []
     for item in artifact.files:
         candidate = root / item.path
+        linked = [p for p in candidate.parents if p.is_relative_to(root) and p != root]
+        if any(p.is_symlink() for p in linked):
+            raise _bad_path(f"{candidate} is reached through a symbolic link; links are refused.")
         if candidate.exists() or candidate.is_symlink():
             found[item.path] = str(candidate)
         else:

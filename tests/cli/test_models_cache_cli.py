@@ -432,6 +432,42 @@ def test_import_of_a_file_of_the_wrong_size_exits_1_with_size_mismatch(host: Hos
     assert host.metadata() == []
 
 
+def test_import_refuses_links_inside_what_it_imports(host: Host) -> None:
+    real = host.tmp / "checkout"
+    real.mkdir()
+    for path, data in SHARDS.items():
+        (real / path).write_bytes(data)
+    linked_dir = host.tmp / "linked-checkout"
+    linked_dir.symlink_to(real, target_is_directory=True)
+    refused = host.json("import", str(linked_dir), "--model", "sharded", code=2)
+    assert refused["error"]["code"] == "invalid_import_path"
+    assert "symbolic link" in refused["error"]["error"]
+
+    nested = host.tmp / "nested"
+    (nested / "weights").mkdir(parents=True)
+    (nested / "weights" / "tiny-q4_k_m.gguf").write_bytes(TINY)
+    outer = host.tmp / "outer"
+    outer.mkdir()
+    (outer / "sub").symlink_to(nested / "weights", target_is_directory=True)
+    catalog = host.catalog.read_text().replace(
+        "path: tiny-q4_k_m.gguf", "path: sub/tiny-q4_k_m.gguf"
+    )
+    host.catalog.write_text(catalog)
+    through = host.json("import", str(outer), "--model", "tiny", code=2)
+    assert through["error"]["code"] == "invalid_import_path"
+    assert "through a symbolic link" in through["error"]["error"]
+    assert host.metadata() == []
+
+
+def test_import_of_something_that_is_not_a_regular_file_says_so(host: Host) -> None:
+    fifo = host.tmp / "pipe.gguf"
+    os.mkfifo(fifo)
+    (row,) = host.json("import", str(fifo), "--model", "tiny", code=1)["artifacts"]
+    assert row["error"]["code"] == "invalid_source"
+    assert "is not a regular file" in row["error"]["message"]
+    assert "symbolic" not in row["error"]["message"]
+
+
 # --- remove ---------------------------------------------------------------------------------
 
 

@@ -286,14 +286,25 @@ async def plan_pull(ctx: StepContext, request: PullInput) -> Plan:
     return Plan(hit=False, fetch=tasks)
 
 
+def _require_regular_file(path: Path) -> None:
+    """Refuse a local file that is a symbolic link, missing, or not a regular file."""
+    if path.is_symlink():
+        raise SourceError(
+            f"{path} is a symbolic link; imports and file: sources must be real files",
+            remediation="Pass the file the link points to, or copy it into place.",
+        )
+    if not path.is_file():
+        kind = "does not exist" if not path.exists() else "is not a regular file"
+        raise SourceError(f"{path} {kind}; only regular files can be imported")
+
+
 def _check_local_files(request: PullInput) -> None:
     """Refuse import files that are not the catalog's (size first, then SHA-256)."""
     pinned = {item.path: item for item in request.artifact.files}
     for relpath, local in request.local_files.items():
         item = pinned[relpath]
         path = Path(local)
-        if path.is_symlink() or not path.is_file():
-            raise SourceError(f"{path} is not a regular file (symbolic links are refused)")
+        _require_regular_file(path)
         if path.stat().st_size != item.size_bytes:
             raise SizeMismatch(
                 f"{path} has {path.stat().st_size} bytes, the catalog says {item.size_bytes}"
@@ -311,8 +322,7 @@ def _copy_verified(
 ) -> tuple[str, str, int]:
     """Copy a local file into ``part``, hashing it in the same pass; refuses symlinks."""
     source = Path(task.local_path or "")
-    if source.is_symlink() or not source.is_file():
-        raise SourceError(f"{source} is not a regular file (symbolic links are refused)")
+    _require_regular_file(source)
     size = source.stat().st_size
     if size != task.size_bytes:
         raise SizeMismatch(f"{source} has {size} bytes, the catalog says {task.size_bytes}")
