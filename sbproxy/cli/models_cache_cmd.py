@@ -126,7 +126,10 @@ def remove_command(
 def prune_command(
     *, dry_run: bool, config_path: Path | None, cache_dir: Path | None, output_format: str
 ) -> None:
-    """Delete blobs that no published artifact references (and leftover work directories).
+    """Delete blobs no published artifact references, and abandoned partial downloads.
+
+    A partial download is abandoned once no unfinished pull owns it (its job failed or was
+    cancelled); the partial of a pull that was killed stays, since rerunning it resumes.
 
     Exit status: 0 done; 1 the prune job failed; 2 bad input.
     """
@@ -142,7 +145,7 @@ def prune_command(
     async def work(service: ModelHostService) -> tuple[PruneReport, int, str | None]:
         before = service.cache.blob_bytes()
         if dry_run:
-            return service.prune_preview(), before, None
+            return await service.prune_preview(), before, None
         report, job = await service.prune()
         if report is None:
             raise _job_failure(job)
@@ -155,6 +158,7 @@ def prune_command(
             {
                 "dry_run": dry_run,
                 "orphan_blobs": report.orphan_blobs,
+                "abandoned_partials": report.abandoned_partials,
                 "reclaimed_bytes": report.reclaimed_bytes,
                 "before_bytes": before,
                 "job_id": job_id,
@@ -162,9 +166,14 @@ def prune_command(
         )
         return
     verb = "would reclaim" if dry_run else "reclaimed"
+    partials = (
+        f" and {report.abandoned_partials} abandoned partial download(s)"
+        if report.abandoned_partials
+        else ""
+    )
     click.echo(
         f"{verb} {size_text(report.reclaimed_bytes)} across {report.orphan_blobs} unreferenced "
-        f"blob(s) ({size_text(before)} cached before prune)"
+        f"blob(s){partials} ({size_text(before)} cached before prune)"
     )
 
 

@@ -26,7 +26,6 @@ from sbproxy.catalog import (
 )
 from sbproxy.config import CompiledConfig
 from sbproxy.model_host.artifacts import ArtifactCache, CachedMetadata, CacheLayout
-from sbproxy.model_host.artifacts.collect import orphan_blobs
 from sbproxy.model_host.artifacts.errors import CacheCorrupt, OfflineArtifactMissing
 from sbproxy.model_host.flows import (
     GcInput,
@@ -40,6 +39,7 @@ from sbproxy.model_host.flows import (
     artifact_subject,
     gc_workflow,
     network_files,
+    prune_preview,
     prune_workflow,
     pull_workflow,
     registry,
@@ -288,10 +288,9 @@ class ModelHostService:
         )
         return report, job
 
-    def prune_preview(self) -> PruneReport:
+    async def prune_preview(self) -> PruneReport:
         """What :meth:`prune` would delete."""
-        orphans = orphan_blobs(self.cache)
-        return PruneReport(orphan_blobs=len(orphans), reclaimed_bytes=sum(orphans.values()))
+        return await prune_preview(self.cache, self.engine.store)
 
     def budget_bytes(self) -> int | None:
         """``cache.budget_gib`` of the configuration in bytes (floor), if set."""

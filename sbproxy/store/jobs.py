@@ -316,7 +316,11 @@ class JobStore:
         subject: str | None = None,
         limit: int = 100,
     ) -> list[JobRecord]:
-        """Jobs newest first, optionally filtered by status, kind and subject."""
+        """Jobs newest first, optionally filtered by status, kind and subject.
+
+        ``limit`` caps the count; ``-1`` returns every match (SQLite reads a negative
+        ``LIMIT`` as none).
+        """
         clauses = []
         params: dict[str, Any] = {"limit": limit}
         if statuses:

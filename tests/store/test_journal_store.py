@@ -302,3 +302,9 @@ async def test_generations_are_monotonic_across_reopen(tmp_path: Path) -> None:
         "d2",
         {"x": 2},
     )
+
+
+async def test_list_jobs_limit_minus_one_returns_every_match(store: JobStore) -> None:
+    ids = {await submit(store, kind="bulk") for _ in range(105)}
+    assert len(await store.list_jobs(kind="bulk")) == 100  # the default cap
+    assert {job.id for job in await store.list_jobs(kind="bulk", limit=-1)} == ids

@@ -415,12 +415,14 @@ class ArtifactCache:
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_json_atomic(path, {"sha256": [item.sha256 for item in artifact.files]})
 
-    def pending_blobs(self) -> set[str]:
-        """SHA-256 of the files of every unfinished pull."""
+    def pending_blobs(self, *, excluding: set[str] | frozenset[str] = frozenset()) -> set[str]:
+        """SHA-256 of the files of every unfinished pull (but those of ``excluding`` digests)."""
         found: set[str] = set()
         if not self.layout.partials.is_dir():
             return found
         for manifest in self.layout.partials.glob("*/.manifest.json"):
+            if manifest.parent.name in excluding:
+                continue
             with contextlib.suppress(OSError, ValueError):
                 found.update(json.loads(manifest.read_text()).get("sha256", []))
         return found

@@ -7,6 +7,11 @@ it), ``locked`` (a publish or delete holds its lock), or when a pull job for it 
 ``queued``, ``running`` or ``parked``. Shared blobs are freed only when no published
 artifact references them any more, and counted once.
 
+A partial download (``partials/<digest>/``) belongs to its pull job while that job is
+unfinished -- even one whose process died, since rerunning the pull resumes from it. Once
+no unfinished pull owns it (the job failed or was cancelled) it is abandoned, and prune and
+gc delete it with the blobs only it still referenced.
+
 Deleting is crash-safe in this order: remove the ready marker (the artifact stops being a
 hit), rename the snapshot to ``snapshots/.deleting-<digest>-<pid>`` and remove it, drop its
 partials, then delete the blobs nothing references. Each piece tolerates being absent, so
@@ -24,7 +29,9 @@ from sbproxy.model_host.artifacts.cache import ArtifactCache
 from sbproxy.model_host.artifacts.locks import try_hold
 
 __all__ = [
+    "Collected",
     "Deletion",
+    "abandoned_partials",
     "delete_artifact",
     "delete_orphans",
     "lease_or_lock_reason",
@@ -37,6 +44,15 @@ class Deletion:
     """What a delete did: whether there was anything, and the bytes it freed."""
 
     removed: bool
+    reclaimed_bytes: int
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What :func:`delete_orphans` deleted: counts and the bytes freed in all."""
+
+    orphan_blobs: int
+    abandoned_partials: int
     reclaimed_bytes: int
 
 
@@ -107,16 +123,17 @@ def delete_artifact(
             return Deletion(removed=True, reclaimed_bytes=freed)
 
 
-def orphan_blobs(cache: ArtifactCache) -> dict[str, int]:
+def orphan_blobs(cache: ArtifactCache, *, pending: set[str] | None = None) -> dict[str, int]:
     """Blobs nothing references: sha256 -> bytes.
 
     References are the files of published artifacts and those of unfinished pulls (their
     ``partials/<digest>/.manifest.json``): a multi-file pull promotes blobs one by one before
-    it publishes, and collecting them in between would break the resumed pull.
+    it publishes, and collecting them in between would break the resumed pull. ``pending``
+    replaces the latter (a preview that leaves abandoned partials out).
     """
     if not cache.layout.blobs.is_dir():
         return {}
-    referenced = cache.referenced_blobs() | cache.pending_blobs()
+    referenced = cache.referenced_blobs() | (cache.pending_blobs() if pending is None else pending)
     return {
         path.name: path.stat().st_size
         for path in cache.layout.blobs.iterdir()
@@ -124,15 +141,43 @@ def orphan_blobs(cache: ArtifactCache) -> dict[str, int]:
     }
 
 
-def delete_orphans(cache: ArtifactCache) -> tuple[int, int]:
-    """Delete unreferenced blobs and leftover staging/deleting directories.
+def abandoned_partials(cache: ArtifactCache, owned: set[str]) -> dict[str, int]:
+    """Partial-download directories no unfinished pull owns: artifact digest -> bytes.
 
-    Returns ``(blobs deleted, bytes freed)``. Blocking; hold the exclusive mutation lock.
+    Args:
+        cache: The cache.
+        owned: Digests of artifacts with an unfinished (queued, running, parked) pull job.
     """
+    root = cache.layout.partials
+    if not root.is_dir():
+        return {}
+    return {
+        directory.name: sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+        for directory in root.iterdir()
+        if directory.is_dir() and directory.name not in owned
+    }
+
+
+def delete_orphans(cache: ArtifactCache, *, owned: set[str]) -> Collected:
+    """Delete abandoned partials, then unreferenced blobs and leftover work directories.
+
+    Args:
+        cache: The cache.
+        owned: Digests with an unfinished pull job, whose partials are kept.
+
+    Blocking; hold the exclusive mutation lock (promote and publish wait for it).
+    """
+    abandoned = abandoned_partials(cache, owned)
+    freed = 0
+    for digest, size in abandoned.items():
+        shutil.rmtree(cache.layout.partials / digest, ignore_errors=True)
+        freed += size
     orphans = orphan_blobs(cache)
-    freed = _unlink_blobs(cache, set(orphans), set())
+    freed += _unlink_blobs(cache, set(orphans), set())
     if cache.layout.snapshots.is_dir():
         for leftover in cache.layout.snapshots.iterdir():
             if leftover.name.startswith((".staging-", ".deleting-")):
                 shutil.rmtree(leftover, ignore_errors=True)
-    return len(orphans), freed
+    return Collected(
+        orphan_blobs=len(orphans), abandoned_partials=len(abandoned), reclaimed_bytes=freed
+    )

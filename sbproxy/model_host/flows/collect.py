@@ -9,6 +9,8 @@ made earlier never deletes something that became protected since.
 
 from __future__ import annotations
 
+from functools import partial
+
 import anyio
 import anyio.to_thread
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sbproxy.model_host.artifacts.cache import ArtifactCache
 from sbproxy.model_host.artifacts.collect import (
     Deletion,
+    abandoned_partials,
     delete_artifact,
     delete_orphans,
     lease_or_lock_reason,
@@ -162,24 +165,36 @@ class GcReport(BaseModel):
 
 
 class PruneReport(BaseModel):
-    """Result of a prune."""
+    """Result of a prune: unreferenced blobs and abandoned partial downloads deleted."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     orphan_blobs: int
     reclaimed_bytes: int
+    abandoned_partials: int = 0
+
+
+async def owned_partials(store: JobStore) -> set[str]:
+    """Digests whose partial downloads an unfinished pull job owns (kept by prune and gc)."""
+    jobs = await store.list_jobs(statuses=_ACTIVE, kind="pull", limit=-1)
+    return {str(job.input.get("artifact", {}).get("digest", "")) for job in jobs} - {""}
 
 
 @step("orphans")
 async def orphans_step(ctx: StepContext, _: GcInput) -> PruneReport:
-    """Delete blobs no artifact references (and leftover work directories).
+    """Delete abandoned partial downloads, blobs no artifact references, leftover work dirs.
 
     Idempotency: deleting what is already gone frees nothing and reports zero.
     """
     cache = ctx.resource(ArtifactCache)
     async with hold(cache.mutation_lock()):
-        count, freed = await anyio.to_thread.run_sync(delete_orphans, cache)
-    return PruneReport(orphan_blobs=count, reclaimed_bytes=freed)
+        owned = await owned_partials(ctx.resource(JobStore))
+        done = await anyio.to_thread.run_sync(partial(delete_orphans, cache, owned=owned))
+    return PruneReport(
+        orphan_blobs=done.orphan_blobs,
+        reclaimed_bytes=done.reclaimed_bytes,
+        abandoned_partials=done.abandoned_partials,
+    )
 
 
 @step("plan")
@@ -272,7 +287,17 @@ async def prune_workflow(ctx: WorkflowContext, request: GcInput) -> PruneReport:
     return await ctx.step(orphans_step, request)
 
 
-def prune_preview(cache: ArtifactCache) -> PruneReport:
-    """What a prune would delete (``--dry-run``): nothing is changed."""
-    orphans = orphan_blobs(cache)
-    return PruneReport(orphan_blobs=len(orphans), reclaimed_bytes=sum(orphans.values()))
+async def prune_preview(cache: ArtifactCache, store: JobStore) -> PruneReport:
+    """What a prune would delete (``--dry-run``): nothing is changed.
+
+    Blobs that only an abandoned partial's manifest protects are counted with the blobs a
+    prune would free, as the prune deletes the partial first.
+    """
+    abandoned = abandoned_partials(cache, await owned_partials(store))
+    kept = cache.pending_blobs(excluding=set(abandoned))
+    orphans = orphan_blobs(cache, pending=kept)
+    return PruneReport(
+        orphan_blobs=len(orphans),
+        reclaimed_bytes=sum(orphans.values()) + sum(abandoned.values()),
+        abandoned_partials=len(abandoned),
+    )

@@ -189,7 +189,7 @@ async def test_prune_deletes_only_unreferenced_blobs(tmp_path: Path) -> None:
         stale = cache.layout.snapshots / f".staging-{'d' * 64}-{os.getpid()}"
         stale.mkdir()
         job = await run(engine, prune_workflow, GcInput(budget_bytes=0), "prune")
-        assert job.output == {"orphan_blobs": 1, "reclaimed_bytes": 1234}
+        assert job.output == {"orphan_blobs": 1, "reclaimed_bytes": 1234, "abandoned_partials": 0}
         assert not orphan.exists()
         assert not stale.exists()
         assert cache.lookup(artifact).kind == "ready"
@@ -222,3 +222,33 @@ async def test_prune_keeps_blobs_of_an_unfinished_multi_file_pull(tmp_path: Path
         job = await run(engine, prune_workflow, GcInput(budget_bytes=0), "prune")
         assert job.output["orphan_blobs"] == 0
         assert first_blob.exists()
+
+
+async def test_prune_deletes_the_partials_of_a_failed_pull_and_what_only_they_kept(
+    tmp_path: Path,
+) -> None:
+    from sbproxy.model_host.flows import prune_preview
+
+    files = {"a.gguf": data(50), "b.gguf": data(51)}
+    artifact = local_artifact(tmp_path, "broken", files)
+    # b.gguf changes on disk after the catalog pinned it: the pull fails on it, after a.gguf
+    # was already promoted into the blob store under the pull's manifest.
+    (tmp_path / "sources" / "broken" / "b.gguf").write_bytes(data(52))
+    first_blob_sha = hashlib.sha256(files["a.gguf"]).hexdigest()
+    async with pull_engine(tmp_path / "cache") as (engine, cache):
+        failed = await run(engine, pull_workflow, PullInput(artifact=artifact), artifact.digest)
+        assert failed.status == JobStatus.FAILED
+        assert failed.error is not None and failed.error.code == "digest_mismatch"
+        partials = cache.layout.partials / artifact.digest
+        assert partials.is_dir() and cache.blob(first_blob_sha).exists()
+
+        preview = await prune_preview(cache, engine.store)
+        assert (preview.orphan_blobs, preview.abandoned_partials) == (1, 1)
+        assert partials.is_dir() and cache.blob(first_blob_sha).exists()  # a preview only
+
+        job = await run(engine, prune_workflow, GcInput(budget_bytes=0), "prune")
+        assert job.output["abandoned_partials"] == 1
+        assert job.output["orphan_blobs"] == 1
+        assert job.output["reclaimed_bytes"] == preview.reclaimed_bytes
+        assert not partials.exists()
+        assert not cache.blob(first_blob_sha).exists()
