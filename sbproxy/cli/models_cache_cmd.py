@@ -17,12 +17,14 @@ import click
 from sbproxy.cli._cache_text import gc_json, gc_lines, job_error, label, size_text
 from sbproxy.cli._host import choose_host, run_with_service
 from sbproxy.cli._options import (
+    FiniteFloatRange,
     cache_dir_option,
     catalog_file_option,
     config_option,
     engine_option,
 )
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.config import MAX_CACHE_BUDGET_GIB
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.flows import GcReport, PruneReport, RemoveOutput
 from sbproxy.model_host.service import ModelHostService, Selection
@@ -171,9 +173,10 @@ def prune_command(
 @click.command("gc")
 @click.option(
     "--budget-gib",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True, max=MAX_CACHE_BUDGET_GIB),
     default=None,
-    help="Cache budget in GiB (default: the config's proxy.model_host.cache.budget_gib).",
+    help="Cache budget in GiB, above 0 and at most 2^33 (default: the config's "
+    "proxy.model_host.cache.budget_gib).",
 )
 @config_option
 @catalog_file_option

@@ -519,6 +519,29 @@ def test_gc_without_a_budget_exits_2(host: Host) -> None:
     assert "no cache budget configured" in done.stderr
 
 
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "1e300", "-1", "0"])
+def test_gc_refuses_a_budget_that_is_not_a_finite_positive_amount_as_usage(
+    host: Host, value: str
+) -> None:
+    done = host.run("gc", f"--budget-gib={value}", "--format", "json")
+    assert done.returncode == 2, done.stderr
+    assert "Invalid value for '--budget-gib'" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+    assert not host.cache.exists()  # refused before anything is created
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "1.0e+300"])
+def test_gc_refuses_a_configured_budget_beyond_any_byte_count(host: Host, value: str) -> None:
+    config = host.config(f"      budget_gib: {value}\n")
+    done = host.with_config(config, "gc", "--format", "json")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = envelope(done.stdout, "models.gc")["error"]
+    assert error["code"] == "invalid_config"
+    assert "proxy.model_host.cache.budget_gib" in done.stderr
+
+
 def test_gc_takes_the_budget_from_the_config_and_keeps_configured_artifacts(host: Host) -> None:
     tiny = pulled(host, "tiny")
     config = host.config(

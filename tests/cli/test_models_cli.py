@@ -212,6 +212,38 @@ def test_bad_catalog_file_exits_2_naming_the_file_and_field(
     assert "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize("size", [2**53, 2**62, 10**30])
+@pytest.mark.parametrize("verb", [("list",), ("show", "acme-1b"), ("pull", "acme-1b")])
+def test_a_size_beyond_canonical_json_exits_2_naming_the_file_and_field(
+    tmp_path: Path, verb: tuple[str, ...], size: int
+) -> None:
+    # Past 2**53 - 1 the artifact digest's RFC 8785 canonical JSON cannot hold the size.
+    files = [{"path": "model.gguf", "sha256": "ab" * 32, "size_bytes": size}]
+    path = write(tmp_path / "huge.yaml", document(models={"acme-1b": entry(variant(files=files))}))
+    cache = ("--cache-dir", str(tmp_path / "cache")) if verb[0] == "pull" else ()
+    result = run(*verb, "--catalog-file", str(path), *cache, "--format", "json")
+    assert result.exit_code == 2, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "invalid_catalog"
+    assert error["field"] == "models.acme-1b.variants[0].files[0].size_bytes"
+    assert str(path) in error["error"]
+    assert "at most 9007199254740991 (2**53 - 1)" in result.stderr
+
+
+@pytest.mark.parametrize("text", ["", "  \n\n   \n", "\t\n"])
+@pytest.mark.parametrize("verb", [("list",), ("show", "acme-1b"), ("pull", "acme-1b")])
+def test_an_empty_catalog_file_exits_2_as_an_empty_document(
+    tmp_path: Path, verb: tuple[str, ...], text: str
+) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text(text, encoding="utf-8")
+    cache = ("--cache-dir", str(tmp_path / "cache")) if verb[0] == "pull" else ()
+    result = run(*verb, "--catalog-file", str(path), *cache, "--format", "json")
+    assert result.exit_code == 2, result.output
+    assert json.loads(result.stdout)["error"]["code"] == "invalid_catalog"
+    assert f"{path}: invalid catalog: empty document" in result.stderr
+
+
 def test_missing_catalog_file_exits_2_naming_the_path(tmp_path: Path) -> None:
     path = tmp_path / "absent.yaml"
     result = run("list", "--catalog-file", str(path))
