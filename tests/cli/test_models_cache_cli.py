@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -376,6 +377,85 @@ def test_a_catalog_file_that_contradicts_the_config_exits_2(host: Host) -> None:
     done = host.with_config(config, "pull", "tiny", "--catalog-file", str(other))
     assert done.returncode == 2
     assert "conflicts with the config's proxy.model_host.catalog_file" in done.stderr
+
+
+# --- unusable cache roots -------------------------------------------------------------------
+
+_RO_MOUNT_FAILED = 99
+
+
+def read_only_run(host: Host, directory: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` with ``directory`` bind-mounted read-only in a private mount namespace.
+
+    A real read-only file system (``EROFS``), which stops root too: tests run as root, for
+    whom a 0555 mode blocks nothing. Skips where mount namespaces are not available.
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare(1) is not installed")
+    script = f'mount --bind -o ro "$0" "$0" || exit {_RO_MOUNT_FAILED}; exec "$@"'
+    done = subprocess.run(
+        [unshare, "-m", "--propagation", "private", "sh", "-c", script, str(directory), *argv],
+        cwd=ROOT,
+        env=host.env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode == _RO_MOUNT_FAILED or "unshare failed" in done.stderr:
+        pytest.skip(f"cannot bind-mount read-only here: {done.stderr.strip()}")
+    return done
+
+
+def test_pull_into_a_cache_root_under_a_file_exits_2_with_invalid_cache_dir(host: Host) -> None:
+    blocker = host.tmp / "not-a-directory"
+    blocker.write_text("a file where the cache root's parent should be\n")
+    cache = blocker / "cache"
+    done = host.raw(
+        "pull", "tiny", "--cache-dir", str(cache), "--catalog-file", str(host.catalog),
+        "--format", "json",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = envelope(done.stdout, "models.pull")["error"]
+    assert error["code"] == "invalid_cache_dir"
+    assert error["path"] == str(cache)
+    assert f"cannot use the cache directory {cache}: Not a directory" in error["error"]
+    assert "--cache-dir" in error["remediation"]
+    assert host.hub.requests == []
+
+
+@pytest.mark.parametrize("populated", [False, True])
+def test_pull_into_a_read_only_cache_root_exits_2_naming_it_and_the_os_reason(
+    host: Host, populated: bool
+) -> None:
+    if populated:  # an existing cache, journal included, on a file system now read-only
+        pulled(host, "small")
+    else:
+        host.cache.mkdir()
+    host.hub.clear()
+    argv = [str(SBPROXY), "models", "pull", "tiny", "--cache-dir", str(host.cache)]
+    done = read_only_run(host, host.cache, [*argv, "--catalog-file", str(host.catalog)])
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"cannot use the cache directory {host.cache}: Read-only file system" in done.stderr
+    assert "choose another with --cache-dir" in done.stderr
+    assert host.hub.requests == []
+
+
+def test_a_journal_on_a_read_only_file_system_says_so_not_that_it_is_damaged(
+    host: Host,
+) -> None:
+    pulled(host, "small")
+    argv = [str(SBPROXY), "jobs", "list", "--cache-dir", str(host.cache), "--format", "json"]
+    done = read_only_run(host, host.cache, argv)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = envelope(done.stdout, "jobs.list")["error"]
+    assert error["code"] == "invalid_cache_dir"
+    assert "is not writable (Read-only file system)" in error["error"]
+    assert "damaged file aside" not in done.stderr
 
 
 # --- import ---------------------------------------------------------------------------------
