@@ -51,6 +51,7 @@ INVALID_INPUT_CODES = frozenset(
         "no_cache_budget",
         "invalid_import_path",
         "removal_blocked",
+        "invalid_endpoint",
     }
 )
 
