@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -258,3 +259,38 @@ def test_hf_endpoint_with_credentials_fails_a_step_without_building_a_url() -> N
     assert "Passw0rdInUrl" not in str(info.value)
     assert "https://***@hub.example:8443" in str(info.value)
     assert hf_endpoint({"HF_ENDPOINT": "https://hub.example/"}) == "https://hub.example"
+
+
+def test_ctrl_c_during_a_pull_exits_130_and_the_rerun_resumes_the_same_job(
+    tmp_path: Path, mirror: HfMirror
+) -> None:
+    data = hashlib.shake_256(b"interrupt").digest(4 * 1024 * 1024)
+    mirror.add_file(REPO, REVISION, FILE, data, throttle_bps=512 * 1024)  # about 8 s
+    catalog = write_catalog(tmp_path / "catalog.yaml", data)
+    command = pull_command(tmp_path, catalog)
+    child = subprocess.Popen(
+        command, env=child_env(mirror), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while mirror.bytes_served() == 0 and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child.poll() is None, child.communicate()
+    child.send_signal(signal.SIGINT)
+    stdout, stderr = child.communicate(timeout=60)
+    assert child.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "Aborted!" not in stderr
+    assert "sbproxy models pull: interrupted" in stderr
+    assert "resumes under the same job" in stderr
+    assert stdout == ""
+    (first,) = journal_jobs(tmp_path)
+    assert first["status"] != "succeeded"
+
+    mirror.entry(REPO, REVISION, FILE).throttle_bps = None
+    resumed = subprocess.run(
+        command, env=child_env(mirror), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    (artifact,) = json.loads(resumed.stdout)["artifacts"]
+    assert artifact["job_id"] == first["id"]
+    assert (Path(artifact["snapshot_path"]) / FILE).read_bytes() == data
