@@ -286,6 +286,30 @@ def test_text_list_is_an_aligned_table(small_cpu_worker: WorkerProfile) -> None:
     assert "worker: cpu" in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("size", "shown"),
+    [(512, "512 B"), (12 * 1024, "12.0 KiB"), (3 * 2**20 // 2, "1.5 MiB"), (5 * 2**30, "5.0 GiB")],
+)
+def test_text_sizes_are_human_readable_and_json_keeps_exact_bytes(
+    small_cpu_worker: WorkerProfile, tmp_path: Path, size: int, shown: str
+) -> None:
+    files = [{"path": "model.gguf", "sha256": "ab" * 32, "size_bytes": size}]
+    doc = document(models={"acme-1b": entry(variant(files=files, min_memory_bytes=size))})
+    path = write(tmp_path / "ops.yaml", doc)
+    result = run("list", "--catalog-file", str(path))
+    assert result.exit_code == 0, result.output
+    header, row = result.stdout.splitlines()[:2]
+    assert row[header.index("SIZE") :].startswith(shown + " ")
+    assert row[header.index("MEMORY") :].startswith(shown + " ")
+    (listed,) = run_json("list", "--catalog-file", str(path))["models"]
+    assert listed["exact_size_bytes"] == size
+    assert listed["estimated_memory_bytes"] == size
+    text = run("show", "acme-1b", "--catalog-file", str(path)).stdout
+    assert f"Q4_K_M, {shown}, stable" in text
+    assert f"{shown} memory" in text
+    assert f"model.gguf  {size} bytes" in text
+
+
 def test_bare_models_lists(small_cpu_worker: WorkerProfile) -> None:
     assert run().stdout == run("list").stdout
 
