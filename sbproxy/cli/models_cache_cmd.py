@@ -46,6 +46,32 @@ def _job_failure(job: JobRecord) -> SbproxyError:
     )
 
 
+def _blocked(service: ModelHostService, digest: str, reason: str, job: JobRecord) -> SbproxyError:
+    """``removal_blocked``; for ``configured``, naming the deployments and the config file."""
+    details: dict[str, str | int | float | bool | None] = {
+        "reason": reason,
+        "artifact_digest": digest,
+        "job_id": job.id,
+    }
+    message = f"artifact '{digest}' {_BLOCKED_MARKER}{reason}"
+    remediation = None
+    if reason == "configured":
+        names = sorted(
+            s.deployment
+            for s in service.configured()
+            if s.artifact.digest == digest and s.deployment
+        )
+        source = service.config.source if service.config is not None else None
+        where = f" of {source}" if source is not None else ""
+        plural = "s" if len(names) != 1 else ""
+        message += f" (deployment{plural} {', '.join(names)}{where} use it)"
+        details.update(deployments=",".join(names), config=str(source) if source else None)
+        remediation = (
+            f"Remove or change those deployments in {source or 'the config'}, then remove it again."
+        )
+    return SbproxyError(message, code="removal_blocked", remediation=remediation, details=details)
+
+
 @click.command("remove")
 @click.argument("model", metavar="MODEL")
 @click.option("--variant", default=None, help="Exact variant id (default: this machine's pick).")
@@ -90,11 +116,7 @@ def remove_command(
         if job is not None and job.status != JobStatus.SUCCEEDED:
             if job.error is not None and job.error.code == "removal_blocked":
                 reason = job.error.message.rpartition(_BLOCKED_MARKER)[2].strip() or "protected"
-                raise SbproxyError(
-                    f"artifact '{digest}' {_BLOCKED_MARKER}{reason}",
-                    code="removal_blocked",
-                    details={"reason": reason, "artifact_digest": digest, "job_id": job.id},
-                )
+                raise _blocked(service, digest, reason, job)
             raise _job_failure(job)
         return selection, output, job
 

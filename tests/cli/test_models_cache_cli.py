@@ -550,6 +550,28 @@ def test_remove_of_a_configured_artifact_exits_2_with_the_reason(host: Host) -> 
     assert host.with_config(config, "remove", "small").returncode == 0
 
 
+def test_a_configured_removal_names_the_deployments_and_the_config_file(host: Host) -> None:
+    row = pulled(host, "tiny")
+    config = host.config(
+        "    deployments:\n"
+        "      chat:\n        model: tiny\n"
+        "      chat-again:\n        model: tiny\n        variant: q4_k_m\n"
+        "      helper:\n        model: small\n"
+    )
+    done = host.with_config(config, "remove", "tiny", "--format", "json")
+    assert done.returncode == 2, done.stderr
+    error = envelope(done.stdout, "models.remove")["error"]
+    assert error["code"] == "removal_blocked"
+    assert error["reason"] == "configured"
+    assert error["deployments"] == "chat,chat-again"
+    assert error["config"] == str(config)
+    assert (
+        f"artifact '{row['artifact_digest']}' cannot be removed: configured "
+        f"(deployments chat, chat-again of {config} use it)"
+    ) in done.stderr
+    assert f"Remove or change those deployments in {config}" in error["remediation"]
+
+
 # --- prune and gc ---------------------------------------------------------------------------
 
 
@@ -681,6 +703,19 @@ def test_a_tampered_artifact_fails_the_next_pull_closed(host: Host) -> None:
     (row,) = host.json("pull", "tiny", code=1)["artifacts"]
     assert row["error"]["code"] == "cache_corrupt"
     assert host.hub.requests == []  # never silently re-downloaded
+
+
+def test_a_corrupt_artifact_error_names_the_commands_that_repair_it(host: Host) -> None:
+    tiny = pulled(host, "tiny")
+    tamper(Path(tiny["snapshot_path"]) / "tiny-q4_k_m.gguf")
+    done = host.run("pull", "tiny")
+    assert done.returncode == 1
+    assert "cache_corrupt" in done.stderr
+    assert "Remove it with `sbproxy models remove tiny --variant q4_k_m`" in done.stderr
+    assert "`sbproxy models pull tiny --variant q4_k_m`" in done.stderr
+    # Following it repairs the cache.
+    assert host.run("remove", "tiny", "--variant", "q4_k_m").returncode == 0
+    assert pulled(host, "tiny", "--variant", "q4_k_m")["cache_hit"] is False
 
 
 def test_verify_text_names_the_corrupt_artifact(host: Host) -> None:
