@@ -36,6 +36,7 @@ from sbproxy.catalog.resolve import (
     resolve_artifact,
 )
 from sbproxy.catalog.schema import (
+    MAX_DIGESTED_INT,
     MAX_ENGINES_PER_VARIANT,
     MAX_ID_BYTES,
     MAX_MODELS,
@@ -56,6 +57,7 @@ from sbproxy.catalog.schema import (
 
 __all__ = [
     "DEFAULT_WORKER_ENGINES",
+    "MAX_DIGESTED_INT",
     "MAX_ENGINES_PER_VARIANT",
     "MAX_ID_BYTES",
     "MAX_MODELS",

@@ -118,9 +118,22 @@ def parse_catalog(text: str, *, source: str) -> Catalog:
     Raises:
         CatalogError: ``invalid_catalog`` naming ``source`` and the offending dotted path.
     """
-    root, data = _load_yaml(text, source=source)
+    # Whitespace alone (tabs included, which YAML would call a syntax error) is empty too.
+    root, data = _load_yaml(text, source=source) if text.strip() else (None, None)
     if data is None:
-        data = {}
+        # An empty (or whitespace/comment-only, or null) file is almost always a truncated
+        # write or the wrong path; loading it as an empty catalog would hide every model.
+        _raise(
+            source,
+            [
+                _Issue(
+                    "",
+                    "empty document; a catalog file is a mapping with schema_version, "
+                    "catalog_revision and models (write at least `models: {}` for an empty one)",
+                    None,
+                )
+            ],
+        )
     if not isinstance(data, dict):
         _raise(source, [_Issue("", "the document must be a mapping with a 'models' key", 1)])
     try:

@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 from sbproxy.errors import CatalogError
 
 __all__ = [
+    "MAX_DIGESTED_INT",
     "MAX_ENGINES_PER_VARIANT",
     "MAX_ID_BYTES",
     "MAX_MODELS",
@@ -54,6 +55,15 @@ MAX_ID_BYTES = 128
 """Longest model id, variant id or catalog revision, in UTF-8 bytes."""
 MAX_REVISION_BYTES = 128
 """Longest source revision, in UTF-8 bytes."""
+
+MAX_DIGESTED_INT = 2**53 - 1
+"""Largest integer a field that goes into an artifact digest may hold.
+
+The digest hashes RFC 8785 canonical JSON, which writes every number as an IEEE 754 double
+(RFC 8785 section 3.2.2.3); past 2**53 - 1 an integer has no exact double, so the ``rfc8785``
+library refuses it (``IntegerDomainError``) and two different sizes could share one digest.
+As a file size it is 8 PiB, far beyond any real artifact.
+"""
 
 LEGACY_CATALOG_REVISION = "legacy-v1"
 """The ``catalog_revision`` a schema-1 document gets when it does not name one."""
@@ -232,6 +242,15 @@ def _check_env_reference(value: str) -> str:
     return value
 
 
+def _check_digested_int(value: int) -> int:
+    if value > MAX_DIGESTED_INT:
+        raise ValueError(
+            f"{value} is too large; at most {MAX_DIGESTED_INT} (2**53 - 1) is allowed, the "
+            "largest integer the artifact digest's canonical JSON (RFC 8785) holds exactly"
+        )
+    return value
+
+
 def _check_hf_repo(value: str) -> str:
     if not _HF_REPO_RE.fullmatch(value):
         raise ValueError(f"{value!r} is not a Hugging Face repository; expected Org/Repo")
@@ -261,6 +280,7 @@ EnvReference = Annotated[str, AfterValidator(_check_env_reference)]
 CatalogRevision = Annotated[str, AfterValidator(_check_catalog_revision)]
 HfRepo = Annotated[str, AfterValidator(_check_hf_repo)]
 SchemaVersion = Annotated[int, AfterValidator(_check_schema_version)]
+DigestedInt = Annotated[int, AfterValidator(_check_digested_int)]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -290,7 +310,12 @@ class ArtifactFile(BaseModel):
         description="Path relative to the artifact root, '/'-separated, e.g. 'model.gguf'."
     )
     sha256: Sha256Hex = Field(description="Lowercase hex SHA-256 of the file's bytes (64 chars).")
-    size_bytes: int = Field(gt=0, strict=True, description="Exact file size in bytes.")
+    # Hashed into the artifact digest as canonical JSON: bounded to what RFC 8785 can write.
+    size_bytes: DigestedInt = Field(
+        gt=0,
+        strict=True,
+        description="Exact file size in bytes (at most 2**53 - 1, the RFC 8785 integer limit).",
+    )
 
 
 class VariantRequirements(BaseModel):

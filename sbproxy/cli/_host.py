@@ -5,7 +5,8 @@ input exits 2 before anything is created), then runs its work on an event loop w
 :func:`run_with_service`, which opens the cache's journal and the catalog for it, or with
 :func:`run_host` when it opens nothing. Both turn errors into exit codes: 2 for bad input
 (unknown model or variant, invalid catalog or config, a blocked removal), 1 for anything that
-went wrong while working.
+went wrong while working, 130 when interrupted with Ctrl-C (a pull resumes under the same
+job when run again).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TypeVar
 import anyio
 
 from sbproxy.cli._options import check_catalog_choice, load_cli_config, resolve_layout
-from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, fail
+from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, fail, interrupted
 from sbproxy.config import CompiledConfig
 from sbproxy.errors import CatalogError, ConfigError, ResolutionError, SbproxyError
 from sbproxy.model_host.artifacts import CacheLayout
@@ -54,6 +55,7 @@ INVALID_INPUT_CODES = frozenset(
         "config_required",
         "invalid_lockfile",
         "lockfile_not_found",
+        "invalid_endpoint",
     }
 )
 
@@ -109,6 +111,9 @@ def run_host(command: str, output_format: str, work: Callable[[], Awaitable[T]])
         return anyio.run(work)
     except SbproxyError as exc:
         fail(command, exc, output_format=output_format, exit_code=exit_code_for(exc))
+    except KeyboardInterrupt:
+        # Here, not in each verb: every model-host verb runs its work through this function.
+        interrupted(command)
 
 
 def run_with_service(

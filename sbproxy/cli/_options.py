@@ -14,8 +14,9 @@ Problems with any of them are bad input: exit status 2.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import get_args
+from typing import SupportsFloat, SupportsIndex, get_args
 
 import click
 
@@ -26,6 +27,7 @@ from sbproxy.errors import ConfigError, SbproxyError
 from sbproxy.model_host.artifacts import CacheLayout, resolve_cache_root
 
 __all__ = [
+    "FiniteFloatRange",
     "cache_dir_option",
     "catalog_file_option",
     "check_catalog_choice",
@@ -68,6 +70,26 @@ engine_option = click.option(
     show_default=True,
     help="Engine the artifact must suit; auto takes the variant's first engine.",
 )
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A ``FloatRange`` that also refuses ``nan``, ``inf`` and ``-inf`` as a usage error.
+
+    ``click.FloatRange`` lets ``nan`` through (every comparison with it is false), and an
+    open upper end lets ``inf`` through; neither is an amount of anything.
+    """
+
+    def convert(
+        self,
+        value: SupportsFloat | SupportsIndex,
+        param: click.Parameter | None,
+        ctx: click.Context | None,
+    ) -> float:
+        number: float = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        converted: float = super().convert(number, param, ctx)
+        return converted
 
 
 def load_cli_config(

@@ -3,7 +3,8 @@
 * JSON goes to stdout as one object carrying ``schema_version: 1`` and a stable ``command``
   name (``models.list``, ``config.validate`` ...), with no ANSI escapes or carriage returns.
 * Progress and human diagnostics go to stderr.
-* Exit codes: 0 success, 1 runtime failure, 2 bad input (usage, config, unknown id).
+* Exit codes: 0 success, 1 runtime failure, 2 bad input (usage, config, unknown id),
+  130 interrupted (Ctrl-C; 128 + SIGINT, as shells report it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import click
 from sbproxy.errors import SbproxyError
 
 __all__ = [
+    "EXIT_INTERRUPTED",
     "EXIT_INVALID",
     "EXIT_RUNTIME",
     "configure_server_logging",
@@ -27,10 +29,12 @@ __all__ = [
     "fail",
     "format_option",
     "freeze_startup_heap",
+    "interrupted",
 ]
 
 EXIT_RUNTIME = 1
 EXIT_INVALID = 2
+EXIT_INTERRUPTED = 130
 
 SCHEMA_VERSION = 1
 
@@ -69,6 +73,20 @@ def fail(
         emit_json(command, {"ok": False, "error": error.to_dict()})
     click.echo(_scrub(f"sbproxy {command.replace('.', ' ')}: {error}"), err=True)
     sys.exit(exit_code)
+
+
+def interrupted(command: str) -> NoReturn:
+    """Report a Ctrl-C on stderr and exit 130 (stdout gets nothing, so JSON stays valid).
+
+    A durable job the verb was running keeps its id: the journal still has it unfinished,
+    and running the same command again joins and resumes it.
+    """
+    click.echo(
+        f"sbproxy {command.replace('.', ' ')}: interrupted; an unfinished job resumes under "
+        "the same job id when the command is run again.",
+        err=True,
+    )
+    sys.exit(EXIT_INTERRUPTED)
 
 
 def freeze_startup_heap() -> None:

@@ -26,7 +26,14 @@ from sbproxy.cli._event_view import open_view
 from sbproxy.cli._job_text import job_outcome_line, job_table, last_error, show_lines
 from sbproxy.cli._live import follow, run_followed
 from sbproxy.cli._options import cache_dir_option, config_option, load_cli_config, resolve_layout
-from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.cli._output import (
+    EXIT_INVALID,
+    EXIT_RUNTIME,
+    emit_json,
+    fail,
+    format_option,
+    interrupted,
+)
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.flows import registry
 from sbproxy.store import JobRecord, JobStatus, StepRecord, StepStatus, wall_clock_ms
@@ -129,6 +136,8 @@ def _run(command: str, output_format: str, work: Callable[[], Awaitable[int]]) -
     except SbproxyError as exc:
         code = EXIT_INVALID if exc.code in _INVALID_INPUT_CODES else EXIT_RUNTIME
         fail(command, exc, output_format=output_format, exit_code=code)
+    except KeyboardInterrupt:
+        interrupted(command)
     if status:
         sys.exit(status)
 

@@ -17,12 +17,14 @@ import click
 from sbproxy.cli._cache_text import gc_json, gc_lines, job_error, label, size_text
 from sbproxy.cli._host import choose_host, run_with_service
 from sbproxy.cli._options import (
+    FiniteFloatRange,
     cache_dir_option,
     catalog_file_option,
     config_option,
     engine_option,
 )
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.config import MAX_CACHE_BUDGET_GIB
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.flows import GcReport, PruneReport, RemoveOutput
 from sbproxy.model_host.service import ModelHostService, Selection
@@ -42,6 +44,32 @@ def _job_failure(job: JobRecord) -> SbproxyError:
         code=error["code"],
         details={"job_id": job.id},
     )
+
+
+def _blocked(service: ModelHostService, digest: str, reason: str, job: JobRecord) -> SbproxyError:
+    """``removal_blocked``; for ``configured``, naming the deployments and the config file."""
+    details: dict[str, str | int | float | bool | None] = {
+        "reason": reason,
+        "artifact_digest": digest,
+        "job_id": job.id,
+    }
+    message = f"artifact '{digest}' {_BLOCKED_MARKER}{reason}"
+    remediation = None
+    if reason == "configured":
+        names = sorted(
+            s.deployment
+            for s in service.configured()
+            if s.artifact.digest == digest and s.deployment
+        )
+        source = service.config.source if service.config is not None else None
+        where = f" of {source}" if source is not None else ""
+        plural = "s" if len(names) != 1 else ""
+        message += f" (deployment{plural} {', '.join(names)}{where} use it)"
+        details.update(deployments=",".join(names), config=str(source) if source else None)
+        remediation = (
+            f"Remove or change those deployments in {source or 'the config'}, then remove it again."
+        )
+    return SbproxyError(message, code="removal_blocked", remediation=remediation, details=details)
 
 
 @click.command("remove")
@@ -88,11 +116,7 @@ def remove_command(
         if job is not None and job.status != JobStatus.SUCCEEDED:
             if job.error is not None and job.error.code == "removal_blocked":
                 reason = job.error.message.rpartition(_BLOCKED_MARKER)[2].strip() or "protected"
-                raise SbproxyError(
-                    f"artifact '{digest}' {_BLOCKED_MARKER}{reason}",
-                    code="removal_blocked",
-                    details={"reason": reason, "artifact_digest": digest, "job_id": job.id},
-                )
+                raise _blocked(service, digest, reason, job)
             raise _job_failure(job)
         return selection, output, job
 
@@ -180,9 +204,10 @@ def prune_command(
 @click.command("gc")
 @click.option(
     "--budget-gib",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True, max=MAX_CACHE_BUDGET_GIB),
     default=None,
-    help="Cache budget in GiB (default: the config's proxy.model_host.cache.budget_gib).",
+    help="Cache budget in GiB, above 0 and at most 2^33 (default: the config's "
+    "proxy.model_host.cache.budget_gib).",
 )
 @config_option
 @catalog_file_option

@@ -33,6 +33,7 @@ from sbproxy.catalog import (
     variant_digest,
 )
 from sbproxy.cli._host import HostChoice, choose_host, run_host
+from sbproxy.cli._job_text import size_text
 from sbproxy.cli._lazy import LazyGroup, resume_collection
 from sbproxy.cli._options import cache_dir_option, catalog_file_option, config_option
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
@@ -433,8 +434,5 @@ def _text(value: object) -> str:
 
 
 def _size_text(value: object) -> str:
-    if not isinstance(value, int):
-        return "-"
-    if value >= 2**30:
-        return f"{value / 2**30:.1f} GiB"
-    return f"{value / 2**20:.0f} MiB"
+    """Text output only (JSON keeps exact bytes): ``512 B``, ``12.0 KiB``, ``4.4 GiB``."""
+    return size_text(value) if isinstance(value, int) else "-"

@@ -42,6 +42,7 @@ from sbproxy.cli._options import (
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.config import DeploymentConfig
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
+from sbproxy.model_host.artifacts.sources import hf_endpoint
 from sbproxy.model_host.service import ModelHostService, Selection
 from sbproxy.store import JobRecord, JobStatus
 
@@ -233,13 +234,18 @@ def pull_command(
     used first, configured deployments kept).
 
     Exit status: 0 when every artifact is ready; 1 when a pull failed (its error is in the
-    output); 2 for bad input (unknown model or variant, invalid config or catalog).
+    output); 2 for bad input (unknown model or variant, invalid config or catalog, an
+    HF_ENDPOINT with credentials: put the token in HF_TOKEN).
     """
     command = "models.pull"
     if variant is not None and len(models) != 1:
         fail(command, _usage("--variant needs exactly one MODEL."), output_format=output_format)
     if all_models and models:
         fail(command, _usage("--all takes no MODEL arguments."), output_format=output_format)
+    try:
+        hf_endpoint()  # credentials in HF_ENDPOINT: refused before anything is written
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format)
     host = choose_host(
         command,
         config_path=config_path,

@@ -10,6 +10,7 @@ from sbproxy.config.document import SbConfig
 from sbproxy.config.engine_args import check_engine_args
 from sbproxy.config.loader import load_config, load_config_text
 from sbproxy.config.model_host import (
+    MAX_CACHE_BUDGET_GIB,
     Authority,
     CacheConfig,
     ColdStart,
@@ -42,6 +43,7 @@ from sbproxy.config.proxy import (
 from sbproxy.config.schema import config_json_schema, config_json_schema_text
 
 __all__ = [
+    "MAX_CACHE_BUDGET_GIB",
     "AdminConfig",
     "AdminTlsConfig",
     "AiProxyAction",

@@ -33,6 +33,7 @@ from sbproxy.config._rules import (
 from sbproxy.config.engine_args import EngineKind, check_engine_args
 
 __all__ = [
+    "MAX_CACHE_BUDGET_GIB",
     "UNSUPPORTED_DEPLOYMENT_FIELDS",
     "AbsolutePath",
     "Authority",
@@ -58,6 +59,11 @@ _MAX_U32 = 2**32 - 1
 _ONE_DAY_MS = 86_400_000
 _ONE_YEAR_SECS = 366 * 24 * 3600
 _MILLION = 1_000_000
+MAX_CACHE_BUDGET_GIB = 2**33
+"""Largest cache budget in GiB: 2**63 bytes (8 EiB), the most a signed 64-bit count holds.
+
+Beyond it ``budget_gib * 2**30`` overflows a float to infinity, which has no byte count.
+"""
 
 # Fields some older configurations carry that this runtime does not honour. Each maps to
 # what the operator should do instead; they are refused rather than silently ignored.
@@ -183,6 +189,7 @@ class CacheConfig(ConfigModel):
     budget_gib: float | None = Field(
         default=None,
         gt=0,
+        le=MAX_CACHE_BUDGET_GIB,
         description="Cache size budget in GiB (2^30 bytes), enforced by collection after pulls.",
     )
     max_resident_models: int | None = Field(
@@ -199,10 +206,11 @@ class CacheConfig(ConfigModel):
         ),
     )
 
-    @field_validator("budget_gib")
+    # Before the bounds, so that nan and inf are named as such rather than as out of range.
+    @field_validator("budget_gib", mode="before")
     @classmethod
-    def _finite_budget(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
+    def _finite_budget(cls, value: object) -> object:
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError("must be a finite number of GiB")
         return value
 

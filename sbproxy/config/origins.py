@@ -11,6 +11,9 @@ from pydantic import Field, field_validator, model_validator
 
 from sbproxy.config._rules import ConfigModel, Identifier, NonBlank, RuleViolation
 from sbproxy.config.model_host import (
+    _MAX_U32,
+    _ONE_YEAR_SECS,
+    MAX_CACHE_BUDGET_GIB,
     UNSUPPORTED_DEPLOYMENT_FIELDS,
     AbsolutePath,
     EngineChoice,
@@ -63,6 +66,10 @@ def parse_duration_secs(value: int | str) -> int:
         seconds = int(match.group(1)) * _DURATION_UNITS[match.group(2)]
     if seconds <= 0:
         raise ValueError("must be a positive duration")
+    # The bound of the lowered keep_alive_secs; it also keeps the entry, which is hashed as
+    # RFC 8785 canonical JSON into the deployment id, inside that format's 2**53 - 1.
+    if seconds > _ONE_YEAR_SECS:
+        raise ValueError(f"is {seconds} seconds; at most {_ONE_YEAR_SECS} (366 days) is allowed")
     return seconds
 
 
@@ -78,7 +85,11 @@ class ServeEntry(ConfigModel):
     keep_alive: int | str | None = Field(
         default=None, description="Idle time before stop: seconds or e.g. 30m, 2h."
     )
-    max_context: int | None = Field(default=None, ge=1, description="Context length in tokens.")
+    # Bounded like the lowered max_context, and so inside RFC 8785's 2**53 - 1: the entry is
+    # hashed as canonical JSON into the deployment id.
+    max_context: int | None = Field(
+        default=None, ge=1, le=_MAX_U32, description="Context length in tokens."
+    )
     extra_args: list[str] = Field(default_factory=list, description="Allowlisted engine flags.")
     kv_quant: KvQuant = Field(default=KvQuant.AUTO, description="KV-cache element type.")
     enable_prefix_caching: bool = Field(
@@ -131,7 +142,9 @@ class ServeBlock(ConfigModel):
         default=None, description="Legacy cache root (absolute)."
     )
     catalog_file: str | None = Field(default=None, description="Legacy operator catalog file.")
-    cache_budget_gib: float | None = Field(default=None, gt=0, description="Legacy cache budget.")
+    cache_budget_gib: float | None = Field(
+        default=None, gt=0, le=MAX_CACHE_BUDGET_GIB, description="Legacy cache budget."
+    )
     eviction: Literal["lru", "never"] = Field(default="lru", description="Legacy eviction policy.")
     max_concurrent_requests: int | None = Field(
         default=None, ge=1, description="Becomes each lowered deployment's max_concurrency."

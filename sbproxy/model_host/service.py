@@ -25,7 +25,13 @@ from sbproxy.catalog import (
     resolve_artifact,
 )
 from sbproxy.config import CompiledConfig
-from sbproxy.model_host.artifacts import ArtifactCache, CachedMetadata, CacheLayout
+from sbproxy.model_host.artifacts import (
+    ArtifactCache,
+    CachedMetadata,
+    CacheLayout,
+    check_cache_writable,
+    unusable_cache_dir,
+)
 from sbproxy.model_host.artifacts.errors import CacheCorrupt, OfflineArtifactMissing
 from sbproxy.model_host.flows import (
     GcInput,
@@ -339,12 +345,21 @@ async def open_service(
 
     The catalog is ``catalog_file`` if given, else the configuration's ``catalog_file``,
     else the built-in one.
+
+    Raises:
+        CatalogError: ``invalid_catalog`` (checked before the cache root is touched).
+        SbproxyError: ``invalid_cache_dir`` when the cache root cannot be created or written
+            (a read-only file system, no permission, a file in the way).
     """
     host = config.model_host if config else None
     chosen = catalog_file or (Path(host.catalog_file) if host and host.catalog_file else None)
     catalog = load_catalog(chosen)
     cache = ArtifactCache(layout)
-    cache.ensure_dirs()
+    try:
+        cache.ensure_dirs()
+    except OSError as exc:
+        raise unusable_cache_dir(layout.root, exc) from exc
+    check_cache_writable(layout)
     engine = await WorkflowEngine.open(layout.journal, registry, resources=[cache])
     service = ModelHostService(layout=layout, catalog=catalog, engine=engine, config=config)
     try:

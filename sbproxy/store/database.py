@@ -16,7 +16,9 @@ Discipline (ARCHITECTURE.md, "SQLite discipline"; figures in measured-here.md):
 
 from __future__ import annotations
 
+import errno
 import sqlite3
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -63,6 +65,21 @@ def _preflight(path: Path) -> None:
         connection.close()
 
 
+def _unwritable_reason(directory: Path) -> str | None:
+    """The OS reason ``directory`` cannot be written (read-only file system, no permission),
+    found by creating an unnamed file there; ``None`` when it can be, or fails otherwise.
+
+    SQLite reports both as a bare "unable to open database file", without the errno.
+    """
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return exc.strerror or str(exc)
+        return None
+
+
 def _is_locked(exc: BaseException) -> bool:
     cause = getattr(exc, "orig", exc)
     return isinstance(cause, sqlite3.OperationalError) and "locked" in str(cause).lower()
@@ -90,7 +107,8 @@ class Database:
 
         Raises:
             StoreError: ``store_failed`` when the directory cannot be created or the file is
-                not a usable SQLite database.
+                not a usable SQLite database; ``invalid_cache_dir`` (not retryable) when the
+                directory cannot be written (read-only file system, no permission).
         """
         from sbproxy.store.migrations import migrate
 
@@ -104,6 +122,20 @@ class Database:
         try:
             await anyio.to_thread.run_sync(_preflight, path)
         except sqlite3.DatabaseError as exc:
+            unwritable = await anyio.to_thread.run_sync(_unwritable_reason, path.parent)
+            if unwritable is not None:
+                raise StoreError(
+                    f"cannot open the journal {path}: its directory {path.parent} is not "
+                    f"writable ({unwritable})",
+                    # The journal lives in the cache root (<root>/jobs/journal.db): the root is
+                    # what the operator chose wrongly, as for any other unwritable cache root.
+                    code="invalid_cache_dir",
+                    retryable=False,
+                    remediation="Make the directory writable for this user, or use a cache "
+                    "directory on a writable file system (--cache-dir or "
+                    "proxy.model_host.cache.directory); the journal itself is not damaged.",
+                    details={"path": str(path)},
+                ) from exc
             raise StoreError(
                 f"cannot open the journal {path}: {exc}",
                 remediation="Check that the file is a SQLite database and the disk is writable; "

@@ -5,14 +5,17 @@ from __future__ import annotations
 import pytest
 
 from sbproxy.catalog import (
+    MAX_DIGESTED_INT,
     MAX_ENGINES_PER_VARIANT,
     MAX_ID_BYTES,
     MAX_MODELS,
     MAX_REVISION_BYTES,
     MAX_VARIANTS_PER_MODEL,
+    Catalog,
+    variant_digest,
 )
 from sbproxy.errors import CatalogError
-from tests.catalog.builders import document, entry, legacy_entry, parse, variant
+from tests.catalog.builders import document, entry, legacy_entry, parse, sha, variant
 
 
 def test_limits_are_the_reference_values() -> None:
@@ -108,3 +111,28 @@ def test_catalog_revision_byte_limit(size: int) -> None:
     with pytest.raises(CatalogError) as info:
         parse(doc)
     assert "catalog_revision: is 129 bytes" in str(info.value)
+
+
+@pytest.mark.parametrize("size", [MAX_DIGESTED_INT, MAX_DIGESTED_INT + 1, 2**53 + 1, 2**62, 10**30])
+def test_file_size_is_bounded_by_the_canonical_json_integer_limit(size: int) -> None:
+    # The size goes into the artifact digest's RFC 8785 JSON, which holds at most 2**53 - 1.
+    files = [{"path": "model.gguf", "sha256": sha("big"), "size_bytes": size}]
+    doc = document(models={"acme-1b": entry(variant(files=files))})
+    if size <= MAX_DIGESTED_INT:
+        catalog = parse(doc)
+        assert catalog.models["acme-1b"].variants[0].files[0].size_bytes == size
+        assert len(variant_digest_of(catalog)) == 64
+        return
+    with pytest.raises(CatalogError) as info:
+        parse(doc)
+    assert info.value.code == "invalid_catalog"
+    assert info.value.details["field"] == "models.acme-1b.variants[0].files[0].size_bytes"
+    assert f"{size} is too large; at most {MAX_DIGESTED_INT}" in str(info.value)
+
+
+def variant_digest_of(catalog: Catalog) -> str:
+    return variant_digest(
+        catalog_revision=catalog.catalog_revision,
+        logical_model="acme-1b",
+        variant=catalog.models["acme-1b"].variants[0],
+    )

@@ -354,8 +354,16 @@ def test_a_document_that_is_not_a_mapping_is_rejected(text: str) -> None:
         parse_catalog(text, source=SOURCE)
 
 
-def test_empty_document_is_an_empty_legacy_catalog() -> None:
-    catalog = parse_catalog("", source=SOURCE)
+@pytest.mark.parametrize("text", ["", "   \n\t\n", "# only a comment\n", "~\n", "---\n"])
+def test_an_empty_document_is_refused_naming_the_file(text: str) -> None:
+    with pytest.raises(CatalogError) as info:
+        parse_catalog(text, source=SOURCE)
+    assert info.value.code == "invalid_catalog"
+    assert str(info.value).startswith(f"{SOURCE}: invalid catalog: empty document")
+
+
+def test_an_explicitly_empty_mapping_is_an_empty_legacy_catalog() -> None:
+    catalog = parse_catalog("models: {}\n", source=SOURCE)
     assert catalog == Catalog()
     assert catalog.models == {}
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -378,6 +379,85 @@ def test_a_catalog_file_that_contradicts_the_config_exits_2(host: Host) -> None:
     assert "conflicts with the config's proxy.model_host.catalog_file" in done.stderr
 
 
+# --- unusable cache roots -------------------------------------------------------------------
+
+_RO_MOUNT_FAILED = 99
+
+
+def read_only_run(host: Host, directory: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` with ``directory`` bind-mounted read-only in a private mount namespace.
+
+    A real read-only file system (``EROFS``), which stops root too: tests run as root, for
+    whom a 0555 mode blocks nothing. Skips where mount namespaces are not available.
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare(1) is not installed")
+    script = f'mount --bind -o ro "$0" "$0" || exit {_RO_MOUNT_FAILED}; exec "$@"'
+    done = subprocess.run(
+        [unshare, "-m", "--propagation", "private", "sh", "-c", script, str(directory), *argv],
+        cwd=ROOT,
+        env=host.env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode == _RO_MOUNT_FAILED or "unshare failed" in done.stderr:
+        pytest.skip(f"cannot bind-mount read-only here: {done.stderr.strip()}")
+    return done
+
+
+def test_pull_into_a_cache_root_under_a_file_exits_2_with_invalid_cache_dir(host: Host) -> None:
+    blocker = host.tmp / "not-a-directory"
+    blocker.write_text("a file where the cache root's parent should be\n")
+    cache = blocker / "cache"
+    done = host.raw(
+        "pull", "tiny", "--cache-dir", str(cache), "--catalog-file", str(host.catalog),
+        "--format", "json",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = envelope(done.stdout, "models.pull")["error"]
+    assert error["code"] == "invalid_cache_dir"
+    assert error["path"] == str(cache)
+    assert f"cannot use the cache directory {cache}: Not a directory" in error["error"]
+    assert "--cache-dir" in error["remediation"]
+    assert host.hub.requests == []
+
+
+@pytest.mark.parametrize("populated", [False, True])
+def test_pull_into_a_read_only_cache_root_exits_2_naming_it_and_the_os_reason(
+    host: Host, populated: bool
+) -> None:
+    if populated:  # an existing cache, journal included, on a file system now read-only
+        pulled(host, "small")
+    else:
+        host.cache.mkdir()
+    host.hub.clear()
+    argv = [str(SBPROXY), "models", "pull", "tiny", "--cache-dir", str(host.cache)]
+    done = read_only_run(host, host.cache, [*argv, "--catalog-file", str(host.catalog)])
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"cannot use the cache directory {host.cache}: Read-only file system" in done.stderr
+    assert "choose another with --cache-dir" in done.stderr
+    assert host.hub.requests == []
+
+
+def test_a_journal_on_a_read_only_file_system_says_so_not_that_it_is_damaged(
+    host: Host,
+) -> None:
+    pulled(host, "small")
+    argv = [str(SBPROXY), "jobs", "list", "--cache-dir", str(host.cache), "--format", "json"]
+    done = read_only_run(host, host.cache, argv)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = envelope(done.stdout, "jobs.list")["error"]
+    assert error["code"] == "invalid_cache_dir"
+    assert "is not writable (Read-only file system)" in error["error"]
+    assert "damaged file aside" not in done.stderr
+
+
 # --- import ---------------------------------------------------------------------------------
 
 
@@ -506,6 +586,28 @@ def test_remove_of_a_configured_artifact_exits_2_with_the_reason(host: Host) -> 
     assert host.with_config(config, "remove", "small").returncode == 0
 
 
+def test_a_configured_removal_names_the_deployments_and_the_config_file(host: Host) -> None:
+    row = pulled(host, "tiny")
+    config = host.config(
+        "    deployments:\n"
+        "      chat:\n        model: tiny\n"
+        "      chat-again:\n        model: tiny\n        variant: q4_k_m\n"
+        "      helper:\n        model: small\n"
+    )
+    done = host.with_config(config, "remove", "tiny", "--format", "json")
+    assert done.returncode == 2, done.stderr
+    error = envelope(done.stdout, "models.remove")["error"]
+    assert error["code"] == "removal_blocked"
+    assert error["reason"] == "configured"
+    assert error["deployments"] == "chat,chat-again"
+    assert error["config"] == str(config)
+    assert (
+        f"artifact '{row['artifact_digest']}' cannot be removed: configured "
+        f"(deployments chat, chat-again of {config} use it)"
+    ) in done.stderr
+    assert f"Remove or change those deployments in {config}" in error["remediation"]
+
+
 # --- prune and gc ---------------------------------------------------------------------------
 
 
@@ -553,6 +655,29 @@ def test_gc_without_a_budget_exits_2(host: Host) -> None:
     done = host.run("gc")
     assert done.returncode == 2
     assert "no cache budget configured" in done.stderr
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "1e300", "-1", "0"])
+def test_gc_refuses_a_budget_that_is_not_a_finite_positive_amount_as_usage(
+    host: Host, value: str
+) -> None:
+    done = host.run("gc", f"--budget-gib={value}", "--format", "json")
+    assert done.returncode == 2, done.stderr
+    assert "Invalid value for '--budget-gib'" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+    assert not host.cache.exists()  # refused before anything is created
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "1.0e+300"])
+def test_gc_refuses_a_configured_budget_beyond_any_byte_count(host: Host, value: str) -> None:
+    config = host.config(f"      budget_gib: {value}\n")
+    done = host.with_config(config, "gc", "--format", "json")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = envelope(done.stdout, "models.gc")["error"]
+    assert error["code"] == "invalid_config"
+    assert "proxy.model_host.cache.budget_gib" in done.stderr
 
 
 def test_gc_takes_the_budget_from_the_config_and_keeps_configured_artifacts(host: Host) -> None:
@@ -614,6 +739,19 @@ def test_a_tampered_artifact_fails_the_next_pull_closed(host: Host) -> None:
     (row,) = host.json("pull", "tiny", code=1)["artifacts"]
     assert row["error"]["code"] == "cache_corrupt"
     assert host.hub.requests == []  # never silently re-downloaded
+
+
+def test_a_corrupt_artifact_error_names_the_commands_that_repair_it(host: Host) -> None:
+    tiny = pulled(host, "tiny")
+    tamper(Path(tiny["snapshot_path"]) / "tiny-q4_k_m.gguf")
+    done = host.run("pull", "tiny")
+    assert done.returncode == 1
+    assert "cache_corrupt" in done.stderr
+    assert "Remove it with `sbproxy models remove tiny --variant q4_k_m`" in done.stderr
+    assert "`sbproxy models pull tiny --variant q4_k_m`" in done.stderr
+    # Following it repairs the cache.
+    assert host.run("remove", "tiny", "--variant", "q4_k_m").returncode == 0
+    assert pulled(host, "tiny", "--variant", "q4_k_m")["cache_hit"] is False
 
 
 def test_verify_text_names_the_corrupt_artifact(host: Host) -> None:

@@ -212,6 +212,38 @@ def test_bad_catalog_file_exits_2_naming_the_file_and_field(
     assert "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize("size", [2**53, 2**62, 10**30])
+@pytest.mark.parametrize("verb", [("list",), ("show", "acme-1b"), ("pull", "acme-1b")])
+def test_a_size_beyond_canonical_json_exits_2_naming_the_file_and_field(
+    tmp_path: Path, verb: tuple[str, ...], size: int
+) -> None:
+    # Past 2**53 - 1 the artifact digest's RFC 8785 canonical JSON cannot hold the size.
+    files = [{"path": "model.gguf", "sha256": "ab" * 32, "size_bytes": size}]
+    path = write(tmp_path / "huge.yaml", document(models={"acme-1b": entry(variant(files=files))}))
+    cache = ("--cache-dir", str(tmp_path / "cache")) if verb[0] == "pull" else ()
+    result = run(*verb, "--catalog-file", str(path), *cache, "--format", "json")
+    assert result.exit_code == 2, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "invalid_catalog"
+    assert error["field"] == "models.acme-1b.variants[0].files[0].size_bytes"
+    assert str(path) in error["error"]
+    assert "at most 9007199254740991 (2**53 - 1)" in result.stderr
+
+
+@pytest.mark.parametrize("text", ["", "  \n\n   \n", "\t\n"])
+@pytest.mark.parametrize("verb", [("list",), ("show", "acme-1b"), ("pull", "acme-1b")])
+def test_an_empty_catalog_file_exits_2_as_an_empty_document(
+    tmp_path: Path, verb: tuple[str, ...], text: str
+) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text(text, encoding="utf-8")
+    cache = ("--cache-dir", str(tmp_path / "cache")) if verb[0] == "pull" else ()
+    result = run(*verb, "--catalog-file", str(path), *cache, "--format", "json")
+    assert result.exit_code == 2, result.output
+    assert json.loads(result.stdout)["error"]["code"] == "invalid_catalog"
+    assert f"{path}: invalid catalog: empty document" in result.stderr
+
+
 def test_missing_catalog_file_exits_2_naming_the_path(tmp_path: Path) -> None:
     path = tmp_path / "absent.yaml"
     result = run("list", "--catalog-file", str(path))
@@ -252,6 +284,30 @@ def test_text_list_is_an_aligned_table(small_cpu_worker: WorkerProfile) -> None:
         for line in body
     )
     assert "worker: cpu" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("size", "shown"),
+    [(512, "512 B"), (12 * 1024, "12.0 KiB"), (3 * 2**20 // 2, "1.5 MiB"), (5 * 2**30, "5.0 GiB")],
+)
+def test_text_sizes_are_human_readable_and_json_keeps_exact_bytes(
+    small_cpu_worker: WorkerProfile, tmp_path: Path, size: int, shown: str
+) -> None:
+    files = [{"path": "model.gguf", "sha256": "ab" * 32, "size_bytes": size}]
+    doc = document(models={"acme-1b": entry(variant(files=files, min_memory_bytes=size))})
+    path = write(tmp_path / "ops.yaml", doc)
+    result = run("list", "--catalog-file", str(path))
+    assert result.exit_code == 0, result.output
+    header, row = result.stdout.splitlines()[:2]
+    assert row[header.index("SIZE") :].startswith(shown + " ")
+    assert row[header.index("MEMORY") :].startswith(shown + " ")
+    (listed,) = run_json("list", "--catalog-file", str(path))["models"]
+    assert listed["exact_size_bytes"] == size
+    assert listed["estimated_memory_bytes"] == size
+    text = run("show", "acme-1b", "--catalog-file", str(path)).stdout
+    assert f"Q4_K_M, {shown}, stable" in text
+    assert f"{shown} memory" in text
+    assert f"model.gguf  {size} bytes" in text
 
 
 def test_bare_models_lists(small_cpu_worker: WorkerProfile) -> None:

@@ -184,6 +184,24 @@ def test_bad_keep_alive_duration(errors_at: ErrorsAt) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("line", "field", "needle"),
+    [
+        ("max_context: 4611686018427387904", "max_context", "less than or equal to 4294967295"),
+        ("max_context: 1000000000000000000000000000000", "max_context", "less than or equal"),
+        ("keep_alive: 4611686018427387904", "keep_alive", "at most 31622400 (366 days)"),
+        ("keep_alive: 400d", "keep_alive", "at most 31622400 (366 days)"),
+    ],
+)
+def test_huge_serve_entry_integers_are_refused_not_a_canonical_json_crash(
+    errors_at: ErrorsAt, line: str, field: str, needle: str
+) -> None:
+    # The entry is hashed as RFC 8785 JSON into the deployment id, which holds at most 2**53-1.
+    serve = SERVE.replace("keep_alive: 30m", line)
+    found = errors_at("origins:\n" + origin("localhost", serve=serve))
+    assert needle in found[f"origins.localhost.action.providers[0].serve.models[0].{field}"]
+
+
 def test_provider_models_must_be_served(errors_at: ErrorsAt) -> None:
     found = errors_at("origins:\n" + origin("localhost", serve=SERVE, models="[qwen, llama]"))
     assert (

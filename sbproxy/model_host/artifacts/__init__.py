@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from sbproxy.model_host.artifacts.cache import ArtifactCache, CachedFile, CachedMetadata, CacheState
-from sbproxy.model_host.artifacts.layout import CacheLayout, resolve_cache_root
+from sbproxy.model_host.artifacts.layout import (
+    CacheLayout,
+    check_cache_writable,
+    resolve_cache_root,
+    unusable_cache_dir,
+)
 
 __all__ = [
     "ArtifactCache",
@@ -11,5 +16,7 @@ __all__ = [
     "CacheState",
     "CachedFile",
     "CachedMetadata",
+    "check_cache_writable",
     "resolve_cache_root",
+    "unusable_cache_dir",
 ]

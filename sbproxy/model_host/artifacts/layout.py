@@ -9,13 +9,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from sbproxy.errors import SbproxyError
 
-__all__ = ["CacheLayout", "resolve_cache_root"]
+__all__ = ["CacheLayout", "check_cache_writable", "resolve_cache_root", "unusable_cache_dir"]
 
 ENV_CACHE_DIR = "SBPROXY_CACHE_DIR"
 SYSTEM_CACHE_DIR = Path("/var/lib/sbproxy/models")
@@ -61,6 +62,43 @@ class CacheLayout:
     def engines(self) -> Path:
         """Acquired or built engine binaries."""
         return self.root / "engines"
+
+
+def unusable_cache_dir(root: Path, exc: OSError, *, at: Path | None = None) -> SbproxyError:
+    """The ``invalid_cache_dir`` error for an ``OSError`` met while preparing ``root``.
+
+    The message names the cache root, the path the OS refused (``at``, else the error's
+    file name, when it differs from the root) and the OS reason (``Read-only file system``,
+    ``Permission denied``, ``Not a directory`` ...).
+    """
+    refused = str(at) if at is not None else exc.filename
+    where = f" ({refused})" if refused and str(refused) != str(root) else ""
+    reason = exc.strerror or str(exc)
+    return SbproxyError(
+        f"cannot use the cache directory {root}: {reason}{where}.",
+        code="invalid_cache_dir",
+        remediation="Make it a writable directory for this user (a read-only file system "
+        "cannot hold the cache), or choose another with --cache-dir or "
+        "proxy.model_host.cache.directory.",
+        details={"path": str(root), "errno": exc.errno},
+    )
+
+
+def check_cache_writable(layout: CacheLayout) -> None:
+    """Create (then drop) an unnamed file under the root, so that a root on a read-only
+    file system, or one this user may not write, is refused before any work starts.
+
+    Creating the layout's directories is not enough: ``mkdir`` of an existing directory
+    succeeds even where nothing can be written.
+
+    Raises:
+        SbproxyError: ``invalid_cache_dir`` naming the root and the OS reason.
+    """
+    try:
+        with tempfile.TemporaryFile(dir=layout.locks):
+            pass
+    except OSError as exc:
+        raise unusable_cache_dir(layout.root, exc, at=layout.locks) from exc
 
 
 def _writable_ancestor(path: Path) -> bool:

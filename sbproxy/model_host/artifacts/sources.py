@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from sbproxy.model_host.artifacts.errors import SourceError
 from sbproxy.redact import register_secret
@@ -101,9 +101,33 @@ def parse_source(text: str) -> Source:
 
 
 def hf_endpoint(environ: Mapping[str, str] | None = None) -> str:
-    """``HF_ENDPOINT`` or the public hub."""
+    """``HF_ENDPOINT`` or the public hub.
+
+    Raises:
+        SourceError: ``invalid_endpoint`` when the endpoint carries credentials
+            (``http://user:secret@host``): the URL of every file is journaled and kept in
+            resume state, so they would be stored in plain text. The message shows the URL
+            with its user information replaced by ``***``.
+    """
     env = os.environ if environ is None else environ
-    return (env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
+    endpoint = (env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
+    parts = urlsplit(endpoint)
+    if "@" in parts.netloc:
+        userinfo, _, hostport = parts.netloc.rpartition("@")
+        # Belt and braces: whatever else prints an error, the secret is redacted there too.
+        register_secret(userinfo)
+        if parts.password:
+            register_secret(parts.password)
+        shown = urlunsplit(parts._replace(netloc=f"***@{hostport}"))
+        raise SourceError(
+            f"HF_ENDPOINT {shown} carries credentials; credentials in HF_ENDPOINT are not "
+            "supported (file URLs are journaled).",
+            code="invalid_endpoint",
+            remediation="Remove the user:password@ part from HF_ENDPOINT and put the token in "
+            "HF_TOKEN, which is sent only as an Authorization: Bearer header.",
+            details={"endpoint": shown},
+        )
+    return endpoint
 
 
 def hf_token(environ: Mapping[str, str] | None = None) -> str | None:

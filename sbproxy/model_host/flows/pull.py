@@ -258,6 +258,18 @@ def _tasks(request: PullInput, cache: ArtifactCache) -> tuple[FileTask, ...]:
     return tuple(tasks)
 
 
+def _corrupt(artifact: ResolvedArtifact, reason: str) -> CacheCorrupt:
+    """``cache_corrupt`` for a published artifact, with the commands that repair it."""
+    model, variant = artifact.logical_model, artifact.variant_id
+    return CacheCorrupt(
+        f"the cached artifact {artifact.digest} ({model}:{variant}) is corrupt: {reason}",
+        remediation=f"Remove it with `sbproxy models remove {model} --variant {variant}`, then "
+        f"pull it again with `sbproxy models pull {model} --variant {variant}` (with the same "
+        "--cache-dir, --catalog-file or -f options).",
+        details={"artifact_digest": artifact.digest, "model": model, "variant": variant},
+    )
+
+
 @step("plan")
 async def plan_pull(ctx: StepContext, request: PullInput) -> Plan:
     """Classify the cache and decide what to fetch.
@@ -268,13 +280,13 @@ async def plan_pull(ctx: StepContext, request: PullInput) -> Plan:
     artifact = request.artifact
     state = cache.lookup(artifact)
     if state.kind == "corrupt":
-        raise CacheCorrupt(
-            f"the cached artifact {artifact.digest} is corrupt: {state.reason}",
-            remediation="Remove it with `sbproxy models remove` and pull again.",
-        )
+        raise _corrupt(artifact, str(state.reason))
     metadata = state.metadata
     if state.kind == "ready" and metadata is not None:
-        await anyio.to_thread.run_sync(lambda: cache.verify(metadata))
+        try:
+            await anyio.to_thread.run_sync(lambda: cache.verify(metadata))
+        except CacheCorrupt as exc:
+            raise _corrupt(artifact, exc.message) from exc
         if request.local_files:
             # An import of a cached artifact must still be the file the catalog pins.
             await anyio.to_thread.run_sync(_check_local_files, request)

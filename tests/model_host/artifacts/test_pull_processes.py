@@ -9,12 +9,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
+from sbproxy.model_host.artifacts.errors import SourceError
+from sbproxy.model_host.artifacts.sources import hf_endpoint
 from tests.support.hf_server import HfMirror
 
 REPO = "acme/crash-GGUF"
@@ -257,3 +260,80 @@ def test_hf_token_never_reaches_the_cache_or_the_logs(tmp_path: Path, mirror: Hf
     for path in (tmp_path / "other").rglob("*"):
         if path.is_file():
             assert token.encode() not in path.read_bytes(), path
+
+
+@pytest.mark.parametrize("userinfo", ["user:{secret}", "{secret}", "user:{secret}:more"])
+def test_hf_endpoint_with_credentials_is_refused_before_anything_is_written(
+    tmp_path: Path, mirror: HfMirror, userinfo: str
+) -> None:
+    secret = "Sup3rSecretEndpointPassw0rd"
+    data = hashlib.shake_256(b"endpoint").digest(100_000)
+    mirror.add_file(REPO, REVISION, FILE, data)
+    catalog = write_catalog(tmp_path / "catalog.yaml", data)
+    endpoint = mirror.url.replace("://", f"://{userinfo.format(secret=secret)}@", 1)
+    done = subprocess.run(
+        pull_command(tmp_path, catalog),
+        env=child_env(mirror, HF_ENDPOINT=endpoint),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    error = json.loads(done.stdout)["error"]
+    assert error["code"] == "invalid_endpoint"
+    assert "credentials in HF_ENDPOINT are not supported" in error["error"]
+    assert "HF_TOKEN" in error["remediation"]
+    assert f"http://***@127.0.0.1:{mirror.port}" in error["error"]
+    assert secret not in done.stdout + done.stderr
+    assert mirror.requests == []
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    assert not (tmp_path / "cache").exists()
+
+
+def test_hf_endpoint_with_credentials_fails_a_step_without_building_a_url() -> None:
+    # The server's pulls read HF_ENDPOINT inside the job: the same refusal, never a URL.
+    with pytest.raises(SourceError) as info:
+        hf_endpoint({"HF_ENDPOINT": "https://me:Passw0rdInUrl@hub.example:8443/"})
+    assert info.value.code == "invalid_endpoint"
+    assert "Passw0rdInUrl" not in str(info.value)
+    assert "https://***@hub.example:8443" in str(info.value)
+    assert hf_endpoint({"HF_ENDPOINT": "https://hub.example/"}) == "https://hub.example"
+
+
+def test_ctrl_c_during_a_pull_exits_130_and_the_rerun_resumes_the_same_job(
+    tmp_path: Path, mirror: HfMirror
+) -> None:
+    data = hashlib.shake_256(b"interrupt").digest(4 * 1024 * 1024)
+    mirror.add_file(REPO, REVISION, FILE, data, throttle_bps=512 * 1024)  # about 8 s
+    catalog = write_catalog(tmp_path / "catalog.yaml", data)
+    command = pull_command(tmp_path, catalog)
+    child = subprocess.Popen(
+        command, env=child_env(mirror), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while mirror.bytes_served() == 0 and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child.poll() is None, child.communicate()
+    child.send_signal(signal.SIGINT)
+    stdout, stderr = child.communicate(timeout=60)
+    assert child.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "Aborted!" not in stderr
+    assert "sbproxy models pull: interrupted" in stderr
+    assert "resumes under the same job" in stderr
+    assert stdout == ""
+    (first,) = journal_jobs(tmp_path)
+    assert first["status"] != "succeeded"
+
+    mirror.entry(REPO, REVISION, FILE).throttle_bps = None
+    resumed = subprocess.run(
+        command, env=child_env(mirror), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    (artifact,) = json.loads(resumed.stdout)["artifacts"]
+    assert artifact["job_id"] == first["id"]
+    assert (Path(artifact["snapshot_path"]) / FILE).read_bytes() == data
