@@ -45,11 +45,18 @@ from pydantic import (
     model_validator,
 )
 
-from sbproxy.catalog import Catalog, EngineKind, ResolvedArtifact, pinned_artifact
+from sbproxy.catalog import (
+    MAX_DIGESTED_INT,
+    Catalog,
+    EngineKind,
+    ResolvedArtifact,
+    pinned_artifact,
+)
 from sbproxy.config import CompiledConfig
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
 from sbproxy.model_host.artifacts import ArtifactCache
-from sbproxy.model_host.artifacts.cache import fsync_dir
+from sbproxy.model_host.artifacts.cache import CacheState, fsync_dir
+from sbproxy.model_host.artifacts.errors import CacheCorrupt
 from sbproxy.model_host.service import ModelHostService, Selection
 
 __all__ = [
@@ -100,7 +107,9 @@ class LockedFile(BaseModel):
 
     path: NonEmpty = Field(description="Path relative to the artifact's snapshot.")
     sha256: Hex64 = Field(description="Lowercase hex SHA-256 of the file's bytes.")
-    size_bytes: int = Field(ge=0, description="Exact size in bytes.")
+    size_bytes: int = Field(
+        ge=0, le=MAX_DIGESTED_INT, description="Exact size in bytes (as the catalog bounds it)."
+    )
 
 
 class LockedEngine(BaseModel):
@@ -137,7 +146,9 @@ class Lockfile(BaseModel):
     model_config = _STRICT
 
     schema_version: Literal[1] = Field(description="Lockfile format version; always 1.")
-    generated_at_ms: int = Field(ge=0, description="When it was written, ms since the epoch.")
+    generated_at_ms: int = Field(
+        ge=0, le=2**63 - 1, description="When it was written, ms since the epoch."
+    )
     catalog_revision: NonEmpty = Field(description="Revision of the catalog it was made from.")
     models: tuple[LockedModel, ...] = Field(description="Locked artifacts by (name, variant_id).")
 
@@ -240,6 +251,13 @@ def write_lock(lock: Lockfile, path: Path) -> None:
         LockfileError: ``lockfile_write_failed`` (nothing at ``path`` changed).
     """
     directory = path.parent
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise LockfileError(
+            f"cannot write lockfile {path}: it exists and is not a regular file.",
+            code="lockfile_write_failed",
+            remediation="Pass --out with a regular file path (links and devices are refused).",
+            details={"path": str(path)},
+        )
     try:
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     except OSError as exc:
@@ -281,6 +299,9 @@ def read_lock(path: Path) -> Lockfile:
             ``invalid_lockfile`` when it is unreadable, not JSON, not ``schema_version`` 1,
             or a field is missing or malformed (the message names the dotted field).
     """
+    if path.exists() and not path.is_file():
+        # A FIFO would block the read for ever, a device could stream without end.
+        raise _invalid(path, None, "is not a regular file")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as exc:
@@ -298,6 +319,8 @@ def read_lock(path: Path) -> Lockfile:
         raise _invalid(
             path, None, f"is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
         ) from exc
+    except RecursionError:
+        raise _invalid(path, None, "nests JSON too deeply to be a lockfile") from None
     if not isinstance(data, dict):
         raise _invalid(path, None, "is not a JSON object")
     version = data.get("schema_version")
@@ -338,11 +361,14 @@ def _invalid(path: Path, field: str | None, problem: str) -> LockfileError:
 class LockStatus(StrEnum):
     """How one model compares with the lock.
 
-    ``ok``: resolves to the locked digest and is published in the cache. ``missing``: the
-    locked digest still holds but the cache lacks it (or holds only part of it, or a
-    corrupt copy). ``digest_mismatch``: the config and catalog now resolve to other bytes
-    (or to nothing). ``unlocked``: a configured deployment resolves to an artifact the lock
-    does not list. Every status but ``ok`` is drift.
+    ``ok``: resolves to the locked digest, the entry and engine match, and the artifact is
+    published and re-verified (size and BLAKE3). ``missing``: the locked digest still holds
+    but the cache lacks it (or holds only part of it, or a damaged copy).
+    ``digest_mismatch``: the config and catalog now resolve to other bytes (or to nothing),
+    the configured engine pin changed, or the entry's files, source, revision or catalog
+    revision do not match its digest (an edited lockfile). ``unlocked``: a configured
+    deployment resolves to an artifact the lock does not list. Every status but ``ok`` is
+    drift.
     """
 
     OK = "ok"
@@ -444,8 +470,13 @@ def _cache_check(
     """``ok`` or ``missing`` for an artifact whose digest matches the lock."""
     state = cache.lookup(artifact)
     label = f"sha256:{artifact.digest}"
+    if state.kind == "ready" and state.metadata is not None:
+        try:
+            cache.verify(state.metadata)  # size and BLAKE3 of every file, as a cache hit does
+        except CacheCorrupt as exc:
+            state = CacheState("corrupt", reason=exc.message)
     if state.kind == "ready":
-        status, detail = LockStatus.OK, f"{label} is published in the cache"
+        status, detail = LockStatus.OK, f"{label} is published in the cache and verified"
     elif state.kind == "partial":
         status = LockStatus.MISSING
         detail = (
@@ -467,14 +498,53 @@ def _mismatch(locked: LockedModel, detail: str) -> LockCheck:
     )
 
 
-def _compare(cache: ArtifactCache, locked: LockedModel, artifact: ResolvedArtifact) -> LockCheck:
+def _compare(
+    cache: ArtifactCache,
+    lock: Lockfile,
+    locked: LockedModel,
+    artifact: ResolvedArtifact,
+    engine: LockedEngine | None,
+) -> LockCheck:
+    """Digest, then the entry's own fields and engine, then the cache.
+
+    The digest alone is not enough: a hand-edited entry (other files, source or revision
+    under the same digest) would pass, so the entry must equal what the artifact locks to.
+    ``engine`` is what the configuration pins now (``None`` without a configuration).
+    """
     if artifact.digest != locked.artifact_digest:
         return _mismatch(
             locked,
             f"locked sha256:{locked.artifact_digest} but catalog {artifact.catalog_revision} "
             f"now pins sha256:{artifact.digest}",
         )
+    expected = _locked(artifact, engine or locked.engine)
+    edited = [
+        name
+        for name in ("source", "revision", "files")
+        if getattr(expected, name) != getattr(locked, name)
+    ]
+    if lock.catalog_revision != artifact.catalog_revision:
+        edited.append("catalog_revision")
+    if edited:
+        return _mismatch(
+            locked,
+            f"the lockfile's {', '.join(edited)} for sha256:{locked.artifact_digest} do not "
+            "match what that digest pins (was the lockfile edited?); regenerate it with "
+            "`sbproxy models lock`",
+        )
+    if expected.engine != locked.engine:
+        return _mismatch(
+            locked,
+            f"the engine changed: locked {_engine_text(locked.engine)}, the configuration now "
+            f"pins {_engine_text(expected.engine)}",
+        )
     return _cache_check(cache, locked, artifact)
+
+
+def _engine_text(engine: LockedEngine) -> str:
+    pins = [f"version {engine.version}"] if engine.version else []
+    pins += [f"image {engine.image}"] if engine.image else []
+    return f"{engine.kind.value} ({', '.join(pins) or 'no version pin'})"
 
 
 def _names(deployments: Sequence[str]) -> str:
@@ -505,7 +575,7 @@ def verify_lock(lock: Lockfile, service: ModelHostService) -> LockReport:
             checks.append(
                 _mismatch(locked, found)
                 if isinstance(found, str)
-                else _compare(cache, locked, found)
+                else _compare(cache, lock, locked, found, None)
             )
     else:
         resolved, failed = _configured_now(service, config)
@@ -514,7 +584,9 @@ def verify_lock(lock: Lockfile, service: ModelHostService) -> LockReport:
         for locked in lock.models:
             current = resolved.get((locked.name, locked.variant_id))
             if current is not None:
-                checks.append(_compare(cache, locked, current.selection.artifact))
+                artifact = current.selection.artifact
+                engine = _engine_of(config, artifact.engine)
+                checks.append(_compare(cache, lock, locked, artifact, engine))
                 continue
             moved = {
                 other: found

@@ -420,3 +420,85 @@ def test_a_bad_lockfile_exits_2_with_its_reason_code_and_the_file(
     assert error.get("field") == field
     assert needle in error["error"]
     assert str(path) in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        (("models", 0, "files", 0, "sha256"), "0" * 64),
+        (("models", 0, "files"), []),
+        (("models", 0, "source"), "hf:evil/x"),
+        (("models", 0, "revision"), "main"),
+        (("catalog_revision",), "zzz"),
+    ],
+)
+def test_an_edited_lock_entry_under_its_digest_is_drift(
+    host: LockHost, field: tuple[str | int, ...], value: Any
+) -> None:
+    config = host.deployments({"chat": {"model": "tiny"}})
+    lock = _valid_lock(host)
+    assert host.with_config(config, "pull").returncode == 0
+    assert host.verify(config, code=0)["drift"] is False
+    edited = host.tmp / "edited.lock"
+    edited.write_text(json.dumps(_with(lock, field, value)), encoding="utf-8")
+    payload = host.verify(config, "--lockfile", str(edited), code=2)
+    (row,) = payload["models"]
+    assert row["status"] == "digest_mismatch"
+    assert "edited" in row["detail"]
+
+
+def test_a_changed_engine_pin_is_drift(host: LockHost) -> None:
+    config = host.deployments({"chat": {"model": "tiny"}})
+    host.lock(config)
+    assert host.with_config(config, "pull").returncode == 0
+    repinned = host.deployments(
+        {"chat": {"model": "tiny"}},
+        engines="    engines:\n      llama_cpp:\n        version: b1234\n",
+    )
+    (row,) = host.verify(repinned, code=2)["models"]
+    assert row["status"] == "digest_mismatch"
+    assert "engine changed" in row["detail"] and "b1234" in row["detail"]
+
+
+def test_a_damaged_cached_file_is_not_ok(host: LockHost) -> None:
+    config = host.deployments({"chat": {"model": "tiny"}})
+    host.lock(config)
+    assert host.with_config(config, "pull").returncode == 0
+    snapshot = host.cache / "snapshots" / digest_of(host, "tiny", "q4_k_m") / "tiny-q4_k_m.gguf"
+    snapshot.chmod(0o644)
+    with snapshot.open("r+b") as handle:
+        handle.seek(10)
+        handle.write(b"\xff\xfe")
+    (row,) = host.verify(config, code=2)["models"]
+    assert row["status"] == "missing"
+    assert "unusable" in row["detail"] and "BLAKE3" in row["detail"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "deep"])
+def test_a_lockfile_that_cannot_be_one_is_refused_without_hanging(
+    host: LockHost, kind: str
+) -> None:
+    path = host.tmp / f"{kind}.lock"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text("[" * 100_000, encoding="utf-8")
+    done = host.run("verify-lock", "--lockfile", str(path), "--format", "json")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert envelope(done.stdout, "models.verify-lock")["error"]["code"] == "invalid_lockfile"
+
+
+def test_lock_out_refuses_a_link_or_a_device(host: LockHost) -> None:
+    config = host.deployments({"chat": {"model": "tiny"}})
+    target = host.tmp / "real.lock"
+    link = host.tmp / "link.lock"
+    link.symlink_to(target)
+    done = host.with_config(config, "lock", "--out", str(link), "--format", "json")
+    assert done.returncode == 1, done.stderr
+    assert envelope(done.stdout, "models.lock")["error"]["code"] == "lockfile_write_failed"
+    assert link.is_symlink() and not target.exists()
+    fifo = host.tmp / "fifo.lock"
+    os.mkfifo(fifo)
+    assert host.with_config(config, "lock", "--out", str(fifo)).returncode == 1
+    assert not fifo.is_file()
