@@ -111,7 +111,11 @@ def hf_endpoint(environ: Mapping[str, str] | None = None) -> str:
     """
     env = os.environ if environ is None else environ
     endpoint = (env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
-    parts = urlsplit(endpoint)
+    try:
+        parts = urlsplit(endpoint)
+        no_port = parts.port == 0  # reading the port parses it, and range-checks it
+    except ValueError as exc:
+        raise _bad_endpoint(f"HF_ENDPOINT is not a valid URL ({exc})") from None
     if "@" in parts.netloc:
         userinfo, _, hostport = parts.netloc.rpartition("@")
         # Belt and braces: whatever else prints an error, the secret is redacted there too.
@@ -127,7 +131,23 @@ def hf_endpoint(environ: Mapping[str, str] | None = None) -> str:
             "HF_TOKEN, which is sent only as an Authorization: Bearer header.",
             details={"endpoint": shown},
         )
+    if parts.scheme not in ("http", "https") or not parts.hostname or no_port:
+        raise _bad_endpoint("HF_ENDPOINT must be an http(s) URL with a host (and a port 1-65535)")
+    if parts.query or parts.fragment:
+        # Anything after ? or # would be journaled inside every file URL (and could be a
+        # token); an endpoint is a base URL only.
+        shown = urlunsplit(parts._replace(query="***" if parts.query else "", fragment=""))
+        raise _bad_endpoint(f"HF_ENDPOINT {shown} has a query or fragment; it must be a base URL")
     return endpoint
+
+
+def _bad_endpoint(problem: str) -> SourceError:
+    return SourceError(
+        f"{problem}.",
+        code="invalid_endpoint",
+        remediation="Set HF_ENDPOINT to the mirror's base URL, e.g. https://hf-mirror.example "
+        "(credentials go in HF_TOKEN).",
+    )
 
 
 def hf_token(environ: Mapping[str, str] | None = None) -> str | None:

@@ -337,3 +337,49 @@ def test_ctrl_c_during_a_pull_exits_130_and_the_rerun_resumes_the_same_job(
     (artifact,) = json.loads(resumed.stdout)["artifacts"]
     assert artifact["job_id"] == first["id"]
     assert (Path(artifact["snapshot_path"]) / FILE).read_bytes() == data
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "shown"),
+    [
+        ("http://[::1", "not a valid URL"),
+        ("http://127.0.0.1:99999", "not a valid URL"),
+        ("http://127.0.0.1:0", "port 1-65535"),
+        ("ftp://mirror.example", "http(s) URL"),
+        ("https://", "http(s) URL"),
+        ("http://127.0.0.1:8080/?token=hunter2SECRET", "query or fragment"),
+        ("http://127.0.0.1:8080/#frag", "query or fragment"),
+    ],
+)
+def test_a_malformed_hf_endpoint_is_invalid_endpoint(endpoint: str, shown: str) -> None:
+    from sbproxy.model_host.artifacts.errors import SourceError
+
+    with pytest.raises(SourceError) as info:
+        hf_endpoint({"HF_ENDPOINT": endpoint})
+    assert info.value.code == "invalid_endpoint"
+    assert shown in info.value.message
+    assert "hunter2SECRET" not in info.value.message
+
+
+def test_a_query_token_in_hf_endpoint_exits_2_and_is_stored_nowhere(
+    tmp_path: Path, mirror: HfMirror, payload: bytes
+) -> None:
+    mirror.add_file(REPO, REVISION, FILE, payload)
+    catalog = write_catalog(tmp_path / "catalog.yaml", payload)
+    env = child_env(mirror)
+    env["HF_ENDPOINT"] = f"{mirror.url}/?token=hunter2SECRET"
+    done = subprocess.run(
+        pull_command(tmp_path, catalog),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert json.loads(done.stdout)["error"]["code"] == "invalid_endpoint"
+    assert "hunter2SECRET" not in done.stdout + done.stderr
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert b"hunter2SECRET" not in path.read_bytes(), path
+    assert mirror.requests == []
