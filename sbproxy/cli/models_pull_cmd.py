@@ -336,12 +336,14 @@ def import_command(
 def local_files_for(selection: Selection, path: Path) -> dict[str, str]:
     """Map each file of the artifact to its local copy under ``path``.
 
-    The paths are made absolute but not resolved: a symbolic link must reach the import
-    job as a link so that it is refused there.
+    Symbolic links (the path itself, or anything between it and a file) and anything that
+    is not a regular file (a FIFO, a device) are refused here, as bad input; the import job
+    checks again when it copies.
 
     Raises:
-        SbproxyError: ``invalid_import_path`` when ``path`` does not exist, is a file for a
-            multi-file variant, or lacks one of the variant's files.
+        SbproxyError: ``invalid_import_path`` when ``path`` does not exist, is a link or not
+            a regular file, is a file for a multi-file variant, or lacks one of the
+            variant's files.
     """
     artifact = selection.artifact
     root = path.absolute()
@@ -357,6 +359,7 @@ def local_files_for(selection: Selection, path: Path) -> dict[str, str]:
                 f"{label(selection)} has {len(artifact.files)} files; pass the directory "
                 "that holds them."
             )
+        _regular(root)
         return {artifact.files[0].path: str(root)}
     found: dict[str, str] = {}
     missing = []
@@ -366,12 +369,20 @@ def local_files_for(selection: Selection, path: Path) -> dict[str, str]:
         if any(p.is_symlink() for p in linked):
             raise _bad_path(f"{candidate} is reached through a symbolic link; links are refused.")
         if candidate.exists() or candidate.is_symlink():
+            _regular(candidate)
             found[item.path] = str(candidate)
         else:
             missing.append(item.path)
     if missing:
         raise _bad_path(f"{path} lacks {', '.join(missing)} of {label(selection)}.")
     return found
+
+
+def _regular(path: Path) -> None:
+    if path.is_symlink():
+        raise _bad_path(f"{path} is a symbolic link; pass the file it points to.")
+    if not path.is_file():
+        raise _bad_path(f"{path} is not a regular file.")
 
 
 def _bad_path(message: str) -> SbproxyError:

@@ -542,10 +542,18 @@ def test_import_refuses_links_inside_what_it_imports(host: Host) -> None:
 def test_import_of_something_that_is_not_a_regular_file_says_so(host: Host) -> None:
     fifo = host.tmp / "pipe.gguf"
     os.mkfifo(fifo)
-    (row,) = host.json("import", str(fifo), "--model", "tiny", code=1)["artifacts"]
-    assert row["error"]["code"] == "invalid_source"
-    assert "is not a regular file" in row["error"]["message"]
-    assert "symbolic" not in row["error"]["message"]
+    error = host.json("import", str(fifo), "--model", "tiny", code=2)["error"]
+    assert error["code"] == "invalid_import_path"
+    assert "is not a regular file" in error["error"]
+    assert "symbolic" not in error["error"]
+    link = host.tmp / "link.gguf"
+    real = host.tmp / "real.gguf"
+    real.write_bytes(TINY)
+    link.symlink_to(real)
+    error = host.json("import", str(link), "--model", "tiny", code=2)["error"]
+    assert error["code"] == "invalid_import_path"
+    assert "symbolic link" in error["error"]
+    assert host.metadata() == []
 
 
 # --- remove ---------------------------------------------------------------------------------
