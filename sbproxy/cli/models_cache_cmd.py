@@ -321,6 +321,17 @@ def verify_command(
                     "problem": problem,
                 }
             )
+        if model is None:
+            rows.extend(
+                {
+                    "model": None,
+                    "variant": None,
+                    "artifact_digest": marker.stem,
+                    "ok": False,
+                    "problem": f"its metadata {marker} is unreadable or names another artifact",
+                }
+                for marker in service.cache.unreadable_markers()
+            )
         return rows
 
     rows = run_with_service(command, output_format, host, work)
@@ -329,7 +340,7 @@ def verify_command(
     elif not rows:
         click.echo(f"no cached artifacts{f' of {model}' if model else ''}")
     for row in rows if output_format != "json" else ():
-        name = f"{row['model']}:{row['variant']}"
+        name = f"{row['model']}:{row['variant']}" if row["model"] else "(unknown artifact)"
         if row["ok"]:
             click.echo(f"{name} ok (sha256:{row['artifact_digest']})")
         else:

@@ -770,6 +770,21 @@ def test_verify_text_names_the_corrupt_artifact(host: Host) -> None:
     assert done.stdout.startswith("tiny:q4_k_m CORRUPT: ")
 
 
+def test_verify_reports_an_unreadable_marker_instead_of_skipping_it(host: Host) -> None:
+    tiny = pulled(host, "tiny")
+    pulled(host, "small")
+    marker = host.cache / "metadata" / f"{tiny['artifact_digest']}.json"
+    marker.write_text("{x", encoding="utf-8")
+    payload = host.json("verify", code=1)
+    rows = {row["artifact_digest"]: row for row in payload["artifacts"]}
+    assert rows[tiny["artifact_digest"]]["ok"] is False
+    assert "unreadable" in rows[tiny["artifact_digest"]]["problem"]
+    assert [row["ok"] for d, row in rows.items() if d != tiny["artifact_digest"]] == [True]
+    text = host.run("verify")
+    assert text.returncode == 1
+    assert f"(unknown artifact) CORRUPT: its metadata {marker}" in text.stdout
+
+
 # --- list and show --------------------------------------------------------------------------
 
 

@@ -401,6 +401,21 @@ class ArtifactCache:
                 found.append(metadata)
         return found
 
+    def unreadable_markers(self) -> list[Path]:
+        """Ready markers that do not parse, or name another digest than their file name.
+
+        :meth:`published` skips them (they are not usable artifacts); ``models verify``
+        reports them as corrupt.
+        """
+        if not self.layout.metadata.is_dir():
+            return []
+        return [
+            marker
+            for marker in sorted(self.layout.metadata.glob("*.json"))
+            if (metadata := self.read_metadata(marker.stem)) is None
+            or metadata.artifact_digest != marker.stem
+        ]
+
     def referenced_blobs(self) -> set[str]:
         """SHA-256 of every blob some published artifact uses."""
         return {item.sha256 for meta in self.published() for item in meta.files}

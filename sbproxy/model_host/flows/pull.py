@@ -258,14 +258,34 @@ def _tasks(request: PullInput, cache: ArtifactCache) -> tuple[FileTask, ...]:
     return tuple(tasks)
 
 
-def _corrupt(artifact: ResolvedArtifact, reason: str) -> CacheCorrupt:
-    """``cache_corrupt`` for a published artifact, with the commands that repair it."""
+def _corrupt(artifact: ResolvedArtifact, reason: str, cache: ArtifactCache) -> CacheCorrupt:
+    """``cache_corrupt`` for a published artifact, with the commands that repair it.
+
+    Blobs are shared: when another published artifact links the same bytes, removing this
+    one alone keeps the damaged blob, so the advice names every artifact that shares one.
+    """
     model, variant = artifact.logical_model, artifact.variant_id
+    mine = {item.sha256 for item in artifact.files}
+    sharing = [
+        f"{other.logical_model}:{other.variant_id}"
+        for other in cache.published()
+        if other.artifact_digest != artifact.digest and mine & {f.sha256 for f in other.files}
+    ]
+    options = "(with the same --cache-dir, --catalog-file or -f options)"
+    if sharing:
+        remediation = (
+            f"Its files are shared with {', '.join(sharing)}: remove each of them and "
+            f"{model}:{variant} with `sbproxy models remove MODEL --variant VARIANT`, run "
+            f"`sbproxy models prune`, then pull again {options}."
+        )
+    else:
+        remediation = (
+            f"Remove it with `sbproxy models remove {model} --variant {variant}`, then pull it "
+            f"again with `sbproxy models pull {model} --variant {variant}` {options}."
+        )
     return CacheCorrupt(
         f"the cached artifact {artifact.digest} ({model}:{variant}) is corrupt: {reason}",
-        remediation=f"Remove it with `sbproxy models remove {model} --variant {variant}`, then "
-        f"pull it again with `sbproxy models pull {model} --variant {variant}` (with the same "
-        "--cache-dir, --catalog-file or -f options).",
+        remediation=remediation,
         details={"artifact_digest": artifact.digest, "model": model, "variant": variant},
     )
 
@@ -280,13 +300,13 @@ async def plan_pull(ctx: StepContext, request: PullInput) -> Plan:
     artifact = request.artifact
     state = cache.lookup(artifact)
     if state.kind == "corrupt":
-        raise _corrupt(artifact, str(state.reason))
+        raise _corrupt(artifact, str(state.reason), cache)
     metadata = state.metadata
     if state.kind == "ready" and metadata is not None:
         try:
             await anyio.to_thread.run_sync(lambda: cache.verify(metadata))
         except CacheCorrupt as exc:
-            raise _corrupt(artifact, exc.message) from exc
+            raise _corrupt(artifact, exc.message, cache) from exc
         if request.local_files:
             # An import of a cached artifact must still be the file the catalog pins.
             await anyio.to_thread.run_sync(_check_local_files, request)

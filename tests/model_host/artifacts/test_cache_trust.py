@@ -141,3 +141,36 @@ async def test_an_edited_identity_is_corrupt(tmp_path: Path, mirror: HfMirror, w
     job = await pull(tmp_path, PullInput(artifact=artifact))
     assert_corrupt(job, "does not describe")
     assert mirror.requests == []
+
+
+async def test_the_repair_advice_for_a_shared_damaged_blob_names_every_sharer_and_works(
+    tmp_path: Path, mirror: HfMirror
+) -> None:
+    from sbproxy.model_host.flows import GcInput, RemoveInput, prune_workflow, remove_workflow
+
+    data = payload(5)
+    first = make_artifact({"model.gguf": data}, model="first")
+    second = make_artifact({"model.gguf": data}, model="second")
+    mirror.add_file(REPO, REVISION, "model.gguf", data)
+    for artifact in (first, second):
+        assert (await pull(tmp_path, PullInput(artifact=artifact))).status == JobStatus.SUCCEEDED
+    damage(blob_of(tmp_path, data))
+
+    job = await pull(tmp_path, PullInput(artifact=first))
+    assert_corrupt(job)
+    assert job.error is not None
+    advice = job.error.message
+    assert "second:q4_k_m" in advice and "sbproxy models prune" in advice
+
+    async with pull_engine(tmp_path) as (engine, _):
+        for key, request in (
+            ("r1", RemoveInput(digest=first.digest)),
+            ("r2", RemoveInput(digest=second.digest)),
+        ):
+            submitted = await engine.submit(remove_workflow, request, idempotency_key=key)
+            assert (await engine.run_job(submitted.job.id)).status == JobStatus.SUCCEEDED
+        submitted = await engine.submit(prune_workflow, GcInput(budget_bytes=0))
+        assert (await engine.run_job(submitted.job.id)).status == JobStatus.SUCCEEDED
+    repaired = await pull(tmp_path, PullInput(artifact=first))
+    assert repaired.status == JobStatus.SUCCEEDED, repaired.error
+    assert (tmp_path / "snapshots" / first.digest / "model.gguf").read_bytes() == data
