@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from sbproxy import __version__
 from sbproxy.cli._lazy import LazyGroup, defer_collection
+from sbproxy.cli._output import emit_json
 
 __all__ = ["cli", "main"]
 
@@ -38,6 +41,34 @@ def cli() -> None:
 
 
 def main() -> None:
-    """Console-script entry point (collection paused while the command imports, see ``_lazy``)."""
+    """Console-script entry point (collection paused while the command imports, see ``_lazy``).
+
+    Usage errors click finds while it parses options (a bad ``--budget-gib``, a
+    ``--lockfile`` that is a directory) keep their message on stderr and exit 2; when the
+    command line asks for ``--format json`` they are also one JSON object on stdout, like
+    every other error (``{"ok": false, "error": {"code": "usage", ...}}``).
+    """
     defer_collection()
-    cli(prog_name="sbproxy")
+    try:
+        outcome = cli.main(prog_name="sbproxy", standalone_mode=False)
+    except click.ClickException as exc:
+        if _wants_json(sys.argv[1:]):
+            path = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx else ""
+            command = ".".join(path.split()[1:]) or "sbproxy"
+            emit_json(command, {"ok": False, "error": _usage_error(exc)})
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("Aborted!", err=True)
+        sys.exit(1)
+    sys.exit(outcome if isinstance(outcome, int) else 0)
+
+
+def _wants_json(args: list[str]) -> bool:
+    """Whether the command line asks for JSON output (``--format json`` or ``--format=json``)."""
+    pairs = zip(args, [*args[1:], ""], strict=True)
+    return "--format=json" in args or any(a == "--format" and b == "json" for a, b in pairs)
+
+
+def _usage_error(exc: click.ClickException) -> dict[str, object]:
+    return {"code": "usage", "error": exc.format_message(), "retryable": False}

@@ -673,7 +673,7 @@ def test_gc_refuses_a_budget_that_is_not_a_finite_positive_amount_as_usage(
     assert done.returncode == 2, done.stderr
     assert "Invalid value for '--budget-gib'" in done.stderr
     assert "Traceback" not in done.stderr
-    assert done.stdout == ""
+    assert envelope(done.stdout, "models.gc")["error"]["code"] == "usage"
     assert not host.cache.exists()  # refused before anything is created
 
 
