@@ -167,7 +167,8 @@ def prune_command(
     )
 
     async def work(service: ModelHostService) -> tuple[PruneReport, int, str | None]:
-        before = service.cache.blob_bytes()
+        # What prune can free: blobs and partial downloads.
+        before = service.cache.blob_bytes() + service.cache.partial_bytes()
         if dry_run:
             return await service.prune_preview(), before, None
         report, job = await service.prune()

@@ -785,6 +785,20 @@ def test_verify_reports_an_unreadable_marker_instead_of_skipping_it(host: Host) 
     assert f"(unknown artifact) CORRUPT: its metadata {marker}" in text.stdout
 
 
+def test_prune_deletes_a_failed_pulls_partial_and_counts_it_before(host: Host) -> None:
+    host.hub.add_file(SHARDED_REPO, COMMIT, "model.safetensors", os.urandom(150_000))  # not pinned
+    failed = host.json("pull", "sharded", code=1)
+    assert failed["artifacts"][0]["error"]["code"] == "digest_mismatch"
+    assert (host.cache / "partials").is_dir() and any((host.cache / "partials").iterdir())
+    preview = host.json("prune", "--dry-run")
+    report = host.json("prune")
+    assert report["abandoned_partials"] == preview["abandoned_partials"] == 1
+    assert report["orphan_blobs"] == 1  # config.json, promoted before the failure
+    assert report["reclaimed_bytes"] == preview["reclaimed_bytes"] <= report["before_bytes"]
+    assert not any((host.cache / "partials").iterdir())
+    assert list((host.cache / "blobs" / "sha256").iterdir()) == []
+
+
 # --- list and show --------------------------------------------------------------------------
 
 

@@ -447,3 +447,9 @@ class ArtifactCache:
         if not self.layout.blobs.is_dir():
             return 0
         return sum(p.stat().st_size for p in self.layout.blobs.iterdir() if p.is_file())
+
+    def partial_bytes(self) -> int:
+        """Bytes of unfinished downloads under ``partials/`` (resume state included)."""
+        if not self.layout.partials.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in self.layout.partials.rglob("*") if p.is_file())
