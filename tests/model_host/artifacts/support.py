@@ -10,7 +10,8 @@ from pathlib import Path
 from sbproxy.catalog import ArtifactFile, ArtifactFormat, EngineKind, ResolvedArtifact, Stability
 from sbproxy.catalog import artifact_digest as compute_digest
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
-from sbproxy.model_host.flows import registry
+from sbproxy.model_host.flows import PullInput, pull_workflow, registry
+from sbproxy.store import JobRecord
 from sbproxy.workflows import LeaseSettings, WorkflowEngine
 
 REPO = "acme/tiny-GGUF"
@@ -61,3 +62,12 @@ async def pull_engine(root: Path) -> AsyncIterator[tuple[WorkflowEngine, Artifac
         yield engine, cache
     finally:
         await engine.close()
+
+
+async def pull(root: Path, request: PullInput) -> JobRecord:
+    """Run one pull job to its end on a fresh engine over the cache at ``root``."""
+    async with pull_engine(root) as (engine, _):
+        submitted = await engine.submit(
+            pull_workflow, request, idempotency_key=request.artifact.digest
+        )
+        return await engine.run_job(submitted.job.id)

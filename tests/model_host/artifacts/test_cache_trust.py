@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from sbproxy.model_host.flows import PullInput, pull_workflow
+from sbproxy.model_host.flows import PullInput
 from sbproxy.store import JobRecord, JobStatus
-from tests.model_host.artifacts.support import REPO, REVISION, make_artifact, pull_engine
+from tests.model_host.artifacts.support import REPO, REVISION, make_artifact, pull, pull_engine
 from tests.support.hf_server import HfMirror
 
 pytestmark = pytest.mark.anyio
@@ -33,14 +33,6 @@ def mirror(monkeypatch: pytest.MonkeyPatch) -> Iterator[HfMirror]:
 
 def payload(seed: int, size: int = 200_000) -> bytes:
     return hashlib.shake_256(seed.to_bytes(4, "big")).digest(size)
-
-
-async def pull(root: Path, request: PullInput) -> JobRecord:
-    async with pull_engine(root) as (engine, _):
-        submitted = await engine.submit(
-            pull_workflow, request, idempotency_key=request.artifact.digest
-        )
-        return await engine.run_job(submitted.job.id)
 
 
 def damage(path: Path) -> None:

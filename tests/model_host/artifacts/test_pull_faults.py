@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from sbproxy.catalog import ArtifactFormat
-from sbproxy.model_host.flows import PullInput, PullIntent, pull_workflow
-from sbproxy.store import JobRecord, JobStatus
+from sbproxy.model_host.flows import PullInput, PullIntent
+from sbproxy.store import JobStatus
 from sbproxy.workflows import arm, disarm_all
-from tests.model_host.artifacts.support import REPO, REVISION, make_artifact, pull_engine
+from tests.model_host.artifacts.support import REPO, REVISION, make_artifact, pull
 from tests.support.hf_server import HfMirror
 
 pytestmark = pytest.mark.anyio
@@ -41,14 +41,6 @@ def _no_faults() -> Iterator[None]:
 
 def payload(seed: int = 1, size: int = SIZE) -> bytes:
     return hashlib.shake_256(seed.to_bytes(4, "big")).digest(size)
-
-
-async def pull(root: Path, request: PullInput) -> JobRecord:
-    async with pull_engine(root) as (engine, _):
-        submitted = await engine.submit(
-            pull_workflow, request, idempotency_key=request.artifact.digest
-        )
-        return await engine.run_job(submitted.job.id)
 
 
 def snapshot_bytes(root: Path, digest: str, path: str = "model.gguf") -> bytes:

@@ -111,18 +111,20 @@ def journal_jobs(tmp_path: Path) -> list[dict[str, object]]:
         return [dict(row) for row in raw.execute("SELECT id, kind, status, attempt FROM jobs")]
 
 
-@pytest.mark.slow
-def test_sigkilled_pull_resumes_under_the_same_job_id(
-    tmp_path: Path, mirror: HfMirror, payload: bytes
-) -> None:
-    # Throttled so that time-based checkpoints (every 2 s) happen mid-file.
+def killed_pull(
+    tmp_path: Path, mirror: HfMirror, payload: bytes, *, checkpoint: int
+) -> tuple[list[str], dict[str, object]]:
+    """A pull SIGKILLed at its ``checkpoint``-th durable checkpoint: its argv and its job.
+
+    The file is throttled so that time-based checkpoints (every 2 s) happen mid-file; the
+    first checkpoint is at byte 0, so the third comes about 4 s in.
+    """
     mirror.add_file(REPO, REVISION, FILE, payload, throttle_bps=8 * 1024 * 1024)
     catalog = write_catalog(tmp_path / "catalog.yaml", payload)
     command = pull_command(tmp_path, catalog)
-    # Killed at the third durable checkpoint (the first is at byte 0): about 4 s in.
     killed = subprocess.run(
         command,
-        env=child_env(mirror, SBPROXY_FAULT_POINTS="download.checkpoint=3"),
+        env=child_env(mirror, SBPROXY_FAULT_POINTS=f"download.checkpoint={checkpoint}"),
         capture_output=True,
         text=True,
         timeout=120,
@@ -130,6 +132,14 @@ def test_sigkilled_pull_resumes_under_the_same_job_id(
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     (first,) = journal_jobs(tmp_path)
+    return command, first
+
+
+@pytest.mark.slow
+def test_sigkilled_pull_resumes_under_the_same_job_id(
+    tmp_path: Path, mirror: HfMirror, payload: bytes
+) -> None:
+    command, first = killed_pull(tmp_path, mirror, payload, checkpoint=3)
     assert first["status"] == "running"
     served_before = mirror.bytes_served()
 
@@ -157,19 +167,7 @@ def test_an_offline_pull_does_not_finish_a_crashed_download(
     tmp_path: Path, mirror: HfMirror, payload: bytes
 ) -> None:
     """`--offline` joining the unfinished job of a killed online pull refuses, and leaves it."""
-    mirror.add_file(REPO, REVISION, FILE, payload, throttle_bps=8 * 1024 * 1024)
-    catalog = write_catalog(tmp_path / "catalog.yaml", payload)
-    command = pull_command(tmp_path, catalog)
-    killed = subprocess.run(
-        command,
-        env=child_env(mirror, SBPROXY_FAULT_POINTS="download.checkpoint=2"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    (first,) = journal_jobs(tmp_path)
+    command, first = killed_pull(tmp_path, mirror, payload, checkpoint=2)
     requests_before = len(mirror.requests)
 
     offline = subprocess.run(
