@@ -82,6 +82,7 @@ _STATUS: Final[dict[str, int]] = {
     "superseded": 409,
     "source_mismatch": 409,
     "no_config_source": 409,
+    "lock_drift": 409,
 }
 _DEPLOYMENTS: Final = TypeAdapter(dict[Identifier, DeploymentConfig])
 MAX_DEPLOYMENTS = 1024

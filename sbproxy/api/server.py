@@ -45,6 +45,7 @@ from sbproxy.api.keys import KeyPlane
 from sbproxy.api.metrics import Rejections
 from sbproxy.config import CompiledConfig
 from sbproxy.errors import SbproxyError
+from sbproxy.model_host.lockfile import lock_guard
 from sbproxy.model_host.runtime.reload import reload_from_source
 
 __all__ = ["Listener", "build_servers", "loop_options", "run_served", "serve"]
@@ -205,6 +206,7 @@ async def serve(
     on_listening: Callable[[list[str]], None] | None = None,
     watch: Callable[[ServedHost], Coroutine[Any, Any, None]] | None = None,
     watch_config: bool = False,
+    lockfile: Path | None = None,
 ) -> None:
     """Run the host of ``compiled`` until SIGTERM or SIGINT (see the module docstring).
 
@@ -217,12 +219,16 @@ async def serve(
             SIGTERM.
         watch_config: Reload when the configuration file changes (``SIGHUP`` always
             reloads).
+        lockfile: ``serve --locked``: every file reload must still match this lockfile
+            (``lock_drift`` refuses it and changes nothing); the start was checked already.
 
     Raises:
         SbproxyError: ``listen_failed`` when a listener cannot start (port in use, ...).
     """
     failed = False
     async with open_host(compiled, cache_dir=cache_dir) as host:
+        if lockfile is not None:
+            host.manager.config_guard = lock_guard(lockfile, host.manager)
         servers, _, _ = build_servers(compiled, host)
         async with anyio.create_task_group() as group:
             group.start_soon(_on_signals, servers, host)

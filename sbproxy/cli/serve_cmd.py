@@ -64,7 +64,8 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool, locked
     prepared in full before any route changes, and a bad candidate changes nothing.
 
     With --locked, nothing starts (exit 2) when the lockfile is missing or invalid, or a
-    model drifted from it (see `sbproxy models verify-lock`).
+    model drifted from it (see `sbproxy models verify-lock`); later reloads of the file are
+    checked the same way and refused (lock_drift) when they drift.
     """
     from sbproxy.api.server import run_served, serve
 
@@ -91,11 +92,18 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool, locked
                 cache_dir=cache_dir.absolute() if cache_dir else None,
                 on_listening=listening,
                 watch_config=watch,
+                lockfile=_lock_path(config_file) if locked else None,
             )
         )
     except SbproxyError as exc:
         click.echo(f"serve: {exc} ({exc.code})", err=True)
         sys.exit(2 if exc.code == "invalid_config" else 1)
+
+
+def _lock_path(config_file: Path) -> Path:
+    from sbproxy.model_host.lockfile import default_lock_path
+
+    return default_lock_path(config_file)
 
 
 def _check_lock(config_file: Path, compiled: CompiledConfig, cache_dir: Path | None) -> None:

@@ -30,12 +30,13 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
+import anyio.to_thread
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -50,6 +51,7 @@ from sbproxy.catalog import (
     Catalog,
     EngineKind,
     ResolvedArtifact,
+    load_catalog,
     pinned_artifact,
 )
 from sbproxy.config import CompiledConfig
@@ -57,6 +59,7 @@ from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
 from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.artifacts.cache import CacheState, fsync_dir
 from sbproxy.model_host.artifacts.errors import CacheCorrupt
+from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.service import ModelHostService, Selection
 
 __all__ = [
@@ -72,6 +75,7 @@ __all__ = [
     "LockfileError",
     "build_lock",
     "default_lock_path",
+    "lock_guard",
     "read_lock",
     "verify_lock",
     "write_lock",
@@ -651,3 +655,44 @@ def _unlocked(
         for deployment_id, error in failures
     )
     return checks
+
+
+def lock_guard(path: Path, manager: RuntimeManager) -> Callable[[CompiledConfig], Awaitable[None]]:
+    """A reload guard for ``serve --locked``: a configuration that drifts from the lock is refused.
+
+    The lock holds for the server's whole life, not only at start: every file reload
+    (``SIGHUP``, the watcher, ``POST /admin/reload``, ``sbproxy apply``) first verifies the
+    candidate file against the lockfile at ``path``, as ``verify-lock`` would (which includes
+    re-verifying the cached artifacts' sizes and BLAKE3 fingerprints).
+
+    Raises (from the guard):
+        SbproxyError: ``lock_drift`` naming each drifted model; a lockfile that became
+            unreadable raises its own ``LockfileError``.
+    """
+
+    def check(candidate: CompiledConfig) -> LockReport:
+        host = candidate.model_host
+        catalog_file = Path(host.catalog_file) if host is not None and host.catalog_file else None
+        service = ModelHostService(
+            layout=manager.layout,
+            catalog=load_catalog(catalog_file),
+            engine=manager.engine,
+            config=candidate,
+        )
+        return verify_lock(read_lock(path), service)
+
+    async def guard(candidate: CompiledConfig) -> None:
+        report = await anyio.to_thread.run_sync(check, candidate)
+        if report.drift:
+            drifted = "; ".join(
+                f"{c.name}:{c.variant} {c.status.value} ({c.detail})" for c in report.drifted
+            )
+            raise SbproxyError(
+                f"the configuration drifts from the lockfile {path}, and this server runs "
+                f"--locked: {drifted}",
+                code="lock_drift",
+                remediation="Review the change and rewrite the lock with `sbproxy models lock "
+                "-f sb.yml`, pull what is missing, or restart without --locked.",
+            )
+
+    return guard

@@ -81,3 +81,51 @@ def test_serve_locked_starts_when_the_lock_matches(tmp_path: Path) -> None:
             process.wait()
         if process.stderr is not None:
             process.stderr.close()
+
+
+def test_a_locked_server_refuses_a_reload_that_drifts_and_accepts_one_that_does_not(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    import httpx
+
+    from tests.api.test_serve import PASSWORD
+
+    gateway_port, admin_port = free_port(), free_port()
+    config = write_config(tmp_path, gateway_port, admin_port)
+    assert sbproxy("models", "lock", "-f", str(config)).returncode == 0
+    assert sbproxy("models", "pull", "-f", str(config)).returncode == 0
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config), "--locked", "--no-watch"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    reload_url = f"http://127.0.0.1:{admin_port}/admin/reload"
+    try:
+        assert process.stderr is not None
+        assert "listening" in process.stderr.readline()
+        assert "listening" in process.stderr.readline()
+        same = httpx.post(reload_url, auth=("admin", PASSWORD), timeout=30)
+        assert same.status_code == 200, same.text
+
+        # The lock now pins other bytes for the served model: the file no longer matches it.
+        lock_path = tmp_path / LOCK_NAME
+        lock = json.loads(lock_path.read_text())
+        lock["models"][0]["files"][0]["sha256"] = "0" * 64
+        lock_path.write_text(json.dumps(lock))
+        drifted = httpx.post(reload_url, auth=("admin", PASSWORD), timeout=30)
+        assert drifted.status_code == 409, drifted.text
+        body = drifted.json()
+        assert body["code"] == "lock_drift"
+        assert "tiny:q4_k_m digest_mismatch" in body["error"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            if process.stderr is not None:
+                process.stderr.close()

@@ -185,6 +185,9 @@ class RuntimeManager:
         self.safety_margin = host.safety_margin if host else 0.10
         # Engine launches of different deployments run at once up to this limit
         # (``max_parallel_prepares``, reference default 2); more wait their turn.
+        # Checks a configuration file's candidate before a file reload plans it (`serve
+        # --locked` refuses one that drifts from the lockfile); raising refuses the reload.
+        self.config_guard: Callable[[CompiledConfig], Awaitable[None]] | None = None
         self.prepares = anyio.CapacityLimiter(host.max_parallel_prepares if host else 2)
         cache_config = host.cache if host else None
         self.residency = Residency(

@@ -731,8 +731,9 @@ async def reload_from_source(manager: RuntimeManager, *, source: str) -> tuple[s
 
     Raises:
         ConfigError: ``invalid_config`` (the file does not validate; nothing changes).
-        SbproxyError: ``no_config_source`` when the host was not started from a file; any
-            :func:`reload` failure.
+        SbproxyError: ``no_config_source`` when the host was not started from a file;
+            ``lock_drift`` when the host serves ``--locked`` and the file drifts from the
+            lockfile (nothing changes); any :func:`reload` failure.
     """
     path = manager.compiled.source
     if path is None:
@@ -742,5 +743,7 @@ async def reload_from_source(manager: RuntimeManager, *, source: str) -> tuple[s
             remediation="Start it with `sbproxy serve -f sb.yml` to reload from the file.",
         )
     loaded = await anyio.to_thread.run_sync(load_config, path)
+    if manager.config_guard is not None:
+        await manager.config_guard(loaded)
     candidate, _ = await admin_desired(loaded)
     return await reload(manager, candidate, source=source)
