@@ -116,10 +116,10 @@ def _check_lock(config_file: Path, compiled: CompiledConfig, cache_dir: Path | N
     from sbproxy.cli._host import exit_code_for
     from sbproxy.cli.models_lock_cmd import check_line
     from sbproxy.model_host.artifacts import resolve_cache_root
-    from sbproxy.model_host.lockfile import default_lock_path, read_lock, verify_lock
+    from sbproxy.model_host.lockfile import read_lock, verify_lock
     from sbproxy.model_host.service import open_service
 
-    path = default_lock_path(config_file)
+    path = _lock_path(config_file)
     host = compiled.model_host
 
     async def verify() -> LockReport:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,15 +19,6 @@ from tests.model_host.artifacts.support import REPO, REVISION, make_artifact, pu
 from tests.support.hf_server import HfMirror
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def mirror(monkeypatch: pytest.MonkeyPatch) -> Iterator[HfMirror]:
-    with HfMirror() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-        yield server
 
 
 def payload(seed: int, size: int = 200_000) -> bytes:

@@ -23,15 +23,6 @@ pytestmark = pytest.mark.anyio
 SIZE = 3_000_000
 
 
-@pytest.fixture
-def mirror(monkeypatch: pytest.MonkeyPatch) -> Iterator[HfMirror]:
-    with HfMirror() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-        yield server
-
-
 @pytest.fixture(autouse=True)
 def _no_faults() -> Iterator[None]:
     disarm_all()
