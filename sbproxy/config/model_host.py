@@ -418,6 +418,63 @@ class DeploymentConfig(ConfigModel):
         le=_ONE_DAY_MS,
         description="Longest a request waits for admission, in milliseconds.",
     )
+    request_timeout_ms: int = Field(
+        default=300_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Longest an admitted request may run at the engine, stream included, in "
+        "milliseconds; past it the client gets 504 engine_timeout and the engine request is "
+        "cancelled.",
+    )
+    first_token_timeout_ms: int = Field(
+        default=120_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Streams only: longest wait for the first event from the engine, in "
+        "milliseconds (prompt processing counts here).",
+    )
+    stall_timeout_ms: int = Field(
+        default=30_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Streams only: longest gap between two events from the engine, in "
+        "milliseconds.",
+    )
+    unhealthy_after: int = Field(
+        default=3,
+        ge=1,
+        le=_MILLION,
+        description="Consecutive engine timeouts after which the generation is marked "
+        "unhealthy, drained and restarted.",
+    )
+    start_timeout_ms: int = Field(
+        default=300_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Longest an engine launch may take to answer /health, in milliseconds; "
+        "past it the deployment is failed with start_timeout until the next request or a "
+        "reset.",
+    )
+    restart_backoff_initial_ms: int = Field(
+        default=1_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="First delay before an automatic relaunch (a failed launch, an unhealthy "
+        "generation), in milliseconds; it doubles per consecutive failure, with jitter.",
+    )
+    restart_backoff_max_ms: int = Field(
+        default=60_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Longest delay between automatic relaunches, in milliseconds.",
+    )
+    max_launch_attempts: int = Field(
+        default=5,
+        ge=1,
+        le=1_000,
+        description="Consecutive failed launches before the deployment is held in crash_loop "
+        "until reset.",
+    )
     max_context: int | None = Field(
         default=None,
         ge=1,

@@ -121,12 +121,28 @@ class Slot:
 
 @dataclass
 class Upstream:
-    """An admitted request's engine: where to send it, and the permit to release after."""
+    """An admitted request's engine: where to send it, its supervision limits, and the
+    permit to release after.
+
+    The gateway calls :meth:`report` once per request with how it ended at the engine
+    (``timed_out``: a supervision limit ran out), then :meth:`release`; the runtime counts
+    consecutive timeouts per generation (``unhealthy_after``).
+    """
 
     deployment: str
     generation: int
     base_url: str
     permit: Permit
+    request_timeout_s: float = 300.0
+    first_token_timeout_s: float = 120.0
+    stall_timeout_s: float = 30.0
+    on_outcome: Callable[[int, bool], None] | None = None
+
+    def report(self, *, timed_out: bool) -> None:
+        """Tell the runtime how the request ended at the engine (first call wins)."""
+        callback, self.on_outcome = self.on_outcome, None
+        if callback is not None:
+            callback(self.generation, timed_out)
 
     def release(self) -> None:
         """Free the admission slot (idempotent)."""
@@ -627,12 +643,24 @@ class RuntimeManager:
         self._tick += 1
         if slot.generation:
             self.residency.touch(ResidencyKey(slot.deployment, slot.generation), self._tick)
+        config = slot.config
         return Upstream(
             deployment=deployment,
             generation=slot.generation,
             base_url=f"http://127.0.0.1:{slot.port}",
             permit=permit,
+            request_timeout_s=config.request_timeout_ms / 1000,
+            first_token_timeout_s=config.first_token_timeout_ms / 1000,
+            stall_timeout_s=config.stall_timeout_ms / 1000,
+            on_outcome=lambda generation, timed_out: self.record_outcome(
+                deployment, generation, timed_out=timed_out
+            ),
         )
+
+    def record_outcome(self, deployment: str, generation: int, *, timed_out: bool) -> None:
+        """Count one request's end at the engine of ``deployment``/``generation``."""
+        # Placeholder wiring; the supervision policy lands with the runtime owner.
+        logger.debug("%s/%s request ended (timed_out=%s)", deployment, generation, timed_out)
 
     # -- maintenance -----------------------------------------------------------------------
 
