@@ -61,9 +61,7 @@ from sbproxy.model_host.flows import (
     gc_workflow,
     remove_workflow,
 )
-from sbproxy.model_host.runtime.jobs import submit_drain, submit_load, submit_reset
 from sbproxy.model_host.runtime.manager import RuntimeManager
-from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.store import JobRecord, JobStatus
 
 __all__ = ["Admin", "create_admin_app"]
@@ -229,7 +227,7 @@ def resident_digests(manager: RuntimeManager) -> set[str]:
     return {
         slot.artifact.digest
         for slot in manager.slots.values()
-        if slot.state == DeploymentState.READY and slot.artifact is not None
+        if slot.routable() and slot.artifact is not None
     }
 
 
@@ -389,27 +387,19 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
 
     @post("/model-host/load", status_code=202)
     async def load(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
-        """Prepare and warm a deployment (a ``load`` job)."""
+        """Prepare and warm a deployment (a ``load`` command: joins the newest load, runs
+        after earlier commands on the deployment)."""
         deployment = deployment_of(await request.body())
-        manager.slot(deployment)
-        job = await submit_load(manager, deployment)
-        manager.begin_load(deployment)  # joins the same job (idempotency key load:<id>)
-        # Always run it too: a load finishing when this one was queued leaves a new job that
-        # the manager's loader will not pick up. Running one job twice is harmless: the
-        # claim lets one runner execute it and the other wait for its end.
-        admin.spawn(lambda: manager.engine.run_job(job.id))
-        return _queued(deployment, job)
+        return _queued(deployment, await manager.load(deployment, reason="admin"))
 
     async def _drain(request: Request[Any, Any, Any], reason: str) -> Response[dict[str, object]]:
         deployment = deployment_of(await request.body())
-        manager.slot(deployment)
-        job = await submit_drain(manager, deployment, reason=reason)
-        admin.spawn(lambda: manager.engine.run_job(job.id))
-        return _queued(deployment, job)
+        return _queued(deployment, await manager.stop(deployment, reason=reason))
 
     @post("/model-host/stop", status_code=202)
     async def stop(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
-        """Drain and stop a deployment (a ``drain`` job); the artifact stays cached."""
+        """Drain and stop a deployment (a ``drain`` job); the artifact stays cached. A load
+        in flight is cancelled: the last command wins."""
         return await _drain(request, "stop")
 
     @post("/model-host/drain", status_code=202)
@@ -421,10 +411,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
     async def reset(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
         """Clear a retained failure (a ``reset`` job)."""
         deployment = deployment_of(await request.body())
-        manager.slot(deployment)
-        job = await submit_reset(manager, deployment)
-        admin.spawn(lambda: manager.engine.run_job(job.id))
-        return _queued(deployment, job)
+        return _queued(deployment, await manager.reset(deployment))
 
     @get("/metrics", sync_to_thread=False, media_type=CONTENT_TYPE_LATEST, include_in_schema=False)
     def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:

@@ -224,11 +224,7 @@ class Gateway:
     def availability(self, deployment: str) -> dict[str, object]:
         """``{state: ready|cold|unavailable, ready_replicas, desired_replicas}``."""
         slot = self.manager.slot(deployment)
-        ready = (
-            slot.state == DeploymentState.READY
-            and slot.process is not None
-            and slot.process.alive()
-        )
+        ready = slot.routable()
         if ready:
             state = "ready"
         elif slot.crash is not None or slot.state in (

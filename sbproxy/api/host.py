@@ -29,7 +29,11 @@ from sbproxy.errors import ConfigError, ConfigIssue, SbproxyError
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime import probe_worker
-from sbproxy.model_host.runtime.manager import RuntimeManager, artifact_request
+from sbproxy.model_host.runtime.manager import (
+    RUNTIME_JOB_KINDS,
+    RuntimeManager,
+    artifact_request,
+)
 from sbproxy.model_host.runtime.reload import admin_desired
 from sbproxy.store import RuntimeStore
 from sbproxy.workflows import WorkflowEngine
@@ -125,4 +129,5 @@ def _check_resolvable(compiled: CompiledConfig, catalog: Catalog, worker: Worker
 
 
 async def _worker(engine: WorkflowEngine) -> None:
-    await engine.run_worker(concurrency=WORKER_CONCURRENCY)
+    # The manager runs its deployments' jobs itself, in command order.
+    await engine.run_worker(concurrency=WORKER_CONCURRENCY, exclude=RUNTIME_JOB_KINDS)

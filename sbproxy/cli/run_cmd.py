@@ -229,17 +229,18 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
     failure: list[str] = []
 
     async def watch(host: ServedHost) -> None:
-        slot = host.manager.slot(DEPLOYMENT)
+        status = host.manager.snapshot(DEPLOYMENT)
         followed: str | None = None
-        while slot.state != DeploymentState.READY:
-            if slot.job_id and slot.job_id != followed:
-                followed = slot.job_id
+        while status.state != DeploymentState.READY:
+            if status.job_id and status.job_id != followed:
+                followed = status.job_id
                 host.group.start_soon(_follow, host, followed)
-            if slot.state == DeploymentState.FAILED:
-                failure.append(f"{slot.reason_code}: {slot.last_error}")
+            if status.state == DeploymentState.FAILED:
+                failure.append(f"{status.reason_code}: {status.last_error}")
                 os.kill(os.getpid(), signal.SIGTERM)  # stops the listeners and drains
                 return
             await anyio.sleep(0.2)
+            status = host.manager.snapshot(DEPLOYMENT)
         click.echo(banner(name=public, port=port, admin_port=admin_port, password=password))
         freeze_startup_heap()
 

@@ -734,6 +734,27 @@ class JobStore:
 
         return await self.database.write(work)
 
+    async def record_event(self, job_id: str, *, kind: str, data: Mapping[str, Any]) -> None:
+        """Append one event of type ``kind`` to ``job_id``'s durable event stream (the
+        runtime's deployment transitions, for example); a job that is gone records nothing."""
+
+        async def work(connection: AsyncConnection) -> None:
+            if await self._row_or_none(connection, job_id) is not None:
+                await self._event(connection, job_id, kind, dict(data), self.clock())
+
+        await self.database.write(work)
+
+    async def detach_key(self, job_id: str) -> None:
+        """Drop ``job_id``'s idempotency key, so that a new submission with that key makes a
+        new job instead of joining this one (a superseded job winding down)."""
+
+        async def work(connection: AsyncConnection) -> None:
+            await connection.execute(
+                text("UPDATE jobs SET idempotency_key = NULL WHERE id = :id"), {"id": job_id}
+            )
+
+        await self.database.write(work)
+
     # -- the journal -----------------------------------------------------------------------
 
     async def begin_step(self, job_id: str, *, seq: int, name: str) -> StepRecord | None:

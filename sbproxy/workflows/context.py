@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -17,6 +18,8 @@ from sbproxy.workflows.errors import JobCancelled, NondeterminismError, StepFail
 from sbproxy.workflows.faults import fault_point
 
 __all__ = ["StepContext", "WorkflowContext"]
+
+logger = logging.getLogger(__name__)
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -172,7 +175,23 @@ class WorkflowContext:
             )
         if recorded is not None and recorded.status == StepStatus.SUCCEEDED:
             assert recorded.output_json is not None  # noqa: S101 - succeeded steps have output
-            return definition.decode(recorded.output_json)
+            output = definition.decode(recorded.output_json)
+            if definition.observe is None or await definition.observe(
+                StepContext(
+                    store=self._store,
+                    state=self._state,
+                    step_name=step_name,
+                    seq=seq,
+                    attempt=recorded.attempts,
+                ),
+                output,
+            ):
+                return output
+            logger.info(
+                "job %s: the recorded output of step %s no longer holds; running it again",
+                self.job_id,
+                step_name,
+            )
         started = await self._store.begin_step(self.job_id, seq=seq, name=step_name)
         if started is None:
             self._state.cancel_requested = True

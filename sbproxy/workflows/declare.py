@@ -56,12 +56,18 @@ def _return_adapter(fn: Callable[..., Any]) -> TypeAdapter[Any]:
 
 @dataclass(frozen=True)
 class StepDef(Generic[A, R]):
-    """A declared step: name, function, retry policy, and the adapter of its result."""
+    """A declared step: name, function, retry policy, and the adapter of its result.
+
+    ``observe``, when set, marks a step whose output names live state (a process, a port):
+    on replay the recorded output is returned only if ``observe(ctx, output)`` says it still
+    holds; otherwise the step runs again, as a new attempt.
+    """
 
     name: str
     fn: Callable[[StepContext, A], Awaitable[R]]
     retry: RetryPolicy
     result: TypeAdapter[R] = field(compare=False)
+    observe: Callable[[StepContext, R], Awaitable[bool]] | None = field(default=None, compare=False)
 
     def encode(self, value: R) -> str:
         """The journal text of a result."""
@@ -73,14 +79,25 @@ class StepDef(Generic[A, R]):
 
 
 def step(
-    name: str, *, retry: RetryPolicy = NO_RETRY
+    name: str,
+    *,
+    retry: RetryPolicy = NO_RETRY,
+    observe: Callable[[StepContext, Any], Awaitable[bool]] | None = None,
 ) -> Callable[[Callable[[StepContext, A], Awaitable[R]]], StepDef[A, R]]:
-    """Declare a step under a stable ``name`` (the journal records it; never rename one)."""
+    """Declare a step under a stable ``name`` (the journal records it; never rename one).
+
+    Args:
+        name: The journal name.
+        retry: How retryable errors are retried inside the step.
+        observe: For a step whose output describes live state rather than a durable fact:
+            ``observe(ctx, recorded_output) -> bool`` is asked on every replay, and a
+            ``False`` runs the step again (see :class:`StepDef`).
+    """
 
     def wrap(fn: Callable[[StepContext, A], Awaitable[R]]) -> StepDef[A, R]:
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"step {name!r} must be an async function")
-        return StepDef(name=name, fn=fn, retry=retry, result=_return_adapter(fn))
+        return StepDef(name=name, fn=fn, retry=retry, result=_return_adapter(fn), observe=observe)
 
     return wrap
 

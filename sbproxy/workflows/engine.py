@@ -263,15 +263,17 @@ class WorkflowEngine:
         poll_s: float = 0.2,
         recovery_s: float = 5.0,
         until_idle: bool = False,
+        exclude: Sequence[str] = (),
     ) -> None:
         """Claim and run queued jobs, at most ``concurrency`` at once.
 
         Recovers dead workers' jobs at start and every ``recovery_s``. With ``until_idle``
         it returns once nothing is queued or running here; otherwise it runs until
-        cancelled.
+        cancelled. Kinds in ``exclude`` are left to whoever runs them in order (the runtime
+        manager runs its deployments' jobs itself).
         """
         limiter = anyio.Semaphore(concurrency)
-        kinds = self.registry.kinds()
+        kinds = tuple(kind for kind in self.registry.kinds() if kind not in exclude)
         running = 0
         last_recovery = -recovery_s
 

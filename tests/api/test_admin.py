@@ -80,18 +80,19 @@ async def test_load_then_stop_through_jobs(tmp_path: Path) -> None:
         assert {j["id"] for j in listed} >= {body["job_id"], stop.json()["job_id"]}
 
 
-async def test_a_load_queued_while_another_load_finishes_still_runs(tmp_path: Path) -> None:
+async def test_a_load_posted_while_another_load_runs_joins_it_and_ends_ready(
+    tmp_path: Path,
+) -> None:
     async with served(tmp_path) as host, admin_client(host.admin_url) as http:
-        slot = host.host.manager.slot("tiny")
-        slot.loading = True  # the manager's loader is finishing an earlier load job
-        try:
-            load = await http.post("/admin/model-host/load", json={"deployment": "tiny"})
-            assert load.status_code == 202
-            job = await wait_job(http, load.json()["job_id"])
-            assert job["status"] == "succeeded", job
-            assert slot.state == DeploymentState.READY
-        finally:
-            slot.loading = False
+        manager = host.host.manager
+        first = manager.request_load("tiny", reason="request")
+        load = await http.post("/admin/model-host/load", json={"deployment": "tiny"})
+        assert load.status_code == 202
+        job = await wait_job(http, load.json()["job_id"])
+        assert job["status"] == "succeeded", job
+        assert job["id"] == first.job_id  # one launch, not two
+        assert manager.slot("tiny").state == DeploymentState.READY
+        assert len(manager.engine_pids()) == 1
 
 
 async def test_lifecycle_input_errors(tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ chat, spacing of streamed chunks, permit release on disconnect, /v1/models, erro
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -100,7 +102,9 @@ async def test_an_engine_stopped_mid_stream_ends_the_stream_with_an_error_event(
                         continue
                     events.append(line)
                     if len(events) == 1:  # the engine goes away mid-stream
-                        await manager.stop_engine(manager.slot("tiny"))
+                        process = manager.slot("tiny").process
+                        assert process is not None
+                        os.kill(process.pid, signal.SIGKILL)
         assert '"model":"tiny-chat"' in events[0]
         assert '"code": "upstream_unavailable"' in events[-1]
         assert "[DONE]" not in "".join(events)
@@ -161,7 +165,7 @@ async def test_admission_refusal_is_retryable_with_retry_after(tmp_path: Path) -
     }
     async with served(tmp_path, deployments={"tiny": tiny}) as host:
         slot = host.host.manager.slot("tiny")
-        host.host.manager.begin_load("tiny")
+        host.host.manager.request_load("tiny")
         await until(lambda: slot.state == DeploymentState.READY)
         first = await host.host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
         async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:

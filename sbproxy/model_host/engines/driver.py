@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+import anyio
+
 from sbproxy.model_host.artifacts import CachedMetadata
 from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.model_host.engines.process import EngineProcess, spawn_engine
@@ -165,8 +167,10 @@ async def launch(
     """Spawn ``plan`` as a supervised child and wait until its health URL answers 200.
 
     Raises:
-        EngineError: ``engine_spawn_failed``, ``engine_early_exit`` (with the output tail) or
-            ``engine_readiness_timeout`` (the process is stopped first).
+        EngineError: ``engine_spawn_failed``, ``engine_early_exit`` (with the output tail),
+            ``engine_port_lost`` (another process holds the port) or
+            ``engine_readiness_timeout`` (the process is stopped first). A cancelled launch
+            stops the child before the cancellation propagates.
     """
     process = await spawn_engine(
         plan.argv,
@@ -177,7 +181,15 @@ async def launch(
         identity=identity,
     )
     fault_point("engine.spawned")
-    await process.wait_ready(
-        f"http://127.0.0.1:{plan.port}{plan.health_path}", timeout_s=ready_timeout_s
-    )
+    try:
+        await process.wait_ready(
+            f"http://127.0.0.1:{plan.port}{plan.health_path}",
+            timeout_s=ready_timeout_s,
+            port=plan.port,
+        )
+    except BaseException:
+        # Cancelled (a stop superseded this launch) or failed: never leave the child behind.
+        with anyio.CancelScope(shield=True):
+            await process.shutdown(grace_s=1.0)
+        raise
     return process

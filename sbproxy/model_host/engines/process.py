@@ -26,6 +26,7 @@ import functools
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import time
@@ -35,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import anyio.to_thread
 import httpx
+import psutil
 
 from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.redact import redact
@@ -141,6 +144,33 @@ class EngineProcess:
         """Whether the process has not exited yet."""
         return self._process.returncode is None
 
+    async def wait_exit(self) -> int:
+        """Wait until the process exits; its exit status (negative: killed by that signal)."""
+        return await self._process.wait()
+
+    def listens_on(self, port: int) -> bool:
+        """Whether this engine -- its own process or one it started -- holds the listening
+        TCP socket on loopback ``port`` (psutil: pid to socket). A foreign process that took
+        the port is never mistaken for the engine. Blocking (reads ``/proc``)."""
+        if not self.alive() or process_start_ticks(self.pid) != self.record.start_ticks:
+            return False
+        try:
+            root = psutil.Process(self.pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return False
+        for member in family:
+            try:
+                sockets = member.net_connections(kind="inet")
+            except psutil.Error:
+                continue
+            if any(
+                sock.status == psutil.CONN_LISTEN and sock.laddr and sock.laddr.port == port
+                for sock in sockets
+            ):
+                return True
+        return False
+
     async def _pump(self) -> None:
         stream = self._process.stdout
         if stream is None:
@@ -168,19 +198,26 @@ class EngineProcess:
             details={"pid": self.pid, "log": str(self.log_path)},
         )
 
-    async def wait_ready(self, url: str, *, timeout_s: float, poll_s: float = 0.1) -> None:
-        """Poll ``url`` until it answers 200.
+    async def wait_ready(
+        self, url: str, *, timeout_s: float, port: int | None = None, poll_s: float = 0.1
+    ) -> None:
+        """Poll ``url`` until it answers 200 -- from this engine: with ``port``, the
+        listening socket must belong to this process (or one it started).
 
         Raises:
-            EngineError: ``engine_early_exit`` (retryable) if the process exits first;
-                ``engine_readiness_timeout`` (retryable) after ``timeout_s``, having killed
-                the process.
+            EngineError: ``engine_port_lost`` (retryable) when another process holds
+                ``port`` (the engine exited on a bind failure, or something else answers
+                there), having stopped the engine; ``engine_early_exit`` (retryable) if the
+                process exits first; ``engine_readiness_timeout`` (retryable) after
+                ``timeout_s``, having killed the process.
         """
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0, verify=_tls_context()) as client:
             while True:
                 if not self.alive():
                     await self._settle()
+                    if port is not None and await anyio.to_thread.run_sync(_answers, port):
+                        raise self._port_lost(port)
                     raise self._error(
                         "engine_early_exit",
                         f"the engine exited with status {self.returncode} before it was ready",
@@ -188,7 +225,11 @@ class EngineProcess:
                     )
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(url)).status_code == 200:
-                        return
+                        if port is None or await anyio.to_thread.run_sync(self.listens_on, port):
+                            return
+                        if self.alive():  # answered by someone else while ours still runs
+                            await self.shutdown(grace_s=1.0)
+                            raise self._port_lost(port)
                 if time.monotonic() >= deadline:
                     await self.shutdown(grace_s=1.0)
                     raise self._error(
@@ -197,6 +238,13 @@ class EngineProcess:
                         retryable=True,
                     )
                 await anyio.sleep(poll_s)
+
+    def _port_lost(self, port: int) -> EngineError:
+        return self._error(
+            "engine_port_lost",
+            f"loopback port {port} is held by another process, not by engine pid {self.pid}",
+            retryable=True,
+        )
 
     async def probe(self, url: str, *, timeout_s: float = 2.0) -> str:
         """One health probe: ``ready``, ``unhealthy`` (answers, not 200, or no answer) or
@@ -289,6 +337,13 @@ async def spawn_engine(
     temporary.write_text(json.dumps(record.__dict__))
     temporary.replace(record_path)
     return EngineProcess(process, record=record, record_path=record_path, log_path=log_path)
+
+
+def _answers(port: int) -> bool:
+    """Whether something accepts TCP connections on loopback ``port`` (blocking)."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
 
 
 @dataclass(frozen=True)

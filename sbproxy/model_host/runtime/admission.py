@@ -271,6 +271,8 @@ class AdmissionGate:
         self._draining = False
         self._idle: anyio.Event | None = None
         self._last_released_at: float | None = None
+        self._held = False
+        self.on_idle: Callable[[], None] | None = None
 
     # -- observation -------------------------------------------------------------------
 
@@ -288,6 +290,11 @@ class AdmissionGate:
     def draining(self) -> bool:
         """Whether new work is refused with ``draining``."""
         return self._draining
+
+    @property
+    def held(self) -> bool:
+        """Whether grants are paused (a swap waits for this generation to go idle)."""
+        return self._held
 
     @property
     def last_released_at(self) -> float | None:
@@ -311,7 +318,7 @@ class AdmissionGate:
         """
         if self._draining:
             raise self._refusal(AdmissionReason.DRAINING)
-        if self._active < self.max_active and self.queued == 0:
+        if self._active < self.max_active and self.queued == 0 and not self._held:
             self._active += 1
             return Permit(self)
         if self.queued >= self.max_queue:
@@ -340,6 +347,23 @@ class AdmissionGate:
         if waiter.refusal is not None:
             raise waiter.refusal
         return Permit(self)
+
+    def hold(self) -> None:
+        """Pause grants: new requests queue (bounded as usual) while active ones finish.
+
+        The runtime holds a busy generation that a swap is waiting to evict, so that a
+        stream of newcomers cannot keep it busy for ever.
+        """
+        self._held = True
+
+    def unhold(self) -> None:
+        """Resume grants: queued waiters take the free slots, best first."""
+        if not self._held:
+            return
+        self._held = False
+        while self._active < self.max_active and self.queued:
+            self._active += 1
+            self._grant_next()
 
     def mark_idle(self) -> None:
         """Start the keep-alive clock now (the engine just became ready with no requests)."""
@@ -408,20 +432,27 @@ class AdmissionGate:
         if waiter in queue:
             queue.remove(waiter)
 
-    def _pass_slot(self) -> None:
-        """A permit ended: give its slot to the best waiter, or free it."""
+    def _grant_next(self) -> None:
         for queue in self._queues:
             if queue:
                 waiter = queue.popleft()
                 waiter.outcome = _Outcome.GRANTED
                 waiter.event.set()
                 return
+
+    def _pass_slot(self) -> None:
+        """A permit ended: give its slot to the best waiter, or free it."""
+        if self.queued and not self._held:
+            self._grant_next()
+            return
         self._active -= 1
         if self._active == 0:
             self._last_released_at = self._clock()
             if self._idle is not None:
                 self._idle.set()
                 self._idle = None
+            if self.on_idle is not None:
+                self.on_idle()
 
 
 def keep_alive_expired(gate: AdmissionGate, keep_alive_s: float | None, now: float) -> bool:

@@ -1,12 +1,17 @@
 """The durable jobs of the runtime: ``load`` (prepare and warm), ``drain`` and ``reset``.
 
-``load`` (idempotency key ``load:<deployment>``) has four steps: ``resolve`` the exact
-artifact, ``pull`` it (joining the artifact's pull job; the deployment's pull policy
-applies), acquire the ``engine`` (a source build or release download job when needed) and
-``launch`` a new generation. The first three are journaled and replayed after a crash; the
-launch step runs again because engines die with their host (parent-death signal) and the
-restarted host reaps what is left, so a resumed ``load`` converges to a ready engine under
-its original job id.
+``load`` has four steps: ``resolve`` the exact artifact, ``pull`` it (joining the
+artifact's pull job; the deployment's pull policy applies), acquire the ``engine`` (a source
+build or release download job when needed) and ``launch`` a new generation. The first three
+record durable facts and are replayed after a crash. ``launch`` records live state (port,
+pid, start ticks, generation): on replay it is *observed*, not trusted -- unless the
+manager still runs that very process and it holds its port, the step runs again -- so a
+host killed even after the launch committed converges to a ready engine under the original
+job id (engines die with their host; the restarted host reaps what is left).
+
+The manager runs these jobs itself, in their deployment's command order (``commands.py``);
+each step runs in :meth:`RuntimeManager.step_scope`, so a later ``stop`` cancels a load's
+steps and the job ends ``cancelled``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from sbproxy.errors import SbproxyError
 from sbproxy.model_host.engines import provision_llama_cpp
 from sbproxy.model_host.flows.pull import PullInput, PullIntent, PullOutput, pull_workflow
 from sbproxy.model_host.registry import registry
+from sbproxy.model_host.runtime.commands import CommandKind
 from sbproxy.model_host.runtime.manager import RuntimeManager, Slot
 from sbproxy.store import JobRecord, JobStatus
 from sbproxy.workflows import StepContext, WorkflowContext, step
@@ -63,7 +69,7 @@ class LaunchInput(BaseModel):
 
 
 class LoadOutput(BaseModel):
-    """A ready generation."""
+    """A ready generation: live state, observed again on every replay."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -71,6 +77,8 @@ class LoadOutput(BaseModel):
     generation: int
     port: int
     artifact_digest: str
+    pid: int | None = None
+    start_ticks: str | None = None
 
 
 def _slot(ctx: StepContext, deployment: str) -> tuple[RuntimeManager, Slot]:
@@ -132,7 +140,8 @@ async def resolve_step(ctx: StepContext, request: DeploymentInput) -> ResolvedAr
     Idempotency: pure (catalog and worker profile).
     """
     manager, slot = _slot(ctx, request.deployment)
-    return manager.resolve(slot)
+    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
+        return manager.resolve(slot)
 
 
 @step("pull")
@@ -142,9 +151,10 @@ async def pull_step(ctx: StepContext, request: PullStepInput) -> PullOutput:
     Idempotency: the pull job is keyed by the artifact digest; a cached artifact is a hit.
     """
     manager, slot = _slot(ctx, request.deployment)
-    slot.artifact = request.artifact
-    intent = "startup" if str(slot.config.pull) == "on_boot" else "runtime"
-    return await pull_for(manager, slot, intent=intent)
+    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
+        manager.use_artifact(slot, request.artifact)
+        intent = "startup" if str(slot.config.pull) == "on_boot" else "runtime"
+        return await pull_for(manager, slot, intent=intent)
 
 
 @step("engine")
@@ -156,29 +166,46 @@ async def engine_step(ctx: StepContext, request: DeploymentInput) -> str:
     manager = ctx.resource(RuntimeManager)
     host = manager.compiled.model_host
     config = host.engines.llama_cpp if host else None
-    executable = await provision_llama_cpp(
-        config, engine=manager.engine, layout_root=manager.layout.root
-    )
+    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
+        executable = await provision_llama_cpp(
+            config, engine=manager.engine, layout_root=manager.layout.root
+        )
     return str(executable)
 
 
-@step("launch")
+async def _launch_still_live(ctx: StepContext, output: LoadOutput) -> bool:
+    """Replay check of ``launch``: is the recorded engine still ours, alive, listening?"""
+    manager = ctx.resource(RuntimeManager)
+    return manager.observe_generation(
+        output.deployment,
+        generation=output.generation,
+        pid=output.pid,
+        start_ticks=output.start_ticks,
+    )
+
+
+@step("launch", observe=_launch_still_live)
 async def launch_step(ctx: StepContext, request: LaunchInput) -> LoadOutput:
     """Start a new generation and wait for it to be ready.
 
     Idempotency: a live ready engine of the deployment is reused; after a host crash there
-    is none (engines die with their host) and a new generation starts.
+    is none (engines die with their host) and a new generation starts. The output names a
+    process, so a replay re-checks it (``observe``) instead of trusting it.
     """
     manager, slot = _slot(ctx, request.deployment)
-    slot.artifact = request.artifact
-    port = await manager.launch_generation(
-        slot, executable=Path(request.executable), job_id=ctx.job_id
-    )
+    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
+        manager.use_artifact(slot, request.artifact)
+        port = await manager.launch_generation(
+            slot, executable=Path(request.executable), job_id=ctx.job_id
+        )
+    process = slot.process
     return LoadOutput(
         deployment=slot.deployment,
         generation=slot.generation,
         port=port,
         artifact_digest=request.artifact.digest,
+        pid=process.pid if process else None,
+        start_ticks=process.record.start_ticks if process else None,
     )
 
 
@@ -201,7 +228,8 @@ async def drain_step(ctx: StepContext, request: DeploymentInput) -> dict[str, ob
     Idempotency: draining a stopped deployment only settles its state.
     """
     manager, slot = _slot(ctx, request.deployment)
-    return await manager.drain(slot)
+    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.STOP):
+        return await manager.drain_slot(slot, job_id=ctx.job_id, reason=request.reason)
 
 
 @registry.workflow("drain", version=1)
@@ -218,7 +246,8 @@ async def reset_step(ctx: StepContext, request: DeploymentInput) -> str:
     refused with ``prepare_failed`` and changes nothing.
     """
     manager, slot = _slot(ctx, request.deployment)
-    manager.reset(slot)
+    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.RESET):
+        await manager.reset_slot(slot, job_id=ctx.job_id)
     return slot.state.value
 
 
@@ -228,12 +257,16 @@ async def reset_workflow(ctx: WorkflowContext, request: DeploymentInput) -> str:
     return await ctx.step(reset_step, request)
 
 
-async def submit_load(manager: RuntimeManager, deployment: str) -> JobRecord:
-    """Queue (or join) the ``load`` job of ``deployment``."""
+async def submit_load(
+    manager: RuntimeManager, deployment: str, *, idempotency_key: str | None = None
+) -> JobRecord:
+    """Queue (or join, by ``idempotency_key``, default ``load:<deployment>``) a ``load``
+    job of ``deployment``. Commands go through :meth:`RuntimeManager.load`, which picks the
+    key and runs the job in order; this only writes the journal."""
     submitted = await manager.engine.submit(
         load_workflow,
         DeploymentInput(deployment=deployment),
-        idempotency_key=f"load:{deployment}",
+        idempotency_key=idempotency_key or f"load:{deployment}",
         subject=f"deployment:{deployment}",
     )
     return submitted.job
@@ -242,22 +275,21 @@ async def submit_load(manager: RuntimeManager, deployment: str) -> JobRecord:
 async def submit_drain(
     manager: RuntimeManager, deployment: str, *, reason: str = "stop"
 ) -> JobRecord:
-    """Queue (or join) the ``drain`` job of ``deployment``."""
+    """Queue a ``drain`` job of ``deployment`` (each stop is its own job, so a stop after a
+    load never joins an earlier stop). Use :meth:`RuntimeManager.stop` for a command."""
     submitted = await manager.engine.submit(
         drain_workflow,
         DeploymentInput(deployment=deployment, reason=reason),
-        idempotency_key=f"drain:{deployment}",
         subject=f"deployment:{deployment}",
     )
     return submitted.job
 
 
 async def submit_reset(manager: RuntimeManager, deployment: str) -> JobRecord:
-    """Queue the ``reset`` job of ``deployment``."""
+    """Queue a ``reset`` job of ``deployment``. Use :meth:`RuntimeManager.reset`."""
     submitted = await manager.engine.submit(
         reset_workflow,
         DeploymentInput(deployment=deployment),
-        idempotency_key=f"reset:{deployment}",
         subject=f"deployment:{deployment}",
     )
     return submitted.job

@@ -1,29 +1,49 @@
 """The runtime manager: the one owner of live deployment state.
 
-It holds, per deployment, the admission gate, the current generation (engine process,
-loopback port, artifact lease, memory reservation), the lifecycle state and the retained
-failure. Everything that changes that state goes through its methods; slow work (pulls,
-engine acquisition, launches, drains) runs in durable jobs (``runtime/jobs.py``) whose steps
-call back into the manager, so a crash at any point is followed by a restart that finishes
-the job under its original id and converges to the committed desired state.
+Per deployment it holds the admission gate, the current generation (engine process,
+loopback port, artifact lease, memory reservation), the lifecycle state, the retained
+failure and the :class:`~sbproxy.model_host.runtime.commands.CommandQueue`. Nothing outside
+this module writes a slot: callers send commands (:meth:`RuntimeManager.load`,
+:meth:`~RuntimeManager.stop`, :meth:`~RuntimeManager.reset`, a reload's
+:meth:`~RuntimeManager.exclusive` turn) and read frozen snapshots
+(:meth:`~RuntimeManager.status`, :meth:`~RuntimeManager.snapshot`).
 
-Cold starts coalesce: concurrent requests for one cold deployment share one ``load`` job
-(idempotency key ``load:<deployment>``) and wait for it within their queue timeout. A ready
-engine that dies is noticed by the maintenance loop (health probes every second) and is
-relaunched on the next request, unless launches keep failing: after the backoff's attempts
-the deployment is retained in ``crash_loop`` until ``reset``.
+* **Ordered commands.** Commands on one deployment run in arrival order and the last one
+  wins (``commands.py``): a stop supersedes a load in flight (its launch is cancelled and
+  its child stopped), a load after a stop runs after it and ends ready. Slow work runs in
+  durable jobs (``runtime/jobs.py``) that the manager itself runs in the command's turn --
+  including jobs a crashed host left unfinished, adopted at :meth:`~RuntimeManager.start`
+  -- so the job worker loop never runs them out of order.
+* **Checked transitions.** Every state change goes through one function that checks
+  :data:`~sbproxy.model_host.runtime.state.DEPLOYMENT_TRANSITIONS`, logs, appends a
+  ``deployment`` event to the job that caused it and tells the metrics sink.
+* **Observed processes.** A generation is routable only while its child is alive and holds
+  the listening socket on its port (psutil); an exit is noticed at once by a watcher task,
+  a foreign listener by the maintenance probe. After a restart a journaled launch output is
+  re-checked against the live process (pid + start ticks + socket) and relaunched when it
+  no longer holds (``launch`` step ``observe``).
+* **Supervision.** The gateway reports each request's end (:meth:`Upstream.report`);
+  ``unhealthy_after`` consecutive engine timeouts drain the generation and relaunch it after
+  an exponential backoff with jitter. ``start_timeout_ms`` bounds a launch (``start_timeout``,
+  retried by the next request or ``reset``). Launches that keep exiting early are held in
+  ``crash_loop`` after ``max_launch_attempts``.
+* **Swaps wait.** A launch that needs a busy generation evicted holds that generation's gate
+  (no new request is admitted to it) and waits, up to its ``queue_timeout_ms``, for it to go
+  idle; only then is it refused ``insufficient_capacity`` with ``Retry-After``.
+* **Time** comes from an injectable monotonic :class:`~sbproxy.model_host.runtime.clock.Clock`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import socket
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
@@ -52,23 +72,31 @@ from sbproxy.model_host.engines import (
 from sbproxy.model_host.runtime.admission import (
     AdmissionGate,
     AdmissionReason,
+    AdmissionRejected,
     Permit,
     keep_alive_expired,
     reject,
 )
+from sbproxy.model_host.runtime.clock import Clock, MonotonicClock
+from sbproxy.model_host.runtime.commands import Command, CommandKind, CommandQueue
 from sbproxy.model_host.runtime.memory import MemoryEstimate, estimate_memory, read_gguf_header
-from sbproxy.model_host.runtime.residency import Residency, ResidencyKey
+from sbproxy.model_host.runtime.residency import ReservationRequest, Residency, ResidencyKey
 from sbproxy.model_host.runtime.state import (
+    DEPLOYMENT_TRANSITIONS,
     CrashLoop,
     DeploymentState,
     DeploymentStatus,
     LaunchBackoff,
     bounded,
 )
-from sbproxy.store import RuntimeStore, wall_clock_ms
-from sbproxy.workflows import WorkerIdentity, WorkflowEngine
+from sbproxy.store import JobRecord, JobStatus, RuntimeStore, wall_clock_ms
+from sbproxy.workflows import WorkerIdentity, WorkflowEngine, process_start_ticks
+from sbproxy.workflows.errors import JobCancelled
 
 __all__ = [
+    "RUNTIME_JOB_KINDS",
+    "IllegalTransition",
+    "RuntimeEvents",
     "RuntimeManager",
     "Slot",
     "UnknownDeployment",
@@ -85,6 +113,20 @@ logger = logging.getLogger(__name__)
 # (reference 7.6: a single missed probe never fails a ready engine).
 HEALTH_MISSES = 3
 
+# Job kinds the manager runs itself, in its deployments' command order; the worker loop
+# leaves them alone (``run_worker(exclude=...)``).
+RUNTIME_JOB_KINDS = ("load", "drain", "reset")
+
+_COMMAND_OF_KIND = {
+    "load": CommandKind.LOAD,
+    "drain": CommandKind.STOP,
+    "reset": CommandKind.RESET,
+}
+
+# Retries on a fresh port when another process took the chosen one before the engine
+# bound it; they do not count as failed launches.
+PORT_RETRIES = 3
+
 
 class UnknownDeployment(SbproxyError):
     """No deployment has this id (``unknown_deployment``)."""
@@ -92,14 +134,45 @@ class UnknownDeployment(SbproxyError):
     default_code = "unknown_deployment"
 
 
+class IllegalTransition(SbproxyError):
+    """A deployment state change the transition table forbids (``illegal_transition``):
+    a bug in the runtime, never an operator error."""
+
+    default_code = "illegal_transition"
+
+
+class RuntimeEvents(Protocol):
+    """Where the manager reports what metrics count (the admin app supplies one)."""
+
+    def transition(self, deployment: str, before: str, after: str) -> None:
+        """A deployment moved from state ``before`` to ``after``."""
+        ...
+
+    def swap_wait(self, seconds: float) -> None:
+        """A launch waited ``seconds`` for a busy generation to go idle."""
+        ...
+
+
+class _NoEvents:
+    def transition(self, deployment: str, before: str, after: str) -> None:
+        return None
+
+    def swap_wait(self, seconds: float) -> None:
+        return None
+
+
 @dataclass
 class Slot:
-    """Live state of one deployment (replica 0: this runtime is single-node)."""
+    """Live state of one deployment (replica 0: this runtime is single-node).
+
+    Only :class:`RuntimeManager` writes these fields; ``state`` is read-only here and changes
+    through the manager's checked transition function.
+    """
 
     deployment: str
     config: DeploymentConfig
     gate: AdmissionGate
-    state: DeploymentState = DeploymentState.CONFIGURED
+    _state: DeploymentState = DeploymentState.CONFIGURED
     generation: int = 0
     artifact: ResolvedArtifact | None = None
     metadata: CachedMetadata | None = None
@@ -114,9 +187,26 @@ class Slot:
     job_id: str | None = None
     crash: CrashLoop | None = None
     health_misses: int = 0
+    timeouts: int = 0
+    failures: int = 0
+    not_before: float = 0.0
+    restarting: bool = False
     ready: anyio.Event = field(default_factory=anyio.Event)
-    loading: bool = False
     launching: anyio.Lock = field(default_factory=anyio.Lock)
+
+    @property
+    def state(self) -> DeploymentState:
+        """The lifecycle state (changed only by the manager's transition function)."""
+        return self._state
+
+    def routable(self) -> bool:
+        """Whether requests may go to this generation now: ready, child alive, port known."""
+        return (
+            self._state == DeploymentState.READY
+            and self.process is not None
+            and self.process.alive()
+            and self.port is not None
+        )
 
 
 @dataclass
@@ -157,6 +247,12 @@ def free_port() -> int:
         return port
 
 
+def _pulse(slot: Slot) -> None:
+    """Wake everyone waiting on the slot's state; they re-check it."""
+    slot.ready.set()
+    slot.ready = anyio.Event()
+
+
 class RuntimeManager:
     """Owner of every deployment's live state (see the module docstring).
 
@@ -167,9 +263,14 @@ class RuntimeManager:
         engine: The workflow engine whose resources include this manager.
         runtime_store: Generations and committed revisions.
         worker: This worker's profile (accelerator, memory).
-        backoff: Launch retry policy.
-        ready_timeout_s: How long an engine may take to answer ``/health``.
-        health_interval_s: Maintenance tick period.
+        backoff: Launch retry policy for every deployment (tests); default: each
+            deployment's ``restart_backoff_*_ms`` and ``max_launch_attempts``.
+        ready_timeout_s: Upper bound on any launch's readiness wait, in seconds (each
+            deployment's ``start_timeout_ms`` applies below it).
+        health_interval_s: Maintenance tick period, in seconds.
+        clock: Monotonic time for keep-alive, backoff and swap waits.
+        events: Metrics sink for transitions and swap waits.
+        jitter: Source of backoff jitter in ``[0, 1)`` (tests pin it).
     """
 
     def __init__(
@@ -182,8 +283,11 @@ class RuntimeManager:
         runtime_store: RuntimeStore,
         worker: WorkerProfile,
         backoff: LaunchBackoff | None = None,
-        ready_timeout_s: float = 300.0,
+        ready_timeout_s: float | None = None,
         health_interval_s: float = 1.0,
+        clock: Clock | None = None,
+        events: RuntimeEvents | None = None,
+        jitter: Callable[[], float] = random.random,
     ) -> None:
         self.compiled = compiled
         self.layout = layout
@@ -192,18 +296,21 @@ class RuntimeManager:
         self.engine = engine
         self.runtime_store = runtime_store
         self.worker = worker
-        self.backoff = backoff or LaunchBackoff()
+        self.backoff_override = backoff
         self.ready_timeout_s = ready_timeout_s
         self.health_interval_s = health_interval_s
+        self.clock: Clock = clock or MonotonicClock()
+        self.events: RuntimeEvents = events or _NoEvents()
+        self.jitter = jitter
         self.identity = WorkerIdentity.current()
         host = compiled.model_host
         self.shutdown_deadline_s = (host.shutdown_deadline_ms if host else 30_000) / 1000
         self.safety_margin = host.safety_margin if host else 0.10
-        # Engine launches of different deployments run at once up to this limit
-        # (``max_parallel_prepares``, reference default 2); more wait their turn.
         # Checks a configuration file's candidate before a file reload plans it (`serve
         # --locked` refuses one that drifts from the lockfile); raising refuses the reload.
         self.config_guard: Callable[[CompiledConfig], Awaitable[None]] | None = None
+        # Engine launches of different deployments run at once up to this limit
+        # (``max_parallel_prepares``, reference default 2); more wait their turn.
         self.prepares = anyio.CapacityLimiter(host.max_parallel_prepares if host else 2)
         cache_config = host.cache if host else None
         self.residency = Residency(
@@ -215,14 +322,17 @@ class RuntimeManager:
         self._tick = 0
         self._background = 0
         self._group: anyio.abc.TaskGroup | None = None
-        self.slots: dict[str, Slot] = {
-            deployment_id: new_slot(deployment_id, deployment)
-            for deployment_id, deployment in compiled.deployments.items()
-        }
-        # Reload bookkeeping (runtime/reload.py): staged generations not yet routed, the
-        # candidates of reloads in flight by content digest, the callbacks a commit runs
-        # (the gateway swaps its routes and keys), and whether a reload is protecting every
-        # current reservation from eviction while it stages.
+        self._capacity = anyio.Event()
+        self._ignore_busy = False
+        self.slots: dict[str, Slot] = {}
+        for deployment_id, deployment in compiled.deployments.items():
+            self._adopt_slot(new_slot(deployment_id, deployment))
+        self.commands: dict[str, CommandQueue] = {}
+        # Reload bookkeeping, written only through the staging methods below: staged
+        # generations not yet routed, generations a ``recreate`` stopped (and whether they
+        # were ready), the candidates of reloads in flight by content digest, the callbacks
+        # a commit runs (the gateway swaps its routes and keys), and whether a reload is
+        # protecting every current reservation from eviction while it stages.
         self.staged: dict[str, Slot] = {}
         self.recreated: list[tuple[Slot, bool]] = []
         self.candidates: dict[str, CompiledConfig] = {}
@@ -230,11 +340,12 @@ class RuntimeManager:
         self.protect_all = False
         self.reload_lock = anyio.Lock()
         self.revision: int | None = None
+        self.transitions: list[tuple[str, str, str]] = []
 
-    # -- lookup ----------------------------------------------------------------------------
+    # -- lookup and snapshots --------------------------------------------------------------
 
     def slot(self, deployment: str) -> Slot:
-        """The slot of ``deployment``.
+        """The slot of ``deployment`` (read it; never write it).
 
         Raises:
             UnknownDeployment: ``unknown_deployment``.
@@ -248,6 +359,21 @@ class RuntimeManager:
             )
         return found
 
+    def queue(self, deployment: str) -> CommandQueue:
+        """The command queue of ``deployment`` (kept across reloads)."""
+        found = self.commands.get(deployment)
+        if found is None:
+            found = self.commands[deployment] = CommandQueue(deployment)
+        return found
+
+    def _adopt_slot(self, slot: Slot) -> None:
+        slot.gate.on_idle = self._capacity_changed
+        self.slots[slot.deployment] = slot
+
+    def _capacity_changed(self) -> None:
+        self._capacity.set()
+        self._capacity = anyio.Event()
+
     def _protected(self, key: ResidencyKey) -> bool:
         if self.protect_all:
             return True
@@ -257,46 +383,118 @@ class RuntimeManager:
             return True
         if slot is None or slot.generation != key.generation:
             return False
-        busy = slot.gate.active > 0 or slot.gate.queued > 0
+        gate = slot.gate
+        # A held gate admits nobody new: its queue waits for the swap, so only the requests
+        # already running keep it resident.
+        busy = gate.active > 0 or (gate.queued > 0 and not gate.held)
         return (
-            busy
+            (busy and not self._ignore_busy)
             or slot.config.pinned
             or slot.state in (DeploymentState.PREPARING, DeploymentState.DRAINING)
         )
 
+    def _status_of(self, slot: Slot) -> DeploymentStatus:
+        return DeploymentStatus(
+            deployment=slot.deployment,
+            generation=slot.generation,
+            state=slot.state,
+            active_requests=slot.gate.active,
+            queued_requests=slot.gate.queued,
+            engine="llama_cpp" if slot.executable else None,
+            engine_version=slot.engine_version,
+            driver_availability="available" if slot.executable else None,
+            artifact_digest=slot.artifact.digest if slot.artifact else None,
+            selected_devices=(),
+            memory=slot.estimate.to_dict() if slot.estimate else None,
+            port=slot.port if slot.routable() else None,
+            reason_code=slot.reason_code,
+            job_id=slot.job_id,
+            last_error=slot.last_error,
+            extra={"engine_pid": slot.process.pid if slot.routable() and slot.process else None},
+        )
+
     def status(self) -> list[DeploymentStatus]:
-        """Every deployment's status, sorted by id."""
-        out = []
-        for slot in sorted(self.slots.values(), key=lambda s: s.deployment):
-            out.append(
-                DeploymentStatus(
-                    deployment=slot.deployment,
-                    generation=slot.generation,
-                    state=slot.state,
-                    active_requests=slot.gate.active,
-                    queued_requests=slot.gate.queued,
-                    engine="llama_cpp" if slot.executable else None,
-                    engine_version=slot.engine_version,
-                    driver_availability="available" if slot.executable else None,
-                    artifact_digest=slot.artifact.digest if slot.artifact else None,
-                    selected_devices=(),
-                    memory=slot.estimate.to_dict() if slot.estimate else None,
-                    port=slot.port,
-                    reason_code=slot.reason_code,
-                    job_id=slot.job_id,
-                    last_error=slot.last_error,
-                )
+        """Every deployment's status (a frozen snapshot), sorted by id."""
+        return [self._status_of(s) for s in sorted(self.slots.values(), key=lambda s: s.deployment)]
+
+    def snapshot(self, deployment: str) -> DeploymentStatus:
+        """One deployment's status now (frozen).
+
+        Raises:
+            UnknownDeployment: ``unknown_deployment``.
+        """
+        return self._status_of(self.slot(deployment))
+
+    def engine_pids(self) -> set[int]:
+        """Pids of every live engine child this manager holds (current and staged)."""
+        slots = [*self.slots.values(), *self.staged.values()]
+        return {s.process.pid for s in slots if s.process is not None and s.process.alive()}
+
+    # -- the one transition function -------------------------------------------------------
+
+    async def _set_state(
+        self,
+        slot: Slot,
+        to: DeploymentState,
+        *,
+        job_id: str | None = None,
+        reason_code: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Move ``slot`` to ``to``: checked against the transition table, logged, recorded
+        as a ``deployment`` event on ``job_id`` (or the slot's job) and counted.
+
+        A move to the same state only updates the reason and error.
+
+        Raises:
+            IllegalTransition: ``illegal_transition`` (the table forbids it).
+        """
+        before = slot.state
+        if to != before and to not in DEPLOYMENT_TRANSITIONS[before]:
+            raise IllegalTransition(
+                f"{slot.deployment}: {before.value} -> {to.value} is not an allowed transition",
+                details={"deployment": slot.deployment, "from": before.value, "to": to.value},
             )
-        return out
+        slot._state = to  # the one place a state is written
+        slot.reason_code = reason_code
+        slot.last_error = bounded(error)
+        if to == before:
+            return
+        logger.info(
+            "deployment %s: %s -> %s%s",
+            slot.deployment,
+            before.value,
+            to.value,
+            f" ({reason_code})" if reason_code else "",
+        )
+        self.transitions.append((slot.deployment, before.value, to.value))
+        del self.transitions[:-1000]
+        self.events.transition(slot.deployment, before.value, to.value)
+        cause = job_id or slot.job_id
+        if cause is not None:
+            data: dict[str, Any] = {
+                "deployment": slot.deployment,
+                "generation": slot.generation,
+                "from": before.value,
+                "to": to.value,
+            }
+            if reason_code:
+                data["reason_code"] = reason_code
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self.engine.store.record_event(cause, kind="deployment", data=data)
+            except Exception:  # a journal write must never wedge the runtime
+                logger.exception("could not record the transition on job %s", cause)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self, group: anyio.abc.TaskGroup) -> None:
         """Reap orphan engines, commit the desired revision, start converging to it.
 
-        Deployments with ``warm: true`` get a ``load`` job (joining an unfinished one from
-        before a crash, which then finishes under its original id); ``pull: on_boot``
-        deployments get their artifact verified by a pull job. The maintenance loop starts.
+        Unfinished ``load``, ``drain`` and ``reset`` jobs a crashed host left behind are
+        adopted as commands in their original order and finish under their ids; then
+        ``warm: true`` deployments get a ``load`` (joining an adopted one) and ``pull:
+        on_boot`` deployments get their artifact verified. The maintenance loop starts.
         """
         self._group = group
         report = await anyio.to_thread.run_sync(reap_orphans, self.owned_dir)
@@ -306,21 +504,35 @@ class RuntimeManager:
         self.revision = await self.runtime_store.commit_revision(
             content_digest=desired_digest(desired), desired=desired
         )
+        await self._adopt_unfinished_jobs()
         for slot in self.slots.values():
             if slot.config.warm:
-                self.begin_load(slot.deployment)
+                self.request_load(slot.deployment, reason="warm")
             elif str(slot.config.pull) == "on_boot":
                 group.start_soon(self._verify_on_boot, slot.deployment)
         group.start_soon(self._maintenance)
+
+    async def _adopt_unfinished_jobs(self) -> None:
+        active = (JobStatus.QUEUED, JobStatus.RUNNING)
+        jobs = await self.engine.store.list_jobs(statuses=active, limit=-1)
+        for job in sorted(jobs, key=lambda j: (j.created_at_ms, j.id)):
+            kind = _COMMAND_OF_KIND.get(job.kind)
+            subject = job.subject or ""
+            if kind is None or not subject.startswith("deployment:"):
+                continue
+            deployment = subject.removeprefix("deployment:")
+            queue = self.queue(deployment)
+            command, _ = queue.submit(kind, reason="recovered", join=False)
+            if job.cancel_requested:
+                command.superseded_by = command.seq  # ends cancelled; nothing joins it
+            command.assign(job.id)
+            logger.info("adopted unfinished %s job %s of %s", job.kind, job.id, deployment)
+            self._spawn_command(queue, command, None)
 
     @property
     def owned_dir(self) -> Path:
         """Ownership records of the engines this host started."""
         return self.layout.engines / "owned"
-
-    def run_in_background(self, job_id: str) -> None:
-        """Run a job on the manager's task group; :meth:`shutdown` lets it settle first."""
-        self.background(lambda: self.engine.run_job(job_id))
 
     def background(self, work: Callable[[], Awaitable[object]]) -> None:
         """Run ``work`` on the manager's task group, counted so that :meth:`shutdown` waits
@@ -337,34 +549,196 @@ class RuntimeManager:
 
         self._group.start_soon(run)
 
-    def begin_load(self, deployment: str) -> None:
-        """Start (or join) the ``load`` job of ``deployment`` in the background."""
-        slot = self.slot(deployment)
-        if slot.loading or self._group is None:
-            return
-        slot.loading = True
-        # Counted like any background work: shutdown waits for it even after a reload
-        # retired this slot from ``slots``.
-        self.background(lambda: self._run_load(deployment))
+    # -- commands --------------------------------------------------------------------------
 
-    async def _run_load(self, deployment: str) -> None:
-        from sbproxy.model_host.runtime.jobs import submit_load
+    def request_load(self, deployment: str, *, reason: str = "request") -> Command:
+        """Enter a ``load`` command now (joining the newest load) and run it in the
+        background; the command (``assigned`` is set once its job exists).
 
-        slot = self.slot(deployment)
+        Raises:
+            UnknownDeployment: ``unknown_deployment``.
+        """
+        self.slot(deployment)
+        queue = self.queue(deployment)
+        fresh_queue = not queue.pending
+        command, created = queue.submit(CommandKind.LOAD, reason=reason)
+        if created:
+            # The stable key joins a load a crashed host left unfinished; behind other
+            # commands the key is the command's own, so it never joins a superseded load.
+            key = f"load:{deployment}" if fresh_queue else f"load:{deployment}:{command.seq}"
+
+            async def submit() -> JobRecord:
+                from sbproxy.model_host.runtime.jobs import submit_load
+
+                return await submit_load(self, deployment, idempotency_key=key)
+
+            self._spawn_command(queue, command, submit)
+        return command
+
+    async def load(self, deployment: str, *, reason: str = "admin") -> JobRecord:
+        """Command: make ``deployment`` ready (a ``load`` job, joined when one is newest).
+
+        Raises:
+            UnknownDeployment: ``unknown_deployment``.
+        """
+        command = self.request_load(deployment, reason=reason)
+        return await self._job_of(command)
+
+    async def stop(self, deployment: str, *, reason: str = "stop") -> JobRecord:
+        """Command: drain and stop ``deployment`` (a ``drain`` job). Supersedes every
+        earlier load of it: a waiting one never runs, a running one is cancelled.
+
+        Raises:
+            UnknownDeployment: ``unknown_deployment``.
+        """
+        self.slot(deployment)
+        queue = self.queue(deployment)
+        command, _ = queue.submit(CommandKind.STOP, reason=reason)
+        for earlier in queue.pending:
+            if earlier.superseded_by == command.seq and earlier.job_id is not None:
+                await self._cancel_job(earlier.job_id)
+
+        async def submit() -> JobRecord:
+            from sbproxy.model_host.runtime.jobs import submit_drain
+
+            return await submit_drain(self, deployment, reason=reason)
+
+        self._spawn_command(queue, command, submit)
+        return await self._job_of(command)
+
+    async def reset(self, deployment: str) -> JobRecord:
+        """Command: clear a retained failure (a ``reset`` job), in arrival order.
+
+        Raises:
+            UnknownDeployment: ``unknown_deployment``.
+        """
+        self.slot(deployment)
+        queue = self.queue(deployment)
+        command, _ = queue.submit(CommandKind.RESET, reason="admin")
+
+        async def submit() -> JobRecord:
+            from sbproxy.model_host.runtime.jobs import submit_reset
+
+            return await submit_reset(self, deployment)
+
+        self._spawn_command(queue, command, submit)
+        return await self._job_of(command)
+
+    async def _job_of(self, command: Command) -> JobRecord:
+        await command.assigned.wait()
+        if command.job_id is None:
+            raise SbproxyError(
+                f"the {command.kind.value} command could not be submitted",
+                code="prepare_failed",
+                remediation="See the host log for the cause, then try again.",
+            )
+        return await self.engine.get(command.job_id)
+
+    async def _cancel_job(self, job_id: str) -> None:
+        """Cancel a superseded job durably, and free its idempotency key so that nothing
+        joins it while it winds down."""
         try:
-            job = await submit_load(self, deployment)
-            slot.job_id = job.id
-            final = await self.engine.run_job(job.id)
-            if final.error is not None and slot.state != DeploymentState.FAILED:
-                self._fail(slot, final.error.code, final.error.message)
-        except Exception as exc:
-            logger.exception("load of %s failed", deployment)
-            self._fail(slot, getattr(exc, "code", "prepare_failed"), str(exc))
+            await self.engine.cancel(job_id)
+            await self.engine.store.detach_key(job_id)
+        except SbproxyError as exc:  # already finished: nothing to cancel
+            logger.debug("cancel of superseded job %s: %s", job_id, exc)
+
+    def _spawn_command(
+        self,
+        queue: CommandQueue,
+        command: Command,
+        submit: Callable[[], Awaitable[JobRecord]] | None,
+    ) -> None:
+        if self._group is None:  # not started: the command is not run (unit tests)
+            queue.finish(command)
+            return
+        self.background(lambda: self._run_command(queue, command, submit))
+
+    async def _run_command(
+        self,
+        queue: CommandQueue,
+        command: Command,
+        submit: Callable[[], Awaitable[JobRecord]] | None,
+    ) -> None:
+        """Submit the command's job now, run it in the command's turn, settle the slot."""
+        try:
+            if command.job_id is None and submit is not None:
+                command.assign((await submit()).id)
+            async with queue.turn(command):
+                if command.job_id is None:
+                    return
+                if command.superseded_by is not None:
+                    await self._cancel_job(command.job_id)
+                final = await self.engine.run_job(command.job_id)
+                await self._settle(queue.deployment, command, final)
+        except Exception:
+            logger.exception("%s command of %s failed", command.kind.value, queue.deployment)
+            slot = self.slots.get(queue.deployment)
+            if slot is not None and command.kind is CommandKind.LOAD:
+                await self._settle(queue.deployment, command, None)
         finally:
-            slot.loading = False
-            if slot.state != DeploymentState.READY:
-                slot.ready.set()  # wake waiters: they re-check the state
-                slot.ready = anyio.Event()
+            queue.finish(command)
+            slot = self.slots.get(queue.deployment)
+            if slot is not None:
+                _pulse(slot)
+
+    async def _settle(self, deployment: str, command: Command, final: JobRecord | None) -> None:
+        """After a load job ended without a ready engine, make the slot say why."""
+        slot = self.slots.get(deployment)
+        if slot is None or command.kind is not CommandKind.LOAD or slot.routable():
+            return
+        if final is not None and final.status == JobStatus.CANCELLED:
+            return  # superseded: the stop that won sets the state
+        if slot.state == DeploymentState.FAILED:
+            return  # the launch already said why
+        error = final.error if final is not None else None
+        code = error.code if error else "prepare_failed"
+        message = error.message if error else "the load did not finish"
+        if slot.state == DeploymentState.PREPARING:
+            await self._set_state(slot, DeploymentState.FAILED, reason_code=code, error=message)
+        elif slot.state in (DeploymentState.CONFIGURED, DeploymentState.STOPPED):
+            await self._set_state(slot, DeploymentState.PREPARING, job_id=command.job_id)
+            await self._set_state(slot, DeploymentState.FAILED, reason_code=code, error=message)
+        elif slot.state == DeploymentState.READY:  # its engine died meanwhile
+            await self._set_state(slot, DeploymentState.FAILED, reason_code=code, error=message)
+
+    @asynccontextmanager
+    async def step_scope(
+        self, job_id: str, deployment: str, kind: CommandKind
+    ) -> AsyncIterator[None]:
+        """The frame a runtime job's step runs in: the command's cancellable scope (a later
+        stop cancels a load's steps), or -- for a job run outside a command, e.g. straight
+        from ``run_job`` -- a turn of its own in the deployment's queue.
+
+        Raises:
+            JobCancelled: ``cancelled`` when a later command superseded this one.
+        """
+        queue = self.queue(deployment)
+        command = queue.find(job_id)
+        async with AsyncExitStack() as stack:
+            if command is None:
+                command, _ = queue.submit(kind, reason="job", join=False)
+                command.assign(job_id)
+                await stack.enter_async_context(queue.turn(command))
+            scope = await stack.enter_async_context(command.live())
+            yield
+        if scope.cancelled_caught or command.superseded_by is not None:
+            raise JobCancelled(f"job {job_id} was superseded by a later command on {deployment}")
+
+    @asynccontextmanager
+    async def exclusive(self, deployments: Iterable[str], *, job_id: str) -> AsyncIterator[None]:
+        """Hold a turn on each of ``deployments`` (a reload's rollout or commit): every
+        earlier command on them finishes first, later ones wait until the body ends."""
+        async with AsyncExitStack() as stack:
+            entered = []
+            for deployment in sorted(set(deployments)):
+                queue = self.queue(deployment)
+                command, _ = queue.submit(CommandKind.RELOAD, reason="reload", join=False)
+                command.assign(job_id)
+                entered.append((queue, command))
+            for queue, command in entered:
+                await stack.enter_async_context(queue.turn(command))
+            yield
 
     async def _verify_on_boot(self, deployment: str) -> None:
         from sbproxy.model_host.runtime.jobs import pull_for
@@ -373,14 +747,22 @@ class RuntimeManager:
         try:
             await pull_for(self, slot, intent="startup")
         except SbproxyError as exc:
-            self._fail(slot, exc.code, str(exc))
+            if slot.state == DeploymentState.CONFIGURED:
+                await self._set_state(slot, DeploymentState.PREPARING)
+                await self._set_state(
+                    slot, DeploymentState.FAILED, reason_code=exc.code, error=str(exc)
+                )
 
-    # -- steps of the durable jobs (runtime/jobs.py) ---------------------------------------
+    # -- effects the durable jobs' steps call (runtime/jobs.py) ----------------------------
 
     def resolve(self, slot: Slot) -> ResolvedArtifact:
-        """Resolve the deployment's exact artifact on this worker."""
+        """Resolve the deployment's exact artifact on this worker (and remember it)."""
         slot.artifact = self.resolve_config(slot.config, self.catalog)
         return slot.artifact
+
+    def use_artifact(self, slot: Slot, artifact: ResolvedArtifact) -> None:
+        """Remember the artifact a job resolved for ``slot``."""
+        slot.artifact = artifact
 
     def resolve_config(self, config: DeploymentConfig, catalog: Catalog) -> ResolvedArtifact:
         """Resolve one deployment definition against ``catalog`` on this worker.
@@ -390,11 +772,6 @@ class RuntimeManager:
             NoCompatibleVariantError: ``no_compatible_variant``.
         """
         return resolve_artifact(catalog, artifact_request(config), self.worker).artifact
-
-    def _fail(self, slot: Slot, code: str, message: str) -> None:
-        slot.state = DeploymentState.FAILED
-        slot.reason_code = code
-        slot.last_error = bounded(message)
 
     def _ctx_size(self, slot: Slot) -> int:
         assert slot.artifact is not None  # noqa: S101 - resolved before launch
@@ -415,22 +792,58 @@ class RuntimeManager:
             format_quant=metadata.quant,
         )
 
+    def backoff(self, slot: Slot) -> LaunchBackoff:
+        """The slot's launch and restart backoff (its config, unless the manager's)."""
+        if self.backoff_override is not None:
+            return self.backoff_override
+        config = slot.config
+        return LaunchBackoff(
+            base_s=config.restart_backoff_initial_ms / 1000,
+            max_s=config.restart_backoff_max_ms / 1000,
+            max_attempts=config.max_launch_attempts,
+        )
+
+    def _jittered(self, delay_s: float) -> float:
+        """Equal jitter: half the delay fixed, half random (spreads restarts apart)."""
+        return delay_s / 2 + delay_s / 2 * self.jitter()
+
+    def observe_generation(
+        self, deployment: str, *, generation: int, pid: int | None, start_ticks: str | None
+    ) -> bool:
+        """Whether a journaled launch still describes a live engine of ours: the slot runs
+        that generation, its child is that pid with those start ticks, and it is
+        routable. After a host restart this is false, and the launch runs again."""
+        slot = self.slots.get(deployment)
+        if slot is None or slot.generation != generation or not slot.routable():
+            return False
+        process = slot.process
+        assert process is not None  # noqa: S101 - routable slots have a process
+        return (
+            process.pid == pid
+            and process.record.start_ticks == start_ticks
+            and process_start_ticks(process.pid) == start_ticks
+        )
+
     async def launch_generation(
         self, slot: Slot, *, executable: Path, job_id: str, generation: int | None = None
     ) -> int:
         """Start a new generation of ``slot`` and wait until it is ready; its port.
 
-        Idempotency: a live, ready engine of this slot is reused; concurrent callers (a load
-        job and a resumed reload) serialize on the slot, and the second finds it ready.
-        Launches across deployments run at most ``max_parallel_prepares`` at once.
-        Launch failures retry with the backoff; exhaustion (or a non-retryable failure)
-        retains ``crash_loop``. ``generation`` restarts a stopped generation under its own
-        number (a failed ``recreate`` rollout restoring the prior engine); by default a new
-        generation number is taken from the store.
+        Idempotency: a live, ready engine of this slot is reused; concurrent callers
+        serialize on the slot, and the second finds it ready. Launches across deployments
+        run at most ``max_parallel_prepares`` at once. A launch waits out the slot's restart
+        backoff first. Early exits retry with the backoff (jittered); exhaustion (or a
+        non-retryable failure) retains ``crash_loop``; a lost port retries at once on a new
+        one. ``generation`` restarts a stopped generation under its own number (a failed
+        ``recreate`` rollout restoring the prior engine). A cancelled launch (a stop
+        superseded it) stops its child and leaves the slot ``stopped``.
 
         Raises:
-            EngineError: ``crash_loop`` (or the non-retryable launch error).
-            AdmissionRejected: ``insufficient_capacity`` when the estimate does not fit.
+            EngineError: ``crash_loop`` (or the non-retryable launch error),
+                ``start_timeout`` (no ``/health`` within ``start_timeout_ms``),
+                ``artifact_not_ready``.
+            AdmissionRejected: ``insufficient_capacity`` when the estimate does not fit,
+                even after waiting for busy generations to go idle.
         """
         async with slot.launching, self.prepares:
             return await self._launch_locked(
@@ -440,36 +853,145 @@ class RuntimeManager:
     async def _launch_locked(
         self, slot: Slot, *, executable: Path, job_id: str, generation: int | None
     ) -> int:
-        if (
-            slot.process is not None
-            and slot.process.alive()
-            and slot.state == DeploymentState.READY
-        ):
-            assert slot.port is not None  # noqa: S101 - a ready slot has a port
+        if slot.routable():
+            assert slot.port is not None  # noqa: S101 - a routable slot has a port
             return slot.port
         if slot.crash is not None:
             raise EngineError(slot.crash.last_error, code="crash_loop")
         metadata = self.cache.read_metadata(slot.artifact.digest) if slot.artifact else None
         if metadata is None:
             raise EngineError("the artifact is not in the cache", code="artifact_not_ready")
+        if slot.process is not None:  # a dead or foreign-held generation: clear it first
+            await self._release_generation(slot)
         slot.metadata = metadata
         slot.executable = executable
-        slot.state = DeploymentState.PREPARING
         slot.job_id = job_id
+        await self._set_state(slot, DeploymentState.PREPARING, job_id=job_id)
+        wait_s = slot.not_before - self.clock.now()
+        if wait_s > 0:
+            logger.info("%s: relaunch in %.2f s (restart backoff)", slot.deployment, wait_s)
+            await self.clock.sleep(wait_s)
         estimate = self.estimate(slot, metadata)
         slot.generation = generation or await self.runtime_store.next_generation(slot.deployment)
         key = ResidencyKey(slot.deployment, slot.generation)
-        self._tick += 1
-        plan = self.residency.reserve(
-            key, estimate=estimate, devices=(0,), protected=True, tick=self._tick
-        )
-        for victim in plan.victims:
-            victim_slot = self.slots.get(victim.key.deployment)
-            if victim_slot is not None and victim_slot.generation == victim.key.generation:
-                await self.stop_engine(victim_slot, reason="evicted")
+        try:
+            await self._reserve(slot, key, estimate)
+        except AdmissionRejected as exc:
+            await self._set_state(
+                slot, DeploymentState.FAILED, reason_code=exc.code, error=exc.message
+            )
+            raise
         slot.estimate = estimate
+        try:
+            process, port = await self._spawn_until_ready(slot, metadata, executable, job_id)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                self.residency.release(key)
+                self._capacity_changed()
+                slot.estimate = None
+                if slot.state == DeploymentState.PREPARING:  # cancelled: a stop won
+                    await self._set_state(slot, DeploymentState.STOPPED, reason_code="superseded")
+            raise
+        slot.process = process
+        slot.port = port
+        slot.health_misses = 0
+        slot.timeouts = 0
+        if slot.lease is None:
+            slot.lease = self.cache.lease(metadata.artifact_digest)
+        slot.gate.resume()
+        slot.gate.mark_idle()
+        self.residency.set_protected(key, False)
+        await self._set_state(slot, DeploymentState.READY, job_id=job_id)
+        self._watch_exit(slot, process, slot.generation)
+        _pulse(slot)
+        return port
+
+    async def _reserve(self, slot: Slot, key: ResidencyKey, estimate: MemoryEstimate) -> None:
+        """Reserve memory for ``key``; evict idle victims; wait for busy ones (swap wait).
+
+        Raises:
+            AdmissionRejected: ``insufficient_capacity`` (with ``retry_after_ms``) when it
+                cannot fit, or a busy generation stayed busy past the queue timeout.
+        """
+        timeout_s = slot.config.queue_timeout_ms / 1000
+        started = self.clock.now()
+        held: list[Slot] = []
+        waited = False
+        try:
+            while True:
+                self._tick += 1
+                try:
+                    plan = self.residency.reserve(
+                        key, estimate=estimate, devices=(0,), protected=True, tick=self._tick
+                    )
+                    break
+                except AdmissionRejected as exc:
+                    blockers = self._busy_blockers(key, estimate)
+                    left = timeout_s - (self.clock.now() - started)
+                    if not blockers or left <= 0:
+                        raise reject(
+                            AdmissionReason.INSUFFICIENT_CAPACITY,
+                            exc.message
+                            + (
+                                f"; waited {self.clock.now() - started:.1f} s for "
+                                f"{', '.join(b.deployment for b in blockers)} to go idle"
+                                if blockers
+                                else ""
+                            ),
+                            deployment=slot.deployment,
+                            retry_after_ms=max(1000, round(timeout_s * 1000)),
+                        ) from None
+                    for blocker in blockers:
+                        if blocker not in held:
+                            blocker.gate.hold()
+                            held.append(blocker)
+                    waited = True
+                    changed = self._capacity
+                    with anyio.move_on_after(left):
+                        await changed.wait()
+            for victim in plan.victims:
+                victim_slot = self.slots.get(victim.key.deployment)
+                if victim_slot is not None and victim_slot.generation == victim.key.generation:
+                    await self._evict(victim_slot, job_id=slot.job_id)
+        finally:
+            for blocker in held:
+                blocker.gate.unhold()
+            if waited:
+                self.events.swap_wait(self.clock.now() - started)
+
+    def _busy_blockers(self, key: ResidencyKey, estimate: MemoryEstimate) -> list[Slot]:
+        """The busy generations whose eviction would make ``key`` fit (empty: it would not
+        fit even then, or nothing busy is in the way)."""
+        self._ignore_busy = True
+        try:
+            plan = self.residency.plan(ReservationRequest(key=key, estimate=estimate, devices=(0,)))
+        except AdmissionRejected:
+            return []
+        finally:
+            self._ignore_busy = False
+        blockers = []
+        for victim in plan.victims:
+            found = self.slots.get(victim.key.deployment)
+            if (
+                found is not None
+                and found.generation == victim.key.generation
+                and (found.gate.active or found.gate.queued)
+            ):
+                blockers.append(found)
+        return blockers
+
+    async def _spawn_until_ready(
+        self, slot: Slot, metadata: CachedMetadata, executable: Path, job_id: str
+    ) -> tuple[EngineProcess, int]:
+        backoff = self.backoff(slot)
+        start_timeout_s = slot.config.start_timeout_ms / 1000
+        if self.ready_timeout_s is not None:
+            start_timeout_s = min(start_timeout_s, self.ready_timeout_s)
         first_failure: int | None = None
-        for attempt in range(1, self.backoff.max_attempts + 1):
+        attempt = 0
+        port_retries = 0
+        while True:
+            attempt += 1
             port = free_port()
             request = LaunchRequest(
                 deployment=slot.deployment,
@@ -491,19 +1013,43 @@ class RuntimeManager:
                     owned_dir=self.owned_dir,
                     label=f"{slot.deployment}/{slot.generation}",
                     identity=self.identity,
-                    ready_timeout_s=self.ready_timeout_s,
+                    ready_timeout_s=start_timeout_s,
                 )
+                return process, port
             except EngineError as exc:
+                if exc.code == "engine_port_lost" and port_retries < PORT_RETRIES:
+                    port_retries += 1
+                    attempt -= 1
+                    logger.warning(
+                        "%s: port %d was taken; retrying on another", slot.deployment, port
+                    )
+                    continue
                 now = wall_clock_ms()
                 first_failure = first_failure or now
-                if exc.retryable and attempt < self.backoff.max_attempts:
+                if exc.code == "engine_readiness_timeout":
+                    slot.failures += 1
+                    await self._set_state(
+                        slot,
+                        DeploymentState.FAILED,
+                        reason_code="start_timeout",
+                        error=f"the engine did not answer /health within "
+                        f"{start_timeout_s:g} s (start_timeout_ms): {exc.message}",
+                    )
+                    raise EngineError(
+                        f"{slot.deployment}: the engine was not ready within "
+                        f"{start_timeout_s:g} s; it was stopped",
+                        code="start_timeout",
+                        remediation="Raise proxy.model_host.deployments."
+                        f"{slot.deployment}.start_timeout_ms or check the engine log; the "
+                        "next request or a reset retries.",
+                        details={"deployment": slot.deployment, "log": exc.details.get("log")},
+                    ) from exc
+                if exc.retryable and attempt < backoff.max_attempts:
                     logger.warning(
                         "%s: launch %d failed (%s); retrying", slot.deployment, attempt, exc.code
                     )
-                    await anyio.sleep(self.backoff.delay(attempt))
+                    await self.clock.sleep(self._jittered(backoff.delay(attempt)))
                     continue
-                self.residency.release(key)
-                slot.estimate = None
                 slot.crash = CrashLoop(
                     attempts=attempt,
                     reason=exc.code,
@@ -513,56 +1059,99 @@ class RuntimeManager:
                     last_failure_at_ms=now,
                     job_id=job_id,
                 )
-                self._fail(slot, "crash_loop", f"{exc.code} after {attempt} launch(es): {exc}")
+                await self._set_state(
+                    slot,
+                    DeploymentState.FAILED,
+                    reason_code="crash_loop",
+                    error=f"{exc.code} after {attempt} launch(es): {exc}",
+                )
                 raise EngineError(
                     str(exc),
                     code="crash_loop",
                     remediation="Fix the cause, then reset the deployment.",
                 ) from exc
-            slot.process = process
-            slot.port = port
-            if slot.lease is None:
-                slot.lease = self.cache.lease(metadata.artifact_digest)
-            slot.state = DeploymentState.READY
-            slot.reason_code = None
-            slot.last_error = None
-            slot.health_misses = 0
-            slot.gate.resume()
-            slot.gate.mark_idle()
-            self.residency.set_protected(key, False)
-            slot.ready.set()
-            return port
-        raise AssertionError("unreachable")  # pragma: no cover
 
-    async def stop_engine(self, slot: Slot, *, reason: str = "stopped") -> None:
-        """Stop the slot's engine and free its reservation and lease.
+    def _watch_exit(self, slot: Slot, process: EngineProcess, generation: int) -> None:
+        """Stop routing the moment the child exits (not at the next health probe)."""
+        if self._group is None:
+            return
 
-        Idempotency: stopping a slot without an engine only settles its state.
-        """
+        async def watch() -> None:
+            status = await process.wait_exit()
+            if slot.process is process and slot.generation == generation:
+                await self._engine_lost(
+                    slot,
+                    generation,
+                    f"the engine exited with status {status}: {process.stderr_tail(15)}",
+                )
+
+        self._group.start_soon(watch)
+
+    async def _engine_lost(self, slot: Slot, generation: int, message: str) -> None:
+        """A ready generation died or stopped answering: fail it, free what it held, and
+        set the restart backoff (the next request relaunches it after that)."""
+        if slot.generation != generation or slot.state != DeploymentState.READY:
+            return
+        slot.failures += 1
+        backoff = self.backoff(slot)
+        slot.not_before = self.clock.now() + self._jittered(backoff.delay(slot.failures))
+        await self._set_state(
+            slot, DeploymentState.FAILED, reason_code="engine_health_failed", error=message
+        )
+        await self._release_generation(slot)
+        _pulse(slot)
+
+    async def _release_generation(self, slot: Slot) -> None:
+        """Stop the slot's engine (if any) and free its reservation, lease and port."""
         process, slot.process = slot.process, None
         if process is not None:
-            await process.shutdown(grace_s=min(self.shutdown_deadline_s, 10.0))
+            with anyio.CancelScope(shield=True):
+                await process.shutdown(grace_s=min(self.shutdown_deadline_s, 10.0))
         if slot.generation:
             self.residency.release(ResidencyKey(slot.deployment, slot.generation))
+            self._capacity_changed()
         if slot.lease is not None:
             slot.lease.release()
             slot.lease = None
         slot.port = None
         slot.estimate = None
-        if slot.state != DeploymentState.FAILED:
-            slot.state = DeploymentState.STOPPED
-            slot.reason_code = None if reason == "stopped" else reason
-        slot.ready = anyio.Event()
 
-    async def drain(self, slot: Slot) -> dict[str, object]:
-        """Refuse new work, cancel the queue, wait for active requests, stop the engine."""
+    async def _evict(self, slot: Slot, *, job_id: str | None) -> None:
+        """Stop an idle generation to make room; its gate (and any held queue) stays."""
+        if slot.state not in (DeploymentState.READY, DeploymentState.FAILED):
+            await self._release_generation(slot)
+            return
         previous = slot.state
-        slot.state = DeploymentState.DRAINING
-        report = await slot.gate.drain(deadline_s=self.shutdown_deadline_s)
-        await self.stop_engine(slot)
+        await self._set_state(slot, DeploymentState.DRAINING, job_id=job_id)
+        await self._release_generation(slot)
         if previous == DeploymentState.FAILED:
-            slot.state = DeploymentState.FAILED
+            await self._set_state(slot, DeploymentState.FAILED, reason_code=slot.reason_code)
+        else:
+            await self._set_state(slot, DeploymentState.STOPPED, reason_code="evicted")
+        _pulse(slot)
+
+    async def drain_slot(
+        self, slot: Slot, *, job_id: str | None = None, reason: str | None = None
+    ) -> dict[str, object]:
+        """Refuse new work, cancel the queue, wait for active requests (up to the shutdown
+        deadline), stop the engine. A failed deployment stays failed.
+
+        Idempotency: draining a stopped deployment only settles its state.
+        """
+        previous = slot.state
+        retained = (slot.reason_code, slot.last_error)
+        await self._set_state(slot, DeploymentState.DRAINING, job_id=job_id, reason_code=reason)
+        report = await slot.gate.drain(deadline_s=self.shutdown_deadline_s)
+        await self._release_generation(slot)
+        if previous == DeploymentState.FAILED:
+            await self._set_state(
+                slot, DeploymentState.FAILED, reason_code=retained[0], error=retained[1]
+            )
+        else:
+            keep = None if reason in (None, "stop", "drain") else reason
+            await self._set_state(slot, DeploymentState.STOPPED, job_id=job_id, reason_code=keep)
         slot.gate.resume()
+        _pulse(slot)
         return {
             "active_at_start": report.active_at_start,
             "cancelled_queued": report.cancelled_queued,
@@ -570,8 +1159,8 @@ class RuntimeManager:
             "timed_out": report.timed_out,
         }
 
-    def reset(self, slot: Slot) -> None:
-        """Clear a retained failure so the deployment may launch again.
+    async def reset_slot(self, slot: Slot, *, job_id: str | None = None) -> None:
+        """Clear a retained failure so the deployment may launch again (backoff too).
 
         Raises:
             SbproxyError: ``prepare_failed`` unless the deployment has failed; ``draining``
@@ -585,10 +1174,128 @@ class RuntimeManager:
                 code="prepare_failed",
             )
         slot.crash = None
-        slot.state = DeploymentState.CONFIGURED
-        slot.reason_code = None
-        slot.last_error = None
+        slot.failures = 0
+        slot.not_before = 0.0
+        await self._set_state(slot, DeploymentState.CONFIGURED, job_id=job_id)
         slot.gate.resume()
+
+    # -- reload staging (runtime/reload.py calls these; it writes no slot itself) ---------
+
+    def begin_staging(self) -> None:
+        """Start staging a reload's generations: every current reservation is protected
+        from eviction until :meth:`end_staging`."""
+        self.staged = {}
+        self.recreated = []
+        self.protect_all = True
+
+    def end_staging(self) -> None:
+        """Stop protecting every reservation (the staged slots stay staged)."""
+        self.protect_all = False
+
+    def stage(self, deployment: str, config: DeploymentConfig, artifact: ResolvedArtifact) -> Slot:
+        """A new, not yet routed slot for ``deployment`` (a changed or added definition)."""
+        slot = new_slot(deployment, config)
+        slot.gate.on_idle = self._capacity_changed
+        slot.artifact = artifact
+        self.staged[deployment] = slot
+        return slot
+
+    async def recreate_stop(self, slot: Slot, *, job_id: str) -> None:
+        """Drain and stop a live generation a ``recreate`` rollout replaces, remembering
+        whether it was ready (a rollback restarts it)."""
+        was_ready = slot.routable()
+        await self.drain_slot(slot, job_id=job_id)
+        self.recreated.append((slot, was_ready))
+
+    async def roll_back(self) -> list[str]:
+        """Undo a staging: stop the staged engines, restart the generations a ``recreate``
+        stopped (under their own generation numbers); the deployments discarded."""
+        with anyio.CancelScope(shield=True):
+            staged, self.staged = self.staged, {}
+            recreated, self.recreated = self.recreated, []
+            for slot in staged.values():
+                if slot.process is not None or slot.state != DeploymentState.CONFIGURED:
+                    await self.drain_slot(slot)
+            for old, was_ready in recreated:
+                if not was_ready or old.executable is None:
+                    continue
+                try:
+                    await self.launch_generation(
+                        old,
+                        executable=old.executable,
+                        job_id=old.job_id or "rollback",
+                        generation=old.generation,
+                    )
+                except SbproxyError as exc:  # logged: the job reports the original failure
+                    logger.error("rollback could not restart %s: %s", old.deployment, exc)
+            self.protect_all = False
+        return sorted(staged)
+
+    def apply(
+        self,
+        *,
+        added: Iterable[str],
+        changed: Iterable[str],
+        removed: Iterable[str],
+        candidate: CompiledConfig,
+        catalog: Catalog,
+    ) -> list[Slot]:
+        """Make the staged generations live and ``candidate`` the desired state, in one
+        step with no await; the slots superseded or removed (still running until
+        :meth:`drain_slot` retires them)."""
+        staged, self.staged = self.staged, {}
+        self.recreated = []
+        slots = dict(self.slots)
+        retired: list[Slot] = []
+        for deployment in removed:
+            gone = slots.pop(deployment, None)
+            if gone is not None:
+                retired.append(gone)
+        for deployment in (*added, *changed):
+            fresh = staged.get(deployment)
+            if fresh is None:
+                if deployment not in slots:  # resumed without staged state: start cold
+                    slots[deployment] = new_slot(deployment, candidate.deployments[deployment])
+                    slots[deployment].gate.on_idle = self._capacity_changed
+                continue
+            old = slots.get(deployment)
+            if old is not None:
+                retired.append(old)
+            slots[deployment] = fresh
+        self.slots = slots
+        self.compiled = candidate
+        self.catalog = catalog
+        host = candidate.model_host
+        self.safety_margin = host.safety_margin if host else 0.10
+        if host is not None:  # policies a running host takes at once
+            self.shutdown_deadline_s = host.shutdown_deadline_ms / 1000
+            self.prepares.total_tokens = host.max_parallel_prepares
+        return retired
+
+    async def enforce_resident_limit(self, limit: int | None, *, job_id: str) -> None:
+        """Apply ``cache.max_resident_models``: a lowered limit evicts idle generations,
+        least recently used first; with too much protected work the old limit stays
+        (logged)."""
+        try:
+            victims = self.residency.enforce_limit(limit).victims
+        except AdmissionRejected as exc:
+            logger.warning("max_resident_models %s is not applied: %s", limit, exc)
+            return
+        for victim in victims:
+            evicted = self.slots.get(victim.key.deployment)
+            if evicted is not None and evicted.generation == victim.key.generation:
+                await self.drain_slot(evicted, job_id=job_id)
+
+    async def record_revision(self, *, content_digest: str, desired: Mapping[str, Any]) -> int:
+        """Record the committed desired state (a new revision only when it changed)."""
+        latest = await self.runtime_store.latest_revision()
+        if latest is None or latest.content_digest != content_digest:
+            self.revision = await self.runtime_store.commit_revision(
+                content_digest=content_digest, desired=dict(desired)
+            )
+        else:  # the same desired deployments (routes or keys may differ): no new revision
+            self.revision = latest.revision
+        return self.revision
 
     # -- requests --------------------------------------------------------------------------
 
@@ -598,48 +1305,37 @@ class RuntimeManager:
         Raises:
             UnknownDeployment: ``unknown_deployment``.
             AdmissionRejected: ``draining``, ``crash_loop``, ``engine_unhealthy``,
-                ``queue_full``, ``queue_timeout`` or ``insufficient_capacity``.
+                ``queue_full``, ``queue_timeout`` or ``insufficient_capacity`` (with
+                ``retry_after_ms``).
         """
         slot = self.slot(deployment)
         timeout_s = slot.config.queue_timeout_ms / 1000
-        if slot.state == DeploymentState.DRAINING or slot.gate.draining:
+        with anyio.move_on_after(timeout_s) as scope:
+            while True:
+                slot = self.slot(deployment)
+                self._refuse_now(slot)
+                if not slot.routable():
+                    if str(slot.config.cold_start) == "reject":
+                        raise reject(
+                            AdmissionReason.ENGINE_UNHEALTHY,
+                            f"{deployment} has no ready replica (cold_start: reject)",
+                            deployment=deployment,
+                            retry_after_ms=1000,
+                        )
+                    self.request_load(deployment)
+                    while not slot.routable():
+                        await slot.ready.wait()
+                        self._refuse_failed(slot)
+                permit = await slot.gate.admit(priority)
+                if slot.routable() and self.slots.get(deployment) is slot:
+                    break
+                permit.release()  # evicted or replaced while it queued: start over
+        if scope.cancelled_caught:
             raise reject(
-                AdmissionReason.DRAINING, f"{deployment} is draining", deployment=deployment
-            )
-        if slot.crash is not None:
-            raise reject(
-                AdmissionReason.CRASH_LOOP,
-                f"{deployment} is crash-looped: {slot.crash.last_error}",
+                AdmissionReason.QUEUE_TIMEOUT,
+                f"{deployment} did not become ready within {timeout_s:g} s",
                 deployment=deployment,
             )
-        if slot.state != DeploymentState.READY or slot.process is None or not slot.process.alive():
-            if str(slot.config.cold_start) == "reject":
-                raise reject(
-                    AdmissionReason.ENGINE_UNHEALTHY,
-                    f"{deployment} has no ready replica (cold_start: reject)",
-                    deployment=deployment,
-                    retry_after_ms=1000,
-                )
-            self.begin_load(deployment)
-            with anyio.move_on_after(timeout_s) as scope:
-                while slot.state != DeploymentState.READY:
-                    await slot.ready.wait()
-                    if slot.state == DeploymentState.FAILED or slot.crash is not None:
-                        reason = (
-                            AdmissionReason.CRASH_LOOP
-                            if slot.crash is not None
-                            else AdmissionReason.ENGINE_UNHEALTHY
-                        )
-                        raise reject(
-                            reason, slot.last_error or "the engine failed", deployment=deployment
-                        )
-            if scope.cancelled_caught:
-                raise reject(
-                    AdmissionReason.QUEUE_TIMEOUT,
-                    f"{deployment} did not become ready within {timeout_s:g} s",
-                    deployment=deployment,
-                )
-        permit = await slot.gate.admit(priority)
         self._tick += 1
         if slot.generation:
             self.residency.touch(ResidencyKey(slot.deployment, slot.generation), self._tick)
@@ -657,10 +1353,82 @@ class RuntimeManager:
             ),
         )
 
+    def _refuse_now(self, slot: Slot) -> None:
+        if slot.state == DeploymentState.DRAINING or slot.gate.draining:
+            raise reject(
+                AdmissionReason.DRAINING,
+                f"{slot.deployment} is draining",
+                deployment=slot.deployment,
+            )
+        if slot.crash is not None:
+            raise reject(
+                AdmissionReason.CRASH_LOOP,
+                f"{slot.deployment} is crash-looped: {slot.crash.last_error}",
+                deployment=slot.deployment,
+            )
+
+    def _refuse_failed(self, slot: Slot) -> None:
+        """After a wake-up: refuse when the load this request waited for failed."""
+        if slot.crash is not None:
+            self._refuse_now(slot)
+        if slot.state == DeploymentState.DRAINING:
+            self._refuse_now(slot)
+        if slot.state != DeploymentState.FAILED:
+            return
+        if slot.reason_code == AdmissionReason.INSUFFICIENT_CAPACITY.value:
+            raise reject(
+                AdmissionReason.INSUFFICIENT_CAPACITY,
+                slot.last_error or "the deployment does not fit",
+                deployment=slot.deployment,
+                retry_after_ms=max(1000, slot.config.queue_timeout_ms),
+            )
+        raise reject(
+            AdmissionReason.ENGINE_UNHEALTHY,
+            slot.last_error or "the engine failed",
+            deployment=slot.deployment,
+        )
+
     def record_outcome(self, deployment: str, generation: int, *, timed_out: bool) -> None:
-        """Count one request's end at the engine of ``deployment``/``generation``."""
-        # Placeholder wiring; the supervision policy lands with the runtime owner.
-        logger.debug("%s/%s request ended (timed_out=%s)", deployment, generation, timed_out)
+        """Count one request's end at the engine of ``deployment``/``generation``:
+        ``unhealthy_after`` consecutive timeouts drain the generation and relaunch it after
+        the restart backoff; a request that ended in time resets the count and the backoff.
+        """
+        slot = self.slots.get(deployment)
+        if slot is None or slot.generation != generation:
+            return
+        if not timed_out:
+            slot.timeouts = 0
+            slot.failures = 0
+            return
+        slot.timeouts += 1
+        if (
+            slot.timeouts >= slot.config.unhealthy_after
+            and slot.state == DeploymentState.READY
+            and not slot.restarting
+        ):
+            slot.restarting = True
+            self.background(lambda: self._restart_unhealthy(slot, generation))
+
+    async def _restart_unhealthy(self, slot: Slot, generation: int) -> None:
+        """Mark the generation unhealthy, drain it and relaunch after the backoff."""
+        try:
+            if slot.generation != generation or slot.state != DeploymentState.READY:
+                return
+            slot.failures += 1
+            delay = self._jittered(self.backoff(slot).delay(slot.failures))
+            slot.not_before = self.clock.now() + delay
+            message = (
+                f"{slot.timeouts} consecutive requests timed out at generation {generation}; "
+                f"it is restarted in {delay:.1f} s"
+            )
+            logger.warning("%s: %s", slot.deployment, message)
+            await self._set_state(
+                slot, DeploymentState.FAILED, reason_code="engine_unhealthy", error=message
+            )
+            await self.stop(slot.deployment, reason="engine_unhealthy")
+            self.request_load(slot.deployment, reason="restart")
+        finally:
+            slot.restarting = False
 
     # -- maintenance -----------------------------------------------------------------------
 
@@ -674,43 +1442,52 @@ class RuntimeManager:
                 logger.exception("maintenance tick failed")
 
     async def tick(self) -> None:
-        """One maintenance pass: health probes of ready engines, keep-alive expiry."""
-        now = time.monotonic()
+        """One maintenance pass: health and socket-ownership probes of ready engines,
+        keep-alive expiry (on the injected clock)."""
         for slot in list(self.slots.values()):
-            if slot.state != DeploymentState.READY or slot.process is None:
+            process, generation, port = slot.process, slot.generation, slot.port
+            if slot.state != DeploymentState.READY or process is None or port is None:
                 continue
-            health = await slot.process.probe(f"http://127.0.0.1:{slot.port}/health")
-            if health == "ready":
+            health = await process.probe(f"http://127.0.0.1:{port}/health")
+            owned = health == "ready" and await anyio.to_thread.run_sync(process.listens_on, port)
+            if slot.process is not process or slot.generation != generation:
+                continue  # changed while probing
+            if health == "stopped":
+                await self._engine_lost(
+                    slot, generation, f"the engine exited: {process.stderr_tail(15)}"
+                )
+            elif owned:
                 slot.health_misses = 0
-            elif health == "stopped":
-                tail = slot.process.stderr_tail(15)
-                await self.stop_engine(slot)
-                self._fail(slot, "engine_health_failed", f"the engine exited: {tail}")
-                slot.state = DeploymentState.FAILED
             else:
                 slot.health_misses += 1
                 if slot.health_misses >= HEALTH_MISSES:
-                    await self.stop_engine(slot)
-                    self._fail(slot, "engine_health_failed", "the engine stopped answering /health")
+                    why = (
+                        f"port {port} is held by another process"
+                        if health == "ready"
+                        else "the engine stopped answering /health"
+                    )
+                    await self._engine_lost(slot, generation, why)
             keep_alive = slot.config.keep_alive_secs
-            if slot.state == DeploymentState.READY and keep_alive_expired(
-                slot.gate, keep_alive, now
+            if (
+                slot.state == DeploymentState.READY
+                and not self.queue(slot.deployment).pending
+                and keep_alive_expired(slot.gate, keep_alive, self.clock.now())
             ):
-                from sbproxy.model_host.runtime.jobs import submit_drain
+                await self.stop(slot.deployment, reason="keep_alive")
 
-                job = await submit_drain(self, slot.deployment, reason="keep_alive")
-                self.run_in_background(job.id)
-
-    async def shutdown(self) -> None:
-        """Let in-flight loads settle (up to the deadline), then drain every deployment and
-        stop every engine. Unfinished jobs stay in the journal and resume at the next start."""
+    async def shutdown(self, *, deadline_s: float | None = None) -> None:
+        """Let in-flight commands settle, then drain every deployment and stop every
+        engine, all within ``deadline_s`` (default ``shutdown_deadline_ms``). Unfinished
+        jobs stay in the journal and resume at the next start."""
+        budget = self.shutdown_deadline_s if deadline_s is None else deadline_s
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self.shutdown_deadline_s):
-                while self._background or any(slot.loading for slot in self.slots.values()):
+            with anyio.move_on_after(budget / 2):
+                while self._background:
                     await anyio.sleep(0.05)
-            for slot in self.slots.values():
+            self.shutdown_deadline_s = max(0.1, budget / 2)
+            for slot in [*self.slots.values(), *self.staged.values()]:
                 if slot.process is not None:
-                    await self.drain(slot)
+                    await self.drain_slot(slot)
 
 
 def artifact_request(config: DeploymentConfig) -> ArtifactRequest:

@@ -53,15 +53,12 @@ from sbproxy.config.model_host import Authority, Rollout
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.engines import provision_llama_cpp
 from sbproxy.model_host.registry import registry
-from sbproxy.model_host.runtime.admission import AdmissionRejected
 from sbproxy.model_host.runtime.desired_store import DeploymentRevision, RevisionStore
 from sbproxy.model_host.runtime.jobs import pull_artifact
 from sbproxy.model_host.runtime.manager import (
     RuntimeManager,
-    Slot,
     desired_digest,
     desired_of,
-    new_slot,
 )
 from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.store import JobStatus
@@ -401,6 +398,9 @@ async def store_step(ctx: StepContext, request: ReloadInput) -> StoreResult:
 async def rollout_step(ctx: StepContext, request: RolloutInput) -> list[str]:
     """Stage the new generations (see the module docstring); the deployments staged.
 
+    Runs in a turn on every changed and removed deployment: loads, stops and resets that
+    arrived earlier finish first, later ones wait for the reload.
+
     Idempotency: a deployment whose live definition already is the candidate's (a resumed
     job after a restart) is only made ready when it is ``warm``.
 
@@ -411,120 +411,34 @@ async def rollout_step(ctx: StepContext, request: RolloutInput) -> list[str]:
     candidate = _candidate(manager, request.request)
     prepared = request.prepared
     executable = Path(prepared.executable) if prepared.executable else None
-    staged: dict[str, Slot] = {}
-    recreated: list[tuple[Slot, bool]] = []
-    manager.staged = staged
-    manager.recreated = recreated
-    manager.protect_all = True
-    try:
-        for deployment in (*request.plan.changed, *request.plan.removed):
-            live = manager.slots.get(deployment)
-            if live is not None:  # a load in flight finishes on the slot it started on
-                await _settle(manager, live)
-        for deployment in sorted((*request.plan.added, *request.plan.changed)):
-            config = candidate.deployments[deployment]
-            live = manager.slots.get(deployment)
-            artifact = prepared.artifacts[deployment]
-            if live is not None and live.config == config:
-                live.artifact = artifact
-                if config.warm and executable is not None:
-                    await manager.launch_generation(live, executable=executable, job_id=ctx.job_id)
-                continue
-            slot = new_slot(deployment, config)
-            slot.artifact = artifact
-            if live is not None and config.rollout == Rollout.RECREATE:
-                was_ready = live.state == DeploymentState.READY and live.process is not None
-                await manager.drain(live)
-                recreated.append((live, was_ready))
-                fault_point("reload.recreate.stopped")
-            staged[deployment] = slot
-            if config.warm and executable is not None:
-                await manager.launch_generation(slot, executable=executable, job_id=ctx.job_id)
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await _roll_back(manager, staged, recreated)
-            manager.recreated = []
-        raise
-    finally:
-        manager.protect_all = False
-    return sorted(staged)
-
-
-async def _settle(manager: RuntimeManager, slot: Slot) -> None:
-    """Wait (bounded) for a load of ``slot`` in flight to finish before replacing it."""
-    with anyio.move_on_after(manager.ready_timeout_s):
-        while slot.loading:
-            await anyio.sleep(0.05)
-
-
-async def _roll_back(
-    manager: RuntimeManager, staged: dict[str, Slot], recreated: list[tuple[Slot, bool]]
-) -> None:
-    for slot in staged.values():
-        await manager.stop_engine(slot)
-    staged.clear()
-    manager.staged = {}
-    for old, was_ready in recreated:
-        if not was_ready or old.executable is None:
-            continue
+    plan = request.plan
+    touched = (*plan.added, *plan.changed, *plan.removed)
+    async with manager.exclusive(touched, job_id=ctx.job_id):
+        manager.begin_staging()
         try:
-            await manager.launch_generation(
-                old,
-                executable=old.executable,
-                job_id=old.job_id or "rollback",
-                generation=old.generation,
-            )
-        except SbproxyError as exc:  # logged: the job reports the original failure
-            logger.error("rollback could not restart %s: %s", old.deployment, exc)
-
-
-def _swap(manager: RuntimeManager, plan: ReloadPlan, candidate: CompiledConfig) -> list[Slot]:
-    """Make the staged generations live and the candidate the desired state; the slots
-    superseded or removed (still running until retired)."""
-    staged, manager.staged = manager.staged, {}
-    manager.recreated = []
-    slots = dict(manager.slots)
-    retired: list[Slot] = []
-    for deployment in plan.removed:
-        gone = slots.pop(deployment, None)
-        if gone is not None:
-            retired.append(gone)
-    for deployment in (*plan.added, *plan.changed):
-        fresh = staged.get(deployment)
-        if fresh is None:
-            if deployment not in slots:  # resumed without staged state: start cold
-                slots[deployment] = new_slot(deployment, candidate.deployments[deployment])
-            continue
-        old = slots.get(deployment)
-        if old is not None:
-            retired.append(old)
-        slots[deployment] = fresh
-    catalog = _catalog_for(manager, candidate)
-    manager.slots = slots
-    manager.compiled = candidate
-    manager.catalog = catalog
-    manager.safety_margin = _margin(candidate)
-    host = candidate.model_host
-    if host is not None:  # policies a running host takes at once
-        manager.shutdown_deadline_s = host.shutdown_deadline_ms / 1000
-        manager.prepares.total_tokens = host.max_parallel_prepares
-    return retired
-
-
-async def _enforce_resident_limit(manager: RuntimeManager, candidate: CompiledConfig) -> None:
-    """Apply ``cache.max_resident_models``: a lowered limit evicts idle generations, least
-    recently used first; with too much protected work the old limit stays (logged)."""
-    cache = candidate.model_host.cache if candidate.model_host else None
-    limit = cache.max_resident_models if cache else None
-    try:
-        victims = manager.residency.enforce_limit(limit).victims
-    except AdmissionRejected as exc:
-        logger.warning("max_resident_models %s is not applied: %s", limit, exc)
-        return
-    for victim in victims:
-        evicted = manager.slots.get(victim.key.deployment)
-        if evicted is not None and evicted.generation == victim.key.generation:
-            await manager.drain(evicted)
+            for deployment in sorted((*plan.added, *plan.changed)):
+                config = candidate.deployments[deployment]
+                live = manager.slots.get(deployment)
+                artifact = prepared.artifacts[deployment]
+                if live is not None and live.config == config:
+                    manager.use_artifact(live, artifact)
+                    if config.warm and executable is not None:
+                        await manager.launch_generation(
+                            live, executable=executable, job_id=ctx.job_id
+                        )
+                    continue
+                if live is not None and config.rollout == Rollout.RECREATE:
+                    await manager.recreate_stop(live, job_id=ctx.job_id)
+                    fault_point("reload.recreate.stopped")
+                slot = manager.stage(deployment, config, artifact)
+                if config.warm and executable is not None:
+                    await manager.launch_generation(slot, executable=executable, job_id=ctx.job_id)
+        except BaseException:
+            await manager.roll_back()
+            raise
+        finally:
+            manager.end_staging()
+        return sorted(manager.staged)
 
 
 @step("commit")
@@ -538,24 +452,29 @@ async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
     """
     manager = ctx.resource(RuntimeManager)
     candidate = _candidate(manager, request.request)
-    retired = _swap(manager, request.plan, candidate)
-    manager.candidates.pop(request.request.content_digest, None)
-    for listener in manager.on_commit:
-        listener(candidate)
-    fault_point("reload.committed")
-    for old in retired:
-        if old.process is not None or old.state == DeploymentState.DRAINING:
-            await manager.drain(old)
-    await _enforce_resident_limit(manager, candidate)
-    digest = request.request.content_digest
-    latest = await manager.runtime_store.latest_revision()
-    if latest is None or latest.content_digest != digest:
-        manager.revision = await manager.runtime_store.commit_revision(
-            content_digest=digest, desired=request.request.desired
+    plan = request.plan
+    async with manager.exclusive((*plan.added, *plan.changed, *plan.removed), job_id=ctx.job_id):
+        retired = manager.apply(
+            added=plan.added,
+            changed=plan.changed,
+            removed=plan.removed,
+            candidate=candidate,
+            catalog=_catalog_for(manager, candidate),
         )
-    else:  # the same desired deployments (routes or keys may differ): no new revision
-        manager.revision = latest.revision
-    return ReloadReport(revision=manager.revision, content_digest=digest, plan=request.plan)
+        manager.candidates.pop(request.request.content_digest, None)
+        for listener in manager.on_commit:
+            listener(candidate)
+        fault_point("reload.committed")
+        for old in retired:
+            if old.process is not None or old.state == DeploymentState.DRAINING:
+                await manager.drain_slot(old, job_id=ctx.job_id)
+    cache = candidate.model_host.cache if candidate.model_host else None
+    await manager.enforce_resident_limit(
+        cache.max_resident_models if cache else None, job_id=ctx.job_id
+    )
+    digest = request.request.content_digest
+    revision = await manager.record_revision(content_digest=digest, desired=request.request.desired)
+    return ReloadReport(revision=revision, content_digest=digest, plan=plan)
 
 
 @step("discard")
@@ -566,10 +485,7 @@ async def discard_step(ctx: StepContext, request: ReloadInput) -> list[str]:
     Idempotency: after a restart nothing is staged and nothing is discarded.
     """
     manager = ctx.resource(RuntimeManager)
-    discarded = sorted(manager.staged)
-    await _roll_back(manager, manager.staged, manager.recreated)
-    manager.recreated = []
-    return discarded
+    return await manager.roll_back()
 
 
 @registry.workflow("reload", version=1)

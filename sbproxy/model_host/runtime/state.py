@@ -29,10 +29,19 @@ class DeploymentState(StrEnum):
     FAILED = "failed"
 
 
+# Every deployment state change goes through ``RuntimeManager._set_state``, which refuses a
+# move this table does not list (``illegal_transition``); a move to the same state only
+# updates the reason.
 DEPLOYMENT_TRANSITIONS: dict[DeploymentState, frozenset[DeploymentState]] = {
     DeploymentState.CONFIGURED: frozenset({DeploymentState.PREPARING, DeploymentState.DRAINING}),
+    # A launch that a later stop cancelled ends stopped.
     DeploymentState.PREPARING: frozenset(
-        {DeploymentState.READY, DeploymentState.FAILED, DeploymentState.DRAINING}
+        {
+            DeploymentState.READY,
+            DeploymentState.FAILED,
+            DeploymentState.DRAINING,
+            DeploymentState.STOPPED,
+        }
     ),
     DeploymentState.READY: frozenset(
         {DeploymentState.DRAINING, DeploymentState.FAILED, DeploymentState.PREPARING}

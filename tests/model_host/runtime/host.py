@@ -7,6 +7,7 @@ import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from sbproxy.catalog import Accelerator, WorkerProfile, load_catalog
 from sbproxy.config import CompiledConfig, load_config, load_config_text
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.flows import registry
-from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.runtime.manager import RUNTIME_JOB_KINDS, RuntimeManager
 from sbproxy.model_host.runtime.reload import admin_desired  # also registers "reload"
 from sbproxy.model_host.runtime.state import LaunchBackoff
 from sbproxy.store import RuntimeStore
@@ -166,7 +167,7 @@ async def runtime_host(
             if start:
                 await manager.start(group)
             if worker:
-                group.start_soon(engine.run_worker)
+                group.start_soon(partial(engine.run_worker, exclude=RUNTIME_JOB_KINDS))
             try:
                 yield Host(manager=manager, engine=engine, layout=layout, root=root)
             finally:
