@@ -9,6 +9,9 @@ Names and labels follow reference section 9:
 * ``sbproxy_model_host_admission_rejections_total{deployment,priority,reason}`` (counter,
   counted by the gateway where it meets a refusal);
 * ``sbproxy_model_host_resident_models`` (gauge: deployments with a ready engine);
+* ``sbproxy_model_host_deployment_transitions_total{deployment,from,to}`` (counter: every
+  checked state change the runtime made) and ``sbproxy_model_host_swap_wait_seconds``
+  (histogram: how long launches waited for a busy resident generation to go idle);
 * GPU gauges ``sbproxy_model_host_gpu_vram_bytes{device,kind}`` (``total``/``free``),
   ``_gpu_memory_occupancy{device}`` (used/total) and ``_gpu_utilization{device}`` (compute
   activity, 0..1) -- only for devices NVML reports; utilization is absent when the driver
@@ -173,6 +176,29 @@ class _UsageCollector(Collector):
         yield tokens
 
 
+class _RuntimeCollector(Collector):
+    def __init__(self, manager: RuntimeManager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Iterator[Metric]:
+        tallies = self.manager.tallies
+        transitions = CounterMetricFamily(
+            f"{PREFIX}_deployment_transitions",
+            "Deployment state changes the runtime made, by deployment and states.",
+            labels=["deployment", "from", "to"],
+        )
+        for (deployment, before, after), count in sorted(tallies.transitions.items()):
+            transitions.add_metric([deployment, before, after], count)
+        yield transitions
+        waits = HistogramMetricFamily(
+            f"{PREFIX}_swap_wait_seconds",
+            "Seconds a launch waited for a busy resident generation to go idle.",
+        )
+        histogram = tallies.swap_waits
+        waits.add_metric([], buckets=histogram.cumulative(), sum_value=histogram.total_s)
+        yield waits
+
+
 class _JobCollector(Collector):
     def __init__(self, manager: RuntimeManager) -> None:
         self.outcomes = manager.engine.store.outcomes
@@ -210,6 +236,7 @@ def build_registry(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_HostCollector(manager, rejections, devices))
     registry.register(_JobCollector(manager))
+    registry.register(_RuntimeCollector(manager))
     if usage is not None:
         registry.register(_UsageCollector(usage))
     return registry

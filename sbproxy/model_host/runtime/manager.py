@@ -39,11 +39,12 @@ import hashlib
 import logging
 import random
 import socket
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -90,14 +91,15 @@ from sbproxy.model_host.runtime.state import (
     bounded,
 )
 from sbproxy.store import JobRecord, JobStatus, RuntimeStore, wall_clock_ms
+from sbproxy.store.outcomes import DurationHistogram
 from sbproxy.workflows import WorkerIdentity, WorkflowEngine, process_start_ticks
 from sbproxy.workflows.errors import JobCancelled
 
 __all__ = [
     "RUNTIME_JOB_KINDS",
     "IllegalTransition",
-    "RuntimeEvents",
     "RuntimeManager",
+    "RuntimeTallies",
     "Slot",
     "UnknownDeployment",
     "Upstream",
@@ -127,6 +129,9 @@ _COMMAND_OF_KIND = {
 # bound it; they do not count as failed launches.
 PORT_RETRIES = 3
 
+# Longest a swap waits before it re-reads which resident generations block it, seconds.
+SWAP_RECHECK_S = 0.25
+
 
 class UnknownDeployment(SbproxyError):
     """No deployment has this id (``unknown_deployment``)."""
@@ -141,24 +146,19 @@ class IllegalTransition(SbproxyError):
     default_code = "illegal_transition"
 
 
-class RuntimeEvents(Protocol):
-    """Where the manager reports what metrics count (the admin app supplies one)."""
+@dataclass
+class RuntimeTallies:
+    """What the runtime counts for its metrics (read at scrape time, never reset).
 
-    def transition(self, deployment: str, before: str, after: str) -> None:
-        """A deployment moved from state ``before`` to ``after``."""
-        ...
+    Attributes:
+        transitions: Deployment state changes by ``(deployment, from, to)``
+            (``sbproxy_model_host_deployment_transitions_total``).
+        swap_waits: Seconds launches waited for a busy generation to go idle
+            (``sbproxy_model_host_swap_wait_seconds``).
+    """
 
-    def swap_wait(self, seconds: float) -> None:
-        """A launch waited ``seconds`` for a busy generation to go idle."""
-        ...
-
-
-class _NoEvents:
-    def transition(self, deployment: str, before: str, after: str) -> None:
-        return None
-
-    def swap_wait(self, seconds: float) -> None:
-        return None
+    transitions: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    swap_waits: DurationHistogram = field(default_factory=DurationHistogram)
 
 
 @dataclass
@@ -191,6 +191,8 @@ class Slot:
     failures: int = 0
     not_before: float = 0.0
     restarting: bool = False
+    swap_waiting: bool = False
+    waiting: int = 0
     ready: anyio.Event = field(default_factory=anyio.Event)
     launching: anyio.Lock = field(default_factory=anyio.Lock)
 
@@ -269,7 +271,6 @@ class RuntimeManager:
             deployment's ``start_timeout_ms`` applies below it).
         health_interval_s: Maintenance tick period, in seconds.
         clock: Monotonic time for keep-alive, backoff and swap waits.
-        events: Metrics sink for transitions and swap waits.
         jitter: Source of backoff jitter in ``[0, 1)`` (tests pin it).
     """
 
@@ -286,7 +287,6 @@ class RuntimeManager:
         ready_timeout_s: float | None = None,
         health_interval_s: float = 1.0,
         clock: Clock | None = None,
-        events: RuntimeEvents | None = None,
         jitter: Callable[[], float] = random.random,
     ) -> None:
         self.compiled = compiled
@@ -300,7 +300,7 @@ class RuntimeManager:
         self.ready_timeout_s = ready_timeout_s
         self.health_interval_s = health_interval_s
         self.clock: Clock = clock or MonotonicClock()
-        self.events: RuntimeEvents = events or _NoEvents()
+        self.tallies = RuntimeTallies()
         self.jitter = jitter
         self.identity = WorkerIdentity.current()
         host = compiled.model_host
@@ -340,7 +340,6 @@ class RuntimeManager:
         self.protect_all = False
         self.reload_lock = anyio.Lock()
         self.revision: int | None = None
-        self.transitions: list[tuple[str, str, str]] = []
 
     # -- lookup and snapshots --------------------------------------------------------------
 
@@ -385,13 +384,10 @@ class RuntimeManager:
             return False
         gate = slot.gate
         # A held gate admits nobody new: its queue waits for the swap, so only the requests
-        # already running keep it resident.
-        busy = gate.active > 0 or (gate.queued > 0 and not gate.held)
-        return (
-            (busy and not self._ignore_busy)
-            or slot.config.pinned
-            or slot.state in (DeploymentState.PREPARING, DeploymentState.DRAINING)
-        )
+        # already running keep it resident. Requests waiting for it to become ready count.
+        busy = gate.active > 0 or (gate.queued > 0 and not gate.held) or slot.waiting > 0
+        transient = busy or slot.state in (DeploymentState.PREPARING, DeploymentState.DRAINING)
+        return slot.config.pinned or (transient and not self._ignore_busy)
 
     def _status_of(self, slot: Slot) -> DeploymentStatus:
         return DeploymentStatus(
@@ -467,9 +463,8 @@ class RuntimeManager:
             to.value,
             f" ({reason_code})" if reason_code else "",
         )
-        self.transitions.append((slot.deployment, before.value, to.value))
-        del self.transitions[:-1000]
-        self.events.transition(slot.deployment, before.value, to.value)
+        self.tallies.transitions[(slot.deployment, before.value, to.value)] += 1
+        self._capacity_changed()  # a swap waiting on a transient generation re-checks
         cause = job_id or slot.job_id
         if cause is not None:
             data: dict[str, Any] = {
@@ -900,7 +895,6 @@ class RuntimeManager:
             slot.lease = self.cache.lease(metadata.artifact_digest)
         slot.gate.resume()
         slot.gate.mark_idle()
-        self.residency.set_protected(key, False)
         await self._set_state(slot, DeploymentState.READY, job_id=job_id)
         self._watch_exit(slot, process, slot.generation)
         _pulse(slot)
@@ -921,8 +915,10 @@ class RuntimeManager:
             while True:
                 self._tick += 1
                 try:
+                    # Protection comes from the slot's state (preparing) through
+                    # ``_protected``, so a swap can tell a transient hold from a pin.
                     plan = self.residency.reserve(
-                        key, estimate=estimate, devices=(0,), protected=True, tick=self._tick
+                        key, estimate=estimate, devices=(0,), protected=False, tick=self._tick
                     )
                     break
                 except AdmissionRejected as exc:
@@ -942,12 +938,19 @@ class RuntimeManager:
                             retry_after_ms=max(1000, round(timeout_s * 1000)),
                         ) from None
                     for blocker in blockers:
-                        if blocker not in held:
+                        # Hold only a generation that is serving: a starting one must let
+                        # its first waiters in, or it would be evicted before it served.
+                        serving = blocker.state == DeploymentState.READY and blocker.gate.active
+                        if serving and blocker not in held:
                             blocker.gate.hold()
                             held.append(blocker)
                     waited = True
+                    slot.swap_waiting = True
+                    # Woken when a gate goes idle, a reservation is freed or a state
+                    # changes; re-checked at least every SWAP_RECHECK_S so that a blocker
+                    # that starts serving gets held.
                     changed = self._capacity
-                    with anyio.move_on_after(left):
+                    with anyio.move_on_after(min(left, SWAP_RECHECK_S)):
                         await changed.wait()
             for victim in plan.victims:
                 victim_slot = self.slots.get(victim.key.deployment)
@@ -956,12 +959,14 @@ class RuntimeManager:
         finally:
             for blocker in held:
                 blocker.gate.unhold()
+            slot.swap_waiting = False
             if waited:
-                self.events.swap_wait(self.clock.now() - started)
+                self.tallies.swap_waits.observe(self.clock.now() - started)
 
     def _busy_blockers(self, key: ResidencyKey, estimate: MemoryEstimate) -> list[Slot]:
-        """The busy generations whose eviction would make ``key`` fit (empty: it would not
-        fit even then, or nothing busy is in the way)."""
+        """The busy or transient (preparing, draining) generations whose eviction would make
+        ``key`` fit once they settle (empty: it would not fit even then -- pinned, or too
+        large -- and waiting cannot help)."""
         self._ignore_busy = True
         try:
             plan = self.residency.plan(ReservationRequest(key=key, estimate=estimate, devices=(0,)))
@@ -972,11 +977,7 @@ class RuntimeManager:
         blockers = []
         for victim in plan.victims:
             found = self.slots.get(victim.key.deployment)
-            if (
-                found is not None
-                and found.generation == victim.key.generation
-                and (found.gate.active or found.gate.queued)
-            ):
+            if found is not None and found.generation == victim.key.generation:
                 blockers.append(found)
         return blockers
 
@@ -1323,14 +1324,26 @@ class RuntimeManager:
                             retry_after_ms=1000,
                         )
                     self.request_load(deployment)
-                    while not slot.routable():
-                        await slot.ready.wait()
-                        self._refuse_failed(slot)
+                    slot.waiting += 1  # keeps the generation from being evicted meanwhile
+                    try:
+                        while not slot.routable():
+                            await slot.ready.wait()
+                            self._refuse_failed(slot)
+                    finally:
+                        slot.waiting -= 1
                 permit = await slot.gate.admit(priority)
                 if slot.routable() and self.slots.get(deployment) is slot:
                     break
                 permit.release()  # evicted or replaced while it queued: start over
         if scope.cancelled_caught:
+            if slot.swap_waiting:  # its launch still waits for a busy generation
+                raise reject(
+                    AdmissionReason.INSUFFICIENT_CAPACITY,
+                    f"{deployment} waited {timeout_s:g} s for a busy resident model to go "
+                    "idle so that it could be swapped in",
+                    deployment=deployment,
+                    retry_after_ms=max(1000, slot.config.queue_timeout_ms),
+                )
             raise reject(
                 AdmissionReason.QUEUE_TIMEOUT,
                 f"{deployment} did not become ready within {timeout_s:g} s",

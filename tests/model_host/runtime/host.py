@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -18,6 +18,7 @@ from sbproxy.catalog import Accelerator, WorkerProfile, load_catalog
 from sbproxy.config import CompiledConfig, load_config, load_config_text
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.flows import registry
+from sbproxy.model_host.runtime.clock import Clock
 from sbproxy.model_host.runtime.manager import RUNTIME_JOB_KINDS, RuntimeManager
 from sbproxy.model_host.runtime.reload import admin_desired  # also registers "reload"
 from sbproxy.model_host.runtime.state import LaunchBackoff
@@ -127,6 +128,9 @@ async def runtime_host(
     host: dict[str, Any] | None = None,
     config_file: bool = False,
     worker: bool = False,
+    clock: Clock | None = None,
+    health_interval_s: float = 0.1,
+    jitter: Callable[[], float] | None = None,
 ) -> AsyncIterator[Host]:
     """A started manager (maintenance every 0.1 s) inside a task group.
 
@@ -159,7 +163,9 @@ async def runtime_host(
         worker=WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=memory_bytes),
         backoff=backoff or LaunchBackoff(base_s=0.05, max_s=0.2, max_attempts=3),
         ready_timeout_s=20,
-        health_interval_s=0.1,
+        health_interval_s=health_interval_s,
+        clock=clock,
+        **({"jitter": jitter} if jitter is not None else {}),
     )
     engine.add_resource(manager)
     try:

@@ -1,10 +1,43 @@
-"""Test builders for the runtime: synthetic GGUF files."""
+"""Test builders for the runtime: synthetic GGUF files and a manual clock."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import gguf
+
+
+class ManualClock:
+    """A :class:`~sbproxy.model_host.runtime.clock.Clock` that moves only when a test says:
+    sleepers wake when :meth:`advance` passes their deadline."""
+
+    def __init__(self, start: float = 1_000.0) -> None:
+        self._now = start
+        self._sleepers: list[tuple[float, anyio.Event]] = []
+
+    def now(self) -> float:
+        return self._now
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        wake = anyio.Event()
+        self._sleepers.append((self._now + seconds, wake))
+        await wake.wait()
+
+    @property
+    def sleepers(self) -> int:
+        """Tasks asleep on this clock now."""
+        return len(self._sleepers)
+
+    def advance(self, seconds: float) -> None:
+        """Move time on and wake the sleepers whose deadline passed."""
+        self._now += seconds
+        due = [entry for entry in self._sleepers if entry[0] <= self._now]
+        self._sleepers = [entry for entry in self._sleepers if entry[0] > self._now]
+        for _, wake in due:
+            wake.set()
 
 
 def write_gguf(
