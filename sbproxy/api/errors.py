@@ -16,14 +16,19 @@ package builds an error response. Two shapes:
 
 An unexpected exception becomes a 500 with code ``internal`` and is logged; bad input never
 reaches that branch.
+
+A request the host ends while it shuts down (:mod:`sbproxy.api.shutdown`) is answered outside
+any handler, as raw ASGI: :func:`error_payload` gives its status, body and headers in the
+same two shapes, and :func:`error_event` the last Server-Sent Event of a stream it cuts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException
@@ -36,15 +41,22 @@ __all__ = [
     "BodyTooLarge",
     "InvalidBody",
     "InvalidJobId",
+    "ShuttingDown",
+    "Surface",
     "Unauthorized",
     "UnknownModel",
     "UnknownOrigin",
     "admin_exception_handlers",
+    "error_event",
+    "error_payload",
     "gateway_exception_handlers",
     "status_for",
 ]
 
 logger = logging.getLogger(__name__)
+
+# Which listener answers: the OpenAI-compatible gateway or the admin API.
+Surface = Literal["gateway", "admin"]
 
 
 class ApiError(SbproxyError):
@@ -87,6 +99,14 @@ class BodyTooLarge(ApiError):
     default_code = "request_body_too_large"
 
 
+class ShuttingDown(ApiError):
+    """The host is shutting down and ended the request at its drain deadline
+    (``shutting_down``, retryable: another replica, or this host once restarted, can answer)."""
+
+    default_code = "shutting_down"
+    default_retryable = True
+
+
 # The status of each stable code. Admission reasons follow the spec's table: load-dependent
 # refusals are 429 (queue_full) or 503; an unhealthy or crash-looped engine is a 503 as well
 # (the service is unavailable until an operator acts); capacity refusals are 503.
@@ -110,6 +130,7 @@ _STATUS: Final[dict[str, int]] = {
     "crash_loop": 503,
     "insufficient_capacity": 503,
     "no_ready_replica": 503,
+    "shutting_down": 503,
     "upstream_unavailable": 502,
     "job_not_retryable": 409,
     "job_not_cancellable": 409,
@@ -180,7 +201,12 @@ def openai_error(
     headers: Mapping[str, str] | None = None,
 ) -> Response[dict[str, object]]:
     """The OpenAI error envelope (reference section 2, "Managed errors")."""
-    body: dict[str, object] = {
+    body = _openai_body(status=status, message=message, code=code, retryable=retryable)
+    return Response(body, status_code=status, headers=dict(headers or {}))
+
+
+def _openai_body(*, status: int, message: str, code: str, retryable: bool) -> dict[str, object]:
+    return {
         "error": {
             "message": message,
             "type": _CODE_TYPES.get(code) or _CLIENT_TYPES.get(status, "managed_model_error"),
@@ -189,7 +215,6 @@ def openai_error(
             "retryable": retryable,
         }
     }
-    return Response(body, status_code=status, headers=dict(headers or {}))
 
 
 def _gateway_sbproxy(_: Request[Any, Any, Any], exc: SbproxyError) -> Response[object]:
@@ -243,12 +268,19 @@ def admin_error(
     headers: Mapping[str, str] | None = None,
 ) -> Response[dict[str, object]]:
     """The admin error body ``{"code", "error", **details}``."""
-    body: dict[str, object] = {"code": code, "error": message}
-    for key, value in (details or {}).items():
-        body.setdefault(key, value)
+    body = _admin_body(code=code, message=message, details=details)
     return Response(
         body, status_code=status, headers=dict(headers or {}), media_type=MediaType.JSON
     )
+
+
+def _admin_body(
+    *, code: str, message: str, details: Mapping[str, JsonScalar] | None
+) -> dict[str, object]:
+    body: dict[str, object] = {"code": code, "error": message}
+    for key, value in (details or {}).items():
+        body.setdefault(key, value)
+    return body
 
 
 def _admin_sbproxy(_: Request[Any, Any, Any], exc: SbproxyError) -> Response[object]:
@@ -287,3 +319,46 @@ def admin_exception_handlers() -> ExceptionHandlersMap:
         HTTPException: _admin_http,
         Exception: _admin_internal,
     }
+
+
+# -- raw ASGI (responses written outside a handler) -----------------------------------------
+
+
+def _body(error: SbproxyError, *, surface: Surface) -> dict[str, object]:
+    if surface == "gateway":
+        return _openai_body(
+            status=status_for(error),
+            message=error.message,
+            code=error.code,
+            retryable=error.retryable,
+        )
+    return _admin_body(code=error.code, message=error.message, details=error.details)
+
+
+def error_payload(
+    error: SbproxyError, *, surface: Surface
+) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    """``error`` as a whole HTTP answer of ``surface``, for code that speaks raw ASGI.
+
+    Returns:
+        ``(status, body, headers)``: the status of :func:`status_for`, the UTF-8 JSON body
+        (OpenAI envelope on the gateway, ``{"code", "error", ...}`` on admin) and the ASGI
+        header pairs (content type, length, ``Retry-After`` for a retryable error).
+    """
+    body = json.dumps(_body(error, surface=surface), separators=(",", ":")).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    headers += [(k.lower().encode(), v.encode()) for k, v in _retry_after(error).items()]
+    return status_for(error), body, headers
+
+
+def error_event(error: SbproxyError, *, surface: Surface) -> bytes:
+    """``error`` as the last Server-Sent Event of a stream of ``surface``: one ``data:``
+    line with the gateway's OpenAI envelope, or on admin ``{"type": "error", "code",
+    "error", ...}`` (admin frames name their ``type``), then the blank line."""
+    document = _body(error, surface=surface)
+    if surface == "admin":
+        document = {"type": "error", **document}
+    return b"data: " + json.dumps(document, separators=(",", ":")).encode() + b"\n\n"

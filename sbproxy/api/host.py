@@ -5,8 +5,10 @@ may use the cache and the manager), the runtime store and the runtime manager; i
 manager (orphan reaping, warm loads, maintenance) and the job worker loop in one task group.
 On exit it shuts the manager down -- loads settle or are left for the next start, every
 deployment is drained within ``shutdown_deadline_ms`` and its engine stopped -- then cancels
-the worker loop and closes the journal. Jobs that did not finish stay ``queued`` or
-``running`` in the journal and resume at the next start under their original ids.
+the worker loop and closes the journal. After a stop signal the manager gets only what is
+left of the one shutdown budget (:meth:`~sbproxy.api.shutdown.Shutdown.engine_budget_s`).
+Jobs that did not finish stay ``queued`` or ``running`` in the journal and resume at the
+next start under their original ids.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import anyio.to_thread
 
 import sbproxy.model_host.runtime.jobs  # registers the load/drain/reset workflows
 import sbproxy.model_host.runtime.reload  # noqa: F401 - registers the reload workflow
+from sbproxy.api.shutdown import Shutdown
 from sbproxy.catalog import Catalog, WorkerProfile, load_catalog, resolve_artifact
 from sbproxy.config import CompiledConfig
 from sbproxy.errors import ConfigError, ConfigIssue, SbproxyError
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
+from sbproxy.model_host.engines import kill_owned
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime import probe_worker
 from sbproxy.model_host.runtime.manager import (
@@ -58,9 +62,12 @@ class ServedHost:
 
 @asynccontextmanager
 async def open_host(
-    compiled: CompiledConfig, *, cache_dir: Path | None = None
+    compiled: CompiledConfig, *, cache_dir: Path | None = None, stop: Shutdown | None = None
 ) -> AsyncIterator[ServedHost]:
     """Build, start and (on exit) shut down the host of ``compiled``.
+
+    With ``stop``, a shutdown that follows a stop signal fits the manager's drain and engine
+    stop into what is left of the signal's budget.
 
     Under ``authority: admin_managed`` the deployments come from the revision store
     (:func:`~sbproxy.model_host.runtime.reload.admin_desired`).
@@ -92,17 +99,40 @@ async def open_host(
             worker=worker,
         )
         engine.add_resource(manager)
+        if stop is not None:
+            stop.on_hurry(lambda: _kill_engines(manager))
         async with anyio.create_task_group() as group:
             await manager.start(group)
             group.start_soon(_worker, engine)
             try:
                 yield ServedHost(manager=manager, engine=engine, layout=layout, group=group)
             finally:
-                await manager.shutdown()
+                await _shutdown_runtime(manager, budget_s=stop.engine_budget_s() if stop else None)
                 group.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             await engine.close()
+
+
+async def _shutdown_runtime(manager: RuntimeManager, *, budget_s: float | None) -> None:
+    """Shut ``manager`` down; with ``budget_s`` (seconds), within about that long.
+
+    The manager bounds each phase of its shutdown (loads settling, each drain, each engine's
+    SIGTERM grace) by its ``shutdown_deadline_s``; after a signal that becomes what is left
+    of the one budget, so the phases do not each start a fresh deadline. 0 means SIGKILL at
+    once.
+    """
+    if budget_s is not None:
+        manager.shutdown_deadline_s = budget_s
+    await manager.shutdown()
+
+
+def _kill_engines(manager: RuntimeManager) -> None:
+    """SIGKILL every engine this host started (a second stop signal): the manager's
+    shutdown then sees them exit instead of waiting out their SIGTERM grace."""
+    killed = kill_owned(manager.owned_dir, owner=manager.identity.owner)
+    if killed:
+        logger.warning("killed engine process groups %s", list(killed))
 
 
 def _check_resolvable(compiled: CompiledConfig, catalog: Catalog, worker: WorkerProfile) -> None:

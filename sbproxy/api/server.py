@@ -11,10 +11,14 @@ httptools (``uvicorn[standard]``) it measured as fast as Granian for this proxy
 loop, so :func:`run_served` asks anyio for a uvloop loop where uvloop is installed.
 Multi-process servers are ruled out: engines and admission live in this one process.
 
-Shutdown (SIGTERM, SIGINT): both listeners stop accepting and let in-flight requests finish
-within ``shutdown_deadline_ms``; then the runtime drains every deployment within the same
-deadline and stops its engine; the worker loop is cancelled and unfinished jobs stay in the
-journal, to resume at the next start. A second SIGINT forces the listeners closed.
+Shutdown (SIGTERM, SIGINT; :mod:`sbproxy.api.shutdown`): one deadline, computed when the
+signal arrives, bounds the whole stop. Both listeners stop accepting; requests in flight get
+until ``shutdown_deadline_ms``; what is left then is ended with a clean 503
+``shutting_down`` (or a last error event on a stream); the runtime stops the engines in
+what remains of the budget; the worker loop is cancelled and unfinished jobs stay in the
+journal, to resume at the next start. The process ends within the deadline plus 2 s, with no
+traceback. A second SIGINT or SIGTERM ends everything at once and kills the engines. Stop
+signals are handled from before the host starts until after its engines are stopped.
 
 Reload: ``SIGHUP`` and, when ``watch_config`` is on, a change of the configuration file
 (watched with ``watchfiles``, which coalesces an editor's bursts of writes and renames) run
@@ -36,13 +40,17 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import uvicorn
+from litestar.types import ASGIApp
 
 from sbproxy.api.admin import Admin, create_admin_app
+from sbproxy.api.errors import Surface
 from sbproxy.api.gateway import Gateway, Routing, create_gateway_app
 from sbproxy.api.host import ServedHost, open_host
 from sbproxy.api.keys import KeyPlane
 from sbproxy.api.metrics import Rejections
+from sbproxy.api.shutdown import Shutdown
 from sbproxy.config import CompiledConfig
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.lockfile import lock_guard
@@ -76,9 +84,10 @@ def _url_host(bind: str) -> str:
 
 
 def build_servers(
-    compiled: CompiledConfig, host: ServedHost
+    compiled: CompiledConfig, host: ServedHost, *, stop: Shutdown | None = None
 ) -> tuple[list[Listener], Gateway, Admin | None]:
-    """The gateway listener and, when enabled, the admin listener of ``compiled``."""
+    """The gateway listener and, when enabled, the admin listener of ``compiled``; with
+    ``stop``, each app is guarded so that its requests end cleanly at the drain deadline."""
     proxy = compiled.config.proxy
     deadline_s = max(1, round(host.manager.shutdown_deadline_s))
     rejections = Rejections()
@@ -104,10 +113,14 @@ def build_servers(
         "timeout_graceful_shutdown": deadline_s,
         "server_header": False,
     }
+
+    def guarded(app: ASGIApp, surface: Surface) -> ASGIApp:
+        return stop.guard(app, surface=surface) if stop is not None else app
+
     servers = [
         Listener(
             uvicorn.Config(
-                create_gateway_app(gateway),
+                guarded(create_gateway_app(gateway), "gateway"),
                 host=_url_host(proxy.bind_address),
                 port=proxy.http_bind_port,
                 **common,  # type: ignore[arg-type]
@@ -130,7 +143,7 @@ def build_servers(
         servers.append(
             Listener(
                 uvicorn.Config(
-                    create_admin_app(admin),
+                    guarded(create_admin_app(admin), "admin"),
                     host=_url_host(settings.bind),
                     port=settings.port,
                     ssl_certfile=tls.cert_file if tls else None,
@@ -175,18 +188,19 @@ async def _watch_config(host: ServedHost) -> None:
             await reload_logged(host, source="watch")
 
 
-async def _on_signals(servers: list[Listener], host: ServedHost) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+async def _on_stop_signals(
+    stop: Shutdown, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
         async for received in signals:
-            if received == signal.SIGHUP:
-                host.manager.background(lambda: reload_logged(host, source="sighup"))
-                continue
-            if received == signal.SIGINT and all(s.should_exit for s in servers):
-                for server in servers:
-                    server.force_exit = True
-            logger.info("received %s: shutting down", signal.Signals(received).name)
-            for server in servers:
-                server.should_exit = True
+            stop.request(received)
+
+
+async def _on_reload_signal(host: ServedHost) -> None:
+    with anyio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            host.manager.background(lambda: reload_logged(host, source="sighup"))
 
 
 def loop_options() -> dict[str, Any]:
@@ -225,13 +239,65 @@ async def serve(
     Raises:
         SbproxyError: ``listen_failed`` when a listener cannot start (port in use, ...).
     """
+    host_config = compiled.model_host
+    stop = Shutdown(deadline_s=(host_config.shutdown_deadline_ms if host_config else 30_000) / 1000)
+    error: SbproxyError | None = None
+    async with anyio.create_task_group() as lifetime:
+        # Stop signals are ours from before the host starts until its engines are stopped:
+        # a Ctrl-C at any point drains (or, the second time, hurries) instead of raising
+        # KeyboardInterrupt through the loop.
+        await lifetime.start(_on_stop_signals, stop)
+        lifetime.start_soon(stop.enforce)
+        try:
+            await _serve_host(
+                compiled,
+                stop=stop,
+                cache_dir=cache_dir,
+                on_listening=on_listening,
+                watch=watch,
+                watch_config=watch_config,
+                lockfile=lockfile,
+            )
+        except* SbproxyError as failures:
+            # Raised below as itself: the CLI reports an SbproxyError by its code, and the
+            # host's task groups may have wrapped it (an engine that survived SIGKILL).
+            error = _first_error(failures)
+        finally:
+            lifetime.cancel_scope.cancel()
+    if error is not None:
+        raise error
+
+
+def _first_error(group: BaseExceptionGroup[SbproxyError]) -> SbproxyError:
+    first = group.exceptions[0]
+    return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+async def _serve_host(
+    compiled: CompiledConfig,
+    *,
+    stop: Shutdown,
+    cache_dir: Path | None,
+    on_listening: Callable[[list[str]], None] | None,
+    watch: Callable[[ServedHost], Coroutine[Any, Any, None]] | None,
+    watch_config: bool,
+    lockfile: Path | None,
+) -> None:
+    """Open the host, serve until ``stop`` stops the listeners, shut the host down within
+    what is left of the budget (the arguments are :func:`serve`'s).
+
+    Raises:
+        SbproxyError: ``listen_failed``, or an error of :func:`open_host`.
+    """
     failed = False
-    async with open_host(compiled, cache_dir=cache_dir) as host:
+    async with open_host(compiled, cache_dir=cache_dir, stop=stop) as host:
+        stop.follow(host.manager)
         if lockfile is not None:
             host.manager.config_guard = lock_guard(lockfile, host.manager)
-        servers, _, _ = build_servers(compiled, host)
+        servers, _, _ = build_servers(compiled, host, stop=stop)
+        stop.attach(servers)
         async with anyio.create_task_group() as group:
-            group.start_soon(_on_signals, servers, host)
+            group.start_soon(_on_reload_signal, host)
             if watch_config:
                 group.start_soon(_watch_config, host)
             try:

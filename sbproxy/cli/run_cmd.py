@@ -5,7 +5,8 @@ It accepts certified catalog ids only (raw ``hf:`` references, paths and anythin
 this worker, generates a high-entropy admin credential, writes an owner-only temporary
 configuration (``pull: on_boot``, ``warm: true``) that is removed on every exit path, serves
 it, and prints the endpoint, the admin credential, a curl request, ``OPENAI_BASE_URL`` and
-``OPENAI_API_KEY`` only once the deployment is ready. Ctrl-C drains and stops.
+``OPENAI_API_KEY`` only once the deployment is ready. Ctrl-C drains and stops, as ``sbproxy
+serve`` does (within ``shutdown_deadline_ms`` plus 2 s); a second Ctrl-C stops at once.
 
 Exit status: 0 after a clean stop, 1 when serving or readiness fails, 2 when the request
 cannot be resolved (unknown id, raw reference, nothing fits this worker).

@@ -58,10 +58,13 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool, locked
 
     The gateway listens on proxy.bind_address:proxy.http_bind_port (loopback by default);
     the admin API, when proxy.admin.enabled, on proxy.admin.bind:proxy.admin.port.
-    Shutdown drains deployments within proxy.model_host.shutdown_deadline_ms and stops
-    their engines; unfinished jobs resume at the next start. Editing the file (with
-    --watch), SIGHUP, POST /admin/reload and `sbproxy apply` reload it: the candidate is
-    prepared in full before any route changes, and a bad candidate changes nothing.
+    SIGTERM or SIGINT gives requests in flight up to proxy.model_host.shutdown_deadline_ms,
+    ends the rest with 503 shutting_down and stops the engines: exit 0 within that deadline
+    plus 2 s. A second signal stops at once. Unfinished jobs resume at the next start.
+
+    Editing the file (with --watch), SIGHUP, POST /admin/reload and `sbproxy apply` reload
+    it: the candidate is prepared in full before any route changes, and a bad candidate
+    changes nothing.
 
     With --locked, nothing starts (exit 2) when the lockfile is missing or invalid, or a
     model drifted from it (see `sbproxy models verify-lock`); later reloads of the file are

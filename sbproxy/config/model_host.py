@@ -606,7 +606,9 @@ class ModelHostConfig(ConfigModel):
         default=30_000,
         ge=1,
         le=_ONE_DAY_MS,
-        description="Drain grace for active requests, in milliseconds.",
+        description="Drain grace for active requests, in milliseconds. On SIGTERM or "
+        "SIGINT, requests still running after it are ended with 503 shutting_down and the "
+        "process exits within it plus 2 s.",
     )
     handoff_timeout_ms: int = Field(
         default=60_000,

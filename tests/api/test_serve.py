@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,14 +19,25 @@ from tests.model_host.runtime.host import config_text, write_catalog
 PASSWORD = "serve-test-password"
 
 
-def write_config(root: Path, gateway_port: int, admin_port: int) -> Path:
+def write_config(
+    root: Path,
+    gateway_port: int,
+    admin_port: int,
+    *,
+    mode: str | None = None,
+    host: dict[str, Any] | None = None,
+) -> Path:
+    """A served ``sb.yml``: deployment ``tiny`` (stand-in engine in ``mode``) as model
+    ``tiny-chat`` on origin ``localhost``, admin enabled; ``host`` adds
+    ``proxy.model_host`` fields."""
     write_catalog(root)
-    executable = fake_llama_server(root / "bin")
+    executable = fake_llama_server(root / "bin", mode=mode)
     document = yaml.safe_load(
         config_text(
             root,
             executable=executable,
             deployments={"tiny": {"model": "tiny", "variant": "q4_k_m"}},
+            host=host,
         )
     )
     document["proxy"].update(

@@ -9,7 +9,9 @@ variable ``FAKE_LLAMA_MODE`` (comma-separated):
 * ``exit_at_start`` -- print an error and exit with status 3 before listening;
 * ``crash_after_ready_s=<seconds>`` -- exit with status 134 that long after becoming ready;
 * ``hang`` -- listen but never become ready;
-* ``ignore_sigterm`` -- ignore SIGTERM (only SIGKILL stops it);
+* ``hang_completions`` -- become ready (``/health`` answers 200) but never answer a chat
+  completion or completion request;
+* ``ignore_sigterm`` -- ignore SIGTERM, printing ``SIGTERM ignored`` (only SIGKILL stops it);
 * ``token_delay_s=<seconds>`` -- delay between streamed tokens (default 0.01);
 * ``requests_log=<file>`` -- append one JSON line ``{"path", "body"}`` per POST received.
 
@@ -78,6 +80,7 @@ class _State:
         self.model = model or "unknown.gguf"
         self.token_delay_s = token_delay_s
         self.hang = False
+        self.hang_completions = False
         self.requests_log: str | None = None
         self.log_lock = threading.Lock()
 
@@ -141,6 +144,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path not in ("/v1/chat/completions", "/v1/completions"):
             self._json(404, {"error": {"code": 404, "message": "not found"}})
             return
+        if self.state.hang_completions:
+            threading.Event().wait()  # never answers; the process ends by signal
         chat = self.path == "/v1/chat/completions"
         words = ["fake", " reply", " from", " the", " stand-in"]
         words = words[: max(1, min(len(words), int(body.get("max_tokens") or len(words))))]
@@ -243,11 +248,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("error: failed to load model (fake exit_at_start)\n")
         return 3
     if "ignore_sigterm" in modes:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+        def ignore(signum: int, frame: object) -> None:
+            sys.stderr.write("fake-llama: SIGTERM ignored\n")
+            sys.stderr.flush()
+
+        signal.signal(signal.SIGTERM, ignore)
     state = _State(
         float(modes.get("load_s") or 0.2), args.model, float(modes.get("token_delay_s") or 0.01)
     )
     state.hang = "hang" in modes
+    state.hang_completions = "hang_completions" in modes
     state.requests_log = modes.get("requests_log") or None
     _Handler.state = state
     server = ThreadingHTTPServer((args.host, args.port), _Handler)

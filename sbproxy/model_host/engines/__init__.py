@@ -22,6 +22,7 @@ from sbproxy.model_host.engines.llama_build import (
 from sbproxy.model_host.engines.llama_cpp import detect_llama_cpp, plan_llama_launch, read_version
 from sbproxy.model_host.engines.process import (
     EngineProcess,
+    kill_owned,
     minimal_env,
     reap_orphans,
     spawn_engine,
@@ -41,6 +42,7 @@ __all__ = [
     "check_snapshot",
     "detect_llama_cpp",
     "engine_build_workflow",
+    "kill_owned",
     "launch",
     "minimal_env",
     "plan_llama_launch",

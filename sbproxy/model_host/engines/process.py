@@ -14,7 +14,8 @@ A child engine:
   (redacted) goes into errors.
 
 Shutdown: ``SIGTERM`` to the group, a grace period, ``SIGKILL`` to the group, then a
-bounded wait; a process still present after that is ``engine_shutdown_failed``.
+bounded wait; a process still present after that is ``engine_shutdown_failed``. A host told
+to stop at once (a second Ctrl-C) cuts every grace period short with :func:`kill_owned`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ __all__ = [
     "BASELINE_ENV",
     "EngineProcess",
     "ReapReport",
+    "kill_owned",
     "minimal_env",
     "reap_orphans",
     "spawn_engine",
@@ -387,3 +389,28 @@ def reap_orphans(owned_dir: Path, *, grace_s: float = 5.0) -> ReapReport:
         path.unlink(missing_ok=True)
         cleared.append(path.name)
     return ReapReport(tuple(killed), tuple(cleared))
+
+
+def kill_owned(owned_dir: Path, *, owner: str) -> tuple[int, ...]:
+    """SIGKILL the group of every live engine that ``owner`` (a
+    :attr:`~sbproxy.workflows.WorkerIdentity.owner`) started; the pids signalled.
+
+    For a host that must stop now: whoever supervises each engine still sees it exit, waits
+    for it and removes its record. Only a pid that still has the start ticks recorded at
+    spawn is signalled, so a reused pid is never touched. Quick (no waiting): safe to call
+    on the event loop. Idempotent.
+    """
+    killed: list[int] = []
+    if not owned_dir.is_dir():
+        return ()
+    for path in sorted(owned_dir.glob("*.json")):
+        try:
+            record = OwnershipRecord(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue  # half written or gone; the reaper of the next start deals with it
+        if record.owner != owner or process_start_ticks(record.pid) != record.start_ticks:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(record.pid, signal.SIGKILL)
+            killed.append(record.pid)
+    return tuple(killed)

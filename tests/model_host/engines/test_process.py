@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from sbproxy.model_host.engines import EngineError, minimal_env, reap_orphans, spawn_engine
+from sbproxy.model_host.engines import (
+    EngineError,
+    kill_owned,
+    minimal_env,
+    reap_orphans,
+    spawn_engine,
+)
 from sbproxy.workflows import WorkerIdentity, process_start_ticks
 from tests.model_host.engines.support import fake_llama_server, free_port
 
@@ -168,6 +174,32 @@ def test_engines_of_a_live_owner_are_left_alone(tmp_path: Path) -> None:
     finally:
         engine.kill()
         engine.wait()
+
+
+def test_kill_owned_kills_only_this_owners_live_engines(tmp_path: Path) -> None:
+    owned = tmp_path / "owned"
+    me = WorkerIdentity.current().owner
+    mine, theirs, reused = (
+        subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(3)
+    )
+    try:
+        for process, owner, ticks in (
+            (mine, me, process_start_ticks(mine.pid)),
+            (theirs, WorkerIdentity.current().owner, process_start_ticks(theirs.pid)),
+            (reused, me, "1"),  # an earlier process that had this pid
+        ):
+            assert ticks is not None
+            write_record(owned, pid=process.pid, ticks=ticks, owner=owner)
+        assert kill_owned(owned, owner=me) == (mine.pid,)
+        assert mine.wait(timeout=10) == -signal.SIGKILL
+        assert theirs.poll() is None
+        assert reused.poll() is None
+        assert len(list(owned.glob("*.json"))) == 3  # records stay for the supervisor
+        assert kill_owned(tmp_path / "missing", owner=me) == ()
+    finally:
+        for process in (mine, theirs, reused):
+            process.kill()
+            process.wait()
 
 
 def test_engine_dies_with_its_host(tmp_path: Path) -> None:
