@@ -115,24 +115,22 @@ async def open_host(
 
 
 async def _shutdown_runtime(manager: RuntimeManager, *, budget_s: float | None) -> None:
-    """Shut ``manager`` down; with ``budget_s`` (seconds), within about that long.
+    """Shut ``manager`` down; with ``budget_s`` (seconds), within that long (0: at once).
 
-    The manager bounds each phase of its shutdown (loads settling, each drain, each engine's
-    SIGTERM grace) by its ``shutdown_deadline_s``; after a signal that becomes what is left
-    of the one budget, so the phases do not each start a fresh deadline. 0 means SIGKILL at
-    once.
+    After a stop signal the budget is what is left of the signal's one deadline, which the
+    manager divides between its phases instead of starting a fresh deadline per phase.
     """
-    if budget_s is not None:
-        manager.shutdown_deadline_s = budget_s
-    await manager.shutdown()
+    await manager.shutdown(deadline_s=budget_s)
 
 
 def _kill_engines(manager: RuntimeManager) -> None:
-    """SIGKILL every engine this host started (a second stop signal): the manager's
-    shutdown then sees them exit instead of waiting out their SIGTERM grace."""
-    killed = kill_owned(manager.owned_dir, owner=manager.identity.owner)
+    """SIGKILL every engine this host started (a second stop signal): the ones the manager
+    holds, and -- from the ownership records -- any still starting. The manager's shutdown
+    then sees them exit instead of waiting out their SIGTERM grace."""
+    killed = set(manager.kill_engines())
+    killed.update(kill_owned(manager.owned_dir, owner=manager.identity.owner))
     if killed:
-        logger.warning("killed engine process groups %s", list(killed))
+        logger.warning("killed engine process groups %s", sorted(killed))
 
 
 def _check_resolvable(compiled: CompiledConfig, catalog: Catalog, worker: WorkerProfile) -> None:

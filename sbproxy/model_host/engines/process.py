@@ -265,6 +265,10 @@ class EngineProcess:
             await asyncio.wait_for(self._reader, timeout=2.0)
         self.record_path.unlink(missing_ok=True)
 
+    def kill(self) -> None:
+        """SIGKILL the engine's process group now (no grace); :meth:`shutdown` still reaps."""
+        self._signal_group(signal.SIGKILL)
+
     def _signal_group(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signum)

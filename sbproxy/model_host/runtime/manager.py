@@ -324,6 +324,7 @@ class RuntimeManager:
         self._group: anyio.abc.TaskGroup | None = None
         self._capacity = anyio.Event()
         self._ignore_busy = False
+        self._closing_at: float | None = None
         self.slots: dict[str, Slot] = {}
         for deployment_id, deployment in compiled.deployments.items():
             self._adopt_slot(new_slot(deployment_id, deployment))
@@ -1107,7 +1108,10 @@ class RuntimeManager:
         process, slot.process = slot.process, None
         if process is not None:
             with anyio.CancelScope(shield=True):
-                await process.shutdown(grace_s=min(self.shutdown_deadline_s, 10.0))
+                await process.shutdown(
+                    grace_s=self._remaining_s(min(self.shutdown_deadline_s, 10.0)),
+                    kill_wait_s=2.0 if self._closing_at is not None else 5.0,
+                )
         if slot.generation:
             self.residency.release(ResidencyKey(slot.deployment, slot.generation))
             self._capacity_changed()
@@ -1142,7 +1146,7 @@ class RuntimeManager:
         previous = slot.state
         retained = (slot.reason_code, slot.last_error)
         await self._set_state(slot, DeploymentState.DRAINING, job_id=job_id, reason_code=reason)
-        report = await slot.gate.drain(deadline_s=self.shutdown_deadline_s)
+        report = await slot.gate.drain(deadline_s=self._remaining_s(self.shutdown_deadline_s))
         await self._release_generation(slot)
         if previous == DeploymentState.FAILED:
             await self._set_state(
@@ -1489,18 +1493,49 @@ class RuntimeManager:
                 await self.stop(slot.deployment, reason="keep_alive")
 
     async def shutdown(self, *, deadline_s: float | None = None) -> None:
-        """Let in-flight commands settle, then drain every deployment and stop every
-        engine, all within ``deadline_s`` (default ``shutdown_deadline_ms``). Unfinished
-        jobs stay in the journal and resume at the next start."""
-        budget = self.shutdown_deadline_s if deadline_s is None else deadline_s
+        """Let in-flight commands settle, then drain every deployment (staged ones too, all
+        at once) and stop every engine, all within ``deadline_s`` seconds from now (default
+        ``shutdown_deadline_ms``): half the budget for commands to settle, what is left for
+        the drains; engines still up at the end are killed. Unfinished jobs stay in the
+        journal and resume at the next start."""
+        budget = self.shutdown_deadline_s if deadline_s is None else max(0.0, deadline_s)
+        end = anyio.current_time() + budget
+        self._closing_at = end
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(budget / 2):
                 while self._background:
                     await anyio.sleep(0.05)
-            self.shutdown_deadline_s = max(0.1, budget / 2)
-            for slot in [*self.slots.values(), *self.staged.values()]:
-                if slot.process is not None:
-                    await self.drain_slot(slot)
+            slots = [s for s in (*self.slots.values(), *self.staged.values()) if s.process]
+            with anyio.move_on_after(max(0.0, end - anyio.current_time())):
+                async with anyio.create_task_group() as group:
+                    for slot in slots:
+                        group.start_soon(self._drain_for_shutdown, slot)
+            self.kill_engines()
+            for slot in slots:
+                await self._release_generation(slot)
+
+    async def _drain_for_shutdown(self, slot: Slot) -> None:
+        try:
+            await self.drain_slot(slot)
+        except SbproxyError as exc:  # an engine that will not die is killed right after
+            logger.error("%s: shutdown drain failed: %s", slot.deployment, exc)
+
+    def _remaining_s(self, wanted_s: float) -> float:
+        """``wanted_s``, or less when a shutdown's deadline comes sooner."""
+        if self._closing_at is None:
+            return wanted_s
+        return max(0.0, min(wanted_s, self._closing_at - anyio.current_time()))
+
+    def kill_engines(self) -> list[int]:
+        """SIGKILL every engine this manager holds (current and staged) at once, without
+        grace: a second stop signal. A running :meth:`shutdown` then sees them exit. The
+        pids signalled."""
+        killed = []
+        for slot in (*self.slots.values(), *self.staged.values()):
+            if slot.process is not None and slot.process.alive():
+                slot.process.kill()
+                killed.append(slot.process.pid)
+        return killed
 
 
 def artifact_request(config: DeploymentConfig) -> ArtifactRequest:
