@@ -1,7 +1,8 @@
 """Text rendering of jobs for people: sizes, ages, progress, the list table, ``jobs show``.
 
-Pure functions of records and a "now" in epoch milliseconds, so they are tested directly and
-never read a clock themselves.
+Pure functions of records and a "now" (epoch milliseconds for the timestamps people read; a
+lease-clock reading for leases), so they are tested directly and never read a clock
+themselves.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sbproxy.store import JobRecord, JobStatus, StepRecord
+from sbproxy.store import JobRecord, JobStatus, LeaseTime, StepRecord
 
 __all__ = [
     "age_text",
@@ -84,19 +85,24 @@ def progress_text(progress: Mapping[str, Any], *, compact: bool = False) -> str:
     return text
 
 
+def _ago(elapsed_ms: int) -> str:
+    """``just now``, ``12s ago``, ``5m ago``, ``3h ago``, ``2d ago`` for ``elapsed_ms``."""
+    if elapsed_ms < _SECOND_MS:
+        return "just now"
+    if elapsed_ms < _MINUTE_MS:
+        return f"{elapsed_ms // _SECOND_MS}s ago"
+    if elapsed_ms < _HOUR_MS:
+        return f"{elapsed_ms // _MINUTE_MS}m ago"
+    if elapsed_ms < _DAY_MS:
+        return f"{elapsed_ms // _HOUR_MS}h ago"
+    return f"{elapsed_ms // _DAY_MS}d ago"
+
+
 def age_text(at_ms: int, now_ms: int) -> str:
     """How long ago ``at_ms`` was: ``12s ago``, ``5m ago``, ``3h ago``, ``2d ago``, then a date."""
     elapsed = now_ms - at_ms
-    if elapsed < _SECOND_MS:
-        return "just now"
-    if elapsed < _MINUTE_MS:
-        return f"{elapsed // _SECOND_MS}s ago"
-    if elapsed < _HOUR_MS:
-        return f"{elapsed // _MINUTE_MS}m ago"
-    if elapsed < _DAY_MS:
-        return f"{elapsed // _HOUR_MS}h ago"
     if elapsed < 7 * _DAY_MS:
-        return f"{elapsed // _DAY_MS}d ago"
+        return _ago(elapsed)
     return _local_time(at_ms, "%Y-%m-%d")
 
 
@@ -183,8 +189,30 @@ def _step_rows(steps: Sequence[StepRecord]) -> list[str]:
     return align(("SEQ", "STEP", "STATUS", "ATTEMPTS", "TOOK", "ERROR"), rows)
 
 
-def show_lines(job: JobRecord, steps: Sequence[StepRecord], *, now_ms: int) -> list[str]:
-    """The ``jobs show`` text: summary, times, lease, progress, error, then the journal."""
+def _lease_text(job: JobRecord, lease_now: LeaseTime) -> str:
+    """``expires in 9s``, or how the lease lapsed, judged on the lease clock only."""
+    remaining = job.lease.remaining_ms(lease_now) if job.lease else None
+    # Its owner stopped renewing (killed, or the machine went away): the next process that
+    # opens this journal with work to do takes it over and resumes it.
+    then = "resumed by the next worker or rerun"
+    if remaining is None:
+        return f"lapsed: not renewed on this boot's clock; {then}"
+    if remaining >= 0:
+        return f"expires in {remaining // _SECOND_MS}s"
+    return f"expired {_ago(-remaining)}; {then}"
+
+
+def show_lines(
+    job: JobRecord, steps: Sequence[StepRecord], *, now_ms: int, lease_now: LeaseTime
+) -> list[str]:
+    """The ``jobs show`` text: summary, times, lease, progress, error, then the journal.
+
+    Args:
+        job: The job.
+        steps: Its journal.
+        now_ms: Wall-clock now (epoch ms), for the ages of its timestamps.
+        lease_now: Lease-clock now, read after ``job``, for whether its lease is live.
+    """
     lines = [
         f"{job.id}  {job.kind} v{job.workflow_version}  {job.status.value} (attempt {job.attempt})",
         f"  subject    {job.subject or '-'}",
@@ -197,14 +225,7 @@ def show_lines(job: JobRecord, steps: Sequence[StepRecord], *, now_ms: int) -> l
         took = duration_text(job.ended_at_ms - (job.started_at_ms or job.created_at_ms))
         lines.append(f"  ended      {_local_time(job.ended_at_ms)} (took {took})")
     if job.status == JobStatus.RUNNING and job.lease_owner:
-        expires = job.lease_expires_at_ms or now_ms
-        if expires > now_ms:
-            held = f"expires in {(expires - now_ms) // 1000}s"
-        else:
-            # Its owner stopped renewing (killed, or the machine went away): the next
-            # process that opens this journal with work to do takes it over and resumes it.
-            held = f"expired {age_text(expires, now_ms)}; resumed by the next worker or rerun"
-        lines.append(f"  lease      {job.lease_owner} ({held})")
+        lines.append(f"  lease      {job.lease_owner} ({_lease_text(job, lease_now)})")
     if job.cancel_requested and not job.terminal:
         lines.append("  cancel     requested; stops at the next step boundary")
     if job.progress:

@@ -246,7 +246,8 @@ def show_command(
                 },
             )
         else:
-            for line in show_lines(job, steps, now_ms=wall_clock_ms()):
+            lease_now = engine.store.lease_clock()
+            for line in show_lines(job, steps, now_ms=wall_clock_ms(), lease_now=lease_now):
                 click.echo(line)
         return 0
 

@@ -17,6 +17,14 @@ from sbproxy.store.jobs import (
     SubmitOutcome,
     wall_clock_ms,
 )
+from sbproxy.store.leaseclock import (
+    UNKNOWN_BOOT,
+    LeaseClock,
+    LeaseStamp,
+    LeaseTime,
+    boot_id,
+    system_lease_time,
+)
 from sbproxy.store.lifecycle import (
     ACTIVE_JOB_STATUSES,
     JOB_TRANSITIONS,
@@ -34,6 +42,7 @@ __all__ = [
     "HOUR_MS",
     "JOB_TRANSITIONS",
     "TERMINAL_JOB_STATUSES",
+    "UNKNOWN_BOOT",
     "CommittedRevision",
     "Database",
     "DurationHistogram",
@@ -43,6 +52,9 @@ __all__ = [
     "JobRecord",
     "JobStatus",
     "JobStore",
+    "LeaseClock",
+    "LeaseStamp",
+    "LeaseTime",
     "RuntimeStore",
     "StepRecord",
     "StepStatus",
@@ -52,5 +64,7 @@ __all__ = [
     "UsageDelta",
     "UsageStore",
     "UsageTotals",
+    "boot_id",
+    "system_lease_time",
     "wall_clock_ms",
 ]

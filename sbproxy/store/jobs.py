@@ -4,7 +4,11 @@ Every method is one short transaction. State changes are compare-and-set updates
 row count (``lifecycle.py``); callers learn whether they won, they never read-then-write.
 Error messages and event payloads are redacted (``sbproxy.redact``) before they are written.
 
-Times are integer milliseconds since the Unix epoch, from the repository's ``clock``.
+Two clocks, never mixed. Timestamps people read (created, updated, started, ended, event
+times) are integer milliseconds since the Unix epoch from the repository's ``clock``; nothing
+decides liveness from them. Leases are stamped on the ``lease_clock`` (``leaseclock.py``:
+the boot's ``CLOCK_MONOTONIC`` plus the boot id), which a wall-clock step cannot move, so an
+NTP step neither expires a live lease nor keeps a dead owner's lease alive.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from ulid import ULID
 
 from sbproxy.redact import redact
 from sbproxy.store.database import Database
+from sbproxy.store.leaseclock import LeaseClock, LeaseStamp, system_lease_time
 from sbproxy.store.lifecycle import (
     ACTIVE_JOB_STATUSES,
     TERMINAL_JOB_STATUSES,
@@ -48,6 +53,27 @@ MAX_EVENT_BYTES = 16 * 1024
 def wall_clock_ms() -> int:
     """Milliseconds since the Unix epoch."""
     return time.time_ns() // 1_000_000
+
+
+# Clears a lease. ``lease_expires_at_ms`` held the wall-clock leases of schemas 1-3; it stays
+# only so that an older sbproxy still attached to the journal can run its SQL. This code keeps
+# it NULL, so such a process never expires a new lease by its wall clock.
+_NO_LEASE = (
+    "lease_owner = NULL, lease_clock = NULL, lease_deadline_ms = NULL, lease_ms = NULL,"
+    " lease_expires_at_ms = NULL"
+)
+_SET_LEASE = (
+    "lease_clock = :clock, lease_deadline_ms = :deadline, lease_ms = :lease_ms,"
+    " lease_expires_at_ms = NULL"
+)
+# Whether a running job's lease has lapsed at lease time (:clock, :lease_now): the SQL twin of
+# LeaseStamp.lapsed, which a test holds equal to it. No lease on this clock (another boot, or
+# a lease from before schema 4), past its deadline, or renewed after now (not this clock).
+_LAPSED = (
+    "(lease_clock IS NULL OR lease_deadline_ms IS NULL OR lease_ms IS NULL"
+    " OR lease_clock != :clock OR lease_deadline_ms < :lease_now"
+    " OR lease_deadline_ms - lease_ms > :lease_now)"
+)
 
 
 def _bounded(message: str, limit: int = MAX_ERROR_CHARS) -> str:
@@ -82,7 +108,8 @@ class JobRecord:
         status: Lifecycle state.
         attempt: How many times a worker has claimed it.
         lease_owner: Worker holding it while running.
-        lease_expires_at_ms: When that lease lapses unless renewed.
+        lease: That worker's lease, on the lease clock (``None`` when not running, or for
+            a lease an sbproxy before schema 4 wrote, which counts as lapsed).
         cancel_requested: An operator asked for cancellation.
         progress: Latest progress report (``{"done", "total", "unit", "current"}``).
         output: Workflow result (JSON) once succeeded.
@@ -99,7 +126,7 @@ class JobRecord:
     status: JobStatus
     attempt: int
     lease_owner: str | None
-    lease_expires_at_ms: int | None
+    lease: LeaseStamp | None
     cancel_requested: bool
     progress: Mapping[str, Any] | None
     output: Any
@@ -116,7 +143,12 @@ class JobRecord:
         return self.status in TERMINAL_JOB_STATUSES
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready view (the shape of ``jobs show`` and the admin API)."""
+        """JSON-ready view (the shape of ``jobs show`` and the admin API).
+
+        The lease is three fields: ``lease_clock`` (boot id), ``lease_deadline_ms`` (ms on
+        that boot's ``CLOCK_MONOTONIC``, not an epoch time) and ``lease_ms`` (its length);
+        all ``None`` when no lease is held.
+        """
         return {
             "id": self.id,
             "kind": self.kind,
@@ -132,7 +164,9 @@ class JobRecord:
             if self.error
             else None,
             "lease_owner": self.lease_owner,
-            "lease_expires_at_ms": self.lease_expires_at_ms,
+            "lease_clock": self.lease.clock if self.lease else None,
+            "lease_deadline_ms": self.lease.deadline_ms if self.lease else None,
+            "lease_ms": self.lease.duration_ms if self.lease else None,
             "created_at_ms": self.created_at_ms,
             "updated_at_ms": self.updated_at_ms,
             "started_at_ms": self.started_at_ms,
@@ -205,6 +239,13 @@ def _error(code: str | None, message: str | None) -> ErrorInfo | None:
     return ErrorInfo(code=code, message=message or "")
 
 
+def _lease(row: RowMapping) -> LeaseStamp | None:
+    clock, deadline, duration = row["lease_clock"], row["lease_deadline_ms"], row["lease_ms"]
+    if clock is None or deadline is None or duration is None:
+        return None
+    return LeaseStamp(clock=clock, deadline_ms=deadline, duration_ms=duration)
+
+
 def _job(row: RowMapping) -> JobRecord:
     return JobRecord(
         id=row["id"],
@@ -216,7 +257,7 @@ def _job(row: RowMapping) -> JobRecord:
         status=JobStatus(row["status"]),
         attempt=row["attempt"],
         lease_owner=row["lease_owner"],
-        lease_expires_at_ms=row["lease_expires_at_ms"],
+        lease=_lease(row),
         cancel_requested=bool(row["cancel_requested"]),
         progress=json.loads(row["progress_json"]) if row["progress_json"] else None,
         output=json.loads(row["output_json"]) if row["output_json"] is not None else None,
@@ -267,12 +308,22 @@ class JobStore:
 
     Args:
         database: The open journal.
-        clock: Source of "now" in epoch milliseconds (tests inject their own).
+        clock: Source of "now" in epoch milliseconds for the timestamps people read (tests
+            inject their own).
+        lease_clock: Source of lease time, the only clock leases, heartbeats and recovery
+            read (tests inject their own).
     """
 
-    def __init__(self, database: Database, *, clock: Callable[[], int] = wall_clock_ms) -> None:
+    def __init__(
+        self,
+        database: Database,
+        *,
+        clock: Callable[[], int] = wall_clock_ms,
+        lease_clock: LeaseClock = system_lease_time,
+    ) -> None:
         self.database = database
         self.clock = clock
+        self.lease_clock = lease_clock
         self.outcomes = JobOutcomes()
 
     def _count_outcome(self, row: Any, status: JobStatus, ended_ms: int) -> None:
@@ -459,7 +510,8 @@ class JobStore:
 
         Args:
             owner: Lease owner id of the claiming worker.
-            lease_ms: Lease duration; the owner must heartbeat before it lapses.
+            lease_ms: Lease duration in milliseconds of lease time; the owner must heartbeat
+                before it lapses.
             job_id: Claim this job only; otherwise the oldest queued job.
             kinds: Restrict the oldest-first claim to these workflow kinds.
 
@@ -490,14 +542,24 @@ class JobStore:
                 if found is None:
                     return None
                 target = found
+            # Read inside the write lock: every lease stamped before is already committed, so
+            # no observer ever sees a renewal later than its own reading of the clock.
+            lease_now = self.lease_clock()
             result = await connection.execute(
                 text(
-                    "UPDATE jobs SET status = 'running', lease_owner = :owner,"
-                    " lease_expires_at_ms = :expires, attempt = attempt + 1,"
+                    "UPDATE jobs SET status = 'running', lease_owner = :owner,"  # noqa: S608 - fixed text
+                    f" {_SET_LEASE}, attempt = attempt + 1,"
                     " started_at_ms = COALESCE(started_at_ms, :now), updated_at_ms = :now"
                     " WHERE id = :id AND status = 'queued'"
                 ),
-                {"owner": owner, "expires": now + lease_ms, "now": now, "id": target},
+                {
+                    "owner": owner,
+                    "clock": lease_now.clock,
+                    "deadline": lease_now.ms + lease_ms,
+                    "lease_ms": lease_ms,
+                    "now": now,
+                    "id": target,
+                },
             )
             if result.rowcount != 1:
                 return None
@@ -507,36 +569,52 @@ class JobStore:
         return await self.database.write(work)
 
     async def heartbeat(self, job_id: str, *, owner: str, lease_ms: int) -> bool:
-        """Extend ``owner``'s lease; ``False`` means the lease was lost (stop working)."""
+        """Extend ``owner``'s lease to ``lease_ms`` from now on the lease clock.
+
+        Returns ``False`` when the lease was lost to recovery (stop working).
+        """
 
         async def work(connection: AsyncConnection) -> bool:
             now = self.clock()
+            lease_now = self.lease_clock()
             result = await connection.execute(
                 text(
-                    "UPDATE jobs SET lease_expires_at_ms = :expires, updated_at_ms = :now"
+                    f"UPDATE jobs SET {_SET_LEASE}, updated_at_ms = :now"  # noqa: S608 - fixed text
                     " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
                 ),
-                {"expires": now + lease_ms, "now": now, "id": job_id, "owner": owner},
+                {
+                    "clock": lease_now.clock,
+                    "deadline": lease_now.ms + lease_ms,
+                    "lease_ms": lease_ms,
+                    "now": now,
+                    "id": job_id,
+                    "owner": owner,
+                },
             )
             return bool(result.rowcount == 1)
 
         return await self.database.write(work)
 
     async def requeue_expired(self) -> list[str]:
-        """Return running jobs whose lease lapsed to ``queued``; their ids."""
+        """Return running jobs whose lease lapsed to ``queued``; their ids.
+
+        Decided on the lease clock only (:meth:`LeaseStamp.lapsed`): past its deadline, or
+        stamped on a clock this one cannot measure (another boot: the owner is gone). A
+        wall-clock step changes nothing here.
+        """
 
         async def work(connection: AsyncConnection) -> list[str]:
             now = self.clock()
+            lease_now = self.lease_clock()
             ids = list(
                 (
                     await connection.execute(
                         text(
-                            "UPDATE jobs SET status = 'queued', lease_owner = NULL,"
-                            " lease_expires_at_ms = NULL, updated_at_ms = :now"
-                            " WHERE status = 'running' AND lease_expires_at_ms < :now"
+                            f"UPDATE jobs SET status = 'queued', {_NO_LEASE},"  # noqa: S608 - fixed text
+                            f" updated_at_ms = :now WHERE status = 'running' AND {_LAPSED}"
                             " RETURNING id"
                         ),
-                        {"now": now},
+                        {"now": now, "clock": lease_now.clock, "lease_now": lease_now.ms},
                     )
                 ).scalars()
             )
@@ -559,8 +637,7 @@ class JobStore:
             now = self.clock()
             result = await connection.execute(
                 text(
-                    "UPDATE jobs SET status = 'queued', lease_owner = NULL,"
-                    " lease_expires_at_ms = NULL, updated_at_ms = :now"
+                    f"UPDATE jobs SET status = 'queued', {_NO_LEASE}, updated_at_ms = :now"  # noqa: S608 - fixed text
                     " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
                 ),
                 {"now": now, "id": job_id, "owner": owner},
@@ -596,9 +673,9 @@ class JobStore:
             ended = now if status in TERMINAL_JOB_STATUSES else None
             result = await connection.execute(
                 text(
-                    "UPDATE jobs SET status = :status, output_json = :output,"
-                    " error_code = :code, error_message = :message, lease_owner = NULL,"
-                    " lease_expires_at_ms = NULL, updated_at_ms = :now, ended_at_ms = :ended"
+                    "UPDATE jobs SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
+                    f" error_code = :code, error_message = :message, {_NO_LEASE},"
+                    " updated_at_ms = :now, ended_at_ms = :ended"
                     " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
                     " RETURNING kind, started_at_ms"
                 ),
@@ -643,8 +720,8 @@ class JobStore:
             direct = (
                 await connection.execute(
                     text(
-                        "UPDATE jobs SET status = 'cancelled', cancel_requested = 1,"
-                        " lease_owner = NULL, lease_expires_at_ms = NULL, updated_at_ms = :now,"
+                        "UPDATE jobs SET status = 'cancelled', cancel_requested = 1,"  # noqa: S608 - fixed text
+                        f" {_NO_LEASE}, updated_at_ms = :now,"
                         " ended_at_ms = :now WHERE id = :id AND status IN ('queued', 'parked')"
                         " RETURNING kind, started_at_ms"
                     ),

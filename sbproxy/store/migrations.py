@@ -119,6 +119,24 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             """,
         ),
     ),
+    (
+        4,
+        "leases on the boot's monotonic clock",
+        (
+            # Leases move off the wall clock (``leaseclock.py``): the boot id of the clock,
+            # the deadline in ms on it, and the lease length. ``lease_expires_at_ms`` stays, always
+            # NULL from now on, so that an older sbproxy still attached can run its SQL and never
+            # expires these leases by its wall clock.
+            "ALTER TABLE jobs ADD COLUMN lease_clock TEXT",
+            "ALTER TABLE jobs ADD COLUMN lease_deadline_ms INTEGER",
+            "ALTER TABLE jobs ADD COLUMN lease_ms INTEGER",
+            # A wall-clock lease cannot be carried over to a monotonic clock. Running jobs keep
+            # their owner and are left without a lease: recovery takes one at once (lease
+            # lapsed); a live owner loses it at its next heartbeat and stops, and the job
+            # resumes from its last completed step.
+            "UPDATE jobs SET lease_expires_at_ms = NULL",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -23,6 +23,7 @@ class JobRow(SQLModel, table=True):
     status: str
     attempt: int = 0
     lease_owner: str | None = None
+    # Wall-clock lease of schemas 1-3, always NULL since schema 4 (see migration 4).
     lease_expires_at_ms: int | None = None
     cancel_requested: int = 0
     progress_json: str | None = None
@@ -34,6 +35,11 @@ class JobRow(SQLModel, table=True):
     updated_at_ms: int
     started_at_ms: int | None = None
     ended_at_ms: int | None = None
+    # The lease, on the lease clock (``leaseclock.py``): boot id, deadline in ms on that boot's
+    # CLOCK_MONOTONIC, lease length in ms.
+    lease_clock: str | None = None
+    lease_deadline_ms: int | None = None
+    lease_ms: int | None = None
 
 
 class StepRow(SQLModel, table=True):

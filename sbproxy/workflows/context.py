@@ -240,6 +240,8 @@ class WorkflowContext:
             encoded = definition.encode(result)
             fault_point(f"step:{step_name}:after")
             await self._store.end_step(self.job_id, seq=seq, name=step_name, output_json=encoded)
+        # The output is durable: a crash from here on replays this step, never reruns it.
+        fault_point(f"step:{step_name}:committed")
         # Return what a replay would return, so a resumed run sees identical values.
         return definition.decode(encoded)
 

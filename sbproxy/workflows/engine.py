@@ -191,6 +191,8 @@ class WorkflowEngine:
 
         Two compare-and-set passes: leases past their expiry, then running jobs whose owner
         process is certainly gone (same boot, pid dead or reused) even if the lease is fresh.
+        Neither reads the wall clock: leases are judged on the store's lease clock, so a
+        wall-clock step neither takes a live owner's job nor keeps a dead owner's.
         """
         recovered = await self.store.requeue_expired()
         for job in await self.store.list_jobs(statuses=(JobStatus.RUNNING,), limit=10_000):

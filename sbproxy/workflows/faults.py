@@ -10,9 +10,16 @@ Arming:
   ``name=N`` fires on the N-th time the point is reached (default: the first);
 * in-process, :func:`arm` with an optional action (tests that raise instead of dying).
 
-The executor passes ``step:<step name>:before`` (journal says running, side effect not yet
-done) and ``step:<step name>:after`` (side effect done, output not yet recorded) for every
-step; domain code adds its own points with :func:`fault_point`.
+The executor passes three points for every step that runs (a replayed step passes none):
+
+* ``step:<step name>:before``: the journal says running, the side effect is not yet done;
+* ``step:<step name>:after``: the side effect is done, its output not yet recorded;
+* ``step:<step name>:committed``: the output has committed to the journal (``end_step``
+  returned) and the next step has not begun. A run resumed from here replays the step's
+  recorded output instead of running it, so whatever the step left in the world (a process,
+  a port, a file) must still match that output, or the code after it must check.
+
+Domain code adds its own points with :func:`fault_point`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Who owns a lease: a worker identity that survives pid reuse, and a liveness check.
 
 A lease owner is ``<boot id>/<pid>/<process start ticks>/<nonce>``. The boot id
-(``/proc/sys/kernel/random/boot_id``) changes at every boot; the start ticks (field 22 of
+(``/proc/sys/kernel/random/boot_id``, read by ``sbproxy.store.boot_id``, which also names the
+lease clock) changes at every boot; the start ticks (field 22 of
 ``/proc/<pid>/stat``) tell a reused pid from the original process; the nonce tells two workers
 of one process apart. A worker can therefore tell for certain that another worker on the
 same machine is gone, and re-queue its job at once instead of waiting for the lease to lapse;
@@ -15,16 +16,10 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from sbproxy.store import UNKNOWN_BOOT
+from sbproxy.store import boot_id as _current_boot_id
+
 __all__ = ["WorkerIdentity", "owner_is_gone", "process_start_ticks"]
-
-_BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
-
-
-def _boot_id() -> str:
-    try:
-        return _BOOT_ID_FILE.read_text().strip()
-    except OSError:
-        return "unknown-boot"
 
 
 def process_start_ticks(pid: int) -> str | None:
@@ -54,7 +49,7 @@ class WorkerIdentity:
         """A fresh identity for a worker in this process."""
         pid = os.getpid()
         return cls(
-            boot_id=_boot_id(),
+            boot_id=_current_boot_id(),
             pid=pid,
             start_ticks=process_start_ticks(pid) or "0",
             nonce=secrets.token_hex(4),
@@ -75,11 +70,11 @@ def owner_is_gone(owner: str) -> bool:
     parts = owner.split("/")
     if len(parts) != 4 or not parts[1].isdigit():
         return False
-    boot_id, pid_text, ticks, _nonce = parts
-    current_boot = _boot_id()
-    if "unknown-boot" in (boot_id, current_boot):
+    owner_boot, pid_text, ticks, _nonce = parts
+    current_boot = _current_boot_id()
+    if UNKNOWN_BOOT in (owner_boot, current_boot):
         return False
-    if boot_id != current_boot:
+    if owner_boot != current_boot:
         return True
     pid = int(pid_text)
     observed = process_start_ticks(pid)

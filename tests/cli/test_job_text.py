@@ -15,7 +15,7 @@ from sbproxy.cli._job_text import (
     show_lines,
     size_text,
 )
-from sbproxy.store import EventRecord, JobRecord, JobStatus
+from sbproxy.store import EventRecord, JobRecord, JobStatus, LeaseStamp, LeaseTime
 
 JOB = "01JABCDEFGHJKMNPQRSTVWXYZ0"
 MIB = 2**20
@@ -105,7 +105,11 @@ def test_backlog_progress_collapses_to_the_latest_report_while_live_progress_str
     ]
 
 
-def running_job(*, lease_expires_at_ms: int) -> JobRecord:
+BOOT = "boot-a"
+STARTED_MS = 10**12
+
+
+def running_job(lease: LeaseStamp | None) -> JobRecord:
     return JobRecord(
         id=JOB,
         kind="pull",
@@ -116,30 +120,57 @@ def running_job(*, lease_expires_at_ms: int) -> JobRecord:
         status=JobStatus.RUNNING,
         attempt=1,
         lease_owner="host:1234",
-        lease_expires_at_ms=lease_expires_at_ms,
+        lease=lease,
         cancel_requested=False,
         progress=None,
         output=None,
         error=None,
         trace_context=None,
-        created_at_ms=lease_expires_at_ms - 60_000,
-        updated_at_ms=lease_expires_at_ms - 30_000,
-        started_at_ms=lease_expires_at_ms - 60_000,
+        created_at_ms=STARTED_MS,
+        updated_at_ms=STARTED_MS + 30_000,
+        started_at_ms=STARTED_MS,
         ended_at_ms=None,
     )
 
 
-def test_show_says_when_a_running_jobs_lease_has_lapsed() -> None:
-    now = 10**12
-    (live,) = [
-        line
-        for line in show_lines(running_job(lease_expires_at_ms=now + 9_500), [], now_ms=now)
-        if "lease" in line
+def lease_line(job: JobRecord, *, now_ms: int, lease_now: LeaseTime) -> str:
+    (line,) = [
+        line for line in show_lines(job, [], now_ms=now_ms, lease_now=lease_now) if "lease" in line
     ]
+    return line
+
+
+# Renewed at 500_000 ms of lease time with a 15 s lease.
+RENEWED = LeaseStamp(clock=BOOT, deadline_ms=515_000, duration_ms=15_000)
+
+
+@pytest.mark.parametrize("wall_jump_ms", [0, 3_600_000, -3_600_000])
+def test_show_says_when_a_lease_expires_on_the_lease_clock_whatever_the_wall_clock(
+    wall_jump_ms: int,
+) -> None:
+    now_ms = STARTED_MS + 60_000 + wall_jump_ms
+    live = lease_line(running_job(RENEWED), now_ms=now_ms, lease_now=LeaseTime(BOOT, 505_500))
     assert live == "  lease      host:1234 (expires in 9s)"
-    (lapsed,) = [
-        line
-        for line in show_lines(running_job(lease_expires_at_ms=now - 5 * 60_000), [], now_ms=now)
-        if "lease" in line
-    ]
-    assert "expired 5m ago" in lapsed and "expires in" not in lapsed
+    lapsed = lease_line(
+        running_job(RENEWED), now_ms=now_ms, lease_now=LeaseTime(BOOT, 515_000 + 5 * 60_000)
+    )
+    assert "expired 5m ago; resumed by the next worker or rerun" in lapsed
+    assert "expires in" not in lapsed
+
+
+@pytest.mark.parametrize(
+    ("lease", "lease_now"),
+    [
+        (RENEWED, LeaseTime("boot-b", 505_500)),  # stamped before this machine's last boot
+        (RENEWED, LeaseTime(BOOT, 400_000)),  # renewed "later" than now: not this clock
+        (None, LeaseTime(BOOT, 505_500)),  # a wall-clock lease from before schema 4
+    ],
+)
+def test_show_says_a_lease_this_clock_cannot_measure_has_lapsed(
+    lease: LeaseStamp | None, lease_now: LeaseTime
+) -> None:
+    line = lease_line(running_job(lease), now_ms=STARTED_MS, lease_now=lease_now)
+    assert line == (
+        "  lease      host:1234 (lapsed: not renewed on this boot's clock; "
+        "resumed by the next worker or rerun)"
+    )

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlmodel import SQLModel
 
-from sbproxy.store import Database, ErrorInfo, JobStatus, JobStore, StoreError
+from sbproxy.store import Database, ErrorInfo, JobStatus, JobStore, LeaseTime, StoreError
 from sbproxy.store.migrations import SCHEMA_VERSION
 from sbproxy.store.tables import (
     EventRow,
@@ -142,13 +142,13 @@ async def test_terminal_jobs_are_immutable(store: JobStore) -> None:
 async def test_expired_leases_return_to_the_queue(tmp_path: Path) -> None:
     now = [1_000_000]
     database = await Database.open(tmp_path / "journal.db")
-    store = JobStore(database, clock=lambda: now[0])
+    store = JobStore(database, lease_clock=lambda: LeaseTime(clock="boot", ms=now[0]))
     try:
         job_id = await submit(store)
         await store.claim(owner="dead", lease_ms=5_000)
-        now[0] += 4_999
-        assert await store.requeue_expired() == []
-        now[0] += 2
+        now[0] += 5_000
+        assert await store.requeue_expired() == []  # at the deadline it still holds
+        now[0] += 1
         assert await store.requeue_expired() == [job_id]
         job = await store.get(job_id)
         assert job is not None

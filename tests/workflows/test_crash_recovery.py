@@ -1,4 +1,8 @@
-"""Crash test: SIGKILL at every step boundary, restart, and the same job finishes correctly."""
+"""Crash test: SIGKILL at every step boundary, restart, and the same job finishes correctly.
+
+The boundaries of each step: ``before`` it runs, ``after`` its side effect (output not yet
+journaled) and ``committed`` (output journaled, next step not begun).
+"""
 
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("when", ["before", "after", "committed"])
 @pytest.mark.parametrize("index", [1, 2, 3, 4, 5])
 def test_job_survives_sigkill_at_every_step_boundary(
     tmp_path: Path, uninterrupted: dict[str, Any], index: int, when: str
@@ -81,4 +85,5 @@ def test_job_survives_sigkill_at_every_step_boundary(
         expected = 1
         if step_index == index and when == "after":
             expected = 2  # the side effect happened, its output was not yet journaled
+        # "committed": the output was journaled, so the resumed run replays it (once).
         assert effects[f"s{step_index}"] == expected, (step_index, effects)

@@ -3,7 +3,8 @@ leases, the worker loop and progress events."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import sqlite3
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
@@ -131,6 +132,47 @@ async def test_completed_steps_are_replayed_not_rerun(journal: Path) -> None:
         ("one", "succeeded", 1),
         ("two", "succeeded", 2),
     ]
+
+
+def journal_rows(journal: Path) -> list[tuple[int, str, str]]:
+    with sqlite3.connect(journal) as raw:
+        return list(raw.execute("SELECT seq, name, status FROM steps ORDER BY seq"))
+
+
+async def test_the_committed_point_passes_once_the_output_is_journaled(journal: Path) -> None:
+    registry = two_step_registry()
+    pair = registry.get("pair")
+    assert pair is not None
+    seen: list[list[tuple[int, str, str]]] = []
+
+    def die_after_commit() -> None:
+        seen.append(journal_rows(journal))  # what another process would read at this moment
+        raise Boom
+
+    arm("step:one:committed", action=die_after_commit)
+    first = await open_engine(journal, registry, lease_s=0.3)
+    submitted = await first.submit(pair, Count(n=4))
+    with pytest.raises(BaseExceptionGroup) as died:
+        await first.run_job(submitted.job.id)
+    assert died.group_contains(Boom)
+    await first.close()
+    # Step one's output had committed; step two had not begun.
+    assert seen == [[(0, "one", "succeeded")]]
+
+    disarm_all()
+    passed: list[str] = []
+
+    def record(name: str) -> Callable[[], None]:
+        return lambda: passed.append(name)
+
+    for name in ("one", "two"):
+        arm(f"step:{name}:committed", action=record(name))
+    second = await open_engine(journal, registry, lease_s=0.3)
+    job = await second.run_job(submitted.job.id)
+    await second.close()
+    assert (job.status, job.output, job.attempt) == (JobStatus.SUCCEEDED, {"n": 50}, 2)
+    assert calls == {"one": 1, "two": 1}  # the committed step was replayed, not rerun
+    assert passed == ["two"]  # a replayed step commits nothing, so passes no point
 
 
 async def test_changed_step_sequence_parks_the_job(journal: Path) -> None:

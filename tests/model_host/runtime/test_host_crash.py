@@ -40,7 +40,20 @@ def load_jobs(root: Path) -> list[tuple[str, str, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["step:launch:before", "engine.spawned", "step:launch:after"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "step:launch:before",
+        "engine.spawned",
+        "step:launch:after",
+        pytest.param(
+            "step:launch:committed",
+            marks=pytest.mark.xfail(
+                strict=True, reason="runtime fix on main: launch output is replayed"
+            ),
+        ),
+    ],
+)
 def test_killed_warm_start_converges_after_restart(tmp_path: Path, fault: str) -> None:
     killed = host(tmp_path, fault=fault)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
@@ -55,6 +68,8 @@ def test_killed_warm_start_converges_after_restart(tmp_path: Path, fault: str) -
     assert result["state"] == "ready"
     assert result["job_id"] == job_id
     assert result["job_status"] == "succeeded"
+    assert result["request_status"] == 200  # the engine it reports answers
+    assert result["live_engines"] == 1  # that one, and no other
     assert load_jobs(tmp_path) == [(job_id, "succeeded", 2)]
     # Engines die with their host; the restarted host reaped what the crash left.
     for pid in orphans:
@@ -88,7 +103,8 @@ def reload_jobs(root: Path) -> list[tuple[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "fault", ["reload.recreate.stopped", "step:rollout:after", "reload.committed"]
+    "fault",
+    ["reload.recreate.stopped", "step:rollout:after", "step:rollout:committed", "reload.committed"],
 )
 def test_killed_recreate_rollout_converges_after_restart(tmp_path: Path, fault: str) -> None:
     killed = reload_host(tmp_path, "apply", fault=fault)
