@@ -46,12 +46,7 @@ def load_jobs(root: Path) -> list[tuple[str, str, int]]:
         "step:launch:before",
         "engine.spawned",
         "step:launch:after",
-        pytest.param(
-            "step:launch:committed",
-            marks=pytest.mark.xfail(
-                strict=True, reason="runtime fix on main: launch output is replayed"
-            ),
-        ),
+        "step:launch:committed",
     ],
 )
 def test_killed_warm_start_converges_after_restart(tmp_path: Path, fault: str) -> None:
