@@ -31,3 +31,29 @@ ensure_venv() {
     -c "$repo_root/constraints.txt" -e "$target"
   export PATH="$venv/bin:$PATH"
 }
+
+# Debian packages some tests drive (libfaketime steps a process's wall clock). Installed
+# when missing and this user may install; without them those tests say why they skip.
+ensure_debian_packages() {
+  local missing=()
+  local pkg
+  for pkg in "$@"; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+  [ "${#missing[@]}" -eq 0 ] && return 0
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+      sudo="sudo -n"
+    else
+      echo "note: ${missing[*]} not installed (needs root); the tests that drive them skip" >&2
+      return 0
+    fi
+  fi
+  if command -v apt-get >/dev/null 2>&1; then
+    $sudo apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 ||
+      { $sudo apt-get update -qq >/dev/null 2>&1 &&
+        $sudo apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1; } ||
+      echo "note: could not install ${missing[*]}; the tests that drive them skip" >&2
+  fi
+}

@@ -5,6 +5,7 @@ set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
 cd "$repo_root"
 ensure_venv dev
+ensure_debian_packages faketime
 
 echo "== ruff" >&2
 ruff check .

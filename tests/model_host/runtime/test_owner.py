@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 from sbproxy.config import PriorityClass
-from sbproxy.model_host.runtime import manager as manager_module
+from sbproxy.model_host.runtime import _launch as launch_module
+from sbproxy.model_host.runtime import slot as slot_module
 from sbproxy.model_host.runtime.admission import AdmissionRejected
 from sbproxy.model_host.runtime.manager import IllegalTransition, RuntimeManager
 from sbproxy.model_host.runtime.state import DEPLOYMENT_TRANSITIONS, DeploymentState
@@ -240,8 +241,8 @@ async def test_a_foreign_listener_on_the_chosen_port_never_gets_traffic(
 ) -> None:
     with impostor() as taken:
         ports = iter([taken])
-        real = manager_module.free_port
-        monkeypatch.setattr(manager_module, "free_port", lambda: next(ports, None) or real())
+        real = slot_module.free_port
+        monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or real())
         async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
             manager = host.manager
             upstream = await manager.acquire("tiny", priority=STANDARD)
