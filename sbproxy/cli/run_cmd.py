@@ -204,6 +204,9 @@ def run_command(
     )
     if dry_run:
         click.echo(f"# resolved {model}:{artifact.variant_id} with {artifact.engine}")
+        from sbproxy.model_host.artifacts import resolve_cache_root
+
+        click.echo(f"# cache: {resolve_cache_root(cache_dir).root}")
         shown = yaml.safe_dump(document, sort_keys=False).replace(
             password, "<generated at run time>"
         )

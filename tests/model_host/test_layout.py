@@ -26,3 +26,16 @@ def test_relative_cache_root_is_refused() -> None:
         resolve_cache_root("relative/cache", environ={})
     assert info.value.code == "invalid_cache_dir"
     assert "absolute" in str(info.value)
+
+
+def test_without_a_setting_every_user_root_included_caches_under_xdg_or_home(
+    tmp_path: Path,
+) -> None:
+    root_home = {"HOME": "/root"}  # root gets no system-wide default of its own
+    assert resolve_cache_root(None, environ=root_home).root == Path("/root/.cache/sbproxy/models")
+    xdg = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    assert resolve_cache_root(None, environ=xdg).root == tmp_path / "xdg" / "sbproxy" / "models"
+    relative_xdg = {"HOME": str(tmp_path), "XDG_CACHE_HOME": "cache"}  # ignored, per XDG
+    assert resolve_cache_root(None, environ=relative_xdg).root == (
+        tmp_path / ".cache" / "sbproxy" / "models"
+    )

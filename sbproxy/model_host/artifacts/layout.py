@@ -19,7 +19,6 @@ from sbproxy.errors import SbproxyError
 __all__ = ["CacheLayout", "check_cache_writable", "resolve_cache_root", "unusable_cache_dir"]
 
 ENV_CACHE_DIR = "SBPROXY_CACHE_DIR"
-SYSTEM_CACHE_DIR = Path("/var/lib/sbproxy/models")
 
 
 @dataclass(frozen=True)
@@ -101,13 +100,6 @@ def check_cache_writable(layout: CacheLayout) -> None:
         raise unusable_cache_dir(layout.root, exc, at=layout.locks) from exc
 
 
-def _writable_ancestor(path: Path) -> bool:
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return os.access(candidate, os.W_OK)
-    return False
-
-
 def resolve_cache_root(
     explicit: str | Path | None = None,
     *,
@@ -117,9 +109,10 @@ def resolve_cache_root(
     """Choose the cache root, first match wins.
 
     Order: ``explicit`` (``--cache-dir``) > ``configured`` (``proxy.model_host.cache
-    .directory``) > ``$SBPROXY_CACHE_DIR`` > ``/var/lib/sbproxy/models`` when its nearest
-    existing ancestor is writable > ``$XDG_CACHE_HOME/sbproxy/models`` (default
-    ``~/.cache/sbproxy/models``).
+    .directory``) > ``$SBPROXY_CACHE_DIR`` > ``$XDG_CACHE_HOME/sbproxy/models`` >
+    ``~/.cache/sbproxy/models``. The same for every command and every user, root included,
+    so a model that ``main.sh`` or ``models pull`` cached is found by ``run``, ``serve``,
+    ``doctor`` and ``jobs`` in a new shell.
 
     Raises:
         SbproxyError: ``invalid_cache_dir`` when the chosen path is relative; a relative root
@@ -128,13 +121,14 @@ def resolve_cache_root(
     env = os.environ if environ is None else environ
     chosen: str | Path | None = explicit or configured or env.get(ENV_CACHE_DIR) or None
     if chosen is None:
-        if _writable_ancestor(SYSTEM_CACHE_DIR):
-            chosen = SYSTEM_CACHE_DIR
-        else:
-            base = env.get("XDG_CACHE_HOME") or str(
-                Path(env.get("HOME", "~")).expanduser() / ".cache"
-            )
-            chosen = Path(base) / "sbproxy" / "models"
+        xdg = env.get("XDG_CACHE_HOME") or ""
+        # The XDG spec says a relative value is invalid and to be ignored.
+        base = (
+            Path(xdg)
+            if Path(xdg).is_absolute()
+            else Path(env.get("HOME", "~")).expanduser() / ".cache"
+        )
+        chosen = base / "sbproxy" / "models"
     path = Path(chosen).expanduser()
     if not path.is_absolute():
         raise SbproxyError(
