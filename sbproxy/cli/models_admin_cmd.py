@@ -2,15 +2,19 @@
 admin API.
 
 Only the running server owns engine processes, so these verbs talk to its authenticated
-admin API: ``--admin-url`` (env ``SB_ADMIN_URL``, default ``http://127.0.0.1:9090``),
-``--username`` (``SB_ADMIN_USERNAME``, default ``admin``) and ``--password``
-(``SB_ADMIN_PASSWORD``; required, never printed). Connect timeout 3 s, request timeout 30 s.
+admin API: ``--admin-url`` (env ``SB_ADMIN_URL``), ``--username`` (``SB_ADMIN_USERNAME``,
+default ``admin``) and ``--password`` (``SB_ADMIN_PASSWORD``; never printed). What the flags
+and environment leave unset comes from a running ``sbproxy run``'s discovery file
+(:mod:`sbproxy.cli._discovery`); without one the URL defaults to ``http://127.0.0.1:9090``
+and a password is required. Connect timeout 3 s, request timeout 30 s.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
+import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,21 +36,71 @@ F = TypeVar("F", bound=Callable[..., Any])
 TERMINAL = {"succeeded", "failed", "cancelled", "parked"}
 
 
+DEFAULT_ADMIN_URL = "http://127.0.0.1:9090"
+
+
 def admin_options(func: F) -> F:
-    """The three admin connection options."""
-    func = click.option(
+    """The three admin connection options, completed from a running ``sbproxy run``.
+
+    Flags and environment win. A missing URL, or a missing password, is taken from the
+    newest live ``sbproxy run`` of this user -- its password only for its own URL.
+
+    Raises (exit 2):
+        SbproxyError: ``admin_password_required`` when no password is given or found.
+    """
+
+    @functools.wraps(func)
+    def resolved(
+        *args: Any, admin_url: str | None, username: str, password: str | None, **kw: Any
+    ) -> Any:
+        if admin_url is None or password is None:
+            from sbproxy.cli._discovery import find_run
+
+            run = find_run()
+            if run is not None and admin_url in (None, run.admin_url):
+                admin_url = run.admin_url
+                if password is None and username == run.username:
+                    password = run.password
+        if password is None:
+            context = click.get_current_context(silent=True)
+            words = context.command_path.split()[1:] if context is not None else []
+            fail(
+                ".".join(words) or "admin",
+                SbproxyError(
+                    "no admin password: none was given and no running `sbproxy run` was found",
+                    code="admin_password_required",
+                    remediation="Pass --password or set SB_ADMIN_PASSWORD (and --admin-url / "
+                    "SB_ADMIN_URL for a `sbproxy serve`), or start `sbproxy run MODEL`.",
+                ),
+                output_format=str(kw.get("output_format", "text")),
+                exit_code=EXIT_INVALID,
+            )
+        return func(
+            *args,
+            admin_url=admin_url or DEFAULT_ADMIN_URL,
+            username=username,
+            password=password,
+            **kw,
+        )
+
+    wrapped: Any = resolved
+    wrapped = click.option(
         "--password",
         envvar="SB_ADMIN_PASSWORD",
-        required=True,
-        help="Admin password (env SB_ADMIN_PASSWORD).",
-    )(func)
-    func = click.option(
+        default=None,
+        help="Admin password (env SB_ADMIN_PASSWORD; default: a running `sbproxy run`'s).",
+    )(wrapped)
+    wrapped = click.option(
         "--username", envvar="SB_ADMIN_USERNAME", default="admin", show_default=True
-    )(func)
-    func = click.option(
-        "--admin-url", envvar="SB_ADMIN_URL", default="http://127.0.0.1:9090", show_default=True
-    )(func)
-    return func
+    )(wrapped)
+    wrapped = click.option(
+        "--admin-url",
+        envvar="SB_ADMIN_URL",
+        default=None,
+        help=f"Admin API base URL (env SB_ADMIN_URL; default: a running `sbproxy run`'s, "
+        f"else {DEFAULT_ADMIN_URL}).",
+    )(wrapped)
+    return typing.cast("F", wrapped)
 
 
 def admin_call(

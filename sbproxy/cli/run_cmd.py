@@ -227,10 +227,13 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
     # The server stack is imported only for a real run: --dry-run and refusals stay fast.
     from sbproxy.api.host import ServedHost
     from sbproxy.api.server import run_served, serve
+    from sbproxy.cli._discovery import RunRecord, published
     from sbproxy.config import load_config
     from sbproxy.model_host.runtime.state import DeploymentState
+    from sbproxy.workflows import process_start_ticks
 
     failure: list[str] = []
+    discovery = contextlib.ExitStack()
 
     async def watch(host: ServedHost) -> None:
         status = host.manager.snapshot(DEPLOYMENT)
@@ -245,6 +248,16 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
                 return
             await anyio.sleep(0.2)
             status = host.manager.snapshot(DEPLOYMENT)
+        record = RunRecord(
+            admin_url=f"http://127.0.0.1:{admin_port}",
+            username="admin",
+            password=password,
+            gateway_url=f"http://127.0.0.1:{port}",
+            pid=os.getpid(),
+            start_ticks=process_start_ticks(os.getpid()) or "0",
+        )
+        # Found by `models ps|load|stop` and `apply` while this run serves; removed on exit.
+        discovery.enter_context(published(record))
         click.echo(banner(name=public, port=port, admin_port=admin_port, password=password))
         freeze_startup_heap()
 
@@ -252,7 +265,8 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
     configure_from_environment()  # OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         compiled = load_config(path)
-        run_served(lambda: serve(compiled, watch=watch))
+        with discovery:
+            run_served(lambda: serve(compiled, watch=watch))
     except SbproxyError as exc:
         click.echo(f"sbproxy run: {exc}", err=True)
         return EXIT_RUNTIME
