@@ -58,6 +58,7 @@ class ServedHost:
     engine: WorkflowEngine
     layout: CacheLayout
     group: anyio.abc.TaskGroup
+    stop: Shutdown | None = None
 
 
 @asynccontextmanager
@@ -105,7 +106,9 @@ async def open_host(
             await manager.start(group)
             group.start_soon(_worker, engine)
             try:
-                yield ServedHost(manager=manager, engine=engine, layout=layout, group=group)
+                yield ServedHost(
+                    manager=manager, engine=engine, layout=layout, group=group, stop=stop
+                )
             finally:
                 await _shutdown_runtime(manager, budget_s=stop.engine_budget_s() if stop else None)
                 group.cancel_scope.cancel()

@@ -31,11 +31,13 @@ as it was. A committed reload hands the gateway its new routes and keys.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import ipaddress
 import logging
 import signal
-from collections.abc import Callable, Coroutine, Generator
+import socket
+from collections.abc import Callable, Coroutine, Generator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,49 @@ class Listener(uvicorn.Server):
 
 def _url_host(bind: str) -> str:
     return str(ipaddress.ip_address(bind)) if bind else "127.0.0.1"
+
+
+# Why a listener cannot bind, by errno: (reason code, what it means).
+_BIND_FAILURES: dict[int, tuple[str, str]] = {
+    errno.EADDRINUSE: ("port_in_use", "is already in use by another process"),
+    errno.EACCES: ("port_not_permitted", "needs privileges this user lacks (ports below 1024)"),
+    errno.EADDRNOTAVAIL: ("bind_address_unavailable", "is not an address of this machine"),
+}
+
+
+def check_listeners(compiled: CompiledConfig, *, fields: Mapping[str, str] | None = None) -> None:
+    """Refuse to start when a listener's address cannot be bound -- before any engine or
+    job starts, with one line that names the port and what to change.
+
+    Args:
+        compiled: The configuration whose gateway and admin listeners are checked.
+        fields: What to tell the operator to change, by dotted config field (``sbproxy run``
+            maps ``proxy.http_bind_port`` to ``--port``); default: the field itself.
+
+    Raises:
+        SbproxyError: ``port_in_use``, ``port_not_permitted`` or ``bind_address_unavailable``.
+    """
+    proxy = compiled.config.proxy
+    wanted = [(_url_host(proxy.bind_address), proxy.http_bind_port, "proxy.http_bind_port")]
+    if proxy.admin.enabled:
+        wanted.append((_url_host(proxy.admin.bind), proxy.admin.port, "proxy.admin.port"))
+    for address, port, field in wanted:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            try:
+                probe.bind((address, port))
+            except OSError as exc:
+                code, meaning = _BIND_FAILURES.get(
+                    exc.errno or 0, ("listen_failed", f"cannot be bound ({exc.strerror})")
+                )
+                where = (fields or {}).get(field, field)
+                raise SbproxyError(
+                    f"{address}:{port} ({field}) {meaning}",
+                    code=code,
+                    remediation=f"Stop what holds it or choose another port with {where}.",
+                    details={"port": port, "address": address, "field": field},
+                ) from None
 
 
 def build_servers(
@@ -228,6 +273,7 @@ async def serve(
     watch: Callable[[ServedHost], Coroutine[Any, Any, None]] | None = None,
     watch_config: bool = False,
     lockfile: Path | None = None,
+    listener_fields: Mapping[str, str] | None = None,
 ) -> None:
     """Run the host of ``compiled`` until SIGTERM or SIGINT (see the module docstring).
 
@@ -236,16 +282,20 @@ async def serve(
         cache_dir: Overrides ``proxy.model_host.cache.directory``.
         on_listening: Called once with the listeners' addresses when all are accepting.
         watch: Started beside the listeners once they accept (``sbproxy run`` follows its
-            deployment's readiness with it); it may stop the server by sending this process
-            SIGTERM.
+            deployment's readiness with it); it may stop the server with
+            ``host.stop.stop_self(reason)``.
         watch_config: Reload when the configuration file changes (``SIGHUP`` always
             reloads).
         lockfile: ``serve --locked``: every file reload must still match this lockfile
             (``lock_drift`` refuses it and changes nothing); the start was checked already.
+        listener_fields: Passed to :func:`check_listeners` (the flags ``run`` names).
 
     Raises:
-        SbproxyError: ``listen_failed`` when a listener cannot start (port in use, ...).
+        SbproxyError: ``port_in_use``, ``port_not_permitted``, ``bind_address_unavailable``
+            (checked before anything starts) or ``listen_failed`` when a listener still
+            cannot start.
     """
+    check_listeners(compiled, fields=listener_fields)
     host_config = compiled.model_host
     stop = Shutdown(deadline_s=(host_config.shutdown_deadline_ms if host_config else 30_000) / 1000)
     error: SbproxyError | None = None

@@ -104,6 +104,18 @@ class Shutdown:
         if self.requested:
             self._stop_listeners()
 
+    def stop_self(self, reason: str) -> None:
+        """Stop without a signal (``sbproxy run`` whose model failed to load): drain as for
+        SIGTERM, logging ``reason`` -- never a "received SIGTERM" line nobody sent."""
+        if self.deadline is not None:
+            return
+        deadline_s = self._manager.shutdown_deadline_s if self._manager else self._deadline_s
+        self.signal = signal.SIGTERM
+        self.deadline = anyio.current_time() + deadline_s
+        logger.info("stopping: %s", reason)
+        self._requested.set()
+        self._stop_listeners()
+
     def request(self, signum: int) -> None:
         """A stop signal arrived: drain until the deadline; a second one stops at once."""
         now = anyio.current_time()

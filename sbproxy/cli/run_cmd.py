@@ -19,7 +19,6 @@ import copy
 import os
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -244,7 +243,8 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
                 host.group.start_soon(_follow, host, followed)
             if status.state == DeploymentState.FAILED:
                 failure.append(f"{status.reason_code}: {status.last_error}")
-                os.kill(os.getpid(), signal.SIGTERM)  # stops the listeners and drains
+                if host.stop is not None:  # drains and stops the listeners, as SIGTERM would
+                    host.stop.stop_self(f"{DEPLOYMENT} failed to load ({status.reason_code})")
                 return
             await anyio.sleep(0.2)
             status = host.manager.snapshot(DEPLOYMENT)
@@ -265,11 +265,13 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
     configure_from_environment()  # OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         compiled = load_config(path)
+        fields = {"proxy.http_bind_port": "--port", "proxy.admin.port": "--admin-port"}
         with discovery:
-            run_served(lambda: serve(compiled, watch=watch))
+            run_served(lambda: serve(compiled, watch=watch, listener_fields=fields))
     except SbproxyError as exc:
         click.echo(f"sbproxy run: {exc}", err=True)
-        return EXIT_RUNTIME
+        refused = exc.code in ("port_in_use", "port_not_permitted", "bind_address_unavailable")
+        return EXIT_INVALID if refused else EXIT_RUNTIME
     if failure:
         click.echo(f"sbproxy run: {failure[0]}", err=True)
         return EXIT_RUNTIME

@@ -16,7 +16,7 @@ import click
 
 from sbproxy.cli._output import EXIT_INVALID, configure_server_logging, freeze_startup_heap
 from sbproxy.config import CompiledConfig, load_config
-from sbproxy.errors import SbproxyError
+from sbproxy.errors import ConfigError, SbproxyError
 from sbproxy.telemetry import configure_from_environment
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool, locked
         compiled = load_config(config_file)
     except SbproxyError as exc:
         click.echo(f"serve: {exc} ({exc.code})", err=True)
-        sys.exit(EXIT_INVALID if exc.code == "invalid_config" else 1)
+        sys.exit(EXIT_INVALID if isinstance(exc, ConfigError) else 1)
     if locked:
         _check_lock(config_file, compiled, cache_dir)
     try:
@@ -100,7 +100,13 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool, locked
         )
     except SbproxyError as exc:
         click.echo(f"serve: {exc} ({exc.code})", err=True)
-        sys.exit(2 if exc.code == "invalid_config" else 1)
+        sys.exit(EXIT_INVALID if isinstance(exc, ConfigError) or exc.code in START_REFUSALS else 1)
+
+
+# Bad input found before anything starts: exit 2.
+START_REFUSALS = frozenset(
+    {"invalid_config", "port_in_use", "port_not_permitted", "bind_address_unavailable"}
+)
 
 
 def _lock_path(config_file: Path) -> Path:

@@ -64,8 +64,8 @@ def _parse_yaml(text: str, source: str) -> _Document:
         raise ConfigError(
             [ConfigIssue("", f"not valid YAML: {problem}", line=line)], source=source
         ) from None
-    if root is None:
-        return _Document({}, {})
+    if root is None:  # whitespace and comments only
+        return _Document(None, {})
     issues: list[ConfigIssue] = []
     lines: dict[Loc, int] = {}
     data = _construct(root, (), lines, issues)
@@ -247,9 +247,22 @@ def load_config_text(
 
     Raises:
         ConfigError: ``invalid_config`` with every problem found, each with its dotted path
-            and, where known, its line.
+            and, where known, its line; ``empty_config`` for a document with nothing in it.
     """
     doc = _parse_yaml(text, source)
+    if doc.data is None:  # nothing but whitespace or comments
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "",
+                    "the file is empty: declare proxy: (listeners, model_host) and origins: "
+                    "(see examples/ or `sbproxy config schema`)",
+                    line=1,
+                )
+            ],
+            source=source,
+            code="empty_config",
+        )
     if not isinstance(doc.data, dict):
         raise ConfigError(
             [ConfigIssue("", "the top level must be a mapping (proxy:, origins:)", line=1)],
