@@ -11,6 +11,8 @@ package builds an error response. Two shapes:
   wrong key, ``insufficient_quota`` for a used-up token budget (429
   ``token_budget_exceeded``) -- the types OpenAI clients already know. Retryable refusals
   carry ``Retry-After`` (whole seconds, at least 1; for a budget, until its period resets).
+  A stream whose headers already went out ends with the same envelope as one SSE event
+  (``data: {"error": {...}}``, :func:`stream_error_event`) instead of a status.
 * **admin**: ``{"code", "error"}`` plus structured details such as ``deployment`` and
   ``job_id`` (reference section 2). Private details (stack traces, paths) never appear.
 
@@ -20,6 +22,7 @@ reaches that branch.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Mapping
@@ -42,6 +45,7 @@ __all__ = [
     "admin_exception_handlers",
     "gateway_exception_handlers",
     "status_for",
+    "stream_error_event",
 ]
 
 logger = logging.getLogger(__name__)
@@ -111,6 +115,7 @@ _STATUS: Final[dict[str, int]] = {
     "insufficient_capacity": 503,
     "no_ready_replica": 503,
     "upstream_unavailable": 502,
+    "engine_timeout": 504,
     "job_not_retryable": 409,
     "job_not_cancellable": 409,
     "removal_blocked": 409,
@@ -171,6 +176,18 @@ def _http_message(exc: HTTPException) -> str:
 # -- gateway --------------------------------------------------------------------------------
 
 
+def _envelope(*, status: int, message: str, code: str, retryable: bool) -> dict[str, object]:
+    return {
+        "error": {
+            "message": message,
+            "type": _CODE_TYPES.get(code) or _CLIENT_TYPES.get(status, "managed_model_error"),
+            "code": code,
+            "sbproxy_reason": code,
+            "retryable": retryable,
+        }
+    }
+
+
 def openai_error(
     *,
     status: int,
@@ -180,16 +197,17 @@ def openai_error(
     headers: Mapping[str, str] | None = None,
 ) -> Response[dict[str, object]]:
     """The OpenAI error envelope (reference section 2, "Managed errors")."""
-    body: dict[str, object] = {
-        "error": {
-            "message": message,
-            "type": _CODE_TYPES.get(code) or _CLIENT_TYPES.get(status, "managed_model_error"),
-            "code": code,
-            "sbproxy_reason": code,
-            "retryable": retryable,
-        }
-    }
+    body = _envelope(status=status, message=message, code=code, retryable=retryable)
     return Response(body, status_code=status, headers=dict(headers or {}))
+
+
+def stream_error_event(error: SbproxyError) -> bytes:
+    """``error`` as the last event of an SSE stream: ``data: {"error": {...}}`` and a blank
+    line, the envelope :func:`openai_error` would have sent with a status."""
+    body = _envelope(
+        status=status_for(error), message=error.message, code=error.code, retryable=error.retryable
+    )
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def _gateway_sbproxy(_: Request[Any, Any, Any], exc: SbproxyError) -> Response[object]:
