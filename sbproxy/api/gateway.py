@@ -12,6 +12,19 @@ out as soon as a complete SSE event has arrived (an event split across reads wai
 its own end). The admission permit is released, and the upstream connection closed -- which
 stops the engine's generation -- when the stream ends, fails, or the client disconnects.
 
+Supervision (:mod:`sbproxy.api.supervision`): every admitted request is bounded by its
+deployment's ``request_timeout_ms``, a stream also by ``first_token_timeout_ms`` and
+``stall_timeout_ms``. A limit that runs out closes the upstream connection, frees the permit
+at once and answers 504 ``engine_timeout`` -- or, once a stream's headers went out, ends the
+stream with that error as an SSE event. A client that disconnects while its request waits
+(for admission, or for a plain answer) is noticed on the ASGI ``receive`` channel: the wait
+is cancelled, the upstream connection closed and the permit freed at once; a stream's
+disconnect is noticed by Litestar's streaming response. Each admitted request reports its
+end to the runtime once (:meth:`Upstream.report`; ``timed_out`` only for a supervision
+limit), then releases its permit. A request whose client went away is counted in
+``sbproxy_gateway_client_disconnects_total`` and logged with status 499
+(:mod:`sbproxy.api.access`).
+
 Usage and budgets (:mod:`sbproxy.api.usage`): a key over its token budget is refused with
 429 ``token_budget_exceeded`` before admission, so the engine never sees the request. Each
 answer's ``usage`` is counted under the caller's key name: from the body of a plain answer
@@ -42,21 +55,37 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
+import anyio
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 from opentelemetry import trace
 
+from sbproxy.api.access import (
+    CLIENT_CLOSED,
+    CLIENT_DISCONNECTED,
+    AccessNote,
+    access_log,
+    access_note,
+)
 from sbproxy.api.errors import (
     ApiError,
     InvalidBody,
     UnknownModel,
     UnknownOrigin,
     gateway_exception_handlers,
+    stream_error_event,
 )
 from sbproxy.api.keys import Caller, KeyPlane
-from sbproxy.api.metrics import Rejections
+from sbproxy.api.metrics import Disconnects, Rejections
+from sbproxy.api.supervision import (
+    ClientWatch,
+    EngineTimeout,
+    Limit,
+    StreamDeadlines,
+    engine_timeout,
+)
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger
 from sbproxy.config import Route
@@ -82,18 +111,16 @@ LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
 
 
-_STREAM_CUT = (
-    b'data: {"error": {"message": "the engine stopped before the stream ended", '
-    b'"type": "managed_model_error", "code": "upstream_unavailable", '
-    b'"sbproxy_reason": "upstream_unavailable", "retryable": true}}\n\n'
-)
-
-
 class UpstreamUnavailable(ApiError):
     """The engine could not be reached after admission (``upstream_unavailable``)."""
 
     default_code = "upstream_unavailable"
     default_retryable = True
+
+
+_STREAM_CUT: Final = stream_error_event(
+    UpstreamUnavailable("the engine stopped before the stream ended")
+)
 
 
 class _Head(msgspec.Struct):
@@ -186,6 +213,17 @@ class Routing:
         return route
 
 
+@dataclass(slots=True)
+class _Answer:
+    """The engine's answer to one admitted request: whole (``data``), or a stream to relay
+    (``data`` is ``None``; ``started`` is the loop time it was sent upstream)."""
+
+    upstream: Upstream
+    response: aiohttp.ClientResponse
+    started: float
+    data: bytes | None
+
+
 @dataclass
 class Gateway:
     """Shared state of the gateway app: the manager, routes, keys and the upstream client."""
@@ -194,6 +232,7 @@ class Gateway:
     routing: Routing
     keys: KeyPlane
     rejections: Rejections = field(default_factory=Rejections)
+    disconnects: Disconnects = field(default_factory=Disconnects)
     session: aiohttp.ClientSession | None = None
     usage: UsageLedger = field(init=False)
 
@@ -259,7 +298,14 @@ class Gateway:
             raise
 
     async def forward(self, request: Request[Any, Any, Any], path: str) -> Response[Any]:
-        """Relay one OpenAI request to its engine (see the module docstring)."""
+        """Relay one OpenAI request to its engine (see the module docstring).
+
+        Raises:
+            AdmissionRejected: any admission reason.
+            UpstreamUnavailable: ``upstream_unavailable`` (502): the engine did not answer.
+            EngineTimeout: ``engine_timeout`` (504): a supervision limit ran out before the
+                answer's headers went out.
+        """
         caller = self.keys.authenticate(request.headers.get("authorization"))
         body = await request.body()
         try:
@@ -269,9 +315,13 @@ class Gateway:
         except RecursionError:
             raise InvalidBody("the body is nested too deeply") from None
         route = self.routing.route(request.headers.get("host"), head.model)
+        deployment = route.deployment
+        note = access_note(request.scope)
+        if note is not None:
+            note.deployment = deployment
         span = trace.get_current_span() if enabled() else None
         if span is not None:
-            span.set_attribute(ATTR_DEPLOYMENT, route.deployment)
+            span.set_attribute(ATTR_DEPLOYMENT, deployment)
             span.set_attribute(ATTR_MODEL, route.public_model)
             if caller.name is not None:
                 span.set_attribute(ATTR_KEY_NAME, caller.name)
@@ -279,31 +329,20 @@ class Gateway:
         strip_usage = False
         if head.stream and path == "/v1/chat/completions":
             body, strip_usage = ask_for_usage(body, head)
-        upstream = await self.admit(route, caller)
         try:
-            assert self.session is not None  # noqa: S101 - opened at app startup
-            response = await self.session.post(
-                f"{upstream.base_url}{path}",
-                data=body,
-                headers={"Content-Type": "application/json"},
+            answer = await self.exchange(
+                request, route, caller=caller, path=path, body=body, streamed=head.stream
             )
-        except aiohttp.ClientError as exc:
-            upstream.release()
-            raise UpstreamUnavailable(
-                f"the engine of {route.deployment} did not answer: {type(exc).__name__}",
-                details={"deployment": route.deployment},
-            ) from None
-        except BaseException:
-            upstream.release()
+        except EngineTimeout:
+            if note is not None:
+                note.outcome = "engine_timeout"
             raise
+        if answer is None:
+            return self.client_gone(deployment, note)
+        response = answer.response
         headers = {"x-sbproxy-logical-model": route.public_model, "x-sbproxy-route-class": "local"}
-        streaming = head.stream and response.content_type == "text/event-stream"
-        if not streaming:
-            try:
-                data = await response.read()
-            finally:
-                response.release()
-                upstream.release()
+        if answer.data is not None:
+            data = answer.data
             if response.content_type == "application/json":
                 data, usage = rewrite_answer(data, route.public_model)
                 if usage is not None:
@@ -314,12 +353,23 @@ class Gateway:
                 media_type=response.content_type or "application/json",
                 headers=headers,
             )
+
+        def ended(outcome: str | None) -> None:
+            if outcome == CLIENT_DISCONNECTED:
+                self.disconnects.record(deployment)
+                if note is not None:
+                    note.status = CLIENT_CLOSED
+            if note is not None and outcome is not None:
+                note.outcome = outcome
+
         relay = _Relay(
             response,
-            upstream,
+            answer.upstream,
             route.public_model,
+            started=answer.started,
             strip_usage=strip_usage,
             on_usage=lambda usage: self.count(caller, usage, span),
+            on_end=ended,
         )
         return Stream(
             relay.events(),
@@ -329,12 +379,110 @@ class Gateway:
             background=BackgroundTask(relay.close),
         )
 
+    async def exchange(
+        self,
+        request: Request[Any, Any, Any],
+        route: Route,
+        *,
+        caller: Caller,
+        path: str,
+        body: bytes,
+        streamed: bool,
+    ) -> _Answer | None:
+        """Admit ``request`` and send it to the engine, watching its client and its limit.
+
+        A plain answer is read whole, and its exchange is over (reported, permit freed); a
+        stream comes back with its headers read, for :class:`_Relay` to finish.
+
+        Returns:
+            The answer; ``None`` when the client went away first (everything is freed).
+
+        Raises:
+            AdmissionRejected: any admission reason.
+            UpstreamUnavailable: ``upstream_unavailable``.
+            EngineTimeout: ``engine_timeout``.
+        """
+        # One scope bounds the wait for admission (no deadline: the gate has its own) and
+        # for the engine's answer (the deadline of the first limit); the watch cancels it
+        # when the client goes away.
+        scope = anyio.CancelScope()
+        watch = ClientWatch(request.receive, scope)
+        upstream: Upstream | None = None
+        response: aiohttp.ClientResponse | None = None
+        limit, limit_s, started = Limit.REQUEST, 0.0, 0.0
+        data: bytes | None = None
+        try:
+            with scope:
+                upstream = await self.admit(route, caller)
+                started = anyio.current_time()
+                limit, limit_s = _first_limit(upstream, streamed=streamed)
+                scope.deadline = started + limit_s
+                assert self.session is not None  # noqa: S101 - opened at app startup
+                response = await self.session.post(
+                    f"{upstream.base_url}{path}",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                )
+                if not (streamed and response.content_type == "text/event-stream"):
+                    data = await response.read()
+        except aiohttp.ClientError as exc:
+            _end(upstream, response, timed_out=False)
+            raise UpstreamUnavailable(
+                f"the engine of {route.deployment} did not answer: {type(exc).__name__}",
+                details={"deployment": route.deployment},
+            ) from None
+        except BaseException:
+            _end(upstream, response, timed_out=False)
+            raise
+        finally:
+            watch.stop()
+        if scope.cancelled_caught:
+            timed_out = upstream is not None and not watch.disconnected
+            _end(upstream, response, timed_out=timed_out)
+            if not timed_out:
+                return None
+            raise engine_timeout(route.deployment, limit, limit_s)
+        assert upstream is not None and response is not None  # noqa: S101 - set in the scope
+        if data is not None:
+            response.release()
+            _end(upstream, None, timed_out=False)
+        return _Answer(upstream=upstream, response=response, started=started, data=data)
+
+    def client_gone(self, deployment: str, note: AccessNote | None) -> Response[bytes]:
+        """Count and note a request whose client disconnected before its answer; the
+        response (status 499) goes nowhere, the server drops it."""
+        self.disconnects.record(deployment)
+        if note is not None:
+            note.status = CLIENT_CLOSED
+            note.outcome = CLIENT_DISCONNECTED
+        return Response(b"", status_code=CLIENT_CLOSED, media_type="application/json")
+
     def count(self, caller: Caller, usage: Usage, span: trace.Span | None) -> None:
         """Count one answer's ``usage`` for ``caller`` (and note it on the request span)."""
         self.usage.record(caller.name, prompt_tokens=usage[0], completion_tokens=usage[1])
         if span is not None:
             span.set_attribute(ATTR_INPUT_TOKENS, usage[0])
             span.set_attribute(ATTR_OUTPUT_TOKENS, usage[1])
+
+
+def _first_limit(upstream: Upstream, *, streamed: bool) -> tuple[Limit, float]:
+    """The limit that bounds a request until its answer's headers (for a stream, until its
+    first event: llama-server sends both together), and its value in seconds."""
+    if streamed and upstream.first_token_timeout_s < upstream.request_timeout_s:
+        return Limit.FIRST_TOKEN, upstream.first_token_timeout_s
+    return Limit.REQUEST, upstream.request_timeout_s
+
+
+def _end(
+    upstream: Upstream | None, response: aiohttp.ClientResponse | None, *, timed_out: bool
+) -> None:
+    """End an exchange that has no stream to relay: close the upstream response (the engine
+    stops generating), report the outcome to the runtime, then free the permit."""
+    if response is not None:
+        response.close()
+    if upstream is not None:
+        upstream.report(timed_out=timed_out)
+        upstream.release()
 
 
 def ask_for_usage(body: bytes, head: _Head) -> tuple[bytes, bool]:
@@ -419,8 +567,21 @@ def _rewrite_event(event: bytes, public_model: str) -> tuple[bytes, Usage | None
 
 
 class _Relay:
-    """One streamed answer: yields complete SSE events, frees everything exactly once, and
-    reports the stream's usage once (see the module docstring for the estimate)."""
+    """One streamed answer: yields complete SSE events under the stream's limits, frees
+    everything exactly once, reports the stream's usage once (see the module docstring for
+    the estimate) and how it ended.
+
+    Args:
+        response: The engine's streamed response (headers read).
+        upstream: The admitted engine; reported and released exactly once.
+        public_model: Written into each event's ``model``.
+        started: Loop time (seconds) the request was sent upstream.
+        strip_usage: Drop the usage-only event (the gateway asked for it, not the client).
+        on_usage: Called once with the stream's usage (or its estimate), if any.
+        on_end: Called once when the relay closes, with ``None`` for a stream read to its
+            end, else ``engine_timeout``, ``upstream_unavailable`` or
+            ``client_disconnected`` (the client went away first).
+    """
 
     def __init__(
         self,
@@ -428,18 +589,30 @@ class _Relay:
         upstream: Upstream,
         public_model: str,
         *,
+        started: float,
         strip_usage: bool = False,
         on_usage: Callable[[Usage], None] | None = None,
+        on_end: Callable[[str | None], None] | None = None,
     ) -> None:
         self.response = response
         self.upstream = upstream
         self.public_model = public_model
         self.strip_usage = strip_usage
         self.on_usage = on_usage
+        self.on_end = on_end
         self.usage: Usage | None = None
         self.relayed_events = 0
         self.finished = False
         self.closed = False
+        self.cut = False
+        self.expired: Limit | None = None
+        self.deadlines = StreamDeadlines(
+            started=started,
+            request_s=upstream.request_timeout_s,
+            first_token_s=upstream.first_token_timeout_s,
+            stall_s=upstream.stall_timeout_s,
+            on_expire=self._expire,
+        )
 
     def _event(self, event: bytes) -> bytes:
         rewritten, usage, usage_only = _rewrite_event(event, self.public_model)
@@ -451,41 +624,75 @@ class _Relay:
             self.relayed_events += 1
         return rewritten + b"\n\n"
 
+    def _expire(self, limit: Limit) -> None:
+        # From the timer: close the upstream connection (the engine stops, and the pending
+        # read wakes with a connection error) and give the slot back now, not when the
+        # client has taken the error event.
+        if self.closed or self.finished:
+            return
+        self.expired = limit
+        self.response.close()
+        self.upstream.report(timed_out=True)
+        self.upstream.release()
+
+    def _limit_s(self, limit: Limit) -> float:
+        upstream = self.upstream
+        if limit == Limit.FIRST_TOKEN:
+            return upstream.first_token_timeout_s
+        if limit == Limit.STALL:
+            return upstream.stall_timeout_s
+        return upstream.request_timeout_s
+
     async def events(self) -> AsyncIterator[bytes]:
         pending = b""
+        content = self.response.content
+        deadlines = self.deadlines
         try:
-            async for chunk in self.response.content.iter_any():
+            while chunk := await content.readany():
                 pending += chunk.replace(b"\r\n", b"\n")
                 end = pending.rfind(b"\n\n")
                 if end < 0:
-                    continue
+                    continue  # no complete event yet: the event deadline stands
                 complete, pending = pending[: end + 2], pending[end + 2 :]
                 out = b"".join(self._event(event) for event in complete[:-2].split(b"\n\n"))
                 if out:
+                    deadlines.paused()  # a slow client is not a stalled engine
                     yield out
+                deadlines.waiting()
             if pending:
                 out = self._event(pending)[:-2]
                 if out:
+                    deadlines.paused()
                     yield out
             self.finished = True
         except aiohttp.ClientError as exc:
-            # The engine went away mid-stream (stopped by a drain deadline, crashed): the
-            # client gets an OpenAI-style error event and a well-formed end of stream.
-            logger.warning("upstream stream ended early: %s", type(exc).__name__)
-            yield _STREAM_CUT
+            if self.expired is not None:
+                deployment = self.upstream.deployment
+                error = engine_timeout(deployment, self.expired, self._limit_s(self.expired))
+                logger.warning("%s", error.message)
+                yield stream_error_event(error)
+            else:
+                # The engine went away mid-stream (stopped by a drain deadline, crashed):
+                # the client gets an OpenAI-style error event and a well-formed end of stream.
+                self.cut = True
+                logger.warning("upstream stream ended early: %s", type(exc).__name__)
+                yield _STREAM_CUT
         finally:
             await self.close()
 
     async def close(self) -> None:
         """Release the permit; close the upstream connection unless it was read to its end
-        (a closed connection is how the engine learns to stop generating); count usage."""
+        (a closed connection is how the engine learns to stop generating); count usage;
+        report how the stream ended (to the runtime, then to ``on_end``)."""
         if self.closed:
             return
         self.closed = True
+        self.deadlines.cancel()
         if self.finished:
             self.response.release()
         else:
             self.response.close()
+        self.upstream.report(timed_out=self.expired is not None)
         self.upstream.release()
         if self.on_usage is not None:
             usage = self.usage
@@ -493,6 +700,16 @@ class _Relay:
                 usage = (0, self.relayed_events)
             if usage is not None:
                 self.on_usage(usage)
+        if self.on_end is not None:
+            if self.expired is not None:
+                outcome: str | None = "engine_timeout"
+            elif self.cut:
+                outcome = "upstream_unavailable"
+            elif self.finished:
+                outcome = None
+            else:
+                outcome = CLIENT_DISCONNECTED
+            self.on_end(outcome)
 
 
 def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:
@@ -534,7 +751,7 @@ def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:
         exception_handlers=gateway_exception_handlers(),
         on_startup=[gateway.open],
         on_shutdown=[gateway.close],
-        middleware=[server_spans("gateway")],
+        middleware=[access_log(), server_spans("gateway")],
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None,
         debug=debug,
