@@ -10,11 +10,15 @@ ASGI middleware that writes, when the request has ended (a stream at its last ev
 
 to the logger ``sbproxy.api.access`` at INFO: method, path (no query string), status,
 deployment (``-`` before one is known), duration in milliseconds from the request's arrival,
-and, when the exchange ended abnormally, its reason code. Status ``499`` (nginx's "client
-closed request") is a client that went away before its answer ended; a stream whose headers
-already went out is logged with 499 too, although 200 went out on the wire. A stream cut by
-the gateway (``engine_timeout``, ``upstream_unavailable``) keeps the status it was sent with
-and names the reason.
+and, when the request did not end in a relayed answer, its reason code (an admission
+refusal such as ``queue_timeout``, ``engine_timeout``, ``upstream_unavailable``,
+``client_disconnected``). Status ``499`` (nginx's "client closed request") is a client that
+went away before its answer ended; a stream whose headers already went out is logged with
+499 too, although 200 went out on the wire. A stream cut by the gateway (``engine_timeout``,
+``upstream_unavailable``) keeps the status it was sent with and names the reason.
+
+Only requests that reach a gateway route are logged (Litestar runs middleware after
+routing): an unknown path's 404 has no line.
 
 The route fills in an :class:`AccessNote` found with :func:`access_note`. With the logger
 below INFO the middleware only tests one flag per request.
@@ -50,8 +54,8 @@ class AccessNote:
     Attributes:
         deployment: The deployment it was routed to.
         status: Overrides the status sent (``499`` when the client went away).
-        outcome: Reason code of an abnormal end (``client_disconnected``,
-            ``engine_timeout``, ``upstream_unavailable``).
+        outcome: Reason code of an abnormal end (a refusal's code, ``engine_timeout``,
+            ``upstream_unavailable``, ``client_disconnected``).
     """
 
     deployment: str | None = None

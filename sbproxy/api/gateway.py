@@ -81,7 +81,6 @@ from sbproxy.api.keys import Caller, KeyPlane
 from sbproxy.api.metrics import Disconnects, Rejections
 from sbproxy.api.supervision import (
     ClientWatch,
-    EngineTimeout,
     Limit,
     StreamDeadlines,
     engine_timeout,
@@ -89,6 +88,7 @@ from sbproxy.api.supervision import (
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger
 from sbproxy.config import Route
+from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import AdmissionRejected
 from sbproxy.model_host.runtime.manager import RuntimeManager, Upstream
 from sbproxy.model_host.runtime.state import DeploymentState
@@ -333,9 +333,9 @@ class Gateway:
             answer = await self.exchange(
                 request, route, caller=caller, path=path, body=body, streamed=head.stream
             )
-        except EngineTimeout:
+        except SbproxyError as exc:  # a refusal, an engine timeout, an unreachable engine
             if note is not None:
-                note.outcome = "engine_timeout"
+                note.outcome = exc.code
             raise
         if answer is None:
             return self.client_gone(deployment, note)

@@ -89,7 +89,8 @@ async def metrics(host: Served) -> str:
 
 @contextmanager
 def access_lines(caplog: pytest.LogCaptureFixture) -> Iterator[list[str]]:
-    """The gateway's access log lines written inside the block (filled in on exit too)."""
+    """The gateway's access log lines of the test so far, captured at INFO inside the block
+    (the list is filled in when the block ends)."""
     lines: list[str] = []
     with caplog.at_level(logging.INFO, logger="sbproxy.api.access"):
         yield lines
@@ -359,6 +360,24 @@ async def test_an_abandoned_stream_is_counted_and_logged_as_499(
     (line,) = [line for line in lines if line.startswith("POST")]
     assert line.startswith("POST /v1/chat/completions 499 deployment=tiny ")
     assert line.endswith(" client_disconnected")
+
+
+async def test_a_refusal_is_logged_with_its_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    deployments = tiny(max_concurrency=1, max_queue_depth=1, queue_timeout_ms=300)
+    async with served(tmp_path, deployments=deployments) as host:
+        manager = host.host.manager
+        await warm(host)
+        held = await manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        with access_lines(caplog) as lines:
+            async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
+                refused = await http.post("/v1/chat/completions", json=CHAT)
+        held.release()
+    assert refused.status_code == 503
+    (line,) = [line for line in lines if line.startswith("POST")]
+    assert line.startswith("POST /v1/chat/completions 503 deployment=tiny ")
+    assert line.endswith(" queue_timeout")
 
 
 # -- the stream timer ------------------------------------------------------------------------
