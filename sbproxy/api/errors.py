@@ -212,7 +212,7 @@ def stream_error_event(error: SbproxyError) -> bytes:
 
 def _gateway_sbproxy(_: Request[Any, Any, Any], exc: SbproxyError) -> Response[object]:
     status = status_for(exc)
-    if status == 502:
+    if status in (502, 504):  # the engine failed or timed out: worth an operator's look
         logger.warning("gateway request failed: %s (%s)", exc.message, exc.code)
     return openai_error(  # type: ignore[return-value]
         status=status,

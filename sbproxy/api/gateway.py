@@ -669,7 +669,7 @@ class _Relay:
             if self.expired is not None:
                 deployment = self.upstream.deployment
                 error = engine_timeout(deployment, self.expired, self._limit_s(self.expired))
-                logger.warning("%s", error.message)
+                logger.warning("gateway stream cut: %s (%s)", error.message, error.code)
                 yield stream_error_event(error)
             else:
                 # The engine went away mid-stream (stopped by a drain deadline, crashed):
@@ -692,8 +692,9 @@ class _Relay:
             self.response.release()
         else:
             self.response.close()
-        self.upstream.report(timed_out=self.expired is not None)
-        self.upstream.release()
+        if self.expired is None:  # an expired stream was reported and released already
+            self.upstream.report(timed_out=False)
+            self.upstream.release()
         if self.on_usage is not None:
             usage = self.usage
             if usage is None and self.relayed_events:
