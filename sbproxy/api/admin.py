@@ -47,7 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from sbproxy.api.desired import desired_handlers
 from sbproxy.api.errors import InvalidBody, Unauthorized, admin_exception_handlers
 from sbproxy.api.jobs import jobs_router
-from sbproxy.api.metrics import Rejections, build_registry
+from sbproxy.api.metrics import Disconnects, Rejections, build_registry
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger, usage_handlers
 from sbproxy.catalog import Catalog
@@ -88,6 +88,7 @@ class Admin:
         registry: Metrics registry (default: one reading ``manager``).
         allowlist: Client networks allowed (``proxy.admin.ip_allowlist``); empty: any.
         usage: The gateway's token usage (``GET /admin/model-host/usage``, ``/metrics``).
+        disconnects: Client disconnects counted by the gateway (for ``/metrics``).
     """
 
     manager: RuntimeManager
@@ -97,6 +98,7 @@ class Admin:
     registry: CollectorRegistry | None = None
     allowlist: tuple[str, ...] = ()
     usage: UsageLedger | None = None
+    disconnects: Disconnects | None = None
 
     def __post_init__(self) -> None:
         self._user = hashlib.sha256(self.username.encode()).digest()
@@ -104,7 +106,9 @@ class Admin:
         self.password = ""
         self._networks = tuple(ipaddress.ip_network(n, strict=False) for n in self.allowlist)
         if self.registry is None:
-            self.registry = build_registry(self.manager, self.rejections, usage=self.usage)
+            self.registry = build_registry(
+                self.manager, self.rejections, usage=self.usage, disconnects=self.disconnects
+            )
 
     def allowed(self, client: str | None) -> None:
         """Refuse a client outside the allowlist.

@@ -11,6 +11,8 @@ package builds an error response. Two shapes:
   wrong key, ``insufficient_quota`` for a used-up token budget (429
   ``token_budget_exceeded``) -- the types OpenAI clients already know. Retryable refusals
   carry ``Retry-After`` (whole seconds, at least 1; for a budget, until its period resets).
+  A stream whose headers already went out ends with the same envelope as one SSE event
+  (``data: {"error": {...}}``, :func:`stream_error_event`) instead of a status.
 * **admin**: ``{"code", "error"}`` plus structured details such as ``deployment`` and
   ``job_id`` (reference section 2). Private details (stack traces, paths) never appear.
 
@@ -51,6 +53,7 @@ __all__ = [
     "error_payload",
     "gateway_exception_handlers",
     "status_for",
+    "stream_error_event",
 ]
 
 logger = logging.getLogger(__name__)
@@ -132,6 +135,7 @@ _STATUS: Final[dict[str, int]] = {
     "no_ready_replica": 503,
     "shutting_down": 503,
     "upstream_unavailable": 502,
+    "engine_timeout": 504,
     "job_not_retryable": 409,
     "job_not_cancellable": 409,
     "removal_blocked": 409,
@@ -192,20 +196,7 @@ def _http_message(exc: HTTPException) -> str:
 # -- gateway --------------------------------------------------------------------------------
 
 
-def openai_error(
-    *,
-    status: int,
-    message: str,
-    code: str,
-    retryable: bool,
-    headers: Mapping[str, str] | None = None,
-) -> Response[dict[str, object]]:
-    """The OpenAI error envelope (reference section 2, "Managed errors")."""
-    body = _openai_body(status=status, message=message, code=code, retryable=retryable)
-    return Response(body, status_code=status, headers=dict(headers or {}))
-
-
-def _openai_body(*, status: int, message: str, code: str, retryable: bool) -> dict[str, object]:
+def _envelope(*, status: int, message: str, code: str, retryable: bool) -> dict[str, object]:
     return {
         "error": {
             "message": message,
@@ -217,9 +208,31 @@ def _openai_body(*, status: int, message: str, code: str, retryable: bool) -> di
     }
 
 
+def openai_error(
+    *,
+    status: int,
+    message: str,
+    code: str,
+    retryable: bool,
+    headers: Mapping[str, str] | None = None,
+) -> Response[dict[str, object]]:
+    """The OpenAI error envelope (reference section 2, "Managed errors")."""
+    body = _envelope(status=status, message=message, code=code, retryable=retryable)
+    return Response(body, status_code=status, headers=dict(headers or {}))
+
+
+def stream_error_event(error: SbproxyError) -> bytes:
+    """``error`` as the last event of an SSE stream: ``data: {"error": {...}}`` and a blank
+    line, the envelope :func:`openai_error` would have sent with a status."""
+    body = _envelope(
+        status=status_for(error), message=error.message, code=error.code, retryable=error.retryable
+    )
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 def _gateway_sbproxy(_: Request[Any, Any, Any], exc: SbproxyError) -> Response[object]:
     status = status_for(exc)
-    if status == 502:
+    if status in (502, 504):  # the engine failed or timed out: worth an operator's look
         logger.warning("gateway request failed: %s (%s)", exc.message, exc.code)
     return openai_error(  # type: ignore[return-value]
         status=status,
@@ -326,7 +339,7 @@ def admin_exception_handlers() -> ExceptionHandlersMap:
 
 def _body(error: SbproxyError, *, surface: Surface) -> dict[str, object]:
     if surface == "gateway":
-        return _openai_body(
+        return _envelope(
             status=status_for(error),
             message=error.message,
             code=error.code,

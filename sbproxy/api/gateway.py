@@ -7,23 +7,33 @@ when needed), and the body is forwarded unchanged to the engine over one shared
 (``measured-here.md``, "The proxy's hot path"); llama-server ignores ``model``, so the body is
 not re-encoded. Answers carry the public model name in ``model``.
 
-Streaming (``"stream": true``) is relayed event by event as the engine writes it: bytes go
-out as soon as a complete SSE event has arrived (an event split across reads waits only for
-its own end). The admission permit is released, and the upstream connection closed -- which
-stops the engine's generation -- when the stream ends, fails, or the client disconnects.
+Streaming (``"stream": true``) is relayed event by event as the engine writes it
+(:class:`~sbproxy.api.relay.StreamRelay`). The admission permit is released, and the
+upstream connection closed -- which stops the engine's generation -- when the stream ends,
+fails, runs out of a limit, or the client disconnects.
+
+Supervision (:mod:`sbproxy.api.supervision`): every admitted request is bounded by its
+deployment's ``request_timeout_ms``, a stream also by ``first_token_timeout_ms`` and
+``stall_timeout_ms``. A limit that runs out closes the upstream connection, frees the permit
+at once and answers 504 ``engine_timeout`` -- or, once a stream's headers went out, ends the
+stream with that error as an SSE event. A client that disconnects while its request waits
+(for admission, or for a plain answer) is noticed on the ASGI ``receive`` channel: the wait
+is cancelled, the upstream connection closed and the permit freed at once; a stream's
+disconnect is noticed by Litestar's streaming response. Each admitted request reports its
+end to the runtime once (:meth:`Upstream.report`; ``timed_out`` only for a supervision
+limit), then releases its permit. A request whose client went away is counted in
+``sbproxy_gateway_client_disconnects_total`` and logged with status 499
+(:mod:`sbproxy.api.access`).
 
 Usage and budgets (:mod:`sbproxy.api.usage`): a key over its token budget is refused with
 429 ``token_budget_exceeded`` before admission, so the engine never sees the request. Each
 answer's ``usage`` is counted under the caller's key name: from the body of a plain answer
 (the body is decoded for the ``model`` rewrite anyway), and from the event of a stream that
-carries ``usage``. llama-server puts ``usage`` in the last event of a streamed *completion*
-always, but in a streamed *chat completion* only when ``stream_options.include_usage`` is
-true (then as an extra last event with ``choices: []``, as OpenAI does). So the gateway sets
-``include_usage`` on every streamed chat request -- re-encoding only those bodies -- and,
-when the client had not asked for it, drops that usage-only event from the relay: the client
-sees exactly the stream it asked for. A stream that ends without ``usage`` (the client left
-early, the engine died) is counted as one completion token per relayed event and no prompt
-tokens -- an estimate, so that leaving before the last event does not make tokens free.
+carries ``usage``. A streamed *chat completion* carries it only when
+``stream_options.include_usage`` is true, so the gateway sets it on every streamed chat
+request -- re-encoding only those bodies -- and, when the client had not asked for it, the
+relay drops that usage-only event: the client sees exactly the stream it asked for (see
+:mod:`sbproxy.api.relay` for a stream that ends without ``usage``).
 
 Origin matching (``Host`` without its port, case-insensitive):
 
@@ -36,30 +46,38 @@ Anything else is a 404 ``unknown_origin``.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
+import anyio
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 from opentelemetry import trace
 
+from sbproxy.api.access import (
+    CLIENT_CLOSED,
+    CLIENT_DISCONNECTED,
+    AccessNote,
+    access_log,
+    access_note,
+)
 from sbproxy.api.errors import (
-    ApiError,
     InvalidBody,
     UnknownModel,
     UnknownOrigin,
     gateway_exception_handlers,
 )
 from sbproxy.api.keys import Caller, KeyPlane
-from sbproxy.api.metrics import Rejections
+from sbproxy.api.metrics import Disconnects, Rejections
+from sbproxy.api.relay import StreamRelay, UpstreamUnavailable, Usage, rewrite_answer
+from sbproxy.api.supervision import ClientWatch, Limit, engine_timeout
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger
 from sbproxy.config import Route
+from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import AdmissionRejected
 from sbproxy.model_host.runtime.manager import RuntimeManager, Upstream
 from sbproxy.model_host.runtime.state import DeploymentState
@@ -75,25 +93,9 @@ from sbproxy.telemetry import (
 
 __all__ = ["Gateway", "Routing", "create_gateway_app"]
 
-logger = logging.getLogger(__name__)
-
 LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 # Embedding batches can be large; anything beyond this is not a chat request.
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
-
-
-_STREAM_CUT = (
-    b'data: {"error": {"message": "the engine stopped before the stream ended", '
-    b'"type": "managed_model_error", "code": "upstream_unavailable", '
-    b'"sbproxy_reason": "upstream_unavailable", "retryable": true}}\n\n'
-)
-
-
-class UpstreamUnavailable(ApiError):
-    """The engine could not be reached after admission (``upstream_unavailable``)."""
-
-    default_code = "upstream_unavailable"
-    default_retryable = True
 
 
 class _Head(msgspec.Struct):
@@ -102,10 +104,6 @@ class _Head(msgspec.Struct):
     model: str | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-
-
-# (prompt tokens, completion tokens) of one answer.
-Usage = tuple[int, int]
 
 
 _HEAD_DECODER = msgspec.json.Decoder(_Head)
@@ -186,6 +184,17 @@ class Routing:
         return route
 
 
+@dataclass(slots=True)
+class _Answer:
+    """The engine's answer to one admitted request: whole (``data``), or a stream to relay
+    (``data`` is ``None``; ``started`` is the loop time it was sent upstream)."""
+
+    upstream: Upstream
+    response: aiohttp.ClientResponse
+    started: float
+    data: bytes | None
+
+
 @dataclass
 class Gateway:
     """Shared state of the gateway app: the manager, routes, keys and the upstream client."""
@@ -194,6 +203,7 @@ class Gateway:
     routing: Routing
     keys: KeyPlane
     rejections: Rejections = field(default_factory=Rejections)
+    disconnects: Disconnects = field(default_factory=Disconnects)
     session: aiohttp.ClientSession | None = None
     usage: UsageLedger = field(init=False)
 
@@ -255,7 +265,14 @@ class Gateway:
             raise
 
     async def forward(self, request: Request[Any, Any, Any], path: str) -> Response[Any]:
-        """Relay one OpenAI request to its engine (see the module docstring)."""
+        """Relay one OpenAI request to its engine (see the module docstring).
+
+        Raises:
+            AdmissionRejected: any admission reason.
+            UpstreamUnavailable: ``upstream_unavailable`` (502): the engine did not answer.
+            EngineTimeout: ``engine_timeout`` (504): a supervision limit ran out before the
+                answer's headers went out.
+        """
         caller = self.keys.authenticate(request.headers.get("authorization"))
         body = await request.body()
         try:
@@ -265,9 +282,13 @@ class Gateway:
         except RecursionError:
             raise InvalidBody("the body is nested too deeply") from None
         route = self.routing.route(request.headers.get("host"), head.model)
+        deployment = route.deployment
+        note = access_note(request.scope)
+        if note is not None:
+            note.deployment = deployment
         span = trace.get_current_span() if enabled() else None
         if span is not None:
-            span.set_attribute(ATTR_DEPLOYMENT, route.deployment)
+            span.set_attribute(ATTR_DEPLOYMENT, deployment)
             span.set_attribute(ATTR_MODEL, route.public_model)
             if caller.name is not None:
                 span.set_attribute(ATTR_KEY_NAME, caller.name)
@@ -275,31 +296,20 @@ class Gateway:
         strip_usage = False
         if head.stream and path == "/v1/chat/completions":
             body, strip_usage = ask_for_usage(body, head)
-        upstream = await self.admit(route, caller)
         try:
-            assert self.session is not None  # noqa: S101 - opened at app startup
-            response = await self.session.post(
-                f"{upstream.base_url}{path}",
-                data=body,
-                headers={"Content-Type": "application/json"},
+            answer = await self.exchange(
+                request, route, caller=caller, path=path, body=body, streamed=head.stream
             )
-        except aiohttp.ClientError as exc:
-            upstream.release()
-            raise UpstreamUnavailable(
-                f"the engine of {route.deployment} did not answer: {type(exc).__name__}",
-                details={"deployment": route.deployment},
-            ) from None
-        except BaseException:
-            upstream.release()
+        except SbproxyError as exc:  # a refusal, an engine timeout, an unreachable engine
+            if note is not None:
+                note.outcome = exc.code
             raise
+        if answer is None:
+            return self.client_gone(deployment, note)
+        response = answer.response
         headers = {"x-sbproxy-logical-model": route.public_model, "x-sbproxy-route-class": "local"}
-        streaming = head.stream and response.content_type == "text/event-stream"
-        if not streaming:
-            try:
-                data = await response.read()
-            finally:
-                response.release()
-                upstream.release()
+        if answer.data is not None:
+            data = answer.data
             if response.content_type == "application/json":
                 data, usage = rewrite_answer(data, route.public_model)
                 if usage is not None:
@@ -310,12 +320,23 @@ class Gateway:
                 media_type=response.content_type or "application/json",
                 headers=headers,
             )
-        relay = _Relay(
+
+        def ended(outcome: str | None) -> None:
+            if outcome == CLIENT_DISCONNECTED:
+                self.disconnects.record(deployment)
+                if note is not None:
+                    note.status = CLIENT_CLOSED
+            if note is not None and outcome is not None:
+                note.outcome = outcome
+
+        relay = StreamRelay(
             response,
-            upstream,
+            answer.upstream,
             route.public_model,
+            started=answer.started,
             strip_usage=strip_usage,
             on_usage=lambda usage: self.count(caller, usage, span),
+            on_end=ended,
         )
         return Stream(
             relay.events(),
@@ -325,12 +346,110 @@ class Gateway:
             background=BackgroundTask(relay.close),
         )
 
+    async def exchange(
+        self,
+        request: Request[Any, Any, Any],
+        route: Route,
+        *,
+        caller: Caller,
+        path: str,
+        body: bytes,
+        streamed: bool,
+    ) -> _Answer | None:
+        """Admit ``request`` and send it to the engine, watching its client and its limit.
+
+        A plain answer is read whole, and its exchange is over (reported, permit freed); a
+        stream comes back with its headers read, for :class:`StreamRelay` to finish.
+
+        Returns:
+            The answer; ``None`` when the client went away first (everything is freed).
+
+        Raises:
+            AdmissionRejected: any admission reason.
+            UpstreamUnavailable: ``upstream_unavailable``.
+            EngineTimeout: ``engine_timeout``.
+        """
+        # One scope bounds the wait for admission (no deadline: the gate has its own) and
+        # for the engine's answer (the deadline of the first limit); the watch cancels it
+        # when the client goes away.
+        scope = anyio.CancelScope()
+        watch = ClientWatch(request.receive, scope)
+        upstream: Upstream | None = None
+        response: aiohttp.ClientResponse | None = None
+        limit, limit_s, started = Limit.REQUEST, 0.0, 0.0
+        data: bytes | None = None
+        try:
+            with scope:
+                upstream = await self.admit(route, caller)
+                started = anyio.current_time()
+                limit, limit_s = _first_limit(upstream, streamed=streamed)
+                scope.deadline = started + limit_s
+                assert self.session is not None  # noqa: S101 - opened at app startup
+                response = await self.session.post(
+                    f"{upstream.base_url}{path}",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                )
+                if not (streamed and response.content_type == "text/event-stream"):
+                    data = await response.read()
+        except aiohttp.ClientError as exc:
+            _end(upstream, response, timed_out=False)
+            raise UpstreamUnavailable(
+                f"the engine of {route.deployment} did not answer: {type(exc).__name__}",
+                details={"deployment": route.deployment},
+            ) from None
+        except BaseException:
+            _end(upstream, response, timed_out=False)
+            raise
+        finally:
+            watch.stop()
+        if scope.cancelled_caught:
+            timed_out = upstream is not None and not watch.disconnected
+            _end(upstream, response, timed_out=timed_out)
+            if not timed_out:
+                return None
+            raise engine_timeout(route.deployment, limit, limit_s)
+        assert upstream is not None and response is not None  # noqa: S101 - set in the scope
+        if data is not None:
+            response.release()
+            _end(upstream, None, timed_out=False)
+        return _Answer(upstream=upstream, response=response, started=started, data=data)
+
+    def client_gone(self, deployment: str, note: AccessNote | None) -> Response[bytes]:
+        """Count and note a request whose client disconnected before its answer; the
+        response (status 499) goes nowhere, the server drops it."""
+        self.disconnects.record(deployment)
+        if note is not None:
+            note.status = CLIENT_CLOSED
+            note.outcome = CLIENT_DISCONNECTED
+        return Response(b"", status_code=CLIENT_CLOSED, media_type="application/json")
+
     def count(self, caller: Caller, usage: Usage, span: trace.Span | None) -> None:
         """Count one answer's ``usage`` for ``caller`` (and note it on the request span)."""
         self.usage.record(caller.name, prompt_tokens=usage[0], completion_tokens=usage[1])
         if span is not None:
             span.set_attribute(ATTR_INPUT_TOKENS, usage[0])
             span.set_attribute(ATTR_OUTPUT_TOKENS, usage[1])
+
+
+def _first_limit(upstream: Upstream, *, streamed: bool) -> tuple[Limit, float]:
+    """The limit that bounds a request until its answer's headers (for a stream, until its
+    first event: llama-server sends both together), and its value in seconds."""
+    if streamed and upstream.first_token_timeout_s < upstream.request_timeout_s:
+        return Limit.FIRST_TOKEN, upstream.first_token_timeout_s
+    return Limit.REQUEST, upstream.request_timeout_s
+
+
+def _end(
+    upstream: Upstream | None, response: aiohttp.ClientResponse | None, *, timed_out: bool
+) -> None:
+    """End an exchange that has no stream to relay: close the upstream response (the engine
+    stops generating), report the outcome to the runtime, then free the permit."""
+    if response is not None:
+        response.close()
+    if upstream is not None:
+        upstream.report(timed_out=timed_out)
+        upstream.release()
 
 
 def ask_for_usage(body: bytes, head: _Head) -> tuple[bytes, bool]:
@@ -341,154 +460,6 @@ def ask_for_usage(body: bytes, head: _Head) -> tuple[bytes, bool]:
     document = _DECODER.decode(body)  # an object: _Head decoded it
     document["stream_options"] = {**(head.stream_options or {}), "include_usage": True}
     return _ENCODER.encode(document), True
-
-
-def _count(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def usage_of(document: object) -> Usage | None:
-    """``(prompt_tokens, completion_tokens)`` of an OpenAI ``usage`` object in ``document``.
-
-    ``None`` when there is no ``usage`` object; a missing or malformed count reads as 0
-    (embeddings report no ``completion_tokens``).
-    """
-    if not isinstance(document, dict):
-        return None
-    usage = document.get("usage")
-    if not isinstance(usage, dict):
-        return None
-    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-
-
-def rewrite_answer(data: bytes, public_model: str) -> tuple[bytes, Usage | None]:
-    """``data`` with a top-level JSON ``model`` set to ``public_model`` (else unchanged),
-    and the answer's usage if it reports one (one decode for both)."""
-    try:
-        document = _DECODER.decode(data)
-    except (msgspec.DecodeError, RecursionError):
-        return data, None
-    usage = usage_of(document)
-    if not isinstance(document, dict) or "model" not in document:
-        return data, usage
-    document["model"] = public_model
-    return _ENCODER.encode(document), usage
-
-
-def rewrite_model(data: bytes, public_model: str) -> bytes:
-    """``data`` with a top-level JSON ``model`` set to ``public_model`` (else unchanged)."""
-    return rewrite_answer(data, public_model)[0]
-
-
-def rewrite_event(event: bytes, public_model: str) -> bytes:
-    """One SSE event with the ``model`` of its JSON ``data:`` line rewritten."""
-    return _rewrite_event(event, public_model)[0]
-
-
-def _rewrite_event(event: bytes, public_model: str) -> tuple[bytes, Usage | None, bool]:
-    """One SSE event rewritten, its usage if any, and whether it is a usage-only event
-    (``choices: []`` with ``usage``)."""
-    if b'"model"' not in event and b'"usage"' not in event:
-        return event, None, False
-    lines = event.split(b"\n")
-    usage: Usage | None = None
-    usage_only = False
-    for index, line in enumerate(lines):
-        if line.startswith(b"data:"):
-            payload = line[5:].strip()
-            if not payload.startswith(b"{"):
-                continue
-            try:
-                document = _DECODER.decode(payload)
-            except (msgspec.DecodeError, RecursionError):
-                continue
-            if not isinstance(document, dict):
-                continue
-            found = usage_of(document)
-            if found is not None:
-                usage = found
-                usage_only = document.get("choices") == []
-            if "model" in document:
-                document["model"] = public_model
-                lines[index] = b"data: " + _ENCODER.encode(document)
-    return b"\n".join(lines), usage, usage_only
-
-
-class _Relay:
-    """One streamed answer: yields complete SSE events, frees everything exactly once, and
-    reports the stream's usage once (see the module docstring for the estimate)."""
-
-    def __init__(
-        self,
-        response: aiohttp.ClientResponse,
-        upstream: Upstream,
-        public_model: str,
-        *,
-        strip_usage: bool = False,
-        on_usage: Callable[[Usage], None] | None = None,
-    ) -> None:
-        self.response = response
-        self.upstream = upstream
-        self.public_model = public_model
-        self.strip_usage = strip_usage
-        self.on_usage = on_usage
-        self.usage: Usage | None = None
-        self.relayed_events = 0
-        self.finished = False
-        self.closed = False
-
-    def _event(self, event: bytes) -> bytes:
-        rewritten, usage, usage_only = _rewrite_event(event, self.public_model)
-        if usage is not None:
-            self.usage = usage
-            if usage_only and self.strip_usage:
-                return b""
-        if not event.endswith(b"[DONE]"):
-            self.relayed_events += 1
-        return rewritten + b"\n\n"
-
-    async def events(self) -> AsyncIterator[bytes]:
-        pending = b""
-        try:
-            async for chunk in self.response.content.iter_any():
-                pending += chunk.replace(b"\r\n", b"\n")
-                end = pending.rfind(b"\n\n")
-                if end < 0:
-                    continue
-                complete, pending = pending[: end + 2], pending[end + 2 :]
-                out = b"".join(self._event(event) for event in complete[:-2].split(b"\n\n"))
-                if out:
-                    yield out
-            if pending:
-                out = self._event(pending)[:-2]
-                if out:
-                    yield out
-            self.finished = True
-        except aiohttp.ClientError as exc:
-            # The engine went away mid-stream (stopped by a drain deadline, crashed): the
-            # client gets an OpenAI-style error event and a well-formed end of stream.
-            logger.warning("upstream stream ended early: %s", type(exc).__name__)
-            yield _STREAM_CUT
-        finally:
-            await self.close()
-
-    async def close(self) -> None:
-        """Release the permit; close the upstream connection unless it was read to its end
-        (a closed connection is how the engine learns to stop generating); count usage."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.finished:
-            self.response.release()
-        else:
-            self.response.close()
-        self.upstream.release()
-        if self.on_usage is not None:
-            usage = self.usage
-            if usage is None and self.relayed_events:
-                usage = (0, self.relayed_events)
-            if usage is not None:
-                self.on_usage(usage)
 
 
 def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:
@@ -530,7 +501,7 @@ def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:
         exception_handlers=gateway_exception_handlers(),
         on_startup=[gateway.open],
         on_shutdown=[gateway.close],
-        middleware=[server_spans("gateway")],
+        middleware=[access_log(), server_spans("gateway")],
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None,
         debug=debug,

@@ -22,6 +22,9 @@ Gateway and job metrics (this project's own names, outside the reference's table
 * ``sbproxy_gateway_tokens_total{key,kind}`` (counter): tokens of answered gateway requests
   by key name (``(keyless)`` without keys) and ``kind`` (``prompt``/``completion``), since
   the process started, read from the usage ledger;
+* ``sbproxy_gateway_client_disconnects_total{deployment}`` (counter): gateway requests whose
+  client went away before its answer ended -- while queued for admission, while the engine
+  worked on a plain answer, or in the middle of a stream (counted by the gateway);
 * ``sbproxy_jobs_total{workflow,status}`` (counter): jobs this process brought to a terminal
   status (``succeeded``, ``failed``, ``cancelled``);
 * ``sbproxy_job_duration_seconds{workflow}`` (histogram): seconds from a job's first start
@@ -55,7 +58,7 @@ from sbproxy.model_host.runtime import DeviceInfo, probe_devices
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.state import DeploymentState
 
-__all__ = ["Rejections", "build_registry"]
+__all__ = ["Disconnects", "Rejections", "build_registry"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,17 @@ class Rejections:
     def record(self, *, deployment: str, priority: str, reason: str) -> None:
         """Count one refusal."""
         self.counts[(deployment, priority, reason)] += 1
+
+
+class Disconnects:
+    """Gateway requests whose client went away before the answer ended, by deployment."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def record(self, deployment: str) -> None:
+        """Count one request abandoned by its client."""
+        self.counts[deployment] += 1
 
 
 class _HostCollector(Collector):
@@ -199,6 +213,21 @@ class _RuntimeCollector(Collector):
         yield waits
 
 
+class _DisconnectCollector(Collector):
+    def __init__(self, disconnects: Disconnects) -> None:
+        self.disconnects = disconnects
+
+    def collect(self) -> Iterator[Metric]:
+        counted = CounterMetricFamily(
+            "sbproxy_gateway_client_disconnects",
+            "Gateway requests whose client went away before the answer ended, by deployment.",
+            labels=["deployment"],
+        )
+        for deployment, count in sorted(self.disconnects.counts.items()):
+            counted.add_metric([deployment], count)
+        yield counted
+
+
 class _JobCollector(Collector):
     def __init__(self, manager: RuntimeManager) -> None:
         self.outcomes = manager.engine.store.outcomes
@@ -229,14 +258,17 @@ def build_registry(
     rejections: Rejections,
     *,
     usage: UsageLedger | None = None,
+    disconnects: Disconnects | None = None,
     devices: Callable[[], Sequence[DeviceInfo]] = probe_devices,
 ) -> CollectorRegistry:
-    """A registry whose collectors read ``manager`` (and NVML), the job store's tallies and
-    the gateway's usage ledger (when given) at each scrape."""
+    """A registry whose collectors read ``manager`` (and NVML), the job store's tallies, and
+    the gateway's usage ledger and client disconnects (when given) at each scrape."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_HostCollector(manager, rejections, devices))
     registry.register(_JobCollector(manager))
     registry.register(_RuntimeCollector(manager))
     if usage is not None:
         registry.register(_UsageCollector(usage))
+    if disconnects is not None:
+        registry.register(_DisconnectCollector(disconnects))
     return registry

@@ -51,7 +51,7 @@ from sbproxy.api.errors import Surface
 from sbproxy.api.gateway import Gateway, Routing, create_gateway_app
 from sbproxy.api.host import ServedHost, open_host
 from sbproxy.api.keys import KeyPlane
-from sbproxy.api.metrics import Rejections
+from sbproxy.api.metrics import Disconnects, Rejections
 from sbproxy.api.shutdown import Shutdown
 from sbproxy.config import CompiledConfig
 from sbproxy.errors import SbproxyError
@@ -136,11 +136,13 @@ def build_servers(
     proxy = compiled.config.proxy
     deadline_s = max(1, round(host.manager.shutdown_deadline_s))
     rejections = Rejections()
+    disconnects = Disconnects()
     gateway = Gateway(
         manager=host.manager,
         routing=Routing(compiled.routes),
         keys=KeyPlane(list(proxy.api_keys)),
         rejections=rejections,
+        disconnects=disconnects,
     )
 
     def swap(candidate: CompiledConfig) -> None:
@@ -183,6 +185,7 @@ def build_servers(
             rejections=rejections,
             allowlist=tuple(settings.ip_allowlist),
             usage=gateway.usage,
+            disconnects=disconnects,
         )
         tls = settings.tls
         servers.append(

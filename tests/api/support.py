@@ -69,6 +69,7 @@ async def served(
             password=ADMIN[1],
             rejections=gateway.rejections,
             usage=gateway.usage,
+            disconnects=gateway.disconnects,
         )
         servers = [
             Listener(

@@ -9,11 +9,25 @@ variable ``FAKE_LLAMA_MODE`` (comma-separated):
 * ``exit_at_start`` -- print an error and exit with status 3 before listening;
 * ``crash_after_ready_s=<seconds>`` -- exit with status 134 that long after becoming ready;
 * ``hang`` -- listen but never become ready;
-* ``hang_completions`` -- become ready (``/health`` answers 200) but never answer a chat
-  completion or completion request;
 * ``ignore_sigterm`` -- ignore SIGTERM, printing ``SIGTERM ignored`` (only SIGKILL stops it);
 * ``token_delay_s=<seconds>`` -- delay between streamed tokens (default 0.01);
-* ``requests_log=<file>`` -- append one JSON line ``{"path", "body"}`` per POST received.
+* ``requests_log=<file>`` -- append one JSON line ``{"path", "body"}`` per POST received,
+  and ``{"event": "closed", "path", "after_s"}`` when the client closes its connection while
+  the stand-in is still "generating" (``after_s``: seconds since the request arrived) --
+  how a test sees that the gateway cancelled the engine's work.
+
+Engine faults, for the gateway's supervision (each waits by watching the socket, so a client
+that closes is noticed at once and logged as ``closed``):
+
+* ``hang_completions`` -- ``/health`` answers 200, but chat completions and completions
+  (plain or streamed) are never answered: no status line, the connection stays open;
+* ``reply_delay_s=<seconds>`` -- a plain (non-streamed) completion is answered only after
+  this long;
+* ``first_token_delay_s=<seconds>`` -- a stream's headers go out at once, its first event
+  this long after (llama-server itself sends the headers with the first event: this mode
+  reaches the part of the gateway that relays an open stream);
+* ``stall_after_events=<n>`` -- a stream stops after ``n`` events and then sends nothing
+  more, keeping the connection open.
 
 Usage is reported as llama-server does: in every plain answer; in the last event of a
 streamed completion; and in a streamed chat completion only when
@@ -27,7 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -83,6 +99,9 @@ class _State:
         self.hang_completions = False
         self.requests_log: str | None = None
         self.log_lock = threading.Lock()
+        self.reply_delay_s = 0.0
+        self.first_token_delay_s = 0.0
+        self.stall_after_events: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -92,6 +111,7 @@ class _State:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     state: _State
+    started = 0.0  # monotonic time the current POST arrived
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         sys.stderr.write("fake-llama: " + (format % args) + "\n")
@@ -117,16 +137,48 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._json(404, {"error": {"code": 404, "message": "not found"}})
 
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.state.requests_log:
+            with self.state.log_lock, open(self.state.requests_log, "a") as log:  # noqa: PTH123
+                log.write(json.dumps(record) + "\n")
+
+    def _log_closed(self) -> None:
+        after_s = round(time.monotonic() - self.started, 3)
+        self._log({"event": "closed", "path": self.path, "after_s": after_s})
+
+    def _closed_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; True (and a ``closed`` log line) as soon as the client
+        has closed its connection."""
+        deadline = time.monotonic() + seconds
+        sock = self.connection
+        while (remaining := deadline - time.monotonic()) > 0:
+            readable, _, _ = select.select([sock], [], [], remaining)
+            if not readable:
+                continue
+            try:
+                peeked = sock.recv(1, socket.MSG_PEEK)
+            except OSError:
+                peeked = b""
+            if peeked:  # bytes of a next request, not a close: just wait out the delay
+                time.sleep(max(0.0, deadline - time.monotonic()))
+                return False
+            self._log_closed()
+            return True
+        return False
+
+    def _hang(self) -> None:
+        while not self._closed_within(3600):
+            pass
+
     def do_POST(self) -> None:
+        self.started = time.monotonic()
         length = int(self.headers.get("Content-Length") or 0)
         try:
             body = json.loads(self.rfile.read(length) or b"{}")
         except ValueError:
             self._json(400, {"error": {"code": 400, "message": "bad json"}})
             return
-        if self.state.requests_log:
-            with self.state.log_lock, open(self.state.requests_log, "a") as log:  # noqa: PTH123
-                log.write(json.dumps({"path": self.path, "body": body}) + "\n")
+        self._log({"path": self.path, "body": body})
         if not self.state.ready:
             self._json(503, {"error": {"code": 503, "message": "Loading model"}})
             return
@@ -144,14 +196,22 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path not in ("/v1/chat/completions", "/v1/completions"):
             self._json(404, {"error": {"code": 404, "message": "not found"}})
             return
+        self._complete(body)
+
+    def _complete(self, body: dict[str, Any]) -> None:
         if self.state.hang_completions:
-            threading.Event().wait()  # never answers; the process ends by signal
+            self._hang()
+            self.close_connection = True
+            return
         chat = self.path == "/v1/chat/completions"
         words = ["fake", " reply", " from", " the", " stand-in"]
         words = words[: max(1, min(len(words), int(body.get("max_tokens") or len(words))))]
         if body.get("stream"):
             options = body.get("stream_options") or {}
             self._stream(words, chat=chat, include_usage=options.get("include_usage") is True)
+            return
+        if self.state.reply_delay_s and self._closed_within(self.state.reply_delay_s):
+            self.close_connection = True
             return
         text = "".join(words)
         choice: dict[str, Any] = (
@@ -192,8 +252,16 @@ class _Handler(BaseHTTPRequestHandler):
             "completion_tokens": len(words),
             "total_tokens": 5 + len(words),
         }
+        state = self.state
         try:
+            if state.first_token_delay_s and self._closed_within(state.first_token_delay_s):
+                self.close_connection = True
+                return
             for index, word in enumerate(words):
+                if state.stall_after_events is not None and index >= state.stall_after_events:
+                    self._hang()
+                    self.close_connection = True
+                    return
                 delta = {"content": word} if chat else None
                 choice = (
                     {"index": 0, "delta": delta, "finish_reason": None}
@@ -209,7 +277,9 @@ class _Handler(BaseHTTPRequestHandler):
                 if not chat and index == len(words) - 1:
                     event["usage"] = usage  # llama-server: always, on the last event
                 send(json.dumps(event))
-                time.sleep(self.state.token_delay_s)
+                if self._closed_within(state.token_delay_s):
+                    self.close_connection = True
+                    return
             if chat and include_usage:
                 send(
                     json.dumps(
@@ -226,7 +296,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
-            return
+            self._log_closed()
+            self.close_connection = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     state.hang = "hang" in modes
     state.hang_completions = "hang_completions" in modes
     state.requests_log = modes.get("requests_log") or None
+    state.reply_delay_s = float(modes.get("reply_delay_s") or 0)
+    state.first_token_delay_s = float(modes.get("first_token_delay_s") or 0)
+    if modes.get("stall_after_events"):
+        state.stall_after_events = int(modes["stall_after_events"])
     _Handler.state = state
     server = ThreadingHTTPServer((args.host, args.port), _Handler)
     sys.stderr.write(f"main: server is listening on http://{args.host}:{args.port}\n")

@@ -1,0 +1,109 @@
+"""The gateway's access log: one line per HTTP request.
+
+uvicorn's own access log stays off (``sbproxy/api/server.py``): it cannot know the
+deployment, nor that a client went away before its answer. :func:`access_log` is a pure
+ASGI middleware that writes, when the request has ended (a stream at its last event)::
+
+    POST /v1/chat/completions 200 deployment=local-qwen 812.4ms
+    POST /v1/completions 499 deployment=local-qwen 1003.0ms client_disconnected
+    POST /v1/chat/completions 504 deployment=local-qwen 30001.2ms engine_timeout
+
+to the logger ``sbproxy.api.access`` at INFO: method, path (no query string), status,
+deployment (``-`` before one is known), duration in milliseconds from the request's arrival,
+and, when the request did not end in a relayed answer, its reason code (an admission
+refusal such as ``queue_timeout``, ``engine_timeout``, ``upstream_unavailable``,
+``client_disconnected``). Status ``499`` (nginx's "client closed request") is a client that
+went away before its answer ended; a stream whose headers already went out is logged with
+499 too, although 200 went out on the wire. A stream cut by the gateway (``engine_timeout``,
+``upstream_unavailable``) keeps the status it was sent with and names the reason.
+
+Only requests that reach a gateway route are logged (Litestar runs middleware after
+routing): an unknown path's 404 has no line.
+
+The route fills in an :class:`AccessNote` found with :func:`access_note`. With the logger
+below INFO the middleware only tests one flag per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["CLIENT_CLOSED", "CLIENT_DISCONNECTED", "AccessNote", "access_log", "access_note"]
+
+logger = logging.getLogger(__name__)
+
+# nginx's code for a client that closed the connection before the answer was sent.
+CLIENT_CLOSED: Final = 499
+# The outcome of such a request (the access log's reason code).
+CLIENT_DISCONNECTED: Final = "client_disconnected"
+
+_KEY: Final = "sbproxy.access"
+
+
+@dataclass(slots=True)
+class AccessNote:
+    """What the route tells the access log about one request.
+
+    Attributes:
+        deployment: The deployment it was routed to.
+        status: Overrides the status sent (``499`` when the client went away).
+        outcome: Reason code of an abnormal end (a refusal's code, ``engine_timeout``,
+            ``upstream_unavailable``, ``client_disconnected``).
+    """
+
+    deployment: str | None = None
+    status: int | None = None
+    outcome: str | None = None
+
+
+def access_note(scope: Scope) -> AccessNote | None:
+    """The note of the request of ``scope``; ``None`` when the access log is off."""
+    state: dict[str, Any] | None = scope.get("state")
+    if state is None:
+        return None
+    note: AccessNote | None = state.get(_KEY)
+    return note
+
+
+def access_log() -> Callable[[ASGIApp], ASGIApp]:
+    """A middleware factory logging every HTTP request (see the module docstring)."""
+
+    def middleware(app: ASGIApp) -> ASGIApp:
+        async def logged(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != ScopeType.HTTP or not logger.isEnabledFor(logging.INFO):
+                await app(scope, receive, send)
+                return
+            started = time.perf_counter()
+            note = AccessNote()
+            scope.setdefault("state", {})[_KEY] = note
+            sent = 500  # an exception that escapes every handler ends as uvicorn's 500
+
+            async def observed(message: Message) -> None:
+                nonlocal sent
+                if message["type"] == "http.response.start":
+                    sent = int(message["status"])
+                await send(message)
+
+            try:
+                await app(scope, receive, observed)
+            finally:
+                logger.info(
+                    "%s %s %d deployment=%s %.1fms%s",
+                    scope["method"],
+                    scope["path"],
+                    note.status or sent,
+                    note.deployment or "-",
+                    (time.perf_counter() - started) * 1000,
+                    f" {note.outcome}" if note.outcome else "",
+                )
+
+        return logged
+
+    return middleware

@@ -1,0 +1,284 @@
+"""Relaying an engine's answer: the public model name in it, its usage, and a stream under
+its limits.
+
+Answers carry the public model name in ``model``: a plain answer's JSON body and each SSE
+event's ``data:`` object are rewritten (one decode, which also reads ``usage``).
+
+A stream (:class:`StreamRelay`) is relayed event by event as the engine writes it: bytes go
+out as soon as a complete SSE event has arrived (an event split across reads waits only for
+its own end). Its limits (:class:`~sbproxy.api.supervision.StreamDeadlines`) run while it
+waits for the engine; when one runs out the upstream connection is closed, the permit freed
+at once, and the stream ends with an ``engine_timeout`` error event. An engine that goes
+away mid-stream ends it with an ``upstream_unavailable`` error event. Either way the client
+gets a well-formed end of stream, without ``[DONE]``.
+
+Usage: llama-server puts ``usage`` in the last event of a streamed *completion* always, but
+in a streamed *chat completion* only when ``stream_options.include_usage`` is true (then as
+an extra last event with ``choices: []``); the gateway asks for it on every streamed chat
+request and, when the client had not, the relay drops that usage-only event. A stream that
+ends without ``usage`` (the client left early, the engine died) is counted as one completion
+token per relayed event and no prompt tokens -- an estimate, so that leaving before the last
+event does not make tokens free.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Final
+
+import aiohttp
+import msgspec
+
+from sbproxy.api.access import CLIENT_DISCONNECTED
+from sbproxy.api.errors import ApiError, stream_error_event
+from sbproxy.api.supervision import Limit, StreamDeadlines, engine_timeout
+from sbproxy.model_host.runtime.manager import Upstream
+
+__all__ = [
+    "StreamRelay",
+    "UpstreamUnavailable",
+    "Usage",
+    "rewrite_answer",
+    "rewrite_event",
+    "rewrite_model",
+    "usage_of",
+]
+
+logger = logging.getLogger(__name__)
+
+# (prompt tokens, completion tokens) of one answer.
+Usage = tuple[int, int]
+
+_DECODER = msgspec.json.Decoder()
+_ENCODER = msgspec.json.Encoder()
+
+
+class UpstreamUnavailable(ApiError):
+    """The engine could not be reached after admission (``upstream_unavailable``)."""
+
+    default_code = "upstream_unavailable"
+    default_retryable = True
+
+
+_STREAM_CUT: Final = stream_error_event(
+    UpstreamUnavailable("the engine stopped before the stream ended")
+)
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def usage_of(document: object) -> Usage | None:
+    """``(prompt_tokens, completion_tokens)`` of an OpenAI ``usage`` object in ``document``.
+
+    ``None`` when there is no ``usage`` object; a missing or malformed count reads as 0
+    (embeddings report no ``completion_tokens``).
+    """
+    if not isinstance(document, dict):
+        return None
+    usage = document.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+
+
+def rewrite_answer(data: bytes, public_model: str) -> tuple[bytes, Usage | None]:
+    """``data`` with a top-level JSON ``model`` set to ``public_model`` (else unchanged),
+    and the answer's usage if it reports one (one decode for both)."""
+    try:
+        document = _DECODER.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return data, None
+    usage = usage_of(document)
+    if not isinstance(document, dict) or "model" not in document:
+        return data, usage
+    document["model"] = public_model
+    return _ENCODER.encode(document), usage
+
+
+def rewrite_model(data: bytes, public_model: str) -> bytes:
+    """``data`` with a top-level JSON ``model`` set to ``public_model`` (else unchanged)."""
+    return rewrite_answer(data, public_model)[0]
+
+
+def rewrite_event(event: bytes, public_model: str) -> bytes:
+    """One SSE event with the ``model`` of its JSON ``data:`` line rewritten."""
+    return _rewrite_event(event, public_model)[0]
+
+
+def _rewrite_event(event: bytes, public_model: str) -> tuple[bytes, Usage | None, bool]:
+    """One SSE event rewritten, its usage if any, and whether it is a usage-only event
+    (``choices: []`` with ``usage``)."""
+    if b'"model"' not in event and b'"usage"' not in event:
+        return event, None, False
+    lines = event.split(b"\n")
+    usage: Usage | None = None
+    usage_only = False
+    for index, line in enumerate(lines):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if not payload.startswith(b"{"):
+                continue
+            try:
+                document = _DECODER.decode(payload)
+            except (msgspec.DecodeError, RecursionError):
+                continue
+            if not isinstance(document, dict):
+                continue
+            found = usage_of(document)
+            if found is not None:
+                usage = found
+                usage_only = document.get("choices") == []
+            if "model" in document:
+                document["model"] = public_model
+                lines[index] = b"data: " + _ENCODER.encode(document)
+    return b"\n".join(lines), usage, usage_only
+
+
+class StreamRelay:
+    """One streamed answer: yields complete SSE events under the stream's limits, frees
+    everything exactly once, reports the stream's usage once (see the module docstring for
+    the estimate) and how it ended.
+
+    Args:
+        response: The engine's streamed response (headers read).
+        upstream: The admitted engine; reported and released exactly once.
+        public_model: Written into each event's ``model``.
+        started: Loop time (seconds) the request was sent upstream.
+        strip_usage: Drop the usage-only event (the gateway asked for it, not the client).
+        on_usage: Called once with the stream's usage (or its estimate), if any.
+        on_end: Called once when the relay closes, with ``None`` for a stream read to its
+            end, else ``engine_timeout``, ``upstream_unavailable`` or
+            ``client_disconnected`` (the client went away first).
+    """
+
+    def __init__(
+        self,
+        response: aiohttp.ClientResponse,
+        upstream: Upstream,
+        public_model: str,
+        *,
+        started: float,
+        strip_usage: bool = False,
+        on_usage: Callable[[Usage], None] | None = None,
+        on_end: Callable[[str | None], None] | None = None,
+    ) -> None:
+        self.response = response
+        self.upstream = upstream
+        self.public_model = public_model
+        self.strip_usage = strip_usage
+        self.on_usage = on_usage
+        self.on_end = on_end
+        self.usage: Usage | None = None
+        self.relayed_events = 0
+        self.finished = False
+        self.closed = False
+        self.cut = False
+        self.expired: Limit | None = None
+        self.deadlines = StreamDeadlines(
+            started=started,
+            request_s=upstream.request_timeout_s,
+            first_token_s=upstream.first_token_timeout_s,
+            stall_s=upstream.stall_timeout_s,
+            on_expire=self._expire,
+        )
+
+    def _event(self, event: bytes) -> bytes:
+        rewritten, usage, usage_only = _rewrite_event(event, self.public_model)
+        if usage is not None:
+            self.usage = usage
+            if usage_only and self.strip_usage:
+                return b""
+        if not event.endswith(b"[DONE]"):
+            self.relayed_events += 1
+        return rewritten + b"\n\n"
+
+    def _expire(self, limit: Limit) -> None:
+        # From the timer: close the upstream connection (the engine stops, and the pending
+        # read wakes with a connection error) and give the slot back now, not when the
+        # client has taken the error event.
+        if self.closed or self.finished:
+            return
+        self.expired = limit
+        self.response.close()
+        self.upstream.report(timed_out=True)
+        self.upstream.release()
+
+    def _limit_s(self, limit: Limit) -> float:
+        upstream = self.upstream
+        if limit == Limit.FIRST_TOKEN:
+            return upstream.first_token_timeout_s
+        if limit == Limit.STALL:
+            return upstream.stall_timeout_s
+        return upstream.request_timeout_s
+
+    async def events(self) -> AsyncIterator[bytes]:
+        pending = b""
+        content = self.response.content
+        deadlines = self.deadlines
+        try:
+            while chunk := await content.readany():
+                pending += chunk.replace(b"\r\n", b"\n")
+                end = pending.rfind(b"\n\n")
+                if end < 0:
+                    continue  # no complete event yet: the event deadline stands
+                complete, pending = pending[: end + 2], pending[end + 2 :]
+                out = b"".join(self._event(event) for event in complete[:-2].split(b"\n\n"))
+                if out:
+                    deadlines.paused()  # a slow client is not a stalled engine
+                    yield out
+                deadlines.waiting()
+            if pending:
+                out = self._event(pending)[:-2]
+                if out:
+                    deadlines.paused()
+                    yield out
+            self.finished = True
+        except aiohttp.ClientError as exc:
+            if self.expired is not None:
+                deployment = self.upstream.deployment
+                error = engine_timeout(deployment, self.expired, self._limit_s(self.expired))
+                logger.warning("gateway stream cut: %s (%s)", error.message, error.code)
+                yield stream_error_event(error)
+            else:
+                # The engine went away mid-stream (stopped by a drain deadline, crashed):
+                # the client gets an OpenAI-style error event and a well-formed end of stream.
+                self.cut = True
+                logger.warning("upstream stream ended early: %s", type(exc).__name__)
+                yield _STREAM_CUT
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Release the permit; close the upstream connection unless it was read to its end
+        (a closed connection is how the engine learns to stop generating); count usage;
+        report how the stream ended (to the runtime, then to ``on_end``)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.deadlines.cancel()
+        if self.finished:
+            self.response.release()
+        else:
+            self.response.close()
+        if self.expired is None:  # an expired stream was reported and released already
+            self.upstream.report(timed_out=False)
+            self.upstream.release()
+        if self.on_usage is not None:
+            usage = self.usage
+            if usage is None and self.relayed_events:
+                usage = (0, self.relayed_events)
+            if usage is not None:
+                self.on_usage(usage)
+        if self.on_end is not None:
+            if self.expired is not None:
+                outcome: str | None = "engine_timeout"
+            elif self.cut:
+                outcome = "upstream_unavailable"
+            elif self.finished:
+                outcome = None
+            else:
+                outcome = CLIENT_DISCONNECTED
+            self.on_end(outcome)
