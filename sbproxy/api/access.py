@@ -8,7 +8,7 @@ ASGI middleware that writes, when the request has ended (a stream at its last ev
     POST /v1/completions 499 deployment=local-qwen 1003.0ms client_disconnected
     POST /v1/chat/completions 504 deployment=local-qwen 30001.2ms engine_timeout
 
-to the logger ``sbproxy.api.access`` at INFO: method, path (no query string), status,
+to the logger ``sbproxy.api.access``: method, path (no query string), status,
 deployment (``-`` before one is known), duration in milliseconds from the request's arrival,
 and, when the request did not end in a relayed answer, its reason code (an admission
 refusal such as ``queue_timeout``, ``engine_timeout``, ``upstream_unavailable``,
@@ -16,6 +16,13 @@ refusal such as ``queue_timeout``, ``engine_timeout``, ``upstream_unavailable``,
 went away before its answer ended; a stream whose headers already went out is logged with
 499 too, although 200 went out on the wire. A stream cut by the gateway (``engine_timeout``,
 ``upstream_unavailable``) keeps the status it was sent with and names the reason.
+
+Levels: a request that did not end in a plain answer (an outcome, a status >= 400 -- 499
+included) is logged at INFO, so a server logs every refusal, timeout and disconnect; a
+successful answer at DEBUG. A line written per successful request cost about 15 % of peak
+throughput here (``docs/observability.md``), so ``sbproxy serve`` and ``run`` log those only
+with ``SBPROXY_ACCESS_LOG=all`` (``off`` silences the access log;
+:func:`sbproxy.cli._output.configure_server_logging`).
 
 Only requests that reach a gateway route are logged (Litestar runs middleware after
 routing): an unknown path's 404 has no line.
@@ -94,15 +101,19 @@ def access_log() -> Callable[[ASGIApp], ASGIApp]:
             try:
                 await app(scope, receive, observed)
             finally:
-                logger.info(
-                    "%s %s %d deployment=%s %.1fms%s",
-                    scope["method"],
-                    scope["path"],
-                    note.status or sent,
-                    note.deployment or "-",
-                    (time.perf_counter() - started) * 1000,
-                    f" {note.outcome}" if note.outcome else "",
-                )
+                status = note.status or sent
+                level = logging.INFO if note.outcome or status >= 400 else logging.DEBUG
+                if logger.isEnabledFor(level):
+                    logger.log(
+                        level,
+                        "%s %s %d deployment=%s %.1fms%s",
+                        scope["method"],
+                        scope["path"],
+                        status,
+                        note.deployment or "-",
+                        (time.perf_counter() - started) * 1000,
+                        f" {note.outcome}" if note.outcome else "",
+                    )
 
         return logged
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from typing import NoReturn
@@ -113,3 +114,8 @@ def configure_server_logging() -> None:
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("sbproxy").setLevel(logging.INFO)
+    # The gateway's access log (sbproxy.api.access): refusals, timeouts and disconnects by
+    # default; every request with SBPROXY_ACCESS_LOG=all; none with off.
+    access = os.environ.get("SBPROXY_ACCESS_LOG", "errors").strip().lower()
+    levels = {"all": logging.DEBUG, "off": logging.WARNING}
+    logging.getLogger("sbproxy.api.access").setLevel(levels.get(access, logging.INFO))

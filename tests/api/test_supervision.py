@@ -89,10 +89,11 @@ async def metrics(host: Served) -> str:
 
 @contextmanager
 def access_lines(caplog: pytest.LogCaptureFixture) -> Iterator[list[str]]:
-    """The gateway's access log lines of the test so far, captured at INFO inside the block
-    (the list is filled in when the block ends)."""
+    """The gateway's access log lines of the test so far, captured at DEBUG (successful
+    answers included, as with ``SBPROXY_ACCESS_LOG=all``) inside the block (the list is
+    filled in when the block ends)."""
     lines: list[str] = []
-    with caplog.at_level(logging.INFO, logger="sbproxy.api.access"):
+    with caplog.at_level(logging.DEBUG, logger="sbproxy.api.access"):
         yield lines
         lines.extend(r.getMessage() for r in caplog.records if r.name == "sbproxy.api.access")
 
@@ -378,6 +379,25 @@ async def test_a_refusal_is_logged_with_its_reason(
     (line,) = [line for line in lines if line.startswith("POST")]
     assert line.startswith("POST /v1/chat/completions 503 deployment=tiny ")
     assert line.endswith(" queue_timeout")
+
+
+async def test_by_default_only_requests_that_did_not_end_in_an_answer_are_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    deployments = tiny(max_concurrency=1, max_queue_depth=1, queue_timeout_ms=300)
+    async with served(tmp_path, deployments=deployments) as host:
+        manager = host.host.manager
+        await warm(host)
+        with caplog.at_level(logging.INFO, logger="sbproxy.api.access"):
+            async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
+                answered = await http.post("/v1/chat/completions", json=CHAT)
+                held = await manager.acquire("tiny", priority=PriorityClass.STANDARD)
+                refused = await http.post("/v1/chat/completions", json=CHAT)
+                held.release()
+    assert (answered.status_code, refused.status_code) == (200, 503)
+    logged = [r.getMessage() for r in caplog.records if r.name == "sbproxy.api.access"]
+    assert len(logged) == 1
+    assert logged[0].startswith("POST /v1/chat/completions 503 ")
 
 
 # -- the stream timer ------------------------------------------------------------------------
