@@ -1,11 +1,21 @@
-"""Test builders for the runtime: synthetic GGUF files and a manual clock."""
+"""Test builders for the runtime: synthetic GGUF files, a manual clock, and the checks that
+the live engine processes are exactly the ones status shows."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import gguf
+import psutil
+
+from tests.model_host.engines.support import FAKE_SERVER
+
+if TYPE_CHECKING:
+    from sbproxy.model_host.runtime.manager import RuntimeManager
+    from tests.model_host.runtime.host import Host
 
 
 class ManualClock:
@@ -84,3 +94,34 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.close()
     return path
+
+
+async def until(predicate: Any, timeout_s: float = 15) -> None:
+    with anyio.fail_after(timeout_s):
+        while not predicate():
+            await anyio.sleep(0.02)
+
+
+def live_engines(root: Path) -> set[int]:
+    """Pids of the stand-in engines of this test's host that are running now."""
+    found = set()
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            argv = child.cmdline()
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            continue
+        if str(FAKE_SERVER) in argv and any(str(root) in arg for arg in argv):
+            found.add(child.pid)
+    return found
+
+
+def shown(manager: RuntimeManager) -> set[int]:
+    """Engine pids that status reports as serving."""
+    return {s.extra["engine_pid"] for s in manager.status() if s.extra.get("engine_pid")}
+
+
+async def converged(host: Host) -> None:
+    """At rest, the live engine processes are exactly the ones status shows."""
+    await until(lambda: live_engines(host.root) == shown(host.manager), timeout_s=10)

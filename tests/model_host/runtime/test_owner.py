@@ -16,20 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import psutil
 import pytest
 
 from sbproxy.config import PriorityClass
 from sbproxy.model_host.runtime import _launch as launch_module
 from sbproxy.model_host.runtime import slot as slot_module
 from sbproxy.model_host.runtime.admission import AdmissionRejected
-from sbproxy.model_host.runtime.manager import IllegalTransition, RuntimeManager
+from sbproxy.model_host.runtime.manager import IllegalTransition
 from sbproxy.model_host.runtime.state import DEPLOYMENT_TRANSITIONS, DeploymentState
 from sbproxy.store import JobRecord, JobStatus
 from sbproxy.workflows import process_start_ticks
-from tests.model_host.engines.support import FAKE_SERVER, fake_llama_server
+from tests.model_host.engines.support import fake_llama_server
 from tests.model_host.runtime.host import Host, runtime_host
-from tests.model_host.runtime.support import ManualClock
+from tests.model_host.runtime.support import ManualClock, converged, live_engines, until
 
 pytestmark = pytest.mark.anyio
 
@@ -42,12 +41,6 @@ TINY: dict[str, Any] = {
 STANDARD = PriorityClass.STANDARD
 
 
-async def until(predicate: Any, timeout_s: float = 15) -> None:
-    with anyio.fail_after(timeout_s):
-        while not predicate():
-            await anyio.sleep(0.02)
-
-
 async def finished(host: Host, job_id: str, timeout_s: float = 20) -> JobRecord:
     """Poll a job the manager runs until it ends (never run it from here: that would
     execute it outside its command's turn)."""
@@ -57,31 +50,6 @@ async def finished(host: Host, job_id: str, timeout_s: float = 20) -> JobRecord:
             if job.terminal:
                 return job
             await anyio.sleep(0.02)
-
-
-def live_engines(root: Path) -> set[int]:
-    """Pids of the stand-in engines of this test's host that are running now."""
-    found = set()
-    for child in psutil.Process(os.getpid()).children(recursive=True):
-        try:
-            argv = child.cmdline()
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.Error:
-            continue
-        if str(FAKE_SERVER) in argv and any(str(root) in arg for arg in argv):
-            found.add(child.pid)
-    return found
-
-
-def shown(manager: RuntimeManager) -> set[int]:
-    """Engine pids that status reports as serving."""
-    return {s.extra["engine_pid"] for s in manager.status() if s.extra.get("engine_pid")}
-
-
-async def converged(host: Host) -> None:
-    """At rest, the live engine processes are exactly the ones status shows."""
-    await until(lambda: live_engines(host.root) == shown(host.manager), timeout_s=10)
 
 
 async def test_stop_then_load_with_a_request_in_flight_ends_ready_with_one_engine(
