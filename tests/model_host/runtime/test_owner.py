@@ -365,3 +365,27 @@ async def test_a_swap_that_waits_too_long_is_insufficient_capacity_with_retry_af
         assert manager.slot("a").routable()  # the busy one kept serving
         busy.release()
         await converged(host)
+
+
+@pytest.mark.parametrize("jump_ms", [3_600_000, -3_600_000])
+async def test_a_wall_clock_jump_leaves_the_runtime_converged(tmp_path: Path, jump_ms: int) -> None:
+    """An NTP step of +-1 h while a load holds its lease: no recovery pass takes the job (no
+    second attempt beside the first), the load finishes on attempt 1, and the host is
+    converged. Keep-alive and backoff run on the monotonic clock, which no step moves."""
+    async with runtime_host(
+        tmp_path, deployments={"tiny": TINY}, mode="load_s=1.5", worker=True
+    ) as host:
+        manager = host.manager
+        store = host.engine.store
+        stepped = store.clock
+        store.clock = lambda: stepped() + jump_ms  # the wall clock jumps mid-launch
+        load = await manager.load("tiny")
+        await until(lambda: manager.slot("tiny").state == DeploymentState.PREPARING)
+        assert await host.engine.recover() == []
+        done = await finished(host, load.id)
+        assert (done.status, done.attempt) == (JobStatus.SUCCEEDED, 1)
+        assert manager.slot("tiny").routable()
+        upstream = await manager.acquire("tiny", priority=STANDARD)
+        upstream.release()
+        await converged(host)
+        assert len(live_engines(tmp_path)) == 1
