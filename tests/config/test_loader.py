@@ -83,8 +83,16 @@ def test_top_level_must_be_a_mapping() -> None:
     assert "top level must be a mapping" in found[0].message
 
 
-def test_empty_file_is_a_valid_empty_configuration() -> None:
-    compiled = load("")
+@pytest.mark.parametrize("text", ["", "  \n\t\n", "# only a comment\n"])
+def test_an_empty_file_is_empty_config(text: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load(text)
+    assert raised.value.code == "empty_config"
+    assert "the file is empty" in str(raised.value)
+
+
+def test_an_empty_mapping_is_a_valid_empty_configuration() -> None:
+    compiled = load("{}")
     assert compiled.model_host is None
     assert compiled.routes == ()
 

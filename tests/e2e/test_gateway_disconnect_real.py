@@ -17,6 +17,7 @@ import json
 import re
 import signal
 import socket
+import os
 import subprocess
 import sys
 import time
@@ -101,6 +102,8 @@ def test_a_client_that_leaves_a_plain_completion_stops_the_real_engine(
             [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config)],
             stdout=subprocess.DEVNULL,
             stderr=stderr,
+            # Successful answers are logged too (by default only abnormal ends are).
+            env={**os.environ, "SBPROXY_ACCESS_LOG": "all"},
         )
     resources = ExitStack()
     admin_http = resources.enter_context(
