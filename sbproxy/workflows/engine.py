@@ -29,14 +29,14 @@ from sbproxy.store import (
     StepRecord,
     SubmitOutcome,
     Synchronous,
-    wall_clock_ms,
 )
 from sbproxy.telemetry import current_carrier
 from sbproxy.workflows.declare import Registry, WorkflowDef
 from sbproxy.workflows.errors import JobNotFound, WorkflowError
 from sbproxy.workflows.executor import LeaseSettings, execute
 from sbproxy.workflows.identity import WorkerIdentity, owner_is_gone
-from sbproxy.workflows.stale import Staleness, stale_reason, staleness
+from sbproxy.workflows.stale import Staleness, stale_reason
+from sbproxy.workflows.stale import staleness as judge_staleness
 
 __all__ = ["DEFAULT_MAX_RECOVERIES", "WorkflowEngine"]
 
@@ -265,7 +265,7 @@ class WorkflowEngine:
         if stale_reason(job, lease_now=lease_now) is None:
             return None
         steps = await self.store.steps(job.id)
-        return staleness(job, steps, lease_now=lease_now, now_ms=wall_clock_ms())
+        return judge_staleness(job, steps, lease_now=lease_now, now_ms=self.store.clock())
 
     async def stale_jobs(
         self, *, kind: str | None = None, subject: str | None = None
