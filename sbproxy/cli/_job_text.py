@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sbproxy.store import JobRecord, JobStatus, LeaseTime, StepRecord
+from sbproxy.workflows import Staleness
 
 __all__ = [
     "age_text",
@@ -22,8 +23,11 @@ __all__ = [
     "job_table",
     "last_error",
     "progress_text",
+    "resume_hint",
     "show_lines",
     "size_text",
+    "stale_dict",
+    "stale_text",
 ]
 
 _SECOND_MS = 1000
@@ -31,6 +35,21 @@ _MINUTE_MS = 60 * _SECOND_MS
 _HOUR_MS = 60 * _MINUTE_MS
 _DAY_MS = 24 * _HOUR_MS
 _OUTPUT_PREVIEW_CHARS = 200
+
+# Who resumes a stale job of each kind: the verb that submits that kind finishes a stale job
+# of its kind and subject before anything else (``ModelHostService.resume_stale``), and a
+# server's worker loop recovers every kind it runs within seconds.
+_SERVER = "a running `sbproxy serve` on this cache"
+_RESUMED_BY = {
+    "pull": "the next `sbproxy models pull` (or `models import`) of this artifact",
+    "remove": "the next `sbproxy models remove` of this artifact",
+    "gc": "the next `sbproxy models gc` (or a pull that enforces the cache budget)",
+    "prune": "the next `sbproxy models prune`",
+    "engine_build": "the next `sbproxy engines build` of this source",
+    "engine_fetch": "the next load that needs this engine",
+}
+# Deployment jobs are never run by the worker loop: the runtime manager adopts them at start.
+_RUNTIME_KINDS = frozenset({"load", "drain", "reset", "reload"})
 
 
 def size_text(value: int | float) -> str:
@@ -133,14 +152,56 @@ def align(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
-def job_table(jobs: Sequence[JobRecord], *, now_ms: int) -> list[str]:
-    """The ``jobs list`` table: ID KIND STATUS ATTEMPT PROGRESS SUBJECT CREATED."""
+def resume_hint(kind: str) -> str:
+    """How a stale job of ``kind`` gets resumed: ``resumed by <who>``."""
+    if kind in _RUNTIME_KINDS:
+        return "resumed when `sbproxy serve` starts again on this cache (it adopts the job)"
+    by = _RESUMED_BY.get(kind)
+    return f"resumed by {by} or by {_SERVER}" if by else f"resumed by {_SERVER}"
+
+
+def stale_text(stale: Staleness) -> str:
+    """``silent for 5m: its owner <owner> is gone; last step delete (#0, running)``."""
+    silent = duration_text(stale.age_ms)
+    owner = stale.owner or "(none)"
+    why = (
+        f"its owner {owner} is gone"
+        if stale.reason == "owner_gone"
+        else f"the lease of {owner} lapsed"
+    )
+    step = stale.last_step
+    where = (
+        f"last step {step.name} (#{step.seq}, {step.status.value})"
+        if step is not None
+        else "no step begun"
+    )
+    return f"silent for {silent}: {why}; {where}"
+
+
+def stale_dict(job: JobRecord, stale: Staleness | None) -> dict[str, Any] | None:
+    """The ``stale`` field of a job in JSON output: :meth:`Staleness.to_dict` plus
+    ``resume`` (who resumes it), or ``None`` for a job that is not stale."""
+    if stale is None:
+        return None
+    return {**stale.to_dict(), "resume": resume_hint(job.kind)}
+
+
+def job_table(
+    jobs: Sequence[JobRecord], *, now_ms: int, stale: Mapping[str, Staleness] | None = None
+) -> list[str]:
+    """The ``jobs list`` table: ID KIND STATUS ATTEMPT PROGRESS SUBJECT CREATED.
+
+    A stale job (``stale`` maps job ids to their staleness) shows ``running (stale)``, and
+    one line per stale job follows the table: its age, why, its last step and owner, and
+    who resumes it.
+    """
+    stale = stale or {}
     headers = ("ID", "KIND", "STATUS", "ATTEMPT", "PROGRESS", "SUBJECT", "CREATED")
     rows = [
         (
             job.id,
             job.kind,
-            job.status.value,
+            f"{job.status.value} (stale)" if job.id in stale else job.status.value,
             str(job.attempt),
             # A finished job's last report describes some earlier step, not the job.
             progress_text(job.progress, compact=True)
@@ -151,7 +212,13 @@ def job_table(jobs: Sequence[JobRecord], *, now_ms: int) -> list[str]:
         )
         for job in jobs
     ]
-    return align(headers, rows)
+    lines = align(headers, rows)
+    notes = [
+        f"stale {job.id} ({job.kind}): {stale_text(stale[job.id])}; {resume_hint(job.kind)}"
+        for job in jobs
+        if job.id in stale
+    ]
+    return [*lines, "", *notes] if notes else lines
 
 
 def last_error(job: JobRecord, steps: Sequence[StepRecord]) -> dict[str, str] | None:
@@ -203,7 +270,12 @@ def _lease_text(job: JobRecord, lease_now: LeaseTime) -> str:
 
 
 def show_lines(
-    job: JobRecord, steps: Sequence[StepRecord], *, now_ms: int, lease_now: LeaseTime
+    job: JobRecord,
+    steps: Sequence[StepRecord],
+    *,
+    now_ms: int,
+    lease_now: LeaseTime,
+    stale: Staleness | None = None,
 ) -> list[str]:
     """The ``jobs show`` text: summary, times, lease, progress, error, then the journal.
 
@@ -212,6 +284,8 @@ def show_lines(
         steps: Its journal.
         now_ms: Wall-clock now (epoch ms), for the ages of its timestamps.
         lease_now: Lease-clock now, read after ``job``, for whether its lease is live.
+        stale: The job's staleness when it is stale (a ``stale`` line: age, why, last step
+            and owner, then who resumes it).
     """
     lines = [
         f"{job.id}  {job.kind} v{job.workflow_version}  {job.status.value} (attempt {job.attempt})",
@@ -226,6 +300,9 @@ def show_lines(
         lines.append(f"  ended      {_local_time(job.ended_at_ms)} (took {took})")
     if job.status == JobStatus.RUNNING and job.lease_owner:
         lines.append(f"  lease      {job.lease_owner} ({_lease_text(job, lease_now)})")
+    if stale is not None:
+        lines.append(f"  stale      {stale_text(stale)}")
+        lines.append(f"             {resume_hint(job.kind)}")
     if job.cancel_requested and not job.terminal:
         lines.append("  cancel     requested; stops at the next step boundary")
     if job.progress:

@@ -9,6 +9,8 @@ whichever process does the work.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import anyio
 
 from sbproxy.cli._event_view import EventView, open_view
@@ -18,10 +20,21 @@ from sbproxy.workflows import WorkflowEngine
 __all__ = ["follow", "run_followed"]
 
 
-async def follow(engine: WorkflowEngine, job_id: str, *, after_seq: int, view: EventView) -> None:
-    """Feed the events of ``job_id`` after ``after_seq`` to ``view`` until the job finishes."""
+async def follow(
+    engine: WorkflowEngine,
+    job_id: str,
+    *,
+    after_seq: int,
+    view: EventView,
+    on_idle: Callable[[JobRecord], Awaitable[None]] | None = None,
+) -> None:
+    """Feed the events of ``job_id`` after ``after_seq`` to ``view`` until the job finishes.
+
+    ``on_idle`` is awaited with the job whenever the journal had nothing new (after the
+    backlog, so what it shows comes after the history).
+    """
     try:
-        async for event in engine.follow(job_id, after_seq=after_seq):
+        async for event in engine.follow(job_id, after_seq=after_seq, on_idle=on_idle):
             view.show(event)
     finally:
         view.close()

@@ -2,7 +2,10 @@
 
 Every verb reads the SQLite journal under the cache root (``<cache>/jobs/journal.db``), the
 same file the server's worker and other CLI processes write, so it sees their jobs live and
-after restarts. The cache root comes from ``--cache-dir``, else the ``-f`` config's
+after restarts. A running job whose lease lapsed or whose owner died is *stale*: ``list`` and
+``show`` mark it (its age, why, last step, owner, and who resumes it; ``"stale"`` in JSON,
+``null`` for any other job), and ``watch`` says so once it meets one instead of waiting
+silently. The cache root comes from ``--cache-dir``, else the ``-f`` config's
 ``proxy.model_host.cache.directory``, else the platform default (``resolve_cache_root``).
 
 Exit status: 0 success; 1 a followed job ended failed, cancelled or parked (or the journal
@@ -23,7 +26,15 @@ import click
 from ulid import ULID
 
 from sbproxy.cli._event_view import open_view
-from sbproxy.cli._job_text import job_outcome_line, job_table, last_error, show_lines
+from sbproxy.cli._job_text import (
+    job_outcome_line,
+    job_table,
+    last_error,
+    resume_hint,
+    show_lines,
+    stale_dict,
+    stale_text,
+)
 from sbproxy.cli._live import follow, run_followed
 from sbproxy.cli._options import cache_dir_option, config_option, load_cli_config, resolve_layout
 from sbproxy.cli._output import (
@@ -37,7 +48,7 @@ from sbproxy.cli._output import (
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.flows import registry
 from sbproxy.store import JobRecord, JobStatus, StepRecord, StepStatus, wall_clock_ms
-from sbproxy.workflows import WorkflowEngine
+from sbproxy.workflows import Staleness, WorkflowEngine
 
 __all__ = ["jobs_group"]
 
@@ -156,6 +167,21 @@ def _completed_prefix(steps: Sequence[StepRecord]) -> int:
     return done
 
 
+async def _stale_of(engine: WorkflowEngine, jobs: Sequence[JobRecord]) -> dict[str, Staleness]:
+    """The stale ones among ``jobs``, by id."""
+    found = {}
+    for job in jobs:
+        stale = await engine.staleness(job)
+        if stale is not None:
+            found[job.id] = stale
+    return found
+
+
+def _job_json(job: JobRecord, stale: Staleness | None) -> dict[str, Any]:
+    """A job in JSON output: the record, plus ``stale`` (see ``stale_dict``)."""
+    return {**job.to_dict(), "stale": stale_dict(job, stale)}
+
+
 def _report_outcome(command: str, job: JobRecord, output_format: str, **extra: object) -> int:
     if output_format == "json":
         emit_json(command, {"job": job.to_dict(), **extra})
@@ -194,20 +220,28 @@ def list_command(
     config_path: Path | None,
     output_format: str,
 ) -> None:
-    """List jobs, newest first. A cache root where nothing has run lists none."""
+    """List jobs, newest first. A cache root where nothing has run lists none.
+
+    A stale job (running, but its lease lapsed or its owner died) shows as ``running
+    (stale)``, with a line after the table saying how long it has been silent, why, its last
+    step and owner, and what resumes it.
+    """
     command = "jobs.list"
     journal = _journal_path(command, cache_dir, config_path, output_format)
     statuses = tuple(JobStatus(state) for state in states)
 
     async def work() -> int:
         jobs: list[JobRecord] = []
+        stale: dict[str, Staleness] = {}
         if journal.is_file():
             async with _engine(journal) as engine:
                 jobs = await engine.store.list_jobs(statuses=statuses, kind=kind, limit=limit)
+                stale = await _stale_of(engine, jobs)
         if output_format == "json":
-            emit_json(command, {"journal": str(journal), "jobs": [j.to_dict() for j in jobs]})
+            listed = [_job_json(j, stale.get(j.id)) for j in jobs]
+            emit_json(command, {"journal": str(journal), "jobs": listed})
         elif jobs:
-            for line in job_table(jobs, now_ms=wall_clock_ms()):
+            for line in job_table(jobs, now_ms=wall_clock_ms(), stale=stale):
                 click.echo(line)
         else:
             filters = [f"state {'|'.join(states)}"] if states else []
@@ -226,7 +260,11 @@ def list_command(
 def show_command(
     *, job_id: str, cache_dir: Path | None, config_path: Path | None, output_format: str
 ) -> None:
-    """Show one job: its state, progress, last error and every journaled step."""
+    """Show one job: its state, progress, last error and every journaled step.
+
+    A stale job also gets a ``stale`` line: how long it has been silent, why, its last step
+    and owner, and what resumes it.
+    """
     command = "jobs.show"
     journal = _journal_path(command, cache_dir, config_path, output_format)
 
@@ -236,18 +274,20 @@ def show_command(
         async with _engine(journal) as engine:
             job = await engine.get(wanted)
             steps = await engine.steps(wanted)
+            stale = await engine.staleness(job)
         if output_format == "json":
             emit_json(
                 command,
                 {
-                    "job": job.to_dict(),
+                    "job": _job_json(job, stale),
                     "steps": [record.to_dict() for record in steps],
                     "last_error": last_error(job, steps),
                 },
             )
         else:
             lease_now = engine.store.lease_clock()
-            for line in show_lines(job, steps, now_ms=wall_clock_ms(), lease_now=lease_now):
+            lines = show_lines(job, steps, now_ms=wall_clock_ms(), lease_now=lease_now, stale=stale)
+            for line in lines:
                 click.echo(line)
         return 0
 
@@ -266,6 +306,10 @@ def watch_command(
     Progress, step and status lines go to stderr (a live bar on a terminal). At the end the
     job's outcome goes to stdout (the whole job with --format json). Exit status 0 when it
     succeeded, 1 when it failed, was cancelled or was parked.
+
+    A job that is (or goes) stale -- running, but nobody runs it: its owner died or its
+    lease lapsed -- gets one line on stderr saying so and what resumes it; the watch goes on
+    and follows the resumed run.
     """
     command = "jobs.watch"
     journal = _journal_path(command, cache_dir, config_path, output_format)
@@ -276,7 +320,20 @@ def watch_command(
         async with _engine(journal) as engine:
             await engine.get(wanted)
             view = open_view(wanted, live_from_ms=wall_clock_ms())
-            await follow(engine, wanted, after_seq=0, view=view)
+            announced: set[int] = set()  # claim attempts already said to be stale
+
+            async def say_if_stale(job: JobRecord) -> None:
+                if job.attempt in announced:
+                    return
+                stale = await engine.staleness(job)
+                if stale is not None:
+                    announced.add(job.attempt)
+                    view.line(
+                        f"{job.id}: stale, {stale_text(stale)}; {resume_hint(job.kind)} "
+                        "(still watching)"
+                    )
+
+            await follow(engine, wanted, after_seq=0, view=view, on_idle=say_if_stale)
             job = await engine.get(wanted)
         return _report_outcome(command, job, output_format)
 

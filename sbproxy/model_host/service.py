@@ -4,6 +4,12 @@ A :class:`ModelHostService` binds one cache root (and its job journal), one cata
 optionally, one loaded configuration. Every mutation goes through a durable job: a pull
 of an artifact that already has an unfinished pull joins that job (idempotency key = the
 artifact digest), resuming it if its owner died.
+
+Stale jobs are finished, never stepped over: before a verb decides what to do (or that
+there is nothing to do) it resumes, under their own ids, the stale jobs of its kind and
+subject (``running``, but their lease lapsed or their owner died: a killed CLI process). So a
+``models remove`` killed after its delete step is finished by the next ``models remove``,
+which then finds nothing cached, instead of leaving the killed job ``running`` for good.
 """
 
 from __future__ import annotations
@@ -179,6 +185,18 @@ class ModelHostService:
 
     # -- jobs ------------------------------------------------------------------------------
 
+    async def resume_stale(
+        self, kind: str, *, subject: str | None = None, joining: str | None = None
+    ) -> list[JobRecord]:
+        """Finish the stale jobs of ``kind`` (and ``subject``) here, oldest first, before a
+        verb of that kind decides anything; the jobs as they ended.
+
+        A stale job holding the idempotency key ``joining`` is left for the caller's
+        submission, which joins and runs it. One out of recoveries ends ``failed`` with
+        ``recovery_exhausted`` (see ``WorkflowEngine.run_job``).
+        """
+        return await self.engine.resume_stale(kind, subject=subject, joining=joining)
+
     async def submit_pull(
         self,
         selection: Selection,
@@ -187,7 +205,15 @@ class ModelHostService:
         intent: PullIntent = PullIntent.EXPLICIT,
         local_files: Mapping[str, str] | None = None,
     ) -> JobRecord:
-        """Queue (or join) the pull job of ``selection``; returns the job."""
+        """Queue (or join) the pull job of ``selection``; returns the job.
+
+        A stale pull of the artifact holds its digest as key, so the submission joins it and
+        the caller's run resumes it; any other stale pull of the subject is finished first.
+        """
+        digest = selection.artifact.digest
+        await self.resume_stale(
+            pull_workflow.kind, subject=artifact_subject(digest), joining=digest
+        )
         request = PullInput(
             artifact=selection.artifact,
             allow_pickle=selection.allow_pickle,
@@ -253,38 +279,59 @@ class ModelHostService:
         return ArtifactJob(selection=selection, job=final, output=output)
 
     async def remove(self, selection: Selection) -> tuple[RemoveOutput, JobRecord | None]:
-        """Remove one artifact; no job when it is not cached (idempotent)."""
+        """Remove one artifact; no job when it is not cached and no removal of it was left
+        unfinished (idempotent).
+
+        A stale removal of the artifact (a ``models remove`` killed mid-job) is resumed first
+        and, when it succeeded and the artifact is gone, is the result: its job and output
+        (``removed: false`` when the killed run had deleted everything before it died). A
+        resumed removal that did not succeed is returned as it ended, for the caller to
+        report, rather than tried again.
+        """
         digest = selection.artifact.digest
+        subject = artifact_subject(digest)
+        resumed = await self.resume_stale(remove_workflow.kind, subject=subject)
         state = self.cache.lookup(selection.artifact)
+        if resumed and (resumed[-1].status != JobStatus.SUCCEEDED or state.kind == "missing"):
+            return self._removal(digest, resumed[-1])
         if state.kind == "missing":
             return RemoveOutput(artifact_digest=digest, removed=False, reclaimed_bytes=0), None
         submitted = await self.engine.submit(
             remove_workflow,
             RemoveInput(digest=digest, protected=self.protected()),
             idempotency_key=f"remove:{digest}",
-            subject=artifact_subject(digest),
+            subject=subject,
         )
-        job = await self.engine.run_job(submitted.job.id)
-        output = (
-            RemoveOutput.model_validate(job.output) if job.status == JobStatus.SUCCEEDED else None
-        )
-        if output is None:
-            return RemoveOutput(artifact_digest=digest, removed=False, reclaimed_bytes=0), job
-        return output, job
+        return self._removal(digest, await self.engine.run_job(submitted.job.id))
+
+    @staticmethod
+    def _removal(digest: str, job: JobRecord) -> tuple[RemoveOutput, JobRecord]:
+        """A finished removal job and its output (nothing removed unless it succeeded)."""
+        if job.status == JobStatus.SUCCEEDED:
+            return RemoveOutput.model_validate(job.output), job
+        return RemoveOutput(artifact_digest=digest, removed=False, reclaimed_bytes=0), job
 
     async def gc(self, *, budget_bytes: int) -> tuple[GcReport | None, JobRecord]:
-        """Collect the cache down to ``budget_bytes`` (protected artifacts stay)."""
+        """Collect the cache down to ``budget_bytes`` (protected artifacts stay).
+
+        Stale collections for other budgets are finished first (one for this budget is
+        joined and resumed by the submission).
+        """
+        key = f"gc:{budget_bytes}"
+        await self.resume_stale(gc_workflow.kind, joining=key)
         submitted = await self.engine.submit(
             gc_workflow,
             GcInput(budget_bytes=budget_bytes, protected=self.protected()),
-            idempotency_key=f"gc:{budget_bytes}",
+            idempotency_key=key,
         )
         job = await self.engine.run_job(submitted.job.id)
         report = GcReport.model_validate(job.output) if job.status == JobStatus.SUCCEEDED else None
         return report, job
 
     async def prune(self) -> tuple[PruneReport | None, JobRecord]:
-        """Delete blobs that no published artifact references."""
+        """Delete blobs that no published artifact references (a stale prune holds the key
+        ``prune``: the submission joins and resumes it)."""
+        await self.resume_stale(prune_workflow.kind, joining="prune")
         submitted = await self.engine.submit(
             prune_workflow, GcInput(budget_bytes=0), idempotency_key="prune"
         )

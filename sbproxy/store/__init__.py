@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from sbproxy.store.database import Database, StoreError, Synchronous
 from sbproxy.store.jobs import (
+    RECOVERY_EXHAUSTED,
     ErrorInfo,
     EventRecord,
     JobRecord,
     JobStore,
+    Recovered,
     StepRecord,
+    StepRefusal,
     SubmitOutcome,
     wall_clock_ms,
 )
@@ -41,6 +44,7 @@ __all__ = [
     "DURATION_BUCKETS_S",
     "HOUR_MS",
     "JOB_TRANSITIONS",
+    "RECOVERY_EXHAUSTED",
     "TERMINAL_JOB_STATUSES",
     "UNKNOWN_BOOT",
     "CommittedRevision",
@@ -55,8 +59,10 @@ __all__ = [
     "LeaseClock",
     "LeaseStamp",
     "LeaseTime",
+    "Recovered",
     "RuntimeStore",
     "StepRecord",
+    "StepRefusal",
     "StepStatus",
     "StoreError",
     "SubmitOutcome",

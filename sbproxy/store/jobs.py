@@ -9,6 +9,14 @@ times) are integer milliseconds since the Unix epoch from the repository's ``clo
 decides liveness from them. Leases are stamped on the ``lease_clock`` (``leaseclock.py``:
 the boot's ``CLOCK_MONOTONIC`` plus the boot id), which a wall-clock step cannot move, so an
 NTP step neither expires a live lease nor keeps a dead owner's lease alive.
+
+Fencing. Every write a runner makes about the job it runs (begin and end of a step, progress,
+heartbeat, finish) is conditioned, in the statement that writes, on the job still running
+under that runner's lease owner *and* claim attempt. A runner that lost its lease to recovery
+(which re-queues the job, and the next claim bumps ``attempt``) therefore changes nothing,
+even when the new claim went to the same owner id; the method tells it so and the engine stops
+that run. Recovery itself is bounded: a job recovered ``max_recoveries`` times without
+completing a step ends ``failed`` with ``recovery_exhausted`` instead of being re-queued again.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import text
@@ -37,17 +46,23 @@ from sbproxy.store.lifecycle import (
 from sbproxy.store.outcomes import JobOutcomes
 
 __all__ = [
+    "RECOVERY_EXHAUSTED",
     "ErrorInfo",
     "EventRecord",
     "JobRecord",
     "JobStore",
+    "Recovered",
     "StepRecord",
+    "StepRefusal",
     "SubmitOutcome",
 ]
 
 # Bounds on what one job may store: messages are for people, not for dumps.
 MAX_ERROR_CHARS = 2048
 MAX_EVENT_BYTES = 16 * 1024
+
+# Reason code of a job that recovery failed instead of re-queueing it once more.
+RECOVERY_EXHAUSTED = "recovery_exhausted"
 
 
 def wall_clock_ms() -> int:
@@ -74,6 +89,18 @@ _LAPSED = (
     " OR lease_clock != :clock OR lease_deadline_ms < :lease_now"
     " OR lease_deadline_ms - lease_ms > :lease_now)"
 )
+# The fence of every runner write: the job still runs under this runner's claim (its lease
+# owner and the attempt that claim made). A claim bumps ``attempt``, so a runner whose job was
+# recovered and claimed again -- even by a worker with the same owner id -- matches nothing.
+_FENCE = "status = 'running' AND lease_owner = :owner AND attempt = :attempt"
+_STEP_FENCE = f"EXISTS (SELECT 1 FROM jobs WHERE id = :id AND {_FENCE})"  # noqa: S608 - fixed text
+# Recovery may re-queue the job once more (``:max`` NULL: no bound).
+_MAY_RECOVER = "(:max IS NULL OR recoveries < :max)"
+_OUT_OF_RECOVERIES = "(:max IS NOT NULL AND recoveries >= :max)"
+_RECOVERY_CAUSES = {
+    "lease_expired": "its lease lapsed",
+    "owner_gone": "its owner process is gone",
+}
 
 
 def _bounded(message: str, limit: int = MAX_ERROR_CHARS) -> str:
@@ -115,6 +142,8 @@ class JobRecord:
         output: Workflow result (JSON) once succeeded.
         error: Failure, for failed and parked jobs.
         trace_context: W3C trace context of the request that created it.
+        recoveries: How many times recovery took the job from a dead or lapsed runner since a
+            step last completed (0 after a completed step or an operator's retry).
     """
 
     id: str
@@ -136,6 +165,7 @@ class JobRecord:
     updated_at_ms: int
     started_at_ms: int | None
     ended_at_ms: int | None
+    recoveries: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -156,6 +186,7 @@ class JobRecord:
             "subject": self.subject,
             "status": self.status.value,
             "attempt": self.attempt,
+            "recoveries": self.recoveries,
             "idempotency_key": self.idempotency_key,
             "cancel_requested": self.cancel_requested,
             "progress": dict(self.progress) if self.progress else None,
@@ -233,6 +264,32 @@ class SubmitOutcome:
     created: bool
 
 
+@dataclass(frozen=True)
+class Recovered:
+    """Result of one recovery pass (:meth:`JobStore.recover_lapsed`).
+
+    Attributes:
+        requeued: Ids of the jobs returned to the queue, to resume after their last
+            completed step.
+        exhausted: Ids of the jobs that had no recovery left: they ended ``failed`` with
+            ``recovery_exhausted``.
+    """
+
+    requeued: tuple[str, ...]
+    exhausted: tuple[str, ...]
+
+
+class StepRefusal(StrEnum):
+    """Why :meth:`JobStore.begin_step` recorded nothing.
+
+    ``cancelled``: cancellation of the job was requested. ``lease_lost``: the job no longer
+    runs under the caller's claim (recovery took it; the caller must stop).
+    """
+
+    CANCELLED = "cancelled"
+    LEASE_LOST = "lease_lost"
+
+
 def _error(code: str | None, message: str | None) -> ErrorInfo | None:
     if code is None:
         return None
@@ -267,6 +324,7 @@ def _job(row: RowMapping) -> JobRecord:
         updated_at_ms=row["updated_at_ms"],
         started_at_ms=row["started_at_ms"],
         ended_at_ms=row["ended_at_ms"],
+        recoveries=row["recoveries"],
     )
 
 
@@ -294,6 +352,32 @@ def _redact_tree(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_redact_tree(v) for v in value]
     return value
+
+
+def _exhausted_message(
+    job_id: str, recoveries: int, cause: str, last_step: RowMapping | None
+) -> str:
+    """What a ``recovery_exhausted`` failure says: how often, where it died, what to do."""
+    times = "once" if recoveries == 1 else f"{recoveries} times"
+    text = (
+        f"recovered {times} without completing a step, and its runner died again "
+        f"({_RECOVERY_CAUSES.get(cause, cause)})"
+    )
+    if last_step is None:
+        text += "; it died before its first step"
+    else:
+        text += (
+            f"; last step {last_step['name']!r} (#{last_step['seq']}, {last_step['status']}, "
+            f"begun {last_step['attempts']} times)"
+        )
+        if last_step["error_code"] is not None:
+            text += f", its last error: {last_step['error_code']}: {last_step['error_message']}"
+        else:
+            text += ", no error recorded: its process died (or stopped renewing) while it ran"
+    return (
+        f"{text}. Find out why it dies there, then `sbproxy jobs retry {job_id}` resumes it "
+        "after its last completed step."
+    )
 
 
 def _event_json(data: Mapping[str, Any]) -> str:
@@ -568,10 +652,12 @@ class JobStore:
 
         return await self.database.write(work)
 
-    async def heartbeat(self, job_id: str, *, owner: str, lease_ms: int) -> bool:
-        """Extend ``owner``'s lease to ``lease_ms`` from now on the lease clock.
+    async def heartbeat(self, job_id: str, *, owner: str, attempt: int, lease_ms: int) -> bool:
+        """Extend the lease of ``owner``'s claim ``attempt`` to ``lease_ms`` from now on the
+        lease clock.
 
-        Returns ``False`` when the lease was lost to recovery (stop working).
+        Returns ``False``, writing nothing, when that claim no longer holds the job (recovery
+        took it): the runner must stop.
         """
 
         async def work(connection: AsyncConnection) -> bool:
@@ -580,7 +666,7 @@ class JobStore:
             result = await connection.execute(
                 text(
                     f"UPDATE jobs SET {_SET_LEASE}, updated_at_ms = :now"  # noqa: S608 - fixed text
-                    " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
+                    f" WHERE id = :id AND {_FENCE}"
                 ),
                 {
                     "clock": lease_now.clock,
@@ -589,6 +675,7 @@ class JobStore:
                     "now": now,
                     "id": job_id,
                     "owner": owner,
+                    "attempt": attempt,
                 },
             )
             return bool(result.rowcount == 1)
@@ -596,60 +683,206 @@ class JobStore:
         return await self.database.write(work)
 
     async def requeue_expired(self) -> list[str]:
-        """Return running jobs whose lease lapsed to ``queued``; their ids.
+        """Return running jobs whose lease lapsed to ``queued``, without a recovery bound;
+        their ids (:meth:`recover_lapsed` with ``max_recoveries=None``)."""
+        return list((await self.recover_lapsed(max_recoveries=None)).requeued)
+
+    async def recover_lapsed(self, *, max_recoveries: int | None) -> Recovered:
+        """Take every running job whose lease lapsed from its runner, in one transaction.
 
         Decided on the lease clock only (:meth:`LeaseStamp.lapsed`): past its deadline, or
         stamped on a clock this one cannot measure (another boot: the owner is gone). A
-        wall-clock step changes nothing here.
-        """
+        wall-clock step changes nothing here. A job with a recovery left goes back to
+        ``queued`` (``recoveries`` + 1, event reason ``lease_expired``); one already recovered
+        ``max_recoveries`` times since a step last completed ends ``failed`` with
+        ``recovery_exhausted``, its message naming the last step and that step's error.
 
-        async def work(connection: AsyncConnection) -> list[str]:
+        Args:
+            max_recoveries: Recoveries allowed in a row without a completed step; ``None``
+                for no bound.
+        """
+        exhausted_rows: list[tuple[Any, int]] = []
+
+        async def work(connection: AsyncConnection) -> Recovered:
+            exhausted_rows.clear()  # a retried transaction starts over
             now = self.clock()
             lease_now = self.lease_clock()
-            ids = list(
+            params = {
+                "now": now,
+                "clock": lease_now.clock,
+                "lease_now": lease_now.ms,
+                "max": max_recoveries,
+            }
+            requeued = list(
                 (
                     await connection.execute(
                         text(
                             f"UPDATE jobs SET status = 'queued', {_NO_LEASE},"  # noqa: S608 - fixed text
-                            f" updated_at_ms = :now WHERE status = 'running' AND {_LAPSED}"
-                            " RETURNING id"
+                            " recoveries = recoveries + 1, updated_at_ms = :now"
+                            f" WHERE status = 'running' AND {_LAPSED} AND {_MAY_RECOVER}"
+                            " RETURNING id, recoveries"
                         ),
-                        {"now": now, "clock": lease_now.clock, "lease_now": lease_now.ms},
+                        params,
                     )
-                ).scalars()
+                ).all()
             )
-            for job_id in ids:
+            for job_id, recoveries in requeued:
                 await self._event(
                     connection,
                     job_id,
                     "status",
-                    {"status": "queued", "reason": "lease_expired"},
+                    {"status": "queued", "reason": "lease_expired", "recovery": recoveries},
                     now,
                 )
-            return ids
+            spent = list(
+                (
+                    await connection.execute(
+                        text(
+                            "SELECT id FROM jobs WHERE status = 'running'"  # noqa: S608 - fixed text
+                            f" AND {_LAPSED} AND {_OUT_OF_RECOVERIES} ORDER BY created_at_ms, id"
+                        ),
+                        params,
+                    )
+                ).scalars()
+            )
+            exhausted = []
+            for job_id in spent:
+                row = await self._exhaust(
+                    connection,
+                    job_id,
+                    cause="lease_expired",
+                    condition=f"{_LAPSED} AND {_OUT_OF_RECOVERIES}",
+                    params=params,
+                )
+                if row is not None:
+                    exhausted.append(job_id)
+                    exhausted_rows.append((row, now))
+            return Recovered(
+                requeued=tuple(job_id for job_id, _ in requeued), exhausted=tuple(exhausted)
+            )
 
-        return await self.database.write(work)
+        recovered = await self.database.write(work)
+        for row, ended in exhausted_rows:
+            self._count_outcome(row, JobStatus.FAILED, ended)
+        return recovered
 
     async def requeue_from(self, job_id: str, *, owner: str, reason: str) -> bool:
-        """Re-queue ``job_id`` if it is still running under ``owner`` (a dead worker)."""
+        """Re-queue ``job_id`` if it is still running under ``owner`` (a dead worker), without
+        a recovery bound (:meth:`recover_from` with ``max_recoveries=None``)."""
+        moved = await self.recover_from(job_id, owner=owner, reason=reason, max_recoveries=None)
+        return moved == JobStatus.QUEUED
 
-        async def work(connection: AsyncConnection) -> bool:
+    async def recover_from(
+        self, job_id: str, *, owner: str, reason: str, max_recoveries: int | None
+    ) -> JobStatus | None:
+        """Take ``job_id`` from ``owner`` (a dead worker) if it still runs under it.
+
+        Args:
+            job_id: The job.
+            owner: The lease owner the caller found dead.
+            reason: Event reason of the re-queue (``owner_gone``).
+            max_recoveries: Recoveries allowed in a row without a completed step; ``None``
+                for no bound.
+
+        Returns:
+            ``queued`` when it went back to the queue (``recoveries`` + 1), ``failed`` when it
+            had been recovered ``max_recoveries`` times since a step last completed and ended
+            with ``recovery_exhausted``, ``None`` when ``owner`` no longer held it.
+        """
+        exhausted_rows: list[tuple[Any, int]] = []
+
+        async def work(connection: AsyncConnection) -> JobStatus | None:
+            exhausted_rows.clear()
             now = self.clock()
-            result = await connection.execute(
-                text(
-                    f"UPDATE jobs SET status = 'queued', {_NO_LEASE}, updated_at_ms = :now"  # noqa: S608 - fixed text
-                    " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
-                ),
-                {"now": now, "id": job_id, "owner": owner},
+            params = {"now": now, "id": job_id, "owner": owner, "max": max_recoveries}
+            requeued = (
+                await connection.execute(
+                    text(
+                        f"UPDATE jobs SET status = 'queued', {_NO_LEASE},"  # noqa: S608 - fixed text
+                        " recoveries = recoveries + 1, updated_at_ms = :now"
+                        " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
+                        f" AND {_MAY_RECOVER} RETURNING recoveries"
+                    ),
+                    params,
+                )
+            ).scalar()
+            if requeued is not None:
+                await self._event(
+                    connection,
+                    job_id,
+                    "status",
+                    {"status": "queued", "reason": reason, "recovery": requeued},
+                    now,
+                )
+                return JobStatus.QUEUED
+            row = await self._exhaust(
+                connection,
+                job_id,
+                cause=reason,
+                condition=f"lease_owner = :owner AND {_OUT_OF_RECOVERIES}",
+                params=params,
             )
-            if result.rowcount != 1:
-                return False
-            await self._event(
-                connection, job_id, "status", {"status": "queued", "reason": reason}, now
-            )
-            return True
+            if row is None:
+                return None
+            exhausted_rows.append((row, now))
+            return JobStatus.FAILED
 
-        return await self.database.write(work)
+        moved = await self.database.write(work)
+        for row, ended in exhausted_rows:
+            self._count_outcome(row, JobStatus.FAILED, ended)
+        return moved
+
+    async def _exhaust(
+        self,
+        connection: AsyncConnection,
+        job_id: str,
+        *,
+        cause: str,
+        condition: str,
+        params: Mapping[str, Any],
+    ) -> Any:
+        """Fail running ``job_id`` with ``recovery_exhausted`` if ``condition`` holds (one
+        compare-and-set); its ``(kind, started_at_ms)`` row, or ``None`` when it did not."""
+        now = params["now"]
+        recoveries = (
+            await connection.execute(
+                text("SELECT recoveries FROM jobs WHERE id = :id"), {"id": job_id}
+            )
+        ).scalar()
+        last_step = (
+            (
+                await connection.execute(
+                    text("SELECT * FROM steps WHERE job_id = :id ORDER BY seq DESC LIMIT 1"),
+                    {"id": job_id},
+                )
+            )
+            .mappings()
+            .first()
+        )
+        message = _bounded(_exhausted_message(job_id, int(recoveries or 0), cause, last_step))
+        row = (
+            await connection.execute(
+                text(
+                    "UPDATE jobs SET status = 'failed', error_code = :code,"  # noqa: S608 - fixed text
+                    f" error_message = :message, {_NO_LEASE}, updated_at_ms = :now,"
+                    " ended_at_ms = :now"
+                    f" WHERE id = :job AND status = 'running' AND {condition}"
+                    " RETURNING kind, started_at_ms"
+                ),
+                {**params, "job": job_id, "code": RECOVERY_EXHAUSTED, "message": message},
+            )
+        ).first()
+        if row is None:
+            return None
+        data: dict[str, Any] = {
+            "status": "failed",
+            "reason": RECOVERY_EXHAUSTED,
+            "error": {"code": RECOVERY_EXHAUSTED, "message": message},
+        }
+        if last_step is not None:
+            data["step"] = last_step["name"]
+        await self._event(connection, job_id, "status", data, now)
+        return row
 
     # -- outcomes --------------------------------------------------------------------------
 
@@ -658,14 +891,15 @@ class JobStore:
         job_id: str,
         *,
         owner: str,
+        attempt: int,
         status: JobStatus,
         output_json: str | None = None,
         error: ErrorInfo | None = None,
     ) -> bool:
-        """Record a running job's outcome if ``owner`` still holds it.
+        """Record a running job's outcome if ``owner``'s claim ``attempt`` still holds it.
 
         ``status`` is succeeded, failed, cancelled or parked. Returns ``False`` (and writes
-        nothing) when the lease was lost to another worker.
+        nothing) when the lease was lost to recovery.
         """
 
         async def work(connection: AsyncConnection) -> tuple[Any, int] | None:
@@ -676,7 +910,7 @@ class JobStore:
                     "UPDATE jobs SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
                     f" error_code = :code, error_message = :message, {_NO_LEASE},"
                     " updated_at_ms = :now, ended_at_ms = :ended"
-                    " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
+                    f" WHERE id = :id AND {_FENCE}"
                     " RETURNING kind, started_at_ms"
                 ),
                 {
@@ -688,6 +922,7 @@ class JobStore:
                     "ended": ended,
                     "id": job_id,
                     "owner": owner,
+                    "attempt": attempt,
                 },
             )
             row = result.first()
@@ -762,9 +997,10 @@ class JobStore:
     async def retry(self, job_id: str) -> JobRecord | None:
         """Re-queue a failed or parked job; it resumes after its last completed step.
 
-        Returns the job after the attempt (unchanged if it was not failed or parked), or
-        ``None`` when it does not exist. A failed job whose idempotency key was taken by a
-        newer unfinished job stays failed.
+        Its recovery count starts again from 0, so a job that ended ``recovery_exhausted``
+        gets the full number of recoveries once more. Returns the job after the attempt
+        (unchanged if it was not failed or parked), or ``None`` when it does not exist. A
+        failed job whose idempotency key was taken by a newer unfinished job stays failed.
         """
 
         async def work(connection: AsyncConnection) -> JobRecord | None:
@@ -774,7 +1010,8 @@ class JobStore:
                     text(
                         "UPDATE jobs SET status = 'queued', error_code = NULL,"
                         " error_message = NULL, cancel_requested = 0, ended_at_ms = NULL,"
-                        " updated_at_ms = :now WHERE id = :id AND status IN ('failed', 'parked')"
+                        " recoveries = 0, updated_at_ms = :now"
+                        " WHERE id = :id AND status IN ('failed', 'parked')"
                     ),
                     {"now": now, "id": job_id},
                 )
@@ -790,18 +1027,34 @@ class JobStore:
         return await self.database.write(work)
 
     async def report_progress(
-        self, job_id: str, *, owner: str, progress: Mapping[str, Any], event: bool
+        self,
+        job_id: str,
+        *,
+        owner: str,
+        attempt: int,
+        progress: Mapping[str, Any],
+        event: bool,
     ) -> bool:
-        """Store the latest progress of a running job; append an event when ``event``."""
+        """Store the latest progress of a running job; append an event when ``event``.
+
+        Returns ``False``, writing nothing, when ``owner``'s claim ``attempt`` no longer holds
+        the job.
+        """
 
         async def work(connection: AsyncConnection) -> bool:
             now = self.clock()
             result = await connection.execute(
                 text(
-                    "UPDATE jobs SET progress_json = :progress, updated_at_ms = :now"
-                    " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
+                    "UPDATE jobs SET progress_json = :progress, updated_at_ms = :now"  # noqa: S608 - fixed text
+                    f" WHERE id = :id AND {_FENCE}"
                 ),
-                {"progress": _event_json(progress), "now": now, "id": job_id, "owner": owner},
+                {
+                    "progress": _event_json(progress),
+                    "now": now,
+                    "id": job_id,
+                    "owner": owner,
+                    "attempt": attempt,
+                },
             )
             if result.rowcount != 1:
                 return False
@@ -834,44 +1087,59 @@ class JobStore:
 
     # -- the journal -----------------------------------------------------------------------
 
-    async def begin_step(self, job_id: str, *, seq: int, name: str) -> StepRecord | None:
+    async def begin_step(
+        self, job_id: str, *, owner: str, attempt: int, seq: int, name: str
+    ) -> StepRecord | StepRefusal:
         """Record that step ``seq`` starts (inserting it, or counting a re-run).
 
-        Returns ``None`` without recording anything when cancellation of the job was
-        requested: the check and the start share one transaction.
+        The insert is fenced: it happens only while ``owner``'s claim ``attempt`` holds the
+        job and no cancellation was requested, checked in the same statement.
+
+        Returns:
+            The step as recorded; or, having recorded nothing, ``StepRefusal.CANCELLED``
+            (cancellation was requested) or ``StepRefusal.LEASE_LOST`` (the claim no longer
+            holds the job: stop).
         """
 
-        async def work(connection: AsyncConnection) -> StepRecord | None:
-            cancelled = (
-                await connection.execute(
-                    text("SELECT cancel_requested FROM jobs WHERE id = :id"), {"id": job_id}
-                )
-            ).scalar()
-            if cancelled:
-                return None
+        async def work(connection: AsyncConnection) -> StepRecord | StepRefusal:
             now = self.clock()
-            await connection.execute(
-                text(
-                    "INSERT INTO steps (job_id, seq, name, status, attempts, started_at_ms)"
-                    " VALUES (:id, :seq, :name, 'running', 1, :now)"
-                    " ON CONFLICT (job_id, seq) DO UPDATE SET status = 'running',"
-                    " attempts = attempts + 1, error_code = NULL, error_message = NULL,"
-                    " ended_at_ms = NULL"
-                ),
-                {"id": job_id, "seq": seq, "name": name, "now": now},
-            )
-            await self._event(
-                connection, job_id, "step", {"seq": seq, "name": name, "status": "running"}, now
-            )
+            params = {
+                "id": job_id,
+                "seq": seq,
+                "name": name,
+                "now": now,
+                "owner": owner,
+                "attempt": attempt,
+            }
+            # The WHERE clause also keeps SQLite from reading ON CONFLICT as a join constraint.
             row = (
                 (
                     await connection.execute(
-                        text("SELECT * FROM steps WHERE job_id = :id AND seq = :seq"),
-                        {"id": job_id, "seq": seq},
+                        text(
+                            "INSERT INTO steps (job_id, seq, name, status, attempts, started_at_ms)"  # noqa: S608 - fixed text
+                            " SELECT id, :seq, :name, 'running', 1, :now FROM jobs"
+                            f" WHERE id = :id AND {_FENCE} AND cancel_requested = 0"
+                            " ON CONFLICT (job_id, seq) DO UPDATE SET status = 'running',"
+                            " attempts = attempts + 1, error_code = NULL, error_message = NULL,"
+                            " ended_at_ms = NULL"
+                            " RETURNING *"
+                        ),
+                        params,
                     )
                 )
                 .mappings()
-                .one()
+                .first()
+            )
+            if row is None:
+                held = (
+                    await connection.execute(
+                        text(f"SELECT 1 FROM jobs WHERE id = :id AND {_FENCE}"),  # noqa: S608 - fixed text
+                        params,
+                    )
+                ).scalar()
+                return StepRefusal.CANCELLED if held else StepRefusal.LEASE_LOST
+            await self._event(
+                connection, job_id, "step", {"seq": seq, "name": name, "status": "running"}, now
             )
             return _step(row)
 
@@ -881,38 +1149,60 @@ class JobStore:
         self,
         job_id: str,
         *,
+        owner: str,
+        attempt: int,
         seq: int,
         name: str,
         output_json: str | None = None,
         error: ErrorInfo | None = None,
-    ) -> None:
-        """Record a step's outcome: its output (succeeded) or its error (failed)."""
+    ) -> bool:
+        """Record a step's outcome: its output (succeeded) or its error (failed).
 
-        async def work(connection: AsyncConnection) -> None:
+        Fenced like :meth:`begin_step`: the step row changes only while ``owner``'s claim
+        ``attempt`` holds the job, so a runner that lost its lease never overwrites what the
+        new owner recorded. A succeeded step also resets the job's recovery count.
+
+        Returns:
+            ``False``, having written nothing, when the claim no longer holds the job.
+        """
+
+        async def work(connection: AsyncConnection) -> bool:
             now = self.clock()
             status = StepStatus.FAILED if error else StepStatus.SUCCEEDED
-            await connection.execute(
+            params = {
+                "status": status.value,
+                "output": output_json,
+                "code": error.code if error else None,
+                "message": _bounded(error.message) if error else None,
+                "now": now,
+                "id": job_id,
+                "seq": seq,
+                "owner": owner,
+                "attempt": attempt,
+            }
+            result = await connection.execute(
                 text(
-                    "UPDATE steps SET status = :status, output_json = :output,"
+                    "UPDATE steps SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
                     " error_code = :code, error_message = :message, ended_at_ms = :now"
-                    " WHERE job_id = :id AND seq = :seq"
+                    " WHERE job_id = :id AND seq = :seq AND status = 'running'"
+                    f" AND {_STEP_FENCE}"
                 ),
-                {
-                    "status": status.value,
-                    "output": output_json,
-                    "code": error.code if error else None,
-                    "message": _bounded(error.message) if error else None,
-                    "now": now,
-                    "id": job_id,
-                    "seq": seq,
-                },
+                params,
             )
+            if result.rowcount != 1:
+                return False
+            if status == StepStatus.SUCCEEDED:
+                await connection.execute(
+                    text(f"UPDATE jobs SET recoveries = 0 WHERE id = :id AND {_FENCE}"),  # noqa: S608 - fixed text
+                    params,
+                )
             data: dict[str, Any] = {"seq": seq, "name": name, "status": status.value}
             if error:
                 data["error"] = {"code": error.code, "message": error.message}
             await self._event(connection, job_id, "step", data, now)
+            return True
 
-        await self.database.write(work)
+        return await self.database.write(work)
 
     # -- retention -------------------------------------------------------------------------
 

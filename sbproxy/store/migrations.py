@@ -137,6 +137,17 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "UPDATE jobs SET lease_expires_at_ms = NULL",
         ),
     ),
+    (
+        5,
+        "recoveries since the last completed step",
+        (
+            # How many times recovery took the job from a dead or lapsed runner since a step
+            # last completed; recovery fails a job that reached the engine's limit
+            # (``recovery_exhausted``) instead of re-queueing it once more. Existing jobs
+            # start at 0: whatever crashed them before was not counted.
+            "ALTER TABLE jobs ADD COLUMN recoveries INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

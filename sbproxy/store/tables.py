@@ -40,6 +40,9 @@ class JobRow(SQLModel, table=True):
     lease_clock: str | None = None
     lease_deadline_ms: int | None = None
     lease_ms: int | None = None
+    # Recoveries since a step last completed (migration 5); reset by a completed step and by
+    # an operator's retry.
+    recoveries: int = 0
 
 
 class StepRow(SQLModel, table=True):

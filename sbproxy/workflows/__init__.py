@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from sbproxy.workflows.context import StepContext, WorkflowContext
 from sbproxy.workflows.declare import Registry, RetryPolicy, StepDef, WorkflowDef, step
-from sbproxy.workflows.engine import WorkflowEngine
+from sbproxy.workflows.engine import DEFAULT_MAX_RECOVERIES, WorkflowEngine
 from sbproxy.workflows.errors import (
     JobCancelled,
     JobNotFound,
@@ -36,8 +36,10 @@ from sbproxy.workflows.errors import (
 from sbproxy.workflows.executor import LeaseSettings
 from sbproxy.workflows.faults import arm, disarm_all, fault_point
 from sbproxy.workflows.identity import WorkerIdentity, owner_is_gone, process_start_ticks
+from sbproxy.workflows.stale import Staleness, StaleReason, stale_reason, staleness
 
 __all__ = [
+    "DEFAULT_MAX_RECOVERIES",
     "JobCancelled",
     "JobNotFound",
     "LeaseLost",
@@ -45,6 +47,8 @@ __all__ = [
     "NondeterminismError",
     "Registry",
     "RetryPolicy",
+    "StaleReason",
+    "Staleness",
     "StepContext",
     "StepDef",
     "StepFailed",
@@ -58,5 +62,7 @@ __all__ = [
     "fault_point",
     "owner_is_gone",
     "process_start_ticks",
+    "stale_reason",
+    "staleness",
     "step",
 ]

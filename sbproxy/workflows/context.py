@@ -11,10 +11,16 @@ from opentelemetry import trace
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from sbproxy.errors import SbproxyError
-from sbproxy.store import ErrorInfo, JobRecord, JobStore, StepRecord, StepStatus
+from sbproxy.store import ErrorInfo, JobRecord, JobStore, StepRecord, StepRefusal, StepStatus
 from sbproxy.telemetry import ATTR_JOB_ID, ATTR_JOB_KIND, ATTR_STEP, ATTR_STEP_ATTEMPT, tracer
 from sbproxy.workflows.declare import StepDef
-from sbproxy.workflows.errors import JobCancelled, NondeterminismError, StepFailed, WorkflowError
+from sbproxy.workflows.errors import (
+    JobCancelled,
+    LeaseLost,
+    NondeterminismError,
+    StepFailed,
+    WorkflowError,
+)
 from sbproxy.workflows.faults import fault_point
 
 __all__ = ["StepContext", "WorkflowContext"]
@@ -31,7 +37,12 @@ PROGRESS_INTERVAL_S = 0.25
 
 
 def _is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, SbproxyError) and exc.retryable and not isinstance(exc, JobCancelled)
+    # A lost lease is "retryable" for the job (another run resumes it), never for this run.
+    return (
+        isinstance(exc, SbproxyError)
+        and exc.retryable
+        and not isinstance(exc, JobCancelled | LeaseLost)
+    )
 
 
 class _JobState:
@@ -43,6 +54,29 @@ class _JobState:
         self.resources = tuple(resources)
         self.cancel_requested = job.cancel_requested
         self.lease_lost = False
+
+    @property
+    def attempt(self) -> int:
+        """The claim this run holds: the job's ``attempt`` when it was claimed."""
+        return self.job.attempt
+
+    def lose_lease(self, what: str) -> LeaseLost:
+        """Mark this run as having lost its lease; the error to raise (``lease_lost``).
+
+        ``what`` names the fenced write that changed nothing (``end of step fetch``).
+        """
+        self.lease_lost = True
+        logger.warning(
+            "job %s: %s changed nothing: attempt %d no longer holds the job; stopping this run",
+            self.job.id,
+            what,
+            self.attempt,
+        )
+        return LeaseLost(
+            f"job {self.job.id}: attempt {self.attempt} lost its lease ({what} was fenced off); "
+            "another run resumes the job",
+            details={"job_id": self.job.id, "attempt": self.attempt},
+        )
 
 
 class StepContext:
@@ -102,6 +136,10 @@ class StepContext:
         """Report progress (``done`` of ``total`` ``unit``; ``current`` item name).
 
         Throttled to one write every 0.25 s unless ``force`` or the work is complete.
+
+        Raises:
+            LeaseLost: ``lease_lost`` when this run no longer holds the job (the write was
+                fenced off); the step must let it propagate.
         """
         now = time.monotonic()
         complete = total is not None and done >= total
@@ -112,9 +150,15 @@ class StepContext:
         if current is not None:
             progress["current"] = current
         progress["step"] = self.step_name
-        await self._store.report_progress(
-            self.job_id, owner=self._state.owner, progress=progress, event=True
+        written = await self._store.report_progress(
+            self.job_id,
+            owner=self._state.owner,
+            attempt=self._state.attempt,
+            progress=progress,
+            event=True,
         )
+        if not written:
+            raise self._state.lose_lease(f"progress of step {self.step_name}")
 
 
 class WorkflowContext:
@@ -161,6 +205,8 @@ class WorkflowContext:
             NondeterminismError: the journal holds a different step at this position.
             JobCancelled: cancellation was requested.
             StepFailed: the step failed permanently or ran out of retries (its reason code).
+            LeaseLost: ``lease_lost``: a fenced journal write changed nothing because this
+                run no longer holds the job; nothing more is written.
         """
         seq = self._seq
         self._seq += 1
@@ -192,10 +238,19 @@ class WorkflowContext:
                 self.job_id,
                 step_name,
             )
-        started = await self._store.begin_step(self.job_id, seq=seq, name=step_name)
-        if started is None:
+        started = await self._store.begin_step(
+            self.job_id,
+            owner=self._state.owner,
+            attempt=self._state.attempt,
+            seq=seq,
+            name=step_name,
+        )
+        if started == StepRefusal.LEASE_LOST:
+            raise self._state.lose_lease(f"start of step {step_name}")
+        if started == StepRefusal.CANCELLED:
             self._state.cancel_requested = True
             raise JobCancelled(f"job {self.job_id} was cancelled before step {step_name}")
+        assert isinstance(started, StepRecord)  # noqa: S101 - the refusals are handled above
         with tracer().start_as_current_span(
             f"step {step_name}",
             attributes={
@@ -215,35 +270,58 @@ class WorkflowContext:
             )
             try:
                 result = await self._run(definition, context, arg)
+            except LeaseLost:
+                self._state.lease_lost = True
+                raise  # a fenced write already changed nothing; write nothing more
             except JobCancelled as exc:
-                await self._store.end_step(
-                    self.job_id, seq=seq, name=step_name, error=ErrorInfo(exc.code, exc.message)
-                )
+                await self._end(seq, step_name, error=ErrorInfo(exc.code, exc.message))
                 raise
             except SbproxyError as exc:
                 span.set_status(trace.StatusCode.ERROR, exc.code)
-                await self._store.end_step(
-                    self.job_id, seq=seq, name=step_name, error=ErrorInfo(exc.code, str(exc))
-                )
+                await self._end(seq, step_name, error=ErrorInfo(exc.code, str(exc)))
                 raise StepFailed(
                     f"step {step_name} failed: {exc}", code=exc.code, retryable=False
                 ) from exc
             except Exception as exc:
                 span.set_status(trace.StatusCode.ERROR, "internal")
                 message = f"{type(exc).__name__}: {exc}"
-                await self._store.end_step(
-                    self.job_id, seq=seq, name=step_name, error=ErrorInfo("internal", message)
-                )
+                await self._end(seq, step_name, error=ErrorInfo("internal", message))
                 raise StepFailed(
                     f"step {step_name} crashed: {message}", code="internal", retryable=False
                 ) from exc
             encoded = definition.encode(result)
             fault_point(f"step:{step_name}:after")
-            await self._store.end_step(self.job_id, seq=seq, name=step_name, output_json=encoded)
+            await self._end(seq, step_name, output_json=encoded)
         # The output is durable: a crash from here on replays this step, never reruns it.
         fault_point(f"step:{step_name}:committed")
         # Return what a replay would return, so a resumed run sees identical values.
         return definition.decode(encoded)
+
+    async def _end(
+        self,
+        seq: int,
+        step_name: str,
+        *,
+        output_json: str | None = None,
+        error: ErrorInfo | None = None,
+    ) -> None:
+        """Journal the step's outcome under this run's claim.
+
+        Raises:
+            LeaseLost: ``lease_lost`` when the write was fenced off (another run holds the
+                job now and its record of this step stands).
+        """
+        written = await self._store.end_step(
+            self.job_id,
+            owner=self._state.owner,
+            attempt=self._state.attempt,
+            seq=seq,
+            name=step_name,
+            output_json=output_json,
+            error=error,
+        )
+        if not written:
+            raise self._state.lose_lease(f"end of step {step_name}")
 
     async def _run(self, definition: StepDef[A, R], context: StepContext, arg: A) -> R:
         policy = definition.retry

@@ -4,12 +4,16 @@ One :class:`WorkflowEngine` per process and journal. The server runs :meth:`run_
 CLI process that starts a job runs it with :meth:`run_job` and holds the lease itself; after a
 crash, either of them finds the job again (``running`` under a dead owner, or with a lapsed
 lease), returns it to the queue and finishes it from its last completed step.
+
+Recovery is bounded: a job taken from a dead or lapsed runner ``max_recoveries`` times in a
+row without completing a step (one that crashes its process every time it runs) is not
+re-queued again but ends ``failed`` with ``recovery_exhausted``; ``retry`` revives it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +35,10 @@ from sbproxy.workflows.declare import Registry, WorkflowDef
 from sbproxy.workflows.errors import JobNotFound, WorkflowError
 from sbproxy.workflows.executor import LeaseSettings, execute
 from sbproxy.workflows.identity import WorkerIdentity, owner_is_gone
+from sbproxy.workflows.stale import Staleness, stale_reason
+from sbproxy.workflows.stale import staleness as judge_staleness
 
-__all__ = ["WorkflowEngine"]
+__all__ = ["DEFAULT_MAX_RECOVERIES", "WorkflowEngine"]
 
 
 def _found(job: JobRecord | None, job_id: str) -> JobRecord:
@@ -45,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 # Finished jobs kept for inspection; active jobs are never pruned. The reference keeps 256.
 DEFAULT_HISTORY_LIMIT = 256
+# Recoveries in a row without a completed step before a job fails ``recovery_exhausted``: a
+# crash that a rerun survives (a killed process, a reboot) needs one; three in a row that die
+# before finishing a single step point at the job, not at bad luck.
+DEFAULT_MAX_RECOVERIES = 3
 
 
 class WorkflowEngine:
@@ -56,6 +66,12 @@ class WorkflowEngine:
         lease: Lease duration and heartbeat period.
         history_limit: Finished jobs to keep (oldest pruned first; active jobs never).
         resources: Objects steps may ask for with ``ctx.resource(Type)`` (a cache, ...).
+        max_recoveries: How many times in a row recovery may take a job from a dead or
+            lapsed runner without a step completing in between; the next time it ends
+            ``failed`` with ``recovery_exhausted``. ``None``: no bound.
+
+    Raises:
+        ValueError: ``max_recoveries`` is negative.
     """
 
     def __init__(
@@ -66,7 +82,11 @@ class WorkflowEngine:
         lease: LeaseSettings | None = None,
         history_limit: int = DEFAULT_HISTORY_LIMIT,
         resources: Sequence[object] = (),
+        max_recoveries: int | None = DEFAULT_MAX_RECOVERIES,
     ) -> None:
+        if max_recoveries is not None and max_recoveries < 0:
+            raise ValueError(f"max_recoveries must be at least 0, not {max_recoveries}")
+        self.max_recoveries = max_recoveries
         # Steps may ask for the journal itself too (e.g. to see other jobs of a subject).
         self.resources = (*resources, store)
         self.store = store
@@ -89,8 +109,10 @@ class WorkflowEngine:
         lease: LeaseSettings | None = None,
         history_limit: int = DEFAULT_HISTORY_LIMIT,
         resources: Sequence[object] = (),
+        max_recoveries: int | None = DEFAULT_MAX_RECOVERIES,
     ) -> WorkflowEngine:
-        """Open the journal at ``path`` (creating it) and return an engine over it."""
+        """Open the journal at ``path`` (creating it) and return an engine over it (the
+        arguments as for the constructor)."""
         database = await Database.open(path, synchronous=synchronous)
         return cls(
             JobStore(database),
@@ -98,6 +120,7 @@ class WorkflowEngine:
             lease=lease,
             history_limit=history_limit,
             resources=resources,
+            max_recoveries=max_recoveries,
         )
 
     async def close(self) -> None:
@@ -158,11 +181,18 @@ class WorkflowEngine:
         return _found(await self.store.retry(job_id), job_id)
 
     async def follow(
-        self, job_id: str, *, after_seq: int = 0, poll_s: float = 0.2
+        self,
+        job_id: str,
+        *,
+        after_seq: int = 0,
+        poll_s: float = 0.2,
+        on_idle: Callable[[JobRecord], Awaitable[None]] | None = None,
     ) -> AsyncIterator[EventRecord]:
         """Yield the events of ``job_id`` as they are written, until the job is finished.
 
         Works across processes and restarts: it polls the journal from ``after_seq``.
+        ``on_idle`` is awaited with the job each time a poll found no new event and the job
+        is still unfinished (``jobs watch`` checks there whether it went stale).
 
         Raises:
             JobNotFound: ``job_not_found``.
@@ -182,6 +212,8 @@ class WorkflowEngine:
                         last = event.seq
                         yield event
                     return
+                if on_idle is not None:
+                    await on_idle(job)
                 await anyio.sleep(poll_s)
 
     # -- running ---------------------------------------------------------------------------
@@ -192,24 +224,102 @@ class WorkflowEngine:
         Two compare-and-set passes: leases past their expiry, then running jobs whose owner
         process is certainly gone (same boot, pid dead or reused) even if the lease is fresh.
         Neither reads the wall clock: leases are judged on the store's lease clock, so a
-        wall-clock step neither takes a live owner's job nor keeps a dead owner's.
+        wall-clock step neither takes a live owner's job nor keeps a dead owner's. A job out
+        of recoveries (``max_recoveries``) ends ``failed`` with ``recovery_exhausted``
+        instead and is not among the ids returned.
         """
-        recovered = await self.store.requeue_expired()
+        lapsed = await self.store.recover_lapsed(max_recoveries=self.max_recoveries)
+        recovered = list(lapsed.requeued)
+        exhausted = list(lapsed.exhausted)
         for job in await self.store.list_jobs(statuses=(JobStatus.RUNNING,), limit=10_000):
             owner = job.lease_owner
             if owner is None or not owner_is_gone(owner):
                 continue
-            if await self.store.requeue_from(job.id, owner=owner, reason="owner_gone"):
+            moved = await self._take_from_dead(job.id, owner)
+            if moved == JobStatus.QUEUED:
                 recovered.append(job.id)
+            elif moved == JobStatus.FAILED:
+                exhausted.append(job.id)
         if recovered:
             logger.info("recovered %d job(s): %s", len(recovered), ", ".join(recovered))
+        if exhausted:
+            logger.warning(
+                "%d job(s) failed with recovery_exhausted (recovered %s times in a row without "
+                "completing a step): %s",
+                len(exhausted),
+                self.max_recoveries,
+                ", ".join(exhausted),
+            )
         return recovered
+
+    async def _take_from_dead(self, job_id: str, owner: str) -> JobStatus | None:
+        """Re-queue ``job_id`` from its dead ``owner``, or fail it when out of recoveries."""
+        return await self.store.recover_from(
+            job_id, owner=owner, reason="owner_gone", max_recoveries=self.max_recoveries
+        )
+
+    async def staleness(self, job: JobRecord) -> Staleness | None:
+        """Whether ``job`` is stale (running, but its lease lapsed or its owner is gone),
+        and since when; ``None`` when it is not. Reads its journal only when it is."""
+        lease_now = self.store.lease_clock()
+        if stale_reason(job, lease_now=lease_now) is None:
+            return None
+        steps = await self.store.steps(job.id)
+        return judge_staleness(job, steps, lease_now=lease_now, now_ms=self.store.clock())
+
+    async def stale_jobs(
+        self, *, kind: str | None = None, subject: str | None = None
+    ) -> list[tuple[JobRecord, Staleness]]:
+        """Every stale job (of ``kind`` and ``subject`` when given), oldest first."""
+        running = await self.store.list_jobs(
+            statuses=(JobStatus.RUNNING,), kind=kind, subject=subject, limit=-1
+        )
+        found = []
+        for job in reversed(running):
+            stale = await self.staleness(job)
+            if stale is not None:
+                found.append((job, stale))
+        return found
+
+    async def resume_stale(
+        self, kind: str, *, subject: str | None = None, joining: str | None = None
+    ) -> list[JobRecord]:
+        """Run every stale job of ``kind`` (and ``subject``) to its end here, oldest first.
+
+        What a verb that submits ``kind`` does before it decides there is nothing to do:
+        each stale job is recovered and resumed under its own id (or, out of recoveries,
+        ends ``failed`` with ``recovery_exhausted``), instead of staying ``running`` for
+        good. A stale job whose idempotency key is ``joining`` is left alone: the caller's
+        submission joins it and runs it.
+
+        Returns:
+            The resumed jobs as they ended (succeeded, failed, cancelled or parked).
+
+        Raises:
+            WorkflowError: ``unknown_workflow`` when this process cannot run ``kind``.
+        """
+        finished = []
+        for job, stale in await self.stale_jobs(kind=kind, subject=subject):
+            if joining is not None and job.idempotency_key == joining:
+                continue
+            logger.info(
+                "job %s (%s) is stale (%s, owner %s); resuming it",
+                job.id,
+                job.kind,
+                stale.reason,
+                stale.owner,
+            )
+            finished.append(await self.run_job(job.id))
+        return finished
 
     async def run_job(self, job_id: str, *, poll_s: float = 0.2) -> JobRecord:
         """Run ``job_id`` in this process until it finishes, and return it.
 
         A queued job is claimed and executed here. A job running under a live owner is
-        waited for; one whose owner died is recovered and then run here.
+        waited for; one whose owner died or whose lease lapsed is recovered and then run
+        here -- or, recovered ``max_recoveries`` times in a row without completing a step,
+        ends ``failed`` with ``recovery_exhausted`` and is returned so. A run here that loses
+        its lease stops writing and waits for the run that took the job over.
 
         Raises:
             JobNotFound: ``job_not_found``.
@@ -229,12 +339,11 @@ class WorkflowEngine:
                 )
             if job.status == JobStatus.RUNNING:
                 if job.lease_owner and owner_is_gone(job.lease_owner):
-                    await self.store.requeue_from(
-                        job.id, owner=job.lease_owner, reason="owner_gone"
-                    )
+                    await self._take_from_dead(job.id, job.lease_owner)
                 else:
-                    await self.store.requeue_expired()
-                    await anyio.sleep(poll_s)
+                    lapsed = await self.store.recover_lapsed(max_recoveries=self.max_recoveries)
+                    if job.id not in lapsed.requeued and job.id not in lapsed.exhausted:
+                        await anyio.sleep(poll_s)
                 continue
             claimed = await self.store.claim(
                 owner=self.identity.owner, lease_ms=self.lease.lease_ms, job_id=job_id
@@ -246,7 +355,8 @@ class WorkflowEngine:
                 return finished
 
     async def _execute(self, job: JobRecord) -> JobRecord:
-        """Run a job this worker claimed, then prune finished history."""
+        """Run a job this worker claimed, then prune finished history (only when this run
+        finished it: a run that lost its lease writes nothing more)."""
         finished = await execute(
             job,
             store=self.store,
@@ -255,7 +365,8 @@ class WorkflowEngine:
             lease=self.lease,
             resources=self.resources,
         )
-        await self.store.prune_terminal(keep=self.history_limit)
+        if finished.terminal and finished.attempt == job.attempt:
+            await self.store.prune_terminal(keep=self.history_limit)
         return finished
 
     async def run_worker(

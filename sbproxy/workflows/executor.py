@@ -1,4 +1,10 @@
-"""Run one claimed job: heartbeat its lease, replay its journal, record its outcome."""
+"""Run one claimed job: heartbeat its lease, replay its journal, record its outcome.
+
+Every journal write of a run is fenced on its claim (lease owner and attempt, see
+``sbproxy.store.jobs``). The first write that changes nothing -- the heartbeat, a step's
+start, progress or end, the outcome -- means recovery gave the job to another run: this run
+raises (or notes) :class:`LeaseLost`, stops, and writes nothing more.
+"""
 
 from __future__ import annotations
 
@@ -49,10 +55,11 @@ async def _heartbeat(
 ) -> None:
     while True:
         await anyio.sleep(lease.heartbeat_s)
-        alive = await store.heartbeat(state.job.id, owner=state.owner, lease_ms=lease.lease_ms)
+        alive = await store.heartbeat(
+            state.job.id, owner=state.owner, attempt=state.attempt, lease_ms=lease.lease_ms
+        )
         if not alive:
-            logger.warning("job %s: lease lost; stopping this run", state.job.id)
-            state.lease_lost = True
+            state.lose_lease("heartbeat")
             scope.cancel()
             return
         if not state.cancel_requested and await store.cancel_requested(state.job.id):
@@ -71,8 +78,8 @@ async def execute(
     """Run ``job`` (already claimed by ``owner``) to an outcome and record it.
 
     Returns:
-        The job as stored afterwards. If the lease was lost to another worker the record
-        shows that worker's view; this run wrote nothing after losing it.
+        The job as stored afterwards. If the lease was lost to recovery the record shows
+        the new owner's view; this run wrote nothing after losing it.
     """
     link = link_from_carrier(job.trace_context)
     with tracer().start_as_current_span(
@@ -86,7 +93,22 @@ async def execute(
         if status is not None:
             if error is not None:
                 span.set_status(trace.StatusCode.ERROR, error.code)
-            await store.finish(job.id, owner=owner, status=status, output_json=output, error=error)
+            finished = await store.finish(
+                job.id,
+                owner=owner,
+                attempt=job.attempt,
+                status=status,
+                output_json=output,
+                error=error,
+            )
+            if not finished:
+                logger.warning(
+                    "job %s: outcome %s of attempt %d was fenced off: another run holds the "
+                    "job now",
+                    job.id,
+                    status.value,
+                    job.attempt,
+                )
     final = await store.get(job.id)
     assert final is not None  # noqa: S101 - jobs are never deleted while running
     return final

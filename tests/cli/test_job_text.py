@@ -11,11 +11,15 @@ from sbproxy.cli._event_view import LineView
 from sbproxy.cli._job_text import (
     age_text,
     duration_text,
+    job_table,
     progress_text,
+    resume_hint,
     show_lines,
     size_text,
 )
-from sbproxy.store import EventRecord, JobRecord, JobStatus, LeaseStamp, LeaseTime
+from sbproxy.store import EventRecord, JobRecord, JobStatus, LeaseStamp, LeaseTime, StepRecord
+from sbproxy.store.lifecycle import StepStatus
+from sbproxy.workflows import Staleness
 
 JOB = "01JABCDEFGHJKMNPQRSTVWXYZ0"
 MIB = 2**20
@@ -174,3 +178,54 @@ def test_show_says_a_lease_this_clock_cannot_measure_has_lapsed(
         "  lease      host:1234 (lapsed: not renewed on this boot's clock; "
         "resumed by the next worker or rerun)"
     )
+
+
+DELETE_STEP = StepRecord(
+    job_id=JOB,
+    seq=0,
+    name="delete",
+    status=StepStatus.RUNNING,
+    attempts=1,
+    output_json=None,
+    error=None,
+    started_at_ms=STARTED_MS,
+    ended_at_ms=None,
+)
+
+
+def test_a_stale_job_says_how_long_it_was_silent_why_where_who_held_it_and_what_resumes_it() -> (
+    None
+):
+    job = running_job(RENEWED)
+    stale = Staleness(reason="owner_gone", owner="host:1234", age_ms=300_000, last_step=DELETE_STEP)
+    table = job_table([job], now_ms=STARTED_MS + 600_000, stale={JOB: stale})
+    assert "running (stale)" in table[1]
+    assert table[2:] == [
+        "",
+        f"stale {JOB} (pull): silent for 5m00s: its owner host:1234 is gone; last step delete "
+        "(#0, running); resumed by the next `sbproxy models pull` (or `models import`) of "
+        "this artifact or by a running `sbproxy serve` on this cache",
+    ]
+    plain = job_table([job], now_ms=STARTED_MS + 600_000)
+    assert len(plain) == 2 and "stale" not in plain[1]
+
+    lapsed = Staleness(reason="lease_expired", owner="host:1234", age_ms=4_300, last_step=None)
+    lines = show_lines(job, [], now_ms=STARTED_MS, lease_now=LeaseTime(BOOT, 520_000), stale=lapsed)
+    at = lines.index("  stale      silent for 4.3s: the lease of host:1234 lapsed; no step begun")
+    assert lines[at + 1].startswith("             resumed by the next `sbproxy models pull`")
+
+
+@pytest.mark.parametrize(
+    ("kind", "hint"),
+    [
+        (
+            "remove",
+            "resumed by the next `sbproxy models remove` of this artifact or by a running "
+            "`sbproxy serve` on this cache",
+        ),
+        ("load", "resumed when `sbproxy serve` starts again on this cache (it adopts the job)"),
+        ("something-else", "resumed by a running `sbproxy serve` on this cache"),
+    ],
+)
+def test_each_kind_names_what_resumes_it(kind: str, hint: str) -> None:
+    assert resume_hint(kind) == hint

@@ -103,7 +103,9 @@ async def test_idempotency_key_joins_the_unfinished_job(store: JobStore) -> None
     # Once the job is finished, the key is free again.
     claimed = await store.claim(owner="w", lease_ms=10_000)
     assert claimed is not None
-    assert await store.finish(claimed.id, owner="w", status=JobStatus.SUCCEEDED, output_json="1")
+    assert await store.finish(
+        claimed.id, owner="w", attempt=1, status=JobStatus.SUCCEEDED, output_json="1"
+    )
     later = await store.submit(
         kind="demo", workflow_version=1, input_json="{}", idempotency_key="k"
     )
@@ -116,9 +118,9 @@ async def test_claim_is_compare_and_set(store: JobStore) -> None:
     assert (await store.claim(owner="b", lease_ms=10_000, job_id=job_id)) is None
     assert (await store.claim(owner="b", lease_ms=10_000)) is None
     # Only the lease owner may finish or heartbeat it.
-    assert not await store.finish(job_id, owner="b", status=JobStatus.SUCCEEDED)
-    assert not await store.heartbeat(job_id, owner="b", lease_ms=10_000)
-    assert await store.heartbeat(job_id, owner="a", lease_ms=10_000)
+    assert not await store.finish(job_id, owner="b", attempt=1, status=JobStatus.SUCCEEDED)
+    assert not await store.heartbeat(job_id, owner="b", attempt=1, lease_ms=10_000)
+    assert await store.heartbeat(job_id, owner="a", attempt=1, lease_ms=10_000)
     job = await store.get(job_id)
     assert job is not None
     assert job.status == JobStatus.RUNNING
@@ -129,8 +131,10 @@ async def test_claim_is_compare_and_set(store: JobStore) -> None:
 async def test_terminal_jobs_are_immutable(store: JobStore) -> None:
     job_id = await submit(store)
     await store.claim(owner="a", lease_ms=10_000)
-    assert await store.finish(job_id, owner="a", status=JobStatus.SUCCEEDED, output_json='"ok"')
-    assert not await store.finish(job_id, owner="a", status=JobStatus.FAILED)
+    assert await store.finish(
+        job_id, owner="a", attempt=1, status=JobStatus.SUCCEEDED, output_json='"ok"'
+    )
+    assert not await store.finish(job_id, owner="a", attempt=1, status=JobStatus.FAILED)
     cancelled = await store.request_cancel(job_id)
     assert cancelled is not None
     assert cancelled.status == JobStatus.SUCCEEDED
@@ -155,7 +159,7 @@ async def test_expired_leases_return_to_the_queue(tmp_path: Path) -> None:
         assert job.status == JobStatus.QUEUED
         assert job.lease_owner is None
         # The dead owner can no longer write.
-        assert not await store.finish(job_id, owner="dead", status=JobStatus.SUCCEEDED)
+        assert not await store.finish(job_id, owner="dead", attempt=1, status=JobStatus.SUCCEEDED)
     finally:
         await database.close()
 
@@ -181,7 +185,7 @@ async def test_retry_only_from_failed_or_parked(store: JobStore) -> None:
     job_id = await submit(store, key="r")
     await store.claim(owner="w", lease_ms=10_000)
     assert await store.finish(
-        job_id, owner="w", status=JobStatus.FAILED, error=ErrorInfo("boom", "it broke")
+        job_id, owner="w", attempt=1, status=JobStatus.FAILED, error=ErrorInfo("boom", "it broke")
     )
     job = await store.retry(job_id)
     assert job is not None
@@ -200,13 +204,17 @@ async def test_event_sequence_is_monotonic_across_reopen(tmp_path: Path) -> None
     store = JobStore(database)
     job_id = await submit(store)
     await store.claim(owner="w", lease_ms=10_000)
-    await store.report_progress(job_id, owner="w", progress={"done": 1, "total": 2}, event=True)
+    await store.report_progress(
+        job_id, owner="w", attempt=1, progress={"done": 1, "total": 2}, event=True
+    )
     first = await store.events(job_id)
     await database.close()
 
     database = await Database.open(path)
     store = JobStore(database)
-    await store.report_progress(job_id, owner="w", progress={"done": 2, "total": 2}, event=True)
+    await store.report_progress(
+        job_id, owner="w", attempt=1, progress={"done": 2, "total": 2}, event=True
+    )
     events = await store.events(job_id)
     await database.close()
     seqs = [e.seq for e in events]
@@ -229,7 +237,7 @@ async def test_retention_never_prunes_active_jobs(store: JobStore) -> None:
         claimed = await store.claim(owner="w", lease_ms=10_000, job_id=job_id)
         assert claimed is not None
         await store.finish(
-            job_id, owner="w", status=JobStatus.FAILED, error=ErrorInfo("x", str(index))
+            job_id, owner="w", attempt=1, status=JobStatus.FAILED, error=ErrorInfo("x", str(index))
         )
         finished.append(job_id)
     deleted = await store.prune_terminal(keep=2)
@@ -249,9 +257,11 @@ async def test_secrets_never_reach_the_database_file(tmp_path: Path) -> None:
     ]
     job_id = await submit(store)
     await store.claim(owner="w", lease_ms=10_000)
-    await store.begin_step(job_id, seq=0, name="download")
+    await store.begin_step(job_id, owner="w", attempt=1, seq=0, name="download")
     await store.end_step(
         job_id,
+        owner="w",
+        attempt=1,
         seq=0,
         name="download",
         error=ErrorInfo(
@@ -260,11 +270,16 @@ async def test_secrets_never_reach_the_database_file(tmp_path: Path) -> None:
         ),
     )
     await store.report_progress(
-        job_id, owner="w", progress={"current": f"https://u:{secrets[2]}@host/x"}, event=True
+        job_id,
+        owner="w",
+        attempt=1,
+        progress={"current": f"https://u:{secrets[2]}@host/x"},
+        event=True,
     )
     await store.finish(
         job_id,
         owner="w",
+        attempt=1,
         status=JobStatus.FAILED,
         error=ErrorInfo("http_error", f'{{"password": "{secrets[2]}"}} bearer {secrets[0]}'),
     )

@@ -61,7 +61,7 @@ async def test_a_wall_clock_step_does_not_expire_a_live_lease(
     assert await store.claim(owner="w", lease_ms=60_000) is not None
     wall.offset_ms = step_ms
     assert await store.requeue_expired() == []
-    assert await store.heartbeat(job_id, owner="w", lease_ms=60_000)
+    assert await store.heartbeat(job_id, owner="w", attempt=1, lease_ms=60_000)
     assert await store.requeue_expired() == []
     job = await store.get(job_id)
     assert job is not None
@@ -84,7 +84,7 @@ async def test_a_wall_clock_step_does_not_keep_a_dead_lease_alive(
     job = await store.get(job_id)
     assert job is not None
     assert (job.status, job.lease_owner, job.lease) == (JobStatus.QUEUED, None, None)
-    assert not await store.heartbeat(job_id, owner="dead", lease_ms=200)
+    assert not await store.heartbeat(job_id, owner="dead", attempt=1, lease_ms=200)
 
 
 async def test_a_lease_is_stamped_on_this_boots_monotonic_clock(database: Database) -> None:
@@ -212,7 +212,9 @@ async def test_a_schema_3_journal_migrates_and_its_wall_clock_lease_lapses(
         )
         # A wall-clock lease says nothing on the lease clock: recovery takes the job at once.
         assert await store.requeue_expired() == ["running-before"]
-        assert not await store.heartbeat("running-before", owner="old-owner", lease_ms=1_000)
+        assert not await store.heartbeat(
+            "running-before", owner="old-owner", attempt=1, lease_ms=1_000
+        )
         claimed = await store.claim(owner="new", lease_ms=5_000, job_id="running-before")
         assert claimed is not None and claimed.lease is not None
         assert (claimed.attempt, claimed.lease.clock) == (2, boot_id())

@@ -37,15 +37,17 @@ async def test_terminal_transitions_are_counted_once_with_durations(database: Da
     claimed = await store.claim(owner="w1", lease_ms=10_000, job_id=ran)
     assert claimed is not None
     clock.now_ms += 2_500
-    assert await store.finish(ran, owner="w1", status=JobStatus.SUCCEEDED, output_json="{}")
+    assert await store.finish(
+        ran, owner="w1", attempt=1, status=JobStatus.SUCCEEDED, output_json="{}"
+    )
     # A second finish (a lost lease, a replayed call) writes nothing and counts nothing.
-    assert not await store.finish(ran, owner="w1", status=JobStatus.FAILED)
+    assert not await store.finish(ran, owner="w1", attempt=1, status=JobStatus.FAILED)
 
     failed = (await store.submit(kind="pull", workflow_version=1, input_json="{}")).job.id
     await store.claim(owner="w1", lease_ms=10_000, job_id=failed)
     clock.now_ms += 400
     error = ErrorInfo("digest_mismatch", "bytes differ")
-    assert await store.finish(failed, owner="w1", status=JobStatus.FAILED, error=error)
+    assert await store.finish(failed, owner="w1", attempt=1, status=JobStatus.FAILED, error=error)
 
     queued = (await store.submit(kind="gc", workflow_version=1, input_json="{}")).job.id
     await store.request_cancel(queued)
@@ -53,7 +55,8 @@ async def test_terminal_transitions_are_counted_once_with_durations(database: Da
 
     parked = (await store.submit(kind="gc", workflow_version=1, input_json="{}")).job.id
     await store.claim(owner="w1", lease_ms=10_000, job_id=parked)
-    assert await store.finish(parked, owner="w1", status=JobStatus.PARKED)  # not terminal
+    # Parked is not terminal: not counted.
+    assert await store.finish(parked, owner="w1", attempt=1, status=JobStatus.PARKED)
 
     assert store.outcomes.counts() == {
         ("pull", "succeeded"): 1,

@@ -357,25 +357,11 @@ class Prune(Workflow):
 
 WORKFLOWS: dict[str, Workflow] = {w.name: w for w in (Pull(), Import(), Remove(), Gc(), Prune())}
 
-# Issue 14: `models remove` looks the artifact up before it submits, and starts no job for one
-# that is not cached. Killed once the delete step has deleted, the job is left `running` and
-# the rerun reports "not cached" without finishing it, so it stays `running` for good.
-ISSUE_14 = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 14: a `models remove` killed after its delete step leaves its job running "
-    "forever (the rerun finds nothing cached and joins no job)",
-)
-KNOWN = {("remove", "delete", "after"): ISSUE_14, ("remove", "delete", "committed"): ISSUE_14}
-
+# A `models remove` killed once its delete step has deleted (`after`, `committed`) leaves the
+# artifact gone and its job `running`: the rerun finds the stale job before it looks the
+# artifact up, and finishes it under its id (issue 14).
 CASES = [
-    pytest.param(
-        name,
-        step,
-        point,
-        id=f"{name}-{step}-{point}",
-        marks=[KNOWN[(name, step, point)]] if (name, step, point) in KNOWN else [],
-    )
+    pytest.param(name, step, point, id=f"{name}-{step}-{point}")
     for name, workflow in WORKFLOWS.items()
     for step in workflow.steps
     for point in POINTS
