@@ -14,10 +14,10 @@ abandoned generation running.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
-import os
 import subprocess
 import sys
 import time
