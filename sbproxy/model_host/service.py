@@ -352,16 +352,25 @@ class ModelHostService:
         return "not-pulled"
 
     async def partials(self) -> list[PartialReport]:
-        """Every unfinished download in the cache with its owning pull job, by digest."""
-        store = self.engine.store
+        """Every unfinished download in the cache with its owning pull job, by digest.
+
+        A job owns the partial of the artifact digest in its input (as ``gc`` and ``prune``
+        decide ownership): the newest unfinished pull of that digest, else its newest pull.
+        """
+        downloads = await anyio.to_thread.run_sync(self.cache.partial_downloads)
+        if not downloads:
+            return []
+        unfinished: dict[str, JobRecord] = {}
+        newest: dict[str, JobRecord] = {}
+        for record in await self.engine.store.list_jobs(kind="pull", limit=-1):  # newest first
+            digest = str(record.input.get("artifact", {}).get("digest", ""))
+            newest.setdefault(digest, record)
+            if record.status in ACTIVE_JOB_STATUSES:
+                unfinished.setdefault(digest, record)
         reports = []
-        for download in await anyio.to_thread.run_sync(self.cache.partial_downloads):
-            subject = artifact_subject(download.digest)
-            unfinished = await store.list_jobs(
-                statuses=tuple(ACTIVE_JOB_STATUSES), kind="pull", subject=subject, limit=1
-            )
-            newest = unfinished or await store.list_jobs(kind="pull", subject=subject, limit=1)
-            job = newest[0] if newest else None
+        for download in downloads:
+            owner = unfinished.get(download.digest)
+            job = owner or newest.get(download.digest)
             alive = None
             if job is not None and job.status == JobStatus.RUNNING:
                 alive = job.lease_owner is not None and not owner_is_gone(job.lease_owner)
@@ -373,7 +382,7 @@ class ModelHostService:
                 PartialReport(
                     download=download,
                     job=job,
-                    owned=bool(unfinished),
+                    owned=owner is not None,
                     owner_alive=alive,
                     model=artifact.logical_model if artifact else None,
                     variant=artifact.variant_id if artifact else None,

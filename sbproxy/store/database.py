@@ -136,8 +136,8 @@ def journal_error(exc: BaseException, path: Path) -> StoreError:
     if _is_full(cause, path.parent):
         free = _free_bytes(path.parent)
         return StoreError(
-            f"the job journal {path} cannot be written: its file system is full (a write "
-            f"needs at least {JOURNAL_PAGE_BYTES} more bytes, {free} bytes are free)",
+            f"the job journal {path} cannot be written: SQLite reports its disk full (a "
+            f"write needs at least {JOURNAL_PAGE_BYTES} more bytes, {free} bytes are free)",
             code="disk_full",
             retryable=False,
             remediation="Free space on that file system (`sbproxy models gc` or `sbproxy "

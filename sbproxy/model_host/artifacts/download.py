@@ -76,6 +76,7 @@ from sbproxy.model_host.artifacts.space import (
     disk_full,
     free_bytes,
     is_disk_full,
+    journal_full_beside,
     release_reserve,
 )
 
@@ -620,6 +621,10 @@ async def download_file(
             await anyio.to_thread.run_sync(finished.wait)
         raise
     if failure is not None:
+        if journal_full_beside(failure, part):
+            # The progress write found the journal's file system full, and it is the
+            # partial's: give back the journal's room so that it can record the failure.
+            release_reserve(part)
         raise failure
     await on_progress(result.size)
     return result

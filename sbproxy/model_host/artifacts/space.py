@@ -12,7 +12,8 @@ Three rules:
   needed and the bytes free.
 * A download that filled the disk gives back the last :data:`JOURNAL_RESERVE_BYTES` of its
   partial (:func:`release_reserve`), so that the journal can record the failure; the rest of
-  the partial is kept and the next pull resumes from it.
+  the partial is kept and the next pull resumes from it. So does one whose progress write
+  found the journal full on the same file system (:func:`journal_full_beside`).
 
 Every :class:`~sbproxy.model_host.artifacts.errors.DiskFull` carries ``details``
 ``{"path", "needed_bytes", "free_bytes"}``.
@@ -26,6 +27,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from sbproxy.errors import SbproxyError
 from sbproxy.model_host.artifacts.errors import DiskFull
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "disk_full_errors",
     "free_bytes",
     "is_disk_full",
+    "journal_full_beside",
     "release_reserve",
     "require_space",
 ]
@@ -48,6 +51,27 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 def is_disk_full(exc: BaseException) -> bool:
     """Whether ``exc`` is the OS saying the file system or the user's quota is full."""
     return isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
+
+
+def _device(path: Path) -> int | None:
+    for candidate in (path, *path.parents):
+        try:
+            return candidate.stat().st_dev
+        except OSError:
+            continue
+    return None
+
+
+def journal_full_beside(exc: BaseException, path: Path) -> bool:
+    """Whether ``exc`` is the journal's ``disk_full`` (from the store, its ``details["path"]``
+    the journal) on the same file system as ``path``."""
+    if not isinstance(exc, SbproxyError) or exc.code != "disk_full":
+        return False
+    journal = exc.details.get("path")
+    if not isinstance(journal, str) or isinstance(exc, DiskFull):
+        return False
+    here = _device(path)
+    return here is not None and here == _device(Path(journal))
 
 
 def free_bytes(path: Path) -> int:
