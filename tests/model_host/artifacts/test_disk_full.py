@@ -24,7 +24,6 @@ from typing import Any
 
 import anyio
 import pytest
-from sqlalchemy import event
 
 from sbproxy.catalog import ArtifactFile, ArtifactFormat, EngineKind, ResolvedArtifact, Stability
 from sbproxy.catalog import artifact_digest as compute_digest
@@ -33,10 +32,11 @@ from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.artifacts.space import JOURNAL_RESERVE_BYTES
 from sbproxy.model_host.flows import PullInput, pull_workflow
 from sbproxy.model_host.flows.pull import FileTask, bytes_to_fetch
-from sbproxy.store import Database, JobStatus
+from sbproxy.store import JobStatus
 from sbproxy.workflows import arm, disarm_all
 from tests.model_host.artifacts.support import REPO, REVISION, make_artifact, pull, pull_engine
 from tests.support.hf_server import HfMirror
+from tests.support.journal_faults import JournalFull
 from tests.support.small_fs import fill, small_filesystem
 
 pytestmark = pytest.mark.anyio
@@ -265,25 +265,6 @@ async def test_an_injected_enospc_mid_download_keeps_the_partial_for_the_next_pu
 
 
 # --- the journal's file system -------------------------------------------------------------
-
-
-class JournalFull:
-    """Make every write statement of ``database`` fail as SQLite does on a full disk.
-
-    The error is raised where the driver runs the statement, so SQLAlchemy wraps it as it
-    wraps a real one (``OperationalError``, its code ``e3q8``).
-    """
-
-    def __init__(self, database: Database) -> None:
-        self.on = False
-        self.failures = 0
-        event.listen(database._engine.sync_engine, "before_cursor_execute", self._check)
-
-    def _check(self, *args: Any) -> None:
-        statement = str(args[2]).lstrip().upper()
-        if self.on and statement.startswith(("INSERT", "UPDATE", "DELETE")):
-            self.failures += 1
-            raise sqlite3.OperationalError("database or disk is full")
 
 
 async def test_a_full_journal_fails_with_our_code_and_leaves_the_job_resumable(
