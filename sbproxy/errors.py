@@ -27,6 +27,7 @@ __all__ = [
     "ConfigIssue",
     "ResolutionError",
     "SbproxyError",
+    "sole_error",
 ]
 
 JsonScalar = str | int | float | bool | None
@@ -164,3 +165,19 @@ class ResolutionError(SbproxyError):
     """
 
     default_code = "no_compatible_variant"
+
+
+def sole_error(exc: BaseException) -> SbproxyError | None:
+    """The error to report for ``exc``: itself when it is an :class:`SbproxyError`; for an
+    exception group (anyio task groups wrap what their tasks raise, several at once when a
+    failure also fails a sibling, e.g. a full disk failing a step and the heartbeat) its first
+    leaf, provided every leaf is an :class:`SbproxyError`; else ``None`` (a bug to show whole).
+    """
+    if isinstance(exc, SbproxyError):
+        return exc
+    if not isinstance(exc, BaseExceptionGroup):
+        return None
+    leaves = [sole_error(inner) for inner in exc.exceptions]
+    if not leaves or any(leaf is None for leaf in leaves):
+        return None
+    return leaves[0]

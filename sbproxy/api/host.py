@@ -28,7 +28,7 @@ import sbproxy.model_host.runtime.reload  # noqa: F401 - registers the reload wo
 from sbproxy.api.shutdown import Shutdown
 from sbproxy.catalog import Catalog, WorkerProfile, load_catalog, resolve_artifact
 from sbproxy.config import CompiledConfig
-from sbproxy.errors import ConfigError, ConfigIssue, SbproxyError
+from sbproxy.errors import ConfigError, ConfigIssue, SbproxyError, sole_error
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
 from sbproxy.model_host.engines import kill_owned
 from sbproxy.model_host.flows import registry
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 # Jobs the worker loop runs at once (pulls, loads, drains of different deployments).
 WORKER_CONCURRENCY = 4
+# Pause before the worker loop starts again after a journal failure, doubling per failure.
+WORKER_RESTART_MIN_S = 1.0
+WORKER_RESTART_MAX_S = 30.0
 
 
 @dataclass
@@ -160,5 +163,29 @@ def _check_resolvable(compiled: CompiledConfig, catalog: Catalog, worker: Worker
 
 
 async def _worker(engine: WorkflowEngine) -> None:
-    # The manager runs its deployments' jobs itself, in command order.
-    await engine.run_worker(concurrency=WORKER_CONCURRENCY, exclude=RUNTIME_JOB_KINDS)
+    """Run the job worker loop for the server's lifetime, restarting it when it fails.
+
+    The loop stops when a journal write fails under it (``disk_full`` when the journal's
+    file system is full, ``store_failed``): the server stays up and serves what it can,
+    logs the reason once per failure, and starts the loop again after a pause (1 s doubling
+    to 30 s), so that the jobs left unfinished resume once the journal can be written again.
+    Anything but an :class:`SbproxyError` is a bug and stops the host as before.
+    """
+    pause_s = WORKER_RESTART_MIN_S
+    while True:
+        started = anyio.current_time()
+        try:
+            # The manager runs its deployments' jobs itself, in command order.
+            await engine.run_worker(concurrency=WORKER_CONCURRENCY, exclude=RUNTIME_JOB_KINDS)
+            return
+        except Exception as exc:
+            error = sole_error(exc)
+            if error is None:
+                raise
+            if anyio.current_time() - started > WORKER_RESTART_MAX_S:
+                pause_s = WORKER_RESTART_MIN_S  # it had recovered: a new failure starts over
+            logger.error(
+                "job worker stopped: [%s] %s; restarting it in %.0f s", error.code, error, pause_s
+            )
+        await anyio.sleep(pause_s)
+        pause_s = min(pause_s * 2, WORKER_RESTART_MAX_S)

@@ -21,7 +21,7 @@ import anyio
 from sbproxy.cli._options import check_catalog_choice, load_cli_config, resolve_layout
 from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, fail, interrupted
 from sbproxy.config import CompiledConfig
-from sbproxy.errors import CatalogError, ConfigError, ResolutionError, SbproxyError
+from sbproxy.errors import CatalogError, ConfigError, ResolutionError, SbproxyError, sole_error
 from sbproxy.model_host.artifacts import CacheLayout
 from sbproxy.model_host.service import ModelHostService, open_service
 
@@ -111,6 +111,13 @@ def run_host(command: str, output_format: str, work: Callable[[], Awaitable[T]])
         return anyio.run(work)
     except SbproxyError as exc:
         fail(command, exc, output_format=output_format, exit_code=exit_code_for(exc))
+    except ExceptionGroup as group:
+        # A task group's wrapping (a job run beside its event follower): report the error
+        # itself, by its code, like any other; a group holding anything else is a bug.
+        error = sole_error(group)
+        if error is None:
+            raise
+        fail(command, error, output_format=output_format, exit_code=exit_code_for(error))
     except KeyboardInterrupt:
         # Here, not in each verb: every model-host verb runs its work through this function.
         interrupted(command)

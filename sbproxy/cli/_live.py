@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from sbproxy.cli._event_view import EventView, open_view
+from sbproxy.errors import sole_error
 from sbproxy.store import JobRecord, wall_clock_ms
 from sbproxy.workflows import WorkflowEngine
 
@@ -49,7 +50,8 @@ async def run_followed(engine: WorkflowEngine, job_id: str, *, after_seq: int = 
     waiting out the follower's poll interval.
 
     Raises:
-        SbproxyError: whatever running the job raised (``unknown_workflow`` ...).
+        SbproxyError: whatever running the job raised (``unknown_workflow``, a journal that
+            cannot be written: ``disk_full`` ...), unwrapped from the task group.
     """
     view = open_view(job_id, live_from_ms=wall_clock_ms())
     last = after_seq
@@ -61,12 +63,20 @@ async def run_followed(engine: WorkflowEngine, job_id: str, *, after_seq: int = 
             last = event.seq
 
     try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(watch)
-            try:
-                await engine.run_job(job_id)
-            finally:
-                group.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(watch)
+                try:
+                    await engine.run_job(job_id)
+                finally:
+                    group.cancel_scope.cancel()
+        except ExceptionGroup as wrapped:
+            # The task group wraps what the run raised (a full journal, ...): callers report
+            # an SbproxyError by its code, so hand them the error itself.
+            error = sole_error(wrapped)
+            if error is None:
+                raise
+            raise error from None
         for event in await engine.store.events(job_id, after_seq=last):
             view.show(event)
     finally:

@@ -1,10 +1,13 @@
-"""``sbproxy models remove|prune|gc|verify``: keep the artifact cache honest and in budget.
+"""``sbproxy models remove|prune|gc|verify|partials``: keep the artifact cache honest and in
+budget.
 
 ``remove``, ``prune`` and ``gc`` are durable jobs like pulls (``sbproxy jobs list`` shows
 them) and fail closed: an artifact that a configured deployment (``-f``), a live runtime's
 lease, an artifact lock or an unfinished pull protects is never deleted; ``remove`` says why
-and exits 2, ``gc`` skips it and reports the reason. ``verify`` only reads: it re-hashes
-published snapshots (size + BLAKE3, or SHA-256 with ``--full``) and never repairs one.
+and exits 2, ``gc`` skips it and reports the reason. Their byte counts include partial
+downloads. ``verify`` only reads: it re-hashes published snapshots (size + BLAKE3, or
+SHA-256 with ``--full``) and never repairs one. ``partials`` only reads: it lists unfinished
+downloads with their bytes and the pull job that owns them.
 """
 
 from __future__ import annotations
@@ -27,10 +30,19 @@ from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.config import MAX_CACHE_BUDGET_GIB
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.flows import GcReport, PruneReport, RemoveOutput
-from sbproxy.model_host.service import ModelHostService, Selection
+from sbproxy.model_host.flows.collect import cache_bytes
+from sbproxy.model_host.service import ModelHostService, PartialReport, Selection
 from sbproxy.store import JobRecord, JobStatus
 
-__all__ = ["gc_command", "prune_command", "remove_command", "verify_command"]
+__all__ = [
+    "gc_command",
+    "partials_command",
+    "partials_json",
+    "partials_lines",
+    "prune_command",
+    "remove_command",
+    "verify_command",
+]
 
 GIB = 2**30
 _BLOCKED_MARKER = "cannot be removed: "
@@ -168,7 +180,7 @@ def prune_command(
 
     async def work(service: ModelHostService) -> tuple[PruneReport, int, str | None]:
         # What prune can free: blobs and partial downloads.
-        before = service.cache.blob_bytes() + service.cache.partial_bytes()
+        before = cache_bytes(service.cache)
         if dry_run:
             return await service.prune_preview(), before, None
         report, job = await service.prune()
@@ -348,3 +360,113 @@ def verify_command(
             click.echo(f"{name} CORRUPT: {row['problem']} (sha256:{row['artifact_digest']})")
     if any(not row["ok"] for row in rows):
         sys.exit(EXIT_RUNTIME)
+
+
+def _owner_text(report: PartialReport) -> str:
+    """Who owns a partial and what becomes of it, for the text listing."""
+    job = report.job
+    if job is None:
+        return "no pull job (abandoned: prune or gc deletes it)"
+    state = job.status.value
+    if not report.owned:
+        return (
+            f"job {job.id} {state} (abandoned: prune or gc deletes it; a new pull of the "
+            "artifact resumes from it)"
+        )
+    if report.owner_alive is False:
+        return f"job {job.id} {state}, its process is gone (the next pull resumes it)"
+    return f"job {job.id} {state}"
+
+
+def partials_json(reports: list[PartialReport]) -> dict[str, object]:
+    """The body of ``models.partials``: ``{total_bytes, partials: [...]}``.
+
+    Each entry: ``artifact_digest``, ``model`` and ``variant`` (``null`` when no job says),
+    ``bytes`` (the directory, resume state included: what gc and prune count), ``owned``,
+    ``job_id``, ``job_status``, ``job_owner_alive`` (running jobs only, else ``null``) and
+    ``files`` (``path``, ``bytes``, ``expected_bytes`` or ``null``).
+    """
+    return {
+        "total_bytes": sum(r.download.total_bytes for r in reports),
+        "partials": [
+            {
+                "artifact_digest": r.download.digest,
+                "model": r.model,
+                "variant": r.variant,
+                "bytes": r.download.total_bytes,
+                "owned": r.owned,
+                "job_id": r.job.id if r.job is not None else None,
+                "job_status": r.job.status.value if r.job is not None else None,
+                "job_owner_alive": r.owner_alive,
+                "files": [
+                    {
+                        "path": f.path,
+                        "bytes": f.bytes,
+                        "expected_bytes": r.expected_bytes.get(f.path),
+                    }
+                    for f in r.download.files
+                ],
+            }
+            for r in reports
+        ],
+    }
+
+
+def partials_lines(reports: list[PartialReport], *, root: Path) -> list[str]:
+    """Human lines: one per artifact, one per file under it, and a total."""
+    if not reports:
+        return [f"no partial downloads in {root}"]
+    lines = []
+    for report in reports:
+        name = f"{report.model}:{report.variant}" if report.model else "(unknown artifact)"
+        lines.append(
+            f"{name} sha256:{report.download.digest} {size_text(report.download.total_bytes)}: "
+            f"{_owner_text(report)}"
+        )
+        for item in report.download.files:
+            expected = report.expected_bytes.get(item.path)
+            of = f" of {expected}" if expected is not None else ""
+            lines.append(f"  {item.path}: {item.bytes}{of} bytes")
+    total = sum(r.download.total_bytes for r in reports)
+    lines.append(f"{size_text(total)} in {len(reports)} partial download(s)")
+    return lines
+
+
+@click.command("partials")
+@config_option
+@cache_dir_option
+@format_option
+def partials_command(
+    *, config_path: Path | None, cache_dir: Path | None, output_format: str
+) -> None:
+    """List unfinished downloads: their bytes, the pull job that owns each, and its state.
+
+    A partial owned by a queued, running or parked pull is kept by gc and prune, and the
+    next pull of its artifact resumes from it (also when the job's process was killed). One
+    whose job failed or was cancelled is abandoned: prune and gc delete it.
+
+    Exit status: 0; 1 the journal could not be read; 2 bad input.
+    """
+    command = "models.partials"
+    host = choose_host(
+        command,
+        config_path=config_path,
+        cache_dir=cache_dir,
+        catalog_file=None,
+        output_format=output_format,
+    )
+
+    async def work(service: ModelHostService) -> list[PartialReport]:
+        return await service.partials()
+
+    # A root without a journal has never had a pull: nothing to list, nothing to create.
+    reports = (
+        run_with_service(command, output_format, host, work)
+        if host.layout.journal.is_file()
+        else []
+    )
+    if output_format == "json":
+        emit_json(command, {"cache_root": str(host.layout.root), **partials_json(reports)})
+        return
+    for line in partials_lines(reports, root=host.layout.root):
+        click.echo(line)

@@ -5,7 +5,7 @@ config's ``catalog_file``) that replaces it, probe this host's worker (GPU with 
 memory, else CPU), and run automatic artifact resolution (engine ``auto``, one replica) for
 each model, so the output says which exact variant would be served here and why the others
 would not, and whether it is already in the cache. The cache verbs (``pull``, ``import``,
-``remove``, ``prune``, ``gc``, ``verify``) live in ``models_pull_cmd`` and
+``remove``, ``prune``, ``gc``, ``verify``, ``partials``) live in ``models_pull_cmd`` and
 ``models_cache_cmd``, the lockfile verbs (``lock``, ``verify-lock``) in ``models_lock_cmd``,
 and are attached to the group here.
 """
@@ -90,6 +90,7 @@ _VERBS = {
     "prune": "sbproxy.cli.models_cache_cmd:prune_command",
     "gc": "sbproxy.cli.models_cache_cmd:gc_command",
     "verify": "sbproxy.cli.models_cache_cmd:verify_command",
+    "partials": "sbproxy.cli.models_cache_cmd:partials_command",
     "ps": "sbproxy.cli.models_admin_cmd:ps_command",
     "load": "sbproxy.cli.models_admin_cmd:load_command",
     "stop": "sbproxy.cli.models_admin_cmd:stop_command",

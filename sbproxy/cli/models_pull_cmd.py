@@ -233,6 +233,10 @@ def pull_command(
     is joined. After the pulls, a configured cache.budget_gib is enforced (least recently
     used first, configured deployments kept).
 
+    Before it downloads, a pull checks that the cache has room for what is still missing
+    (less what a partial download already holds); a full disk, there or under the job
+    journal, fails with disk_full naming the path, the bytes needed and the bytes free.
+
     Exit status: 0 when every artifact is ready; 1 when a pull failed (its error is in the
     output); 2 for bad input (unknown model or variant, invalid config or catalog, an
     HF_ENDPOINT with credentials: put the token in HF_TOKEN).

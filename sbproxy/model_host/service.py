@@ -14,6 +14,7 @@ which then finds nothing cached, instead of leaving the killed job ``running`` f
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from sbproxy.model_host.artifacts import (
     ArtifactCache,
     CachedMetadata,
     CacheLayout,
+    PartialDownload,
     check_cache_writable,
     unusable_cache_dir,
 )
@@ -58,10 +60,10 @@ from sbproxy.model_host.flows import (
     remove_workflow,
 )
 from sbproxy.model_host.runtime import probe_worker
-from sbproxy.store import TERMINAL_JOB_STATUSES, JobRecord, JobStatus
-from sbproxy.workflows import WorkflowEngine
+from sbproxy.store import ACTIVE_JOB_STATUSES, TERMINAL_JOB_STATUSES, JobRecord, JobStatus
+from sbproxy.workflows import WorkflowEngine, owner_is_gone
 
-__all__ = ["ArtifactJob", "ModelHostService", "Selection", "open_service"]
+__all__ = ["ArtifactJob", "ModelHostService", "PartialReport", "Selection", "open_service"]
 
 GIB = 1024**3
 
@@ -83,6 +85,34 @@ class ArtifactJob:
     selection: Selection
     job: JobRecord
     output: PullOutput | None = None
+
+
+@dataclass(frozen=True)
+class PartialReport:
+    """One artifact's unfinished downloads and the pull job they belong to.
+
+    Attributes:
+        download: The ``partials/<digest>/`` directory and its files' bytes.
+        job: The owner: the artifact's newest unfinished pull job, else its newest pull job
+            of any state (``None`` when the journal has none, e.g. it was pruned).
+        owned: Whether an unfinished (queued, running, parked) pull owns it: ``gc`` and
+            ``prune`` keep it, and the next pull resumes from it. An unowned partial is
+            abandoned: they delete it.
+        owner_alive: For a ``running`` job, whether the process holding its lease lives
+            (``False``: it was killed; the next pull of the artifact resumes the job);
+            ``None`` for other states.
+        model: The job's logical model, when the journal knows it.
+        variant: The job's variant id, likewise.
+        expected_bytes: Artifact path -> the catalog size of the file, from the job's input.
+    """
+
+    download: PartialDownload
+    job: JobRecord | None
+    owned: bool
+    owner_alive: bool | None
+    model: str | None = None
+    variant: str | None = None
+    expected_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -367,6 +397,48 @@ class ModelHostService:
             ):
                 return "cached"
         return "not-pulled"
+
+    async def partials(self) -> list[PartialReport]:
+        """Every unfinished download in the cache with its owning pull job, by digest.
+
+        A job owns the partial of the artifact digest in its input (as ``gc`` and ``prune``
+        decide ownership): the newest unfinished pull of that digest, else its newest pull.
+        """
+        downloads = await anyio.to_thread.run_sync(self.cache.partial_downloads)
+        if not downloads:
+            return []
+        unfinished: dict[str, JobRecord] = {}
+        newest: dict[str, JobRecord] = {}
+        for record in await self.engine.store.list_jobs(kind="pull", limit=-1):  # newest first
+            digest = str(record.input.get("artifact", {}).get("digest", ""))
+            newest.setdefault(digest, record)
+            if record.status in ACTIVE_JOB_STATUSES:
+                unfinished.setdefault(digest, record)
+        reports = []
+        for download in downloads:
+            owner = unfinished.get(download.digest)
+            job = owner or newest.get(download.digest)
+            alive = None
+            if job is not None and job.status == JobStatus.RUNNING:
+                alive = job.lease_owner is not None and not owner_is_gone(job.lease_owner)
+            artifact = None
+            if job is not None:
+                with contextlib.suppress(ValueError):  # a job of an older, other input shape
+                    artifact = PullInput.model_validate(job.input).artifact
+            reports.append(
+                PartialReport(
+                    download=download,
+                    job=job,
+                    owned=owner is not None,
+                    owner_alive=alive,
+                    model=artifact.logical_model if artifact else None,
+                    variant=artifact.variant_id if artifact else None,
+                    expected_bytes={f.path: f.size_bytes for f in artifact.files}
+                    if artifact
+                    else {},
+                )
+            )
+        return reports
 
     async def verify(self, metadata: CachedMetadata, *, full: bool) -> str | None:
         """Re-verify one published artifact; the corruption reason, or None when intact."""

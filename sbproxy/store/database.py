@@ -12,11 +12,18 @@ Discipline (ARCHITECTURE.md, "SQLite discipline"; figures in measured-here.md):
 * A write that still meets "database is locked" (a busy timeout elapsed) is retried with
   tenacity, a few times with jittered backoff; the transaction is rolled back first, so a
   retried write never applies twice.
+* A driver error never leaves this module as itself (SQLAlchemy's carry their own codes,
+  such as ``e3q8``, which are not ours): a full file system -- SQLite's ``SQLITE_FULL``,
+  "database or disk is full", or ``ENOSPC`` / ``EDQUOT`` -- is :class:`StoreError`
+  ``disk_full`` naming the journal, the bytes a write needs at least and the bytes free;
+  any other is ``store_failed`` with SQLite's own message. ``IntegrityError`` alone passes
+  through: the repositories catch it as an answer (a duplicate key), not a failure.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import sqlite3
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,7 +34,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 import anyio.to_thread
 from sqlalchemy import event
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from tenacity import (
     AsyncRetrying,
@@ -38,7 +45,7 @@ from tenacity import (
 
 from sbproxy.errors import SbproxyError
 
-__all__ = ["Database", "StoreError", "Synchronous"]
+__all__ = ["Database", "StoreError", "Synchronous", "journal_error"]
 
 Synchronous = Literal["FULL", "NORMAL"]
 T = TypeVar("T")
@@ -46,6 +53,10 @@ T = TypeVar("T")
 # Milliseconds SQLite waits for a lock before reporting "database is locked".
 BUSY_TIMEOUT_MS = 30_000
 _LOCK_RETRY_ATTEMPTS = 5
+# SQLite's page size (its default; never changed here): a write that cannot get one more
+# page for the WAL or the database file fails, so this is the least a write needs.
+JOURNAL_PAGE_BYTES = 4096
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class StoreError(SbproxyError):
@@ -85,6 +96,74 @@ def _is_locked(exc: BaseException) -> bool:
     return isinstance(cause, sqlite3.OperationalError) and "locked" in str(cause).lower()
 
 
+def _free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still use on the file system of ``directory``."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return 0
+    return stats.f_bavail * stats.f_frsize
+
+
+def _is_full(cause: BaseException, directory: Path) -> bool:
+    """Whether a driver (or OS) error means the journal's file system is full.
+
+    SQLite reports ``ENOSPC`` as ``SQLITE_FULL`` ("database or disk is full"); other write
+    errors (``EDQUOT`` among them) come as an ``SQLITE_IOERR`` variant, which counts as full
+    when less than a page is free there.
+    """
+    if isinstance(cause, OSError):
+        return cause.errno in _FULL_ERRNOS
+    if not isinstance(cause, sqlite3.Error):
+        return False
+    code = getattr(cause, "sqlite_errorcode", None)
+    primary = code & 0xFF if isinstance(code, int) else None
+    if primary == sqlite3.SQLITE_FULL or "database or disk is full" in str(cause).lower():
+        return True
+    return primary == sqlite3.SQLITE_IOERR and _free_bytes(directory) < JOURNAL_PAGE_BYTES
+
+
+def journal_error(exc: BaseException, path: Path) -> StoreError:
+    """Our error for a driver (or OS) error met on the journal at ``path``.
+
+    Returns:
+        ``disk_full`` (not retryable; details ``path``, ``needed_bytes`` -- at least one
+        page -- and ``free_bytes``) when the file system is full, else ``store_failed`` with
+        SQLite's message (details ``path`` and, when known, ``sqlite_error``, e.g.
+        ``SQLITE_CORRUPT``).
+    """
+    cause = getattr(exc, "orig", None) or exc
+    if _is_full(cause, path.parent):
+        free = _free_bytes(path.parent)
+        return StoreError(
+            f"the job journal {path} cannot be written: SQLite reports its disk full (a "
+            f"write needs at least {JOURNAL_PAGE_BYTES} more bytes, {free} bytes are free)",
+            code="disk_full",
+            retryable=False,
+            remediation="Free space on that file system (`sbproxy models gc` or `sbproxy "
+            "models prune` when the cache shares it); an unfinished job stays resumable and "
+            "finishes when its command runs again.",
+            details={"path": str(path), "needed_bytes": JOURNAL_PAGE_BYTES, "free_bytes": free},
+        )
+    name = getattr(cause, "sqlite_errorname", None)
+    details: dict[str, str | int | float | bool | None] = {"path": str(path)}
+    if isinstance(name, str):
+        details["sqlite_error"] = name
+    reason = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
+    return StoreError(
+        f"the job journal {path} failed: {reason}",
+        remediation="Check the disk and the file; `sbproxy doctor` checks the cache directory.",
+        details=details,
+    )
+
+
+def _driver_failure(exc: BaseException) -> bool:
+    """A driver error this module turns into ours (see the module docstring)."""
+    if isinstance(exc, IntegrityError):
+        return False
+    return isinstance(exc, DBAPIError | sqlite3.Error)
+
+
 class Database:
     """An open journal database file.
 
@@ -115,6 +194,8 @@ class Database:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
+            if exc.errno in _FULL_ERRNOS:
+                raise journal_error(exc, path) from exc
             raise StoreError(
                 f"cannot create the journal directory {path.parent}: {exc.strerror}",
                 remediation="Check the cache directory's permissions and free space.",
@@ -122,6 +203,8 @@ class Database:
         try:
             await anyio.to_thread.run_sync(_preflight, path)
         except sqlite3.DatabaseError as exc:
+            if _is_full(exc, path.parent):
+                raise journal_error(exc, path) from exc
             unwritable = await anyio.to_thread.run_sync(_unwritable_reason, path.parent)
             if unwritable is not None:
                 raise StoreError(
@@ -166,12 +249,9 @@ class Database:
         database = cls(engine, path, synchronous)
         try:
             await migrate(database)
-        except DBAPIError as exc:
+        except StoreError:
             await engine.dispose()
-            raise StoreError(
-                f"cannot open the journal {path}: {exc.orig}",
-                remediation="Check that the file is a SQLite database and the disk is writable.",
-            ) from exc
+            raise
         except BaseException:
             await engine.dispose()
             raise
@@ -187,12 +267,25 @@ class Database:
 
         Opening and closing the connection are shielded from cancellation so that a
         cancelled reader never leaves a pooled connection half-closed.
+
+        Raises:
+            StoreError: ``disk_full`` or ``store_failed`` for a driver error in the block
+                (see the module docstring).
         """
-        with anyio.CancelScope(shield=True):
-            connection = await self._engine.connect()
-            transaction = await connection.begin()
+        try:
+            with anyio.CancelScope(shield=True):
+                connection = await self._engine.connect()
+                transaction = await connection.begin()
+        except Exception as exc:
+            if _driver_failure(exc):
+                raise journal_error(exc, self.path) from exc
+            raise
         try:
             yield connection
+        except Exception as exc:
+            if _driver_failure(exc):
+                raise journal_error(exc, self.path) from exc
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 # Nothing was written: ending with a rollback is the cheapest close.
@@ -206,7 +299,10 @@ class Database:
         each failed attempt is rolled back before the next, so its effects apply once.
 
         Raises:
-            StoreError: ``store_failed`` when the database stays locked after every retry.
+            StoreError: ``store_failed`` when the database stays locked after every retry or
+                the driver fails otherwise; ``disk_full`` (not retryable) when the journal's
+                file system is full -- the transaction is rolled back, nothing of it applies.
+            IntegrityError: a constraint ``work`` broke (the caller's answer to handle).
         """
         retrying = AsyncRetrying(
             retry=retry_if_exception(_is_locked),
@@ -221,11 +317,13 @@ class Database:
                         immediate = await connection.execution_options(sbproxy_begin="IMMEDIATE")
                         async with immediate.begin():
                             return await work(immediate)
-        except OperationalError as exc:
+        except Exception as exc:
             if _is_locked(exc):
                 raise StoreError(
                     f"the journal {self.path} stayed locked after {_LOCK_RETRY_ATTEMPTS} attempts",
                     remediation="Another process holds a long write transaction; retry.",
                 ) from exc
+            if _driver_failure(exc):
+                raise journal_error(exc, self.path) from exc
             raise
         raise AssertionError("unreachable")  # pragma: no cover - tenacity reraises

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from sbproxy.model_host.artifacts.cache import ArtifactCache, CachedFile, CachedMetadata, CacheState
+from sbproxy.model_host.artifacts.cache import (
+    ArtifactCache,
+    CachedFile,
+    CachedMetadata,
+    CacheState,
+    PartialDownload,
+    PartialFile,
+)
 from sbproxy.model_host.artifacts.layout import (
     CacheLayout,
     check_cache_writable,
@@ -16,6 +23,8 @@ __all__ = [
     "CacheState",
     "CachedFile",
     "CachedMetadata",
+    "PartialDownload",
+    "PartialFile",
     "check_cache_writable",
     "resolve_cache_root",
     "unusable_cache_dir",

@@ -33,15 +33,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sbproxy.catalog import ResolvedArtifact
 from sbproxy.model_host.artifacts.download import hash_file
-from sbproxy.model_host.artifacts.errors import CacheCorrupt, disk_full_errors
+from sbproxy.model_host.artifacts.errors import CacheCorrupt
 from sbproxy.model_host.artifacts.layout import CacheLayout
 from sbproxy.model_host.artifacts.locks import DigestLease, hold
+from sbproxy.model_host.artifacts.space import disk_full_errors
 
 __all__ = [
     "ArtifactCache",
     "CacheState",
     "CachedFile",
     "CachedMetadata",
+    "PartialDownload",
+    "PartialFile",
     "fsync_dir",
 ]
 
@@ -112,6 +115,38 @@ class CacheState:
     metadata: CachedMetadata | None = None
     partial_bytes: int = 0
     reason: str | None = None
+
+
+@dataclass(frozen=True)
+class PartialFile:
+    """One unfinished file download: its path inside the artifact and its bytes on disk."""
+
+    path: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PartialDownload:
+    """``partials/<digest>/``: the unfinished downloads of one artifact.
+
+    Attributes:
+        digest: The artifact digest (the directory's name).
+        files: Each ``<path>.part`` under it, by artifact path, sorted.
+        total_bytes: Bytes of every file in the directory, resume state and manifest
+            included: what ``gc`` and ``prune`` count, and free when they delete it.
+    """
+
+    digest: str
+    files: tuple[PartialFile, ...]
+    total_bytes: int
+
+
+def _size(path: Path) -> int:
+    """Bytes of a regular file, 0 when it is gone (a promote or delete raced the scan)."""
+    try:
+        return path.stat().st_size if path.is_file() else 0
+    except OSError:
+        return 0
 
 
 def now_ms() -> int:
@@ -288,7 +323,9 @@ class ArtifactCache:
             if self.blob_ok(sha256, size):
                 part.unlink(missing_ok=True)
             else:
-                with disk_full_errors("promoting a verified file", kept=_CACHE_KEPT):
+                with disk_full_errors(
+                    "promoting a verified file", path=self.layout.blobs, kept=_CACHE_KEPT
+                ):
                     part.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
                     part.replace(target)
                     fsync_dir(self.layout.blobs)
@@ -353,7 +390,9 @@ class ArtifactCache:
                 last_accessed_ms=created,
             )
             try:
-                with disk_full_errors("publishing a snapshot", kept=_CACHE_KEPT):
+                with disk_full_errors(
+                    "publishing a snapshot", path=self.layout.snapshots, kept=_CACHE_KEPT
+                ):
                     self._assemble(staging, artifact, metadata)
                     if final.exists():
                         # A snapshot without a marker (a crash between the rename and the
@@ -452,4 +491,26 @@ class ArtifactCache:
         """Bytes of unfinished downloads under ``partials/`` (resume state included)."""
         if not self.layout.partials.is_dir():
             return 0
-        return sum(p.stat().st_size for p in self.layout.partials.rglob("*") if p.is_file())
+        return sum(_size(p) for p in self.layout.partials.rglob("*"))
+
+    def partial_downloads(self) -> list[PartialDownload]:
+        """Every ``partials/<digest>/`` directory with its files, by digest.
+
+        Cheap: sizes only, nothing is hashed. Which job owns each is the journal's to say
+        (:meth:`sbproxy.model_host.service.ModelHostService.partials`).
+        """
+        root = self.layout.partials
+        if not root.is_dir():
+            return []
+        found = []
+        for directory in sorted(root.iterdir()):
+            if not directory.is_dir():
+                continue
+            files = tuple(
+                PartialFile(path=part.relative_to(directory).as_posix()[:-5], bytes=_size(part))
+                for part in sorted(directory.rglob("*.part"))  # [:-5] drops ".part"
+                if part.is_file()
+            )
+            total = sum(_size(p) for p in directory.rglob("*"))
+            found.append(PartialDownload(digest=directory.name, files=files, total_bytes=total))
+        return found

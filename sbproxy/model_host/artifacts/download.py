@@ -9,15 +9,26 @@ Resume rules (reference section 5, "HTTP resume"):
 * ``<part>`` holds the bytes, ``<part>.resume.json`` the state ``{schema_version, url,
   etag, expected_sha256, expected_size, completed_bytes}``. The state is written before the
   body and at every checkpoint (every 64 MiB or 2 s) *after* the bytes it counts were
-  ``fdatasync``-ed, so after a crash the partial is cut back to ``completed_bytes``.
+  ``fdatasync``-ed; ``completed_bytes`` is the durable length, for progress and inspection.
 * A resume needs a state that matches url, expected sha256 and size, and a non-empty ETag;
   otherwise the partial is discarded and the download restarts at 0.
+* A resume starts from the partial's *length*, not from its last checkpoint: a process
+  killed between checkpoints leaves its written bytes in the file (they are in the page
+  cache), and refetching them would waste up to a checkpoint's worth per crash. The bytes
+  on disk are re-hashed once to rebuild the streaming SHA-256 and BLAKE3 state. Whether they
+  were right (after a power loss the unsynced tail may not be) the final SHA-256 decides: a
+  mismatch on a resumed download discards the partial and fetches the file again from 0
+  (once); only a mismatch of a download from 0 is ``digest_mismatch``.
 * ``Range: bytes=N-`` with ``If-Range: <etag>``. 200 replaces the partial; 206 appends only
   if the ETag and ``Content-Range`` match; 416 at ``N == size`` with a matching total
   completes without a download; a mismatching answer discards the partial and restarts at 0
   (once).
 * Redirects are followed by hand (at most 10); the bearer token is dropped on any hop to
   another origin (HF redirects file bodies to a CDN).
+* A full file system is ``disk_full`` naming the partial, the bytes still needed and the
+  bytes free; the partial is kept, less the last MiB, which is given back so that the job
+  journal (usually on the same file system) can record the failure
+  (:mod:`sbproxy.model_host.artifacts.space`).
 
 Why a blocking ``http.client`` connection on a worker thread, not the event loop: a verified
 download is CPU-bound on this project's 2-core machines (the body is copied from the socket,
@@ -36,6 +47,7 @@ import contextlib
 import hashlib
 import http.client
 import json
+import logging
 import os
 import socket
 import ssl
@@ -54,14 +66,23 @@ from blake3 import blake3
 from sbproxy.model_host.artifacts._sink import PartialSink
 from sbproxy.model_host.artifacts.errors import (
     DigestMismatch,
+    DiskFull,
     HttpStatusError,
     SizeMismatch,
     TransportError,
-    disk_full_errors,
 )
 from sbproxy.model_host.artifacts.sources import same_origin
+from sbproxy.model_host.artifacts.space import (
+    disk_full,
+    free_bytes,
+    is_disk_full,
+    journal_full_beside,
+    release_reserve,
+)
 
 __all__ = ["DownloadResult", "RemoteFile", "download_file", "hash_file", "read_timeout_s"]
+
+logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1024 * 1024
 # The reader hands the body over in blocks of about this size (one receive call each).
@@ -144,11 +165,16 @@ def _state_path(part: Path) -> Path:
 def _write_state(part: Path, state: dict[str, Any]) -> None:
     target = _state_path(part)
     temporary = target.with_name(target.name + f".tmp.{os.getpid()}")
-    with temporary.open("w") as handle:
-        json.dump(state, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    temporary.replace(target)
+    try:
+        with temporary.open("w") as handle:
+            json.dump(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        temporary.replace(target)
+    except BaseException:
+        # A full disk fails the write: leave no stray temporary beside the partial.
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def _discard(part: Path) -> None:
@@ -157,7 +183,11 @@ def _discard(part: Path) -> None:
 
 
 def _resume_offset(part: Path, remote: RemoteFile) -> tuple[int, str | None]:
-    """Bytes of ``part`` that can be kept, and the ETag they came with."""
+    """Bytes of ``part`` to keep (its whole length), and the ETag they came with.
+
+    ``(0, None)`` -- and the partial discarded -- when there is no partial, no state, a
+    state for another file or without an ETag, or more bytes than the file has.
+    """
     state_file = _state_path(part)
     if not part.exists() or not state_file.exists():
         _discard(part)
@@ -174,18 +204,23 @@ def _resume_offset(part: Path, remote: RemoteFile) -> tuple[int, str | None]:
         and state.get("expected_sha256") == remote.sha256
         and state.get("expected_size") == remote.size
         and isinstance(completed, int)
-        and 0 < completed <= remote.size
+        and 0 <= completed <= remote.size
         and bool(state.get("etag"))
     )
     on_disk = part.stat().st_size
-    if not matches or on_disk < completed:
+    if not matches or on_disk == 0 or on_disk > remote.size:
         _discard(part)
         return 0, None
-    if on_disk > completed:
-        # Bytes written after the last checkpoint are not known to be durable: cut them.
-        with part.open("r+b") as handle:
-            handle.truncate(completed)
-    return int(completed), str(state["etag"])
+    # The bytes past the last checkpoint are kept too (see the module docstring).
+    return on_disk, str(state["etag"])
+
+
+def partial_length(part: Path) -> int:
+    """Bytes in ``part`` now (0 when it does not exist)."""
+    try:
+        return part.stat().st_size
+    except OSError:
+        return 0
 
 
 def _content_range(header: str | None) -> tuple[int | None, int | None]:
@@ -251,13 +286,17 @@ class _Transfer:
         self.check_cancelled()
 
     def run(self) -> DownloadResult:
-        """Download with at most one restart from 0 (see the module docstring)."""
-        self.part.parent.mkdir(parents=True, exist_ok=True)
+        """Download with at most one restart from 0 (see the module docstring).
+
+        Raises:
+            DiskFull: ``disk_full``; the partial is kept less its last MiB (given back for
+                the journal).
+        """
         restarted = False
         while True:
             try:
-                with disk_full_errors(f"writing {self.part}", kept="the partial download is kept"):
-                    return self._attempt()
+                self.part.parent.mkdir(parents=True, exist_ok=True)
+                return self._attempt()
             except _Restart:
                 _discard(self.part)
                 if restarted:
@@ -269,6 +308,24 @@ class _Transfer:
             except (SizeMismatch, DigestMismatch):
                 _discard(self.part)
                 raise
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                raise self._disk_full() from exc
+
+    def _disk_full(self) -> DiskFull:
+        """The ``disk_full`` error of this transfer, after giving back the journal's room."""
+        kept = partial_length(self.part)
+        free = free_bytes(self.part)
+        released = release_reserve(self.part)
+        return disk_full(
+            self.part,
+            action=f"downloading {self.remote.path}",
+            needed_bytes=self.remote.size - kept,
+            free=free,
+            kept=f"the partial download keeps {kept - released} bytes and the next pull "
+            "resumes from them",
+        )
 
     def _connect(self, url: str) -> http.client.HTTPConnection:
         parts = urlsplit(url)
@@ -347,7 +404,7 @@ class _Transfer:
         if status == 416 and offset > 0:
             if offset == remote.size and range_total == remote.size and new_etag in ("", etag):
                 sha, b3 = hash_file(part)
-                return _finish(part, remote, sha, b3, resumed_from=offset, downloaded=0)
+                return self._verified(sha, b3, resumed_from=offset, downloaded=0)
             raise _Restart
         if status == 206 and offset > 0:
             if range_start != offset or range_total != remote.size or new_etag != etag:
@@ -387,13 +444,35 @@ class _Transfer:
                     f"{remote.url}: the stream ended after {sink.queued} of {remote.size} bytes"
                 )
             sink.finish()
-            return _finish(
-                self.part, remote, sha, b3, resumed_from=offset, downloaded=sink.queued - offset
-            )
+            return self._verified(sha, b3, resumed_from=offset, downloaded=sink.queued - offset)
         finally:
             if sink is not None:
                 sink.close()
             self._close()
+
+    def _verified(self, sha: Any, b3: Any, *, resumed_from: int, downloaded: int) -> DownloadResult:
+        """Check the finished partial; a resumed one whose bytes are wrong starts over.
+
+        Raises:
+            _Restart: the SHA-256 of a resumed download does not match: the bytes kept from
+                an earlier attempt were wrong.
+            DigestMismatch: ``digest_mismatch`` for a download from byte 0.
+            SizeMismatch: ``size_mismatch``.
+        """
+        try:
+            return _finish(
+                self.part, self.remote, sha, b3, resumed_from=resumed_from, downloaded=downloaded
+            )
+        except DigestMismatch:
+            if resumed_from == 0:
+                raise
+            logger.warning(
+                "%s: the SHA-256 does not match after resuming from byte %d; the kept bytes "
+                "were wrong, downloading the file again from byte 0",
+                self.remote.path,
+                resumed_from,
+            )
+            raise _Restart from None
 
     def _stream(self, response: http.client.HTTPResponse, sink: PartialSink) -> None:
         """Hand the body to ``sink``, one receive call per block; a cut stream keeps what
@@ -542,6 +621,10 @@ async def download_file(
             await anyio.to_thread.run_sync(finished.wait)
         raise
     if failure is not None:
+        if journal_full_beside(failure, part):
+            # The progress write found the journal's file system full, and it is the
+            # partial's: give back the journal's room so that it can record the failure.
+            release_reserve(part)
         raise failure
     await on_progress(result.size)
     return result

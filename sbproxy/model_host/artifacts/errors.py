@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import errno
-from collections.abc import Iterator
-
 from sbproxy.errors import SbproxyError
 
 __all__ = [
@@ -22,7 +18,6 @@ __all__ = [
     "SizeMismatch",
     "SourceError",
     "TransportError",
-    "disk_full_errors",
 ]
 
 
@@ -102,26 +97,10 @@ class RemovalBlocked(ArtifactError):
 
 
 class DiskFull(ArtifactError):
-    """The cache file system ran out of space (``disk_full``)."""
+    """The cache file system has too little space, or ran out of it (``disk_full``).
+
+    Built by :mod:`sbproxy.model_host.artifacts.space`, whose errors carry ``details``
+    ``{"path", "needed_bytes", "free_bytes"}``.
+    """
 
     default_code = "disk_full"
-
-
-@contextlib.contextmanager
-def disk_full_errors(action: str, *, kept: str) -> Iterator[None]:
-    """Turn ENOSPC/EDQUOT inside the block into :class:`DiskFull` (``disk_full``).
-
-    Args:
-        action: What was being done ("writing <file>"), for the message.
-        kept: What the operator can rely on afterwards ("the partial download is kept").
-    """
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFull(
-                f"no space left on the cache file system while {action}",
-                remediation="Free space (sbproxy models gc / prune) or move the cache, then "
-                f"pull again; {kept}.",
-            ) from exc
-        raise

@@ -3,6 +3,12 @@
 ``remove`` deletes one exact artifact (idempotency key ``remove:<digest>``); ``gc`` brings
 the cache under ``cache.budget_gib``, least recently used first, skipping protected
 artifacts (key ``gc``); ``prune`` deletes blobs no artifact references (key ``prune``).
+
+What the budget counts is every byte the cache holds on disk: the blob store (shared blobs
+once) *and* ``partials/`` (unfinished downloads with their resume state). Abandoned partials
+are deleted first; the partials of unfinished pulls are kept but still count, so ``gc``
+makes room for them by collecting published artifacts, and ``before_bytes`` /
+``after_bytes`` report what really occupies the disk.
 Each deletion step re-checks protection under the exclusive cache-mutation lock, so a plan
 made earlier never deletes something that became protected since.
 """
@@ -36,13 +42,20 @@ __all__ = [
     "PruneReport",
     "RemoveInput",
     "RemoveOutput",
+    "active_pull_state",
     "artifact_subject",
+    "cache_bytes",
     "gc_workflow",
     "prune_workflow",
     "remove_workflow",
 ]
 
 _ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.PARKED)
+
+
+def cache_bytes(cache: ArtifactCache) -> int:
+    """Bytes a cache budget counts: the blob store (shared blobs once) plus ``partials/``."""
+    return cache.blob_bytes() + cache.partial_bytes()
 
 
 def artifact_subject(digest: str) -> str:
@@ -205,7 +218,7 @@ async def gc_plan(ctx: StepContext, request: GcInput) -> GcPlan:
     """
     cache = ctx.resource(ArtifactCache)
     store = ctx.resource(JobStore)
-    before = cache.blob_bytes()
+    before = cache_bytes(cache)
     excess = before - request.budget_bytes
     victims: list[str] = []
     skipped: dict[str, str] = {}
@@ -245,11 +258,11 @@ async def gc_delete(ctx: StepContext, request: GcDeleteInput) -> GcDeleted:
 
 @step("measure")
 async def gc_measure(ctx: StepContext, _: GcInput) -> int:
-    """Physical blob bytes after the collection.
+    """Bytes the cache holds after the collection (blobs and partials).
 
     Idempotency: reads only.
     """
-    return ctx.resource(ArtifactCache).blob_bytes()
+    return cache_bytes(ctx.resource(ArtifactCache))
 
 
 @registry.workflow("gc", version=1)

@@ -4,10 +4,14 @@ Steps (each journaled; a crash resumes after the last completed one):
 
 1. ``plan`` -- a verified hit ends the job (size + BLAKE3 re-check, ``cache_corrupt`` on
    tampering, never repaired); a miss is checked against the pull policy (``manual``,
-   ``--offline``, pickle opt-in) and lists the files whose blobs are not yet stored.
-2. ``fetch:<path>`` per missing file -- download (``hf:``, resumable, hashed while it
-   streams) or copy (``file:`` and imports), verify size and SHA-256, scan pickles, promote
-   the partial into ``blobs/sha256``.
+   ``--offline``, pickle opt-in), lists the files whose blobs are not yet stored, and checks
+   that the cache file system has room for them (their sizes less what their partials
+   already hold, plus 1 MiB kept for the journal): ``disk_full`` with the figures otherwise,
+   before anything is written.
+2. ``fetch:<path>`` per missing file -- the same space check for this file, then download
+   (``hf:``, resumable from the partial's length, hashed while it streams) or copy
+   (``file:`` and imports), verify size and SHA-256, scan pickles, promote the partial into
+   ``blobs/sha256``.
 3. ``publish`` -- assemble the snapshot from blobs atomically and write the ready marker.
    A blob this job did not fetch itself (shared with another artifact, or left by an
    earlier run) is re-hashed first and must match its SHA-256 (``cache_corrupt``
@@ -38,10 +42,12 @@ from sbproxy.model_host.artifacts.download import (
     RemoteFile,
     download_file,
     hash_file,
+    partial_length,
 )
 from sbproxy.model_host.artifacts.errors import (
     CacheCorrupt,
     DigestMismatch,
+    DiskFull,
     ManualArtifactMissing,
     OfflineArtifactMissing,
     PickleRefused,
@@ -56,6 +62,7 @@ from sbproxy.model_host.artifacts.sources import (
     hf_token,
     parse_source,
 )
+from sbproxy.model_host.artifacts.space import disk_full_errors, require_space
 from sbproxy.model_host.registry import registry
 from sbproxy.workflows import RetryPolicy, StepContext, WorkflowContext, step
 
@@ -258,6 +265,16 @@ def _tasks(request: PullInput, cache: ArtifactCache) -> tuple[FileTask, ...]:
     return tuple(tasks)
 
 
+def bytes_to_fetch(cache: ArtifactCache, tasks: tuple[FileTask, ...]) -> int:
+    """Bytes the cache file system must still take for ``tasks``: each file's size less what
+    its partial already holds (a download resumes from it; a copy rewrites it in place)."""
+    return sum(
+        task.size_bytes
+        - min(partial_length(cache.partial(task.digest, task.path)), task.size_bytes)
+        for task in tasks
+    )
+
+
 def _corrupt(artifact: ResolvedArtifact, reason: str, cache: ArtifactCache) -> CacheCorrupt:
     """``cache_corrupt`` for a published artifact, with the commands that repair it.
 
@@ -294,7 +311,13 @@ def _corrupt(artifact: ResolvedArtifact, reason: str, cache: ArtifactCache) -> C
 async def plan_pull(ctx: StepContext, request: PullInput) -> Plan:
     """Classify the cache and decide what to fetch.
 
-    Idempotency: reads the cache and writes only ``last_accessed_ms`` of a hit.
+    Idempotency: reads the cache and writes only ``last_accessed_ms`` of a hit (and the
+    pending manifest, rewritten whole).
+
+    Raises:
+        CacheCorrupt: ``cache_corrupt`` for a published artifact that no longer verifies.
+        DiskFull: ``disk_full`` naming the partials directory, the bytes needed and free.
+        ManualArtifactMissing, OfflineArtifactMissing, PickleRefused: the pull policy.
     """
     cache = ctx.resource(ArtifactCache)
     artifact = request.artifact
@@ -314,6 +337,11 @@ async def plan_pull(ctx: StepContext, request: PullInput) -> Plan:
         return Plan(hit=True, snapshot_path=str(cache.snapshot(artifact.digest)))
     _check_policy(request, cache)
     tasks = _tasks(request, cache)
+    require_space(
+        cache.layout.partials,
+        needed_bytes=bytes_to_fetch(cache, tasks),
+        action=f"pulling {artifact.logical_model}:{artifact.variant_id}",
+    )
     cache.record_pending(artifact)
     return Plan(hit=False, fetch=tasks)
 
@@ -358,16 +386,23 @@ def _copy_verified(
     size = source.stat().st_size
     if size != task.size_bytes:
         raise SizeMismatch(f"{source} has {size} bytes, the catalog says {task.size_bytes}")
-    part.parent.mkdir(parents=True, exist_ok=True)
     sha, b3 = hashlib.sha256(), blake3()
-    with source.open("rb") as reader, part.open("wb") as writer:
-        while block := reader.read(COPY_BLOCK_BYTES):
-            check_cancelled()
-            sha.update(block)
-            b3.update(block)
-            writer.write(block)
-        writer.flush()
-        os.fsync(writer.fileno())
+    try:
+        with disk_full_errors(
+            f"copying {source}", path=part, kept="nothing was imported", needed_bytes=size
+        ):
+            part.parent.mkdir(parents=True, exist_ok=True)
+            with source.open("rb") as reader, part.open("wb") as writer:
+                while block := reader.read(COPY_BLOCK_BYTES):
+                    check_cancelled()
+                    sha.update(block)
+                    b3.update(block)
+                    writer.write(block)
+                writer.flush()
+                os.fsync(writer.fileno())
+    except DiskFull:
+        part.unlink(missing_ok=True)  # a copy restarts from 0: its bytes are of no use
+        raise
     return sha.hexdigest(), b3.hexdigest(), size
 
 
@@ -376,8 +411,13 @@ async def fetch_file(ctx: StepContext, task: FileTask) -> FetchResult:
     """Download or copy one file, verify it, scan it if it is a pickle, promote it.
 
     Idempotency: a blob that is already stored (an earlier run got this far) is reused; a
-    partial download resumes from its checkpoint; promotion is an atomic rename under the
-    blob lock.
+    partial download resumes from its length (the final SHA-256 decides); promotion is an
+    atomic rename under the blob lock.
+
+    Raises:
+        DiskFull: ``disk_full`` when the file system lacks room for the rest of this file
+            (checked first), or fills while it is written.
+        TransportError, HttpStatusError, SizeMismatch, DigestMismatch: see ``download_file``.
     """
     cache = ctx.resource(ArtifactCache)
     part = cache.partial(task.digest, task.path)
@@ -386,6 +426,13 @@ async def fetch_file(ctx: StepContext, task: FileTask) -> FetchResult:
             partial(reused_blob_fingerprint, cache, path=task.path, sha256=task.sha256)
         )
         return FetchResult(path=task.path, blake3=fingerprint, size_bytes=task.size_bytes)
+
+    # Checked on every attempt: a resumed job replays its plan, and space changes meanwhile.
+    require_space(
+        cache.layout.partials,
+        needed_bytes=bytes_to_fetch(cache, (task,)),
+        action=f"fetching {task.path}",
+    )
 
     async def progress(done: int) -> None:
         await ctx.report_progress(

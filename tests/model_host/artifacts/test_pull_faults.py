@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,7 +147,11 @@ async def test_disk_full_is_clear_keeps_the_cache_and_a_later_pull_succeeds(
     assert failed.status == JobStatus.FAILED
     assert failed.error is not None
     assert failed.error.code == "disk_full"
-    assert "no space left" in failed.error.message
+    part = tmp_path / "partials" / second.digest / "model.gguf.part"
+    assert f"not enough space on the file system of {part}" in failed.error.message
+    assert re.search(
+        r"downloading model\.gguf needs \d+ more bytes, \d+ bytes are free", failed.error.message
+    )
     assert snapshot_bytes(tmp_path, first.digest) == first_data  # earlier content intact
 
     disarm_all()
