@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 from pydantic import BaseModel
 
+from sbproxy.errors import SbproxyError
 from sbproxy.store import (
     Database,
     EventRecord,
@@ -394,6 +395,10 @@ class WorkflowEngine:
             nonlocal running
             try:
                 await self._execute(job)
+            except SbproxyError as exc:
+                # One job's journal failure (a full disk) must not end the loop: the job
+                # stays in the journal and a later pass resumes it.
+                logger.error("job %s (%s) stopped: %s [%s]", job.id, job.kind, exc, exc.code)
             finally:
                 running -= 1
                 limiter.release()

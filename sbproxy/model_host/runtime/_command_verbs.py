@@ -179,10 +179,19 @@ class CommandsMixin:
                     await self._cancel_job(command.job_id)
                 final = await self.engine.run_job(command.job_id)
                 await self._settle(queue.deployment, command, final)
+        except SbproxyError as exc:  # the journal refused (a full disk): no traceback
+            logger.error(
+                "%s command of %s failed: %s [%s]",
+                command.kind.value,
+                queue.deployment,
+                exc,
+                exc.code,
+            )
+            if command.kind is CommandKind.LOAD:
+                await self._settle(queue.deployment, command, None, cause=exc)
         except Exception:
             logger.exception("%s command of %s failed", command.kind.value, queue.deployment)
-            slot = self.slots.get(queue.deployment)
-            if slot is not None and command.kind is CommandKind.LOAD:
+            if command.kind is CommandKind.LOAD:
                 await self._settle(queue.deployment, command, None)
         finally:
             queue.finish(command)
@@ -191,9 +200,15 @@ class CommandsMixin:
                 pulse(slot)
 
     async def _settle(
-        self: RuntimeManager, deployment: str, command: Command, final: JobRecord | None
+        self: RuntimeManager,
+        deployment: str,
+        command: Command,
+        final: JobRecord | None,
+        *,
+        cause: SbproxyError | None = None,
     ) -> None:
-        """After a load job ended without a ready engine, make the slot say why."""
+        """After a load job ended without a ready engine (or could not even be journaled:
+        ``cause``), make the slot say why."""
         slot = self.slots.get(deployment)
         if slot is None or command.kind is not CommandKind.LOAD or slot.routable():
             return
@@ -202,8 +217,11 @@ class CommandsMixin:
         if slot.state == DeploymentState.FAILED:
             return  # the launch already said why
         error = final.error if final is not None else None
-        code = error.code if error else "prepare_failed"
-        message = error.message if error else "the load did not finish"
+        if cause is not None:
+            code, message = cause.code, cause.message
+        else:
+            code = error.code if error else "prepare_failed"
+            message = error.message if error else "the load did not finish"
         if slot.state == DeploymentState.PREPARING:
             await self._set_state(slot, DeploymentState.FAILED, reason_code=code, error=message)
         elif slot.state in (DeploymentState.CONFIGURED, DeploymentState.STOPPED):
