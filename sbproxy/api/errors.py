@@ -115,6 +115,8 @@ class ShuttingDown(ApiError):
 # (the service is unavailable until an operator acts); capacity refusals are 503.
 _STATUS: Final[dict[str, int]] = {
     "invalid_body": 400,
+    "invalid_request": 400,
+    "chat_not_supported": 400,
     "invalid_job_id": 400,
     "invalid_last_event_id": 400,
     "invalid_artifact_digest": 400,

@@ -51,7 +51,6 @@ from typing import Any, Final
 
 import aiohttp
 import anyio
-import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
@@ -64,6 +63,7 @@ from sbproxy.api.access import (
     access_log,
     access_note,
 )
+from sbproxy.api.bodies import ChatNotSupported, Head, check_body, decode_head, with_fields
 from sbproxy.api.errors import (
     InvalidBody,
     UnknownModel,
@@ -96,19 +96,6 @@ __all__ = ["Gateway", "Routing", "create_gateway_app"]
 LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 # Embedding batches can be large; anything beyond this is not a chat request.
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
-
-
-class _Head(msgspec.Struct):
-    """The only fields of an OpenAI request body the gateway reads."""
-
-    model: str | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-
-
-_HEAD_DECODER = msgspec.json.Decoder(_Head)
-_DECODER = msgspec.json.Decoder()
-_ENCODER = msgspec.json.Encoder()
 
 
 def host_of(header: str | None) -> str:
@@ -264,6 +251,32 @@ class Gateway:
             )
             raise
 
+    def prepare(self, path: str, head: Head, body: bytes, route: Route) -> tuple[bytes, bool]:
+        """Check ``body`` and complete it for the engine (``sbproxy/api/bodies.py``); the
+        body to forward and whether the relay drops a usage-only event the client did not
+        ask for.
+
+        Raises:
+            InvalidRequest: ``invalid_request`` (400) -- never forwarded.
+            ChatNotSupported: ``chat_not_supported`` (400) for a completion-only model.
+        """
+        deployment = route.deployment
+        check_body(path, head)
+        if path == "/v1/chat/completions" and not self.manager.can_chat(deployment):
+            raise ChatNotSupported(
+                f"{route.public_model!r} (deployment {deployment!r}) is a completion-only "
+                "model: its catalog variant has no chat template. Send a `prompt` to "
+                "/v1/completions instead.",
+                details={"deployment": deployment, "use": "/v1/completions"},
+            )
+        fields: dict[str, Any] = {}
+        strip_usage = False
+        if head.stream and path == "/v1/chat/completions":
+            fields, strip_usage = ask_for_usage(head)
+        if path != "/v1/embeddings" and not head.sets_a_limit:
+            fields["max_tokens"] = self.manager.output_limit(deployment)
+        return (with_fields(body, fields) if fields else body), strip_usage
+
     async def forward(self, request: Request[Any, Any, Any], path: str) -> Response[Any]:
         """Relay one OpenAI request to its engine (see the module docstring).
 
@@ -275,12 +288,7 @@ class Gateway:
         """
         caller = self.keys.authenticate(request.headers.get("authorization"))
         body = await request.body()
-        try:
-            head = _HEAD_DECODER.decode(body)
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-            raise InvalidBody(f"the body is not a valid request: {exc}") from None
-        except RecursionError:
-            raise InvalidBody("the body is nested too deeply") from None
+        head = decode_head(body)
         route = self.routing.route(request.headers.get("host"), head.model)
         deployment = route.deployment
         note = access_note(request.scope)
@@ -293,9 +301,7 @@ class Gateway:
             if caller.name is not None:
                 span.set_attribute(ATTR_KEY_NAME, caller.name)
         self.usage.check(caller.name)
-        strip_usage = False
-        if head.stream and path == "/v1/chat/completions":
-            body, strip_usage = ask_for_usage(body, head)
+        body, strip_usage = self.prepare(path, head, body, route)
         try:
             answer = await self.exchange(
                 request, route, caller=caller, path=path, body=body, streamed=head.stream
@@ -342,7 +348,8 @@ class Gateway:
             relay.events(),
             status_code=response.status,
             media_type="text/event-stream",
-            headers={**headers, "Cache-Control": "no-cache"},
+            # Proxies in front (nginx) must pass events on as they come, not buffer them.
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             background=BackgroundTask(relay.close),
         )
 
@@ -452,14 +459,13 @@ def _end(
         upstream.release()
 
 
-def ask_for_usage(body: bytes, head: _Head) -> tuple[bytes, bool]:
-    """A streamed chat body that asks the engine for ``usage``, and whether the client had
-    not asked for it itself (then the usage-only event is dropped from the relay)."""
+def ask_for_usage(head: Head) -> tuple[dict[str, Any], bool]:
+    """The fields a streamed chat body needs so that the engine reports ``usage``, and
+    whether the client had not asked for it itself (then the usage-only event is dropped
+    from the relay)."""
     if head.stream_options is not None and head.stream_options.get("include_usage") is True:
-        return body, False
-    document = _DECODER.decode(body)  # an object: _Head decoded it
-    document["stream_options"] = {**(head.stream_options or {}), "include_usage": True}
-    return _ENCODER.encode(document), True
+        return {}, False
+    return {"stream_options": {**(head.stream_options or {}), "include_usage": True}}, True
 
 
 def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:

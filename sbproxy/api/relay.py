@@ -24,6 +24,7 @@ event does not make tokens free.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Final
 
@@ -42,6 +43,7 @@ __all__ = [
     "rewrite_answer",
     "rewrite_event",
     "rewrite_model",
+    "split_events",
     "usage_of",
 ]
 
@@ -108,33 +110,54 @@ def rewrite_event(event: bytes, public_model: str) -> bytes:
     return _rewrite_event(event, public_model)[0]
 
 
+# The top-level ``model`` member of an event's JSON: only its string value is replaced, so
+# every other byte of the event (spacing, key order, line endings) reaches the client as the
+# engine wrote it.
+_MODEL_MEMBER = re.compile(rb'("model"\s*:\s*)"(?:[^"\\]|\\.)*"')
+# An SSE event ends with a blank line; lines end with CRLF, LF or CR (the SSE spec).
+_BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
 def _rewrite_event(event: bytes, public_model: str) -> tuple[bytes, Usage | None, bool]:
-    """One SSE event rewritten, its usage if any, and whether it is a usage-only event
-    (``choices: []`` with ``usage``)."""
+    """One SSE event (without its closing blank line) with its ``model`` renamed, its usage
+    if any, and whether it is a usage-only event (``choices: []`` with ``usage``)."""
     if b'"model"' not in event and b'"usage"' not in event:
         return event, None, False
-    lines = event.split(b"\n")
     usage: Usage | None = None
     usage_only = False
-    for index, line in enumerate(lines):
-        if line.startswith(b"data:"):
-            payload = line[5:].strip()
-            if not payload.startswith(b"{"):
-                continue
-            try:
-                document = _DECODER.decode(payload)
-            except (msgspec.DecodeError, RecursionError):
-                continue
-            if not isinstance(document, dict):
-                continue
-            found = usage_of(document)
-            if found is not None:
-                usage = found
-                usage_only = document.get("choices") == []
-            if "model" in document:
-                document["model"] = public_model
-                lines[index] = b"data: " + _ENCODER.encode(document)
-    return b"\n".join(lines), usage, usage_only
+    out = event
+    name = _ENCODER.encode(public_model)
+    for line in event.splitlines():
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if not payload.startswith(b"{"):
+            continue
+        try:
+            document = _DECODER.decode(payload)
+        except (msgspec.DecodeError, RecursionError):
+            continue
+        if not isinstance(document, dict):
+            continue
+        found = usage_of(document)
+        if found is not None:
+            usage = found
+            usage_only = document.get("choices") == []
+        if isinstance(document.get("model"), str):
+            renamed = _MODEL_MEMBER.sub(lambda m: m.group(1) + name, payload, count=1)
+            out = out.replace(payload, renamed, 1)
+    return out, usage, usage_only
+
+
+def split_events(pending: bytes) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The complete events at the start of ``pending`` as ``(event, separator)`` pairs, and
+    the incomplete rest (an event still arriving)."""
+    events: list[tuple[bytes, bytes]] = []
+    start = 0
+    for boundary in _BOUNDARY.finditer(pending):
+        events.append((pending[start : boundary.start()], boundary.group()))
+        start = boundary.end()
+    return events, pending[start:]
 
 
 class StreamRelay:
@@ -185,15 +208,15 @@ class StreamRelay:
             on_expire=self._expire,
         )
 
-    def _event(self, event: bytes) -> bytes:
+    def _event(self, event: bytes, separator: bytes) -> bytes:
         rewritten, usage, usage_only = _rewrite_event(event, self.public_model)
         if usage is not None:
             self.usage = usage
             if usage_only and self.strip_usage:
                 return b""
-        if not event.endswith(b"[DONE]"):
+        if not event.rstrip().endswith(b"[DONE]"):
             self.relayed_events += 1
-        return rewritten + b"\n\n"
+        return rewritten + separator
 
     def _expire(self, limit: Limit) -> None:
         # From the timer: close the upstream connection (the engine stops, and the pending
@@ -220,18 +243,16 @@ class StreamRelay:
         deadlines = self.deadlines
         try:
             while chunk := await content.readany():
-                pending += chunk.replace(b"\r\n", b"\n")
-                end = pending.rfind(b"\n\n")
-                if end < 0:
+                complete, pending = split_events(pending + chunk)
+                if not complete:
                     continue  # no complete event yet: the event deadline stands
-                complete, pending = pending[: end + 2], pending[end + 2 :]
-                out = b"".join(self._event(event) for event in complete[:-2].split(b"\n\n"))
+                out = b"".join(self._event(event, separator) for event, separator in complete)
                 if out:
                     deadlines.paused()  # a slow client is not a stalled engine
                     yield out
                 deadlines.waiting()
             if pending:
-                out = self._event(pending)[:-2]
+                out = self._event(pending, b"")
                 if out:
                     deadlines.paused()
                     yield out

@@ -143,6 +143,15 @@ class ResolvedArtifact(BaseModel):
     stability: Stability = Field(description="Stability of the variant.")
     context_length: int = Field(description="Model context length in tokens.")
     min_memory_bytes: int = Field(description="Memory the variant needs, in bytes.")
+    chat_template: str = Field(
+        default="embedded",
+        description="embedded, none (completion only) or an engine template name.",
+    )
+
+    @property
+    def can_chat(self) -> bool:
+        """Whether chat completions have a known template."""
+        return self.chat_template != "none"
 
     @property
     def total_size_bytes(self) -> int:
@@ -268,6 +277,7 @@ def pinned_artifact(
         # A validated entry with variants always has a context length.
         context_length=entry.context_length or 0,
         min_memory_bytes=variant.requirements.min_memory_bytes,
+        chat_template=variant.chat_template,
     )
 
 

@@ -19,7 +19,14 @@ from collections.abc import Sized
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from sbproxy.errors import CatalogError
@@ -76,6 +83,13 @@ _HF_REPO_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*
 _ENV_REF_RE = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
 _CONTROL_OR_SPACE_RE = re.compile(r"[\s\x00-\x1f\x7f]")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+ChatTemplate = Annotated[
+    str,
+    StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$"),
+]
+"""``embedded``, ``none``, or an engine's built-in template name (1-64 of a-z, 0-9, ., _, -)."""
 
 
 class ArtifactFormat(StrEnum):
@@ -363,6 +377,20 @@ class ArtifactVariant(BaseModel):
     certification: NonBlank = Field(
         description="Label of the certification run that checked this variant."
     )
+    chat_template: ChatTemplate = Field(
+        default="embedded",
+        description=(
+            "How chat requests are turned into a prompt: 'embedded' (the weights carry a chat "
+            "template the engine uses), a template name the engine knows (llama.cpp's "
+            "--chat-template, e.g. 'chatml'), or 'none' for a completion-only (base) model, "
+            "whose chat requests are refused with chat_not_supported."
+        ),
+    )
+
+    @property
+    def can_chat(self) -> bool:
+        """Whether chat completions have a known template (see ``chat_template``)."""
+        return self.chat_template != "none"
 
     @model_validator(mode="after")
     def _check_cross_field_rules(self) -> ArtifactVariant:

@@ -290,6 +290,8 @@ def _list_row(
         "selected_variant": artifact.variant_id if artifact else None,
         "format": artifact.format.value if artifact else None,
         "stability": artifact.stability.value if artifact else None,
+        # Whether /v1/chat/completions works: "none" marks a completion-only (base) model.
+        "chat_template": artifact.chat_template if artifact else None,
         "exact_size_bytes": artifact.total_size_bytes if artifact else None,
         "engine": artifact.engine.value if artifact else None,
         "fit": outcome.fit,

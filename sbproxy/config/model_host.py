@@ -418,6 +418,14 @@ class DeploymentConfig(ConfigModel):
         le=_ONE_DAY_MS,
         description="Longest a request waits for admission, in milliseconds.",
     )
+    max_output_tokens: int = Field(
+        default=512,
+        ge=1,
+        le=_MAX_U32,
+        description="Tokens an answer may generate when the request sets no max_tokens "
+        "(max_completion_tokens, n_predict); never more than the context length. Keeps an "
+        "answer that would not end from running to the context limit.",
+    )
     request_timeout_ms: int = Field(
         default=300_000,
         ge=1,
@@ -546,6 +554,22 @@ class DeploymentConfig(ConfigModel):
                     ("replicas",),
                     f"replicas: {self.replicas} needs a pinned `variant` (or "
                     "heterogeneous_variants: true) so every replica serves the same artifact",
+                )
+            )
+        if self.max_context is not None and self.max_output_tokens > self.max_context:
+            problems.append(
+                (
+                    ("max_output_tokens",),
+                    f"max_output_tokens {self.max_output_tokens} exceeds max_context "
+                    f"{self.max_context}: an answer cannot be longer than the context",
+                )
+            )
+        if self.restart_backoff_initial_ms > self.restart_backoff_max_ms:
+            problems.append(
+                (
+                    ("restart_backoff_initial_ms",),
+                    f"restart_backoff_initial_ms {self.restart_backoff_initial_ms} exceeds "
+                    f"restart_backoff_max_ms {self.restart_backoff_max_ms}",
                 )
             )
         if self.engine == EngineChoice.LLAMA_CPP:

@@ -74,12 +74,16 @@ async def test_client_disconnect_mid_stream_releases_the_permit(tmp_path: Path) 
     async with served(tmp_path, mode="token_delay_s=1.0") as host:
         gate = host.host.manager.slot("tiny").gate
         async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
-            body = {"model": "tiny-chat", "messages": [], "stream": True}
+            body = {
+                "model": "tiny-chat",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+            }
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 assert response.headers["content-type"].startswith("text/event-stream")
                 async for line in response.aiter_lines():
                     if line.startswith("data:"):
-                        assert '"model":"tiny-chat"' in line
+                        assert '"model": "tiny-chat"' in line
                         break
                 assert gate.active == 1
             closed_at = time.monotonic()
@@ -94,7 +98,11 @@ async def test_an_engine_stopped_mid_stream_ends_the_stream_with_an_error_event(
     async with served(tmp_path, mode="token_delay_s=0.5") as host:
         manager = host.host.manager
         async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
-            body = {"model": "tiny-chat", "messages": [], "stream": True}
+            body = {
+                "model": "tiny-chat",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+            }
             events: list[str] = []
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 async for line in response.aiter_lines():
@@ -105,7 +113,7 @@ async def test_an_engine_stopped_mid_stream_ends_the_stream_with_an_error_event(
                         process = manager.slot("tiny").process
                         assert process is not None
                         os.kill(process.pid, signal.SIGKILL)
-        assert '"model":"tiny-chat"' in events[0]
+        assert '"model": "tiny-chat"' in events[0]
         assert '"code": "upstream_unavailable"' in events[-1]
         assert "[DONE]" not in "".join(events)
         await until(lambda: manager.slot("tiny").gate.active == 0, timeout_s=2)
@@ -169,7 +177,10 @@ async def test_admission_refusal_is_retryable_with_retry_after(tmp_path: Path) -
         await until(lambda: slot.state == DeploymentState.READY)
         first = await host.host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
         async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
-            refused = await http.post("/v1/chat/completions", json={"model": "tiny-chat"})
+            refused = await http.post(
+                "/v1/chat/completions",
+                json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]},
+            )
         first.release()
         assert refused.status_code == 503
         error = refused.json()["error"]
@@ -184,7 +195,10 @@ async def test_key_plane_requires_a_configured_key(tmp_path: Path) -> None:
     record = ApiKeyRecord(name="alice", key=SecretStr(KEY), priority=PriorityClass.INTERACTIVE)
     async with served(tmp_path, keys=[record]) as host:
         async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
-            missing = await http.post("/v1/chat/completions", json={"model": "tiny-chat"})
+            missing = await http.post(
+                "/v1/chat/completions",
+                json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]},
+            )
             assert missing.status_code == 401
             assert missing.json()["error"]["code"] == "unauthorized"
             wrong = await http.get("/v1/models", headers={"authorization": "Bearer sk-wrong"})

@@ -72,7 +72,7 @@ async def test_gateway_and_admin_requests_have_server_spans(
         async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
             answer = await http.post(
                 "/v1/chat/completions",
-                json={"model": "tiny-chat", "messages": []},
+                json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]},
                 headers={"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"},
             )
             assert answer.status_code == 200

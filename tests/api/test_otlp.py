@@ -94,7 +94,7 @@ def run_serve(root: Path, endpoint: str | None) -> None:
             assert len(lines) < 10 and lines[-1], lines
         answer = httpx.post(
             f"http://localhost:{gateway_port}/v1/chat/completions",
-            json={"messages": []},
+            json={"messages": [{"role": "user", "content": "hi"}]},
             headers={"authorization": "Bearer not-a-configured-key-but-keyless"},
             timeout=30,
         )

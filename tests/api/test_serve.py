@@ -83,7 +83,9 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
         assert f"admin listening on http://127.0.0.1:{admin_port}" in lines[1], lines
         gateway = f"http://localhost:{gateway_port}"
         answer = httpx.post(
-            f"{gateway}/v1/chat/completions", json={"messages": []}, timeout=30
+            f"{gateway}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
         ).json()
         assert answer["model"] == "tiny-chat"
         status = httpx.get(

@@ -146,7 +146,9 @@ def test_serve_stays_up_when_a_pull_fills_the_disk_and_loads_once_space_is_freed
             assert "not enough space on the file system of" in failed["last_error"]
             assert served.process.poll() is None  # still serving
             refused = httpx.post(
-                f"{served.gateway}/v1/chat/completions", json={"messages": []}, timeout=30
+                f"{served.gateway}/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}]},
+                timeout=30,
             )
             assert refused.status_code == 503  # answered, not dropped
             (part,) = cache.glob("partials/*/*.part")
@@ -159,7 +161,9 @@ def test_serve_stays_up_when_a_pull_fills_the_disk_and_loads_once_space_is_freed
             ready = served.wait_state("ready")
             assert ready["artifact_digest"] == failed["artifact_digest"]
             answer = httpx.post(
-                f"{served.gateway}/v1/chat/completions", json={"messages": []}, timeout=30
+                f"{served.gateway}/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}]},
+                timeout=30,
             )
             assert answer.status_code == 200, answer.text
             gets = [(r.status, r.range_start) for r in mirror.requests if r.method == "GET"]

@@ -116,7 +116,7 @@ def apply(config: Path, admin_port: int, *options: str) -> subprocess.CompletedP
 def chat(gateway_port: int, model: str) -> httpx.Response:
     return httpx.post(
         f"http://localhost:{gateway_port}/v1/chat/completions",
-        json={"model": model, "messages": []},
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
         timeout=30,
     )
 

@@ -148,7 +148,9 @@ def hung_request(served: Served) -> tuple[threading.Thread, list[object], int]:
     the engine (one active request), with the engine's pid."""
     thread, outcome = in_thread(
         lambda: httpx.post(
-            f"{served.gateway}/v1/chat/completions", json={"messages": []}, timeout=30
+            f"{served.gateway}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
         )
     )
     wait_for(
@@ -213,7 +215,7 @@ def test_a_stalled_stream_ends_with_an_error_event(serve: Callable[..., Served])
         with httpx.stream(
             "POST",
             f"{served.gateway}/v1/chat/completions",
-            json={"messages": [], "stream": True},
+            json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
             timeout=30,
         ) as response:
             assert response.status_code == 200
@@ -260,7 +262,11 @@ def test_a_second_signal_while_the_engine_ignores_sigterm_kills_it_at_once(
     # No request in flight: the listeners close at once and the manager stops the engine,
     # whose SIGTERM grace would be 10 s here (min(what is left of 20 s + 1 s, 10)).
     served = serve(mode="ignore_sigterm", deadline_ms=20_000)
-    answer = httpx.post(f"{served.gateway}/v1/chat/completions", json={"messages": []}, timeout=30)
+    answer = httpx.post(
+        f"{served.gateway}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
     assert answer.status_code == 200
     pid = served.engine_pid()
     logs = served.root / "cache" / "logs"

@@ -221,7 +221,11 @@ async def test_streamed_usage_is_counted_and_hidden_unless_asked(tmp_path: Path)
 async def test_a_stream_left_early_is_still_counted(tmp_path: Path) -> None:
     async with served(tmp_path, mode="token_delay_s=0.5", keys=[budget_key(10_000)]) as host:
         async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
-            body = {"model": "tiny-chat", "messages": [], "stream": True}
+            body = {
+                "model": "tiny-chat",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+            }
             headers = {"authorization": f"Bearer {KEY}"}
             async with http.stream(
                 "POST", "/v1/chat/completions", json=body, headers=headers

@@ -39,6 +39,7 @@ ROW_FIELDS = {
     "selected_variant",
     "format",
     "stability",
+    "chat_template",
     "exact_size_bytes",
     "engine",
     "fit",
@@ -92,6 +93,7 @@ def test_list_json_envelope_and_rows_match_resolution_on_the_probed_worker() -> 
         assert row["selected_variant"] == artifact.variant_id
         assert row["engine"] == artifact.engine.value
         assert row["exact_size_bytes"] == sum(f.size_bytes for f in artifact.files)
+        assert row["chat_template"] == artifact.chat_template
         assert row["fit"] == "fits"
 
 

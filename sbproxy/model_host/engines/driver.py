@@ -94,6 +94,9 @@ class LaunchRequest:
         extra_args: Allowlisted operator flags (already validated by the configuration).
         gpu_memory_bytes: Admitted memory estimate on the selected device (vLLM).
         device_memory_bytes: Total memory of the selected device (vLLM).
+        chat_template: A template name the catalog pins for chat requests (llama.cpp
+            ``--chat-template``); ``None`` when the weights carry their own, or the model
+            does not chat.
     """
 
     deployment: str
@@ -109,6 +112,7 @@ class LaunchRequest:
     extra_args: tuple[str, ...] = ()
     gpu_memory_bytes: int | None = None
     device_memory_bytes: int | None = None
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)

@@ -288,6 +288,8 @@ def plan_llama_launch(request: LaunchRequest, *, executable: Path) -> LaunchPlan
     cache_type = _KV_TYPES.get(request.kv_quant)
     if cache_type:
         argv += ["--cache-type-k", cache_type, "--cache-type-v", cache_type]
+    if request.chat_template:
+        argv += ["--chat-template", request.chat_template]
     argv += list(request.extra_args)
     env = minimal_env({"LD_LIBRARY_PATH": str(executable.parent)})
     if request.accelerator == "cuda":

@@ -48,6 +48,12 @@ PORT_RETRIES = 3
 SWAP_RECHECK_S = 0.25
 
 
+def _pinned_template(slot: Slot) -> str | None:
+    """The chat template name the catalog pins for the slot's artifact, if any."""
+    template = slot.artifact.chat_template if slot.artifact is not None else "embedded"
+    return None if template in ("embedded", "none") else template
+
+
 class LaunchMixin:
     """Engine lifecycle effects of the runtime manager (see the module docstring)."""
 
@@ -282,6 +288,7 @@ class LaunchMixin:
                 max_concurrency=slot.config.max_concurrency,
                 kv_quant=str(slot.config.kv_quant),
                 extra_args=tuple(slot.config.extra_args),
+                chat_template=_pinned_template(slot),
             )
             try:
                 process = await launch(

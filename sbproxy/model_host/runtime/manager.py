@@ -282,6 +282,41 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
         """
         return self._status_of(self.slot(deployment))
 
+    def _artifact_of(self, deployment: str) -> ResolvedArtifact | None:
+        slot = self.slot(deployment)
+        if slot.artifact is not None:
+            return slot.artifact
+        try:
+            return self.resolve_config(slot.config, self.catalog)
+        except SbproxyError:
+            return None  # reported by the load; routing decides nothing from it
+
+    def can_chat(self, deployment: str) -> bool:
+        """Whether ``deployment`` serves chat completions: its catalog variant has a chat
+        template (``chat_template`` is not ``none``).
+
+        Raises:
+            UnknownDeployment: ``unknown_deployment``.
+        """
+        artifact = self._artifact_of(deployment)
+        return artifact is None or artifact.can_chat
+
+    def output_limit(self, deployment: str) -> int:
+        """``max_tokens`` for a request of ``deployment`` that sets none: its
+        ``max_output_tokens``, never more than its context length (``max_context``, else
+        the catalog's).
+
+        Raises:
+            UnknownDeployment: ``unknown_deployment``.
+        """
+        slot = self.slot(deployment)
+        limit = slot.config.max_output_tokens
+        context = slot.config.max_context
+        if context is None:
+            artifact = self._artifact_of(deployment)
+            context = artifact.context_length if artifact is not None else None
+        return max(1, min(limit, context)) if context else limit
+
     def engine_pids(self) -> set[int]:
         """Pids of every live engine child this manager holds (current and staged)."""
         slots = [*self.slots.values(), *self.staged.values()]

@@ -31,7 +31,8 @@ GIB = 1024**3
 
 
 def write_catalog(root: Path) -> Path:
-    """A catalog whose ``tiny`` model is a synthetic GGUF in a ``file:`` source directory."""
+    """A catalog whose ``tiny`` model is a synthetic GGUF in a ``file:`` source directory,
+    and ``tiny-base`` the same bytes as a completion-only model (``chat_template: none``)."""
     source = root / "source"
     source.mkdir(parents=True, exist_ok=True)
     gguf = write_gguf(source / "tiny.gguf", vocab=50)
@@ -68,6 +69,10 @@ def write_catalog(root: Path) -> Path:
             }
         },
     }
+    # The same bytes as a completion-only (base) model: chat requests are refused.
+    base = {**document["models"]["tiny"], "modality": "completion"}  # type: ignore[index]
+    base["variants"] = [{**base["variants"][0], "chat_template": "none"}]
+    document["models"]["tiny-base"] = base  # type: ignore[index]
     path = root / "catalog.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
