@@ -132,19 +132,29 @@ def _refuse_raw(model: str) -> None:
         )
 
 
-def banner(*, name: str, port: int, admin_port: int, password: str) -> str:
-    """What ``run`` prints once the deployment is ready."""
+def banner(*, name: str, port: int, admin_port: int, password: str, chat: bool = True) -> str:
+    """What ``run`` prints once the deployment is ready; the Try: line is a chat request, or
+    a completion for a completion-only (base) model (``chat``: false)."""
     base = f"http://127.0.0.1:{port}"
+    if chat:
+        example = (
+            f"Try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{name}", "messages": [{{"role": "user", '
+            '"content": "Hello"}]}\'\n'
+        )
+    else:
+        example = (
+            f"{name} completes text (it has no chat template): use /v1/completions\n"
+            f"Try: curl -s {base}/v1/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{name}", "prompt": "Once upon a time"}}\'\n'
+        )
     return (
         f"\n{name} is ready on {base}\n"
         f"Admin: http://127.0.0.1:{admin_port}\n"
         "Admin username: admin\n"
         f"Admin password: {password}\n"
         f"export OPENAI_BASE_URL={base}/v1\n"
-        "export OPENAI_API_KEY=local\n"
-        f"Try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
-        f'-d \'{{"model": "{name}", "messages": [{{"role": "user", '
-        '"content": "Hello"}]}\'\n'
+        "export OPENAI_API_KEY=local\n" + example
     )
 
 
@@ -258,7 +268,15 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
         )
         # Found by `models ps|load|stop` and `apply` while this run serves; removed on exit.
         discovery.enter_context(published(record))
-        click.echo(banner(name=public, port=port, admin_port=admin_port, password=password))
+        click.echo(
+            banner(
+                name=public,
+                port=port,
+                admin_port=admin_port,
+                password=password,
+                chat=host.manager.can_chat(DEPLOYMENT),
+            )
+        )
         freeze_startup_heap()
 
     configure_server_logging()

@@ -94,3 +94,24 @@ def gemma_cache(real_inputs: RealInputs, tmp_path: Path) -> Path:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return cache
+
+
+@pytest.fixture
+def smol_cache(real_inputs: RealInputs, tmp_path: Path) -> Path:
+    """A fresh cache root holding the real SmolLM2 chat artifact, imported and verified."""
+    cache = tmp_path / "smol-cache"
+    done = sbproxy(
+        "models",
+        "import",
+        str(real_inputs.smol),
+        "--model",
+        "smollm2-135m-instruct",
+        "--variant",
+        "q4_1",
+        "--cache-dir",
+        str(cache),
+        "--format",
+        "json",
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return cache
