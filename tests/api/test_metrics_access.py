@@ -16,7 +16,9 @@ pytestmark = pytest.mark.anyio
 
 
 def _client(admin: Admin, address: str) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=create_admin_app(admin), client=(address, 40000))
+    # A transport, not a listener, so that the client address can be any address.
+    app = create_admin_app(admin)
+    transport = httpx.ASGITransport(app=app, client=(address, 40000))  # type: ignore[arg-type]
     return httpx.AsyncClient(transport=transport, base_url="http://admin")
 
 
