@@ -1,4 +1,4 @@
-"""``sbproxy config``: validate an ``sb.yml`` and print its JSON Schema."""
+"""``sbproxy config``: validate an ``sb.yml``; print its JSON Schema or its reference page."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import click
 
 from sbproxy.catalog import Catalog, load_catalog
 from sbproxy.cli._output import EXIT_INVALID, emit_json, format_option
-from sbproxy.config import CompiledConfig, config_json_schema_text, dotted, load_config
+from sbproxy.config import (
+    CompiledConfig,
+    config_json_schema_text,
+    config_reference_markdown,
+    dotted,
+    load_config,
+)
 from sbproxy.errors import CatalogError, ConfigError, ConfigIssue
 
 __all__ = ["config_group"]
@@ -17,7 +23,7 @@ __all__ = ["config_group"]
 
 @click.group("config")
 def config_group() -> None:
-    """Check configuration files."""
+    """Check and describe configuration files."""
 
 
 def _catalog_issues(compiled: CompiledConfig) -> list[ConfigIssue]:
@@ -106,3 +112,11 @@ def validate_command(config_path: Path, output_format: str) -> None:
 def schema_command() -> None:
     """Print the JSON Schema of sb.yml (the same as schemas/sb-config.schema.json)."""
     click.echo(config_json_schema_text(), nl=False)
+
+
+@config_group.command("docs")
+def docs_command() -> None:
+    """Print the configuration reference as Markdown (the same as docs/configuration.md),
+    rendered from the JSON Schema: every field by dotted path, with type, default and
+    description."""
+    click.echo(config_reference_markdown(), nl=False)

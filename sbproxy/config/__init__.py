@@ -40,6 +40,7 @@ from sbproxy.config.proxy import (
     ProxyConfig,
     TokenBudget,
 )
+from sbproxy.config.reference import config_reference_markdown
 from sbproxy.config.schema import config_json_schema, config_json_schema_text
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "compile_config",
     "config_json_schema",
     "config_json_schema_text",
+    "config_reference_markdown",
     "dotted",
     "legacy_deployment_id",
     "load_config",
