@@ -44,6 +44,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from sbproxy.api.config_state import ConfigState
 from sbproxy.api.desired import desired_handlers
 from sbproxy.api.errors import InvalidBody, Unauthorized, admin_exception_handlers
 from sbproxy.api.jobs import jobs_router
@@ -99,8 +100,12 @@ class Admin:
     allowlist: tuple[str, ...] = ()
     usage: UsageLedger | None = None
     disconnects: Disconnects | None = None
+    config: ConfigState | None = None
 
     def __post_init__(self) -> None:
+        if self.config is None:
+            self.config = ConfigState.of(self.manager.compiled, revision=self.manager.revision)
+            self.manager.on_commit.append(self.config.on_commit)
         self._user = hashlib.sha256(self.username.encode()).digest()
         self._secret = hashlib.sha256(self.password.encode()).digest()
         self.password = ""
@@ -377,14 +382,19 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
         admin.allowed(connection.client.host if connection.client else None)
         admin.check(connection.headers.get("authorization"))
 
+    config = admin.config
+    assert config is not None  # noqa: S101 - set in __post_init__
+
     @get("/model-host/status", sync_to_thread=False)
     def status() -> dict[str, object]:
-        """Every deployment's live status."""
+        """Every deployment's live status, and the configuration file's: the active
+        content's path, SHA-256 and revision, and the last reload's result."""
         rows = [entry.to_dict() for entry in manager.status()]
         return {
             "schema_version": 1,
             "serving": True,
             "runtime_revision": manager.revision,
+            "config": config.to_dict(),
             "deployments": rows,
             "models": rows,
         }
@@ -433,7 +443,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             drain,
             reset,
             *cache_handlers(manager),
-            *desired_handlers(manager),
+            *desired_handlers(manager, config),
             jobs_router(manager.engine, admin.spawn),
             *usage_handlers(admin.usage),
         ],
