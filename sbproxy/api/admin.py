@@ -7,6 +7,12 @@ to 512 KiB (413 ``request_body_too_large``); a malformed body is a 400 ``invalid
 credentials on the same listener, which stays on loopback unless TLS and an allowlist are
 configured.
 
+``GET /admin/model-host/status`` answers every deployment's live status and a ``config``
+object (:meth:`~sbproxy.api.config_state.ConfigState.to_dict`): the active configuration
+file's path and resolved path, the SHA-256 of its content, its runtime revision, the file
+watcher's looks, and the last reload attempt (source, result, reason code, message, time,
+job id).
+
 Lifecycle routes (``load``, ``stop``, ``drain``, ``reset``) take ``{"deployment": id}`` (the
 legacy key ``model`` is accepted), queue a durable job, start it in the background and answer
 202 ``{schema_version: 1, deployment, state: "queued", job_id, poll_url}``.

@@ -126,6 +126,7 @@ async def watchfiles_changes(
 
     Raises:
         OSError: a directory cannot be watched (removed meanwhile, out of inotify watches).
+        RuntimeError: watchfiles' ``WatchfilesRustInternalError``.
     """
     import watchfiles
 
@@ -173,11 +174,26 @@ class ConfigWatcher:
         while not stopped.is_set():
             await self.check()  # at the start, and whatever changed while re-watching
             directories = await anyio.to_thread.run_sync(watched_directories, self.path)
-            if directories:
+            if directories and await self._follow(directories, stopped):
+                continue
+            # Nothing on the way exists, it cannot be watched, or the events ended (at a
+            # stop, the wait below ends at once): look again later.
+            with anyio.move_on_after(self.poll_interval_s):
+                await stopped.wait()
+
+    async def _follow(self, directories: tuple[Path, ...], stopped: anyio.Event) -> bool:
+        """Check at every event or poll until ``stopped``, until the path leads through
+        other directories (a ConfigMap swap: the new ``..<timestamp>``) -- then ``True`` --
+        or until the directories cannot be watched (logged once)."""
+        async with contextlib.aclosing(
+            self.changes(directories, stopped, self.poll_interval_s)
+        ) as events:
+            while True:
                 try:
-                    if await self._follow(directories, stopped):
-                        continue
-                except OSError as exc:
+                    await anext(events)
+                except StopAsyncIteration:
+                    return False
+                except (OSError, RuntimeError) as exc:  # RuntimeError: watchfiles' internal
                     log = logger.debug if self._warned else logger.warning
                     self._warned = True
                     log(
@@ -186,27 +202,11 @@ class ConfigWatcher:
                         exc,
                         self.poll_interval_s,
                     )
-            # Nothing on the way exists, it cannot be watched, or the events ended (at a
-            # stop, the wait below ends at once): look again later.
-            with anyio.move_on_after(self.poll_interval_s):
-                await stopped.wait()
-
-    async def _follow(self, directories: tuple[Path, ...], stopped: anyio.Event) -> bool:
-        """Check at every event or poll until ``stopped``, or until the path leads through
-        other directories (a ConfigMap swap: the new ``..<timestamp>``); whether it did.
-
-        Raises:
-            OSError: from the change source.
-        """
-        async with contextlib.aclosing(
-            self.changes(directories, stopped, self.poll_interval_s)
-        ) as events:
-            async for _ in events:
+                    return False
                 await self.check()
                 now = await anyio.to_thread.run_sync(watched_directories, self.path)
                 if now != directories:
                     return True
-        return False
 
     async def check(self) -> None:
         """Look at the file once; reload when its content is new (neither active nor

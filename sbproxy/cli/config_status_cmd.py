@@ -36,8 +36,8 @@ def status_lines(config: dict[str, Any]) -> list[str]:
         rows.append(
             (
                 "watch",
-                f"on, every {watch.get('poll_interval_s')} s at least "
-                f"({watch.get('looks')} looks, last {watch.get('last_look_at') or '-'})",
+                f"on: at every change, and every {watch.get('poll_interval_s')} s "
+                f"({watch.get('looks')} looks, last at {watch.get('last_look_at') or '-'})",
             )
         )
     else:

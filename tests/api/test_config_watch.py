@@ -254,3 +254,21 @@ async def test_the_watcher_stops_within_100_ms(tmp_path: Path) -> None:
             await until(lambda: bool(ended))
     # watchfiles checks its stop event every 50 ms; allow for a loaded 2-core machine.
     assert ended[0] - asked < 0.25
+
+
+async def unwatchable(
+    directories: Sequence[Path], stopped: anyio.Event, poll_interval_s: float
+) -> AsyncGenerator[object, None]:
+    """A change source that fails as inotify does when the watch limit is reached."""
+    if not stopped.is_set():
+        raise OSError(28, "OS file watch limit reached")
+    yield set()
+
+
+async def test_a_directory_that_cannot_be_watched_falls_back_to_the_poll(tmp_path: Path) -> None:
+    path = tmp_path / "sb.yml"
+    path.write_text("a: 1\n")
+    async with watching(path, poll_interval_s=0.05, changes=unwatchable) as seen:
+        await seen.next_looks(2)
+        path.write_text("a: 2\n")
+        await until(lambda: seen.reloads == [sha("a: 2\n")])
