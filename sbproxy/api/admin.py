@@ -7,6 +7,12 @@ to 512 KiB (413 ``request_body_too_large``); a malformed body is a 400 ``invalid
 credentials on the same listener, which stays on loopback unless TLS and an allowlist are
 configured.
 
+``GET /admin/model-host/status`` answers every deployment's live status and a ``config``
+object (:meth:`~sbproxy.api.config_state.ConfigState.to_dict`): the active configuration
+file's path and resolved path, the SHA-256 of its content, its runtime revision, the file
+watcher's looks, and the last reload attempt (source, result, reason code, message, time,
+job id).
+
 Lifecycle routes (``load``, ``stop``, ``drain``, ``reset``) take ``{"deployment": id}`` (the
 legacy key ``model`` is accepted), queue a durable job, start it in the background and answer
 202 ``{schema_version: 1, deployment, state: "queued", job_id, poll_url}``.
@@ -44,6 +50,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from sbproxy.api.config_state import ConfigState
 from sbproxy.api.desired import desired_handlers
 from sbproxy.api.errors import InvalidBody, Unauthorized, admin_exception_handlers
 from sbproxy.api.jobs import jobs_router
@@ -99,8 +106,12 @@ class Admin:
     allowlist: tuple[str, ...] = ()
     usage: UsageLedger | None = None
     disconnects: Disconnects | None = None
+    config: ConfigState | None = None
 
     def __post_init__(self) -> None:
+        if self.config is None:
+            self.config = ConfigState.of(self.manager.compiled, revision=self.manager.revision)
+            self.manager.on_commit.append(self.config.on_commit)
         self._user = hashlib.sha256(self.username.encode()).digest()
         self._secret = hashlib.sha256(self.password.encode()).digest()
         self.password = ""
@@ -377,14 +388,19 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
         admin.allowed(connection.client.host if connection.client else None)
         admin.check(connection.headers.get("authorization"))
 
+    config = admin.config
+    assert config is not None  # noqa: S101 - set in __post_init__
+
     @get("/model-host/status", sync_to_thread=False)
     def status() -> dict[str, object]:
-        """Every deployment's live status."""
+        """Every deployment's live status, and the configuration file's: the active
+        content's path, SHA-256 and revision, and the last reload's result."""
         rows = [entry.to_dict() for entry in manager.status()]
         return {
             "schema_version": 1,
             "serving": True,
             "runtime_revision": manager.revision,
+            "config": config.to_dict(),
             "deployments": rows,
             "models": rows,
         }
@@ -433,7 +449,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             drain,
             reset,
             *cache_handlers(manager),
-            *desired_handlers(manager),
+            *desired_handlers(manager, config),
             jobs_router(manager.engine, admin.spawn),
             *usage_handlers(admin.usage),
         ],

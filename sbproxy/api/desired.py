@@ -20,6 +20,11 @@ body ``{"source": path}`` must name that file: 409 ``source_mismatch`` otherwise
 how ``sbproxy apply -f`` makes sure it reloads what it validated). 400 ``invalid_config``
 lists the file's problems with their dotted paths; 409 ``restart_required`` /
 ``foundation_change``; 422 as above. Nothing changes on any failure.
+
+Every attempt is recorded in the host's :class:`~sbproxy.api.config_state.ConfigState`
+(``GET /admin/model-host/status``'s ``config.last_reload``): a reload with a body naming the
+file -- what ``sbproxy apply`` sends -- as source ``apply``, one without as ``admin``, a
+``PUT`` as ``admin_put``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from litestar import Request, Response, get, post, put
 from litestar.handlers import HTTPRouteHandler
 from pydantic import TypeAdapter, ValidationError
 
+from sbproxy.api.config_state import ConfigState, ReloadSource
 from sbproxy.api.errors import InvalidBody, admin_error, status_for
 from sbproxy.config import DeploymentConfig
 from sbproxy.config._rules import Identifier
@@ -195,8 +201,8 @@ async def _add_store_details(exc: SbproxyError, store: RevisionStore, expected: 
         )
 
 
-def _source_mismatch(body: bytes, manager: RuntimeManager) -> SbproxyError | None:
-    """Check a reload body (empty, ``{}`` or ``{"source": path}``) against the served file.
+def _reload_body(body: bytes) -> str | None:
+    """The file a reload body (empty, ``{}`` or ``{"source": path}``) names, if any.
 
     Raises:
         InvalidBody: ``invalid_body`` for anything else.
@@ -214,6 +220,13 @@ def _source_mismatch(body: bytes, manager: RuntimeManager) -> SbproxyError | Non
         return None
     if not isinstance(wanted, str) or not wanted:
         raise InvalidBody("source must be a file path")
+    return wanted
+
+
+def _source_mismatch(wanted: str | None, manager: RuntimeManager) -> SbproxyError | None:
+    """``source_mismatch`` when a reload names another file than the one served."""
+    if wanted is None:
+        return None
     running = manager.compiled.source
     if running is not None and Path(wanted).resolve() == running.resolve():
         return None
@@ -226,8 +239,9 @@ def _source_mismatch(body: bytes, manager: RuntimeManager) -> SbproxyError | Non
     )
 
 
-def desired_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
-    """The desired-state routes (under the admin router)."""
+def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPRouteHandler]:
+    """The desired-state routes (under the admin router); reloads are recorded in
+    ``config``."""
 
     @get("/model-host/deployments")
     async def get_deployments() -> dict[str, object]:
@@ -283,23 +297,33 @@ def desired_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
         candidate = with_deployments(manager.compiled, deployments)
         try:
             job_id, report = await reload(
-                manager, candidate, source="admin_put", use_store=True, expected_revision=expected
+                manager,
+                candidate,
+                source=ReloadSource.ADMIN_PUT.value,
+                use_store=True,
+                expected_revision=expected,
             )
         except SbproxyError as exc:
+            config.failed(ReloadSource.ADMIN_PUT, exc)
             await _add_store_details(exc, store, expected)
             return _failure(exc)
+        config.committed(ReloadSource.ADMIN_PUT, job_id=job_id, revision=report.revision)
         return Response(_answer(job_id, report), status_code=200)
 
     @post("/reload", status_code=200)
     async def reload_route(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
         """Re-read the configuration file and apply it through the reload transaction."""
-        mismatch = _source_mismatch(await request.body(), manager)
+        wanted = _reload_body(await request.body())
+        source = ReloadSource.ADMIN if wanted is None else ReloadSource.APPLY
+        mismatch = _source_mismatch(wanted, manager)
         if mismatch is not None:
-            return _failure(mismatch)
+            return _failure(mismatch)  # not a reload of this host's file: nothing recorded
         try:
-            job_id, report = await reload_from_source(manager, source="admin")
+            job_id, report = await reload_from_source(manager, source=source.value)
         except SbproxyError as exc:
+            config.failed(source, exc)
             return _failure(exc)
+        config.committed(source, job_id=job_id, revision=report.revision)
         answer = _answer(job_id, report)
         host = manager.compiled.model_host
         if host is not None and host.authority == Authority.ADMIN_MANAGED:

@@ -25,6 +25,7 @@ import anyio.to_thread
 
 import sbproxy.model_host.runtime.jobs  # registers the load/drain/reset workflows
 import sbproxy.model_host.runtime.reload  # noqa: F401 - registers the reload workflow
+from sbproxy.api.config_state import ConfigState
 from sbproxy.api.shutdown import Shutdown
 from sbproxy.catalog import Catalog, WorkerProfile, load_catalog, resolve_artifact
 from sbproxy.config import CompiledConfig
@@ -55,12 +56,14 @@ WORKER_RESTART_MAX_S = 30.0
 
 @dataclass
 class ServedHost:
-    """A running host: the manager, its workflow engine, and the task group they live in."""
+    """A running host: the manager, its workflow engine, the task group they live in, and
+    the state of its configuration file (active content, last reload)."""
 
     manager: RuntimeManager
     engine: WorkflowEngine
     layout: CacheLayout
     group: anyio.abc.TaskGroup
+    config: ConfigState
     stop: Shutdown | None = None
 
 
@@ -107,10 +110,17 @@ async def open_host(
             stop.on_hurry(lambda: _kill_engines(manager))
         async with anyio.create_task_group() as group:
             await manager.start(group)
+            config = ConfigState.of(compiled, revision=manager.revision)
+            manager.on_commit.append(config.on_commit)
             group.start_soon(_worker, engine)
             try:
                 yield ServedHost(
-                    manager=manager, engine=engine, layout=layout, group=group, stop=stop
+                    manager=manager,
+                    engine=engine,
+                    layout=layout,
+                    group=group,
+                    config=config,
+                    stop=stop,
                 )
             finally:
                 await _shutdown_runtime(manager, budget_s=stop.engine_budget_s() if stop else None)

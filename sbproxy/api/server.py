@@ -20,12 +20,15 @@ journal, to resume at the next start. The process ends within the deadline plus 
 traceback. A second SIGINT or SIGTERM ends everything at once and kills the engines. Stop
 signals are handled from before the host starts until after its engines are stopped.
 
-Reload: ``SIGHUP`` and, when ``watch_config`` is on, a change of the configuration file
-(watched with ``watchfiles``, which coalesces an editor's bursts of writes and renames) run
-the reload transaction (``model_host/runtime/reload.py``) against the file, as
-``POST /admin/reload`` and ``sbproxy apply`` do. A file that does not validate, or a
-candidate that cannot be prepared, is logged with its reason and leaves everything running
-as it was. A committed reload hands the gateway its new routes and keys.
+Reload: ``SIGHUP`` and, when ``watch_config`` is on, a change of the configuration file's
+content (:mod:`sbproxy.api.config_watch`: every directory its path leads through is
+watched -- a ConfigMap's symlink swap, a rename, an edit in place -- and the content's
+SHA-256 compared with the active one) run the reload transaction
+(``model_host/runtime/reload.py``) against the file, as ``POST /admin/reload`` and
+``sbproxy apply`` do. A file that does not validate, or a candidate that cannot be
+prepared, is logged with its reason and leaves everything running as it was. A committed
+reload hands the gateway its new routes and keys. Every attempt is recorded in the host's
+:class:`~sbproxy.api.config_state.ConfigState` (the status route's ``config`` object).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ import uvicorn
 from litestar.types import ASGIApp
 
 from sbproxy.api.admin import Admin, create_admin_app
+from sbproxy.api.config_state import ReloadSource
+from sbproxy.api.config_watch import DEFAULT_POLL_INTERVAL_S, ConfigWatcher
 from sbproxy.api.errors import Surface
 from sbproxy.api.gateway import Gateway, Routing, create_gateway_app
 from sbproxy.api.host import ServedHost, open_host
@@ -186,6 +191,7 @@ def build_servers(
             allowlist=tuple(settings.ip_allowlist),
             usage=gateway.usage,
             disconnects=disconnects,
+            config=host.config,
         )
         tls = settings.tls
         servers.append(
@@ -203,20 +209,35 @@ def build_servers(
     return servers, gateway, admin
 
 
-async def reload_logged(host: ServedHost, *, source: str) -> None:
-    """Reload from the configuration file; log the outcome (never raises a reload error)."""
+async def reload_logged(
+    host: ServedHost, *, source: ReloadSource, content_sha256: str | None = None
+) -> None:
+    """Reload from the configuration file; record the attempt in ``host.config`` and log it
+    (never raises a reload error).
+
+    Args:
+        host: The served host.
+        source: What asked for the reload.
+        content_sha256: The digest the file watcher read, recorded with a failure (a
+            committed reload records the digest of what it loaded).
+    """
     try:
-        job_id, report = await reload_from_source(host.manager, source=source)
+        job_id, report = await reload_from_source(host.manager, source=source.value)
     except SbproxyError as exc:
-        logger.error("reload (%s) refused, nothing changed: [%s] %s", source, exc.code, exc)
+        attempt = host.config.failed(source, exc, content_sha256=content_sha256)
+        logger.error(
+            "reload (%s) %s, nothing changed: [%s] %s", source, attempt.result, exc.code, exc
+        )
         return
+    host.config.committed(source, job_id=job_id, revision=report.revision)
     plan = report.plan
     logger.warning(
-        "reload (%s) committed revision %d (job %s): added %s, changed %s, removed %s, "
-        "preserved %s",
+        "reload (%s) committed revision %d (job %s, sha256 %s): added %s, changed %s, "
+        "removed %s, preserved %s",
         source,
         report.revision,
         job_id,
+        (host.config.content_sha256 or "-")[:12],
         list(plan.added),
         list(plan.changed),
         list(plan.removed),
@@ -224,23 +245,31 @@ async def reload_logged(host: ServedHost, *, source: str) -> None:
     )
 
 
-async def _watch_config(host: ServedHost, stopped: anyio.Event) -> None:
-    """Reload when the configuration file changes, until ``stopped`` is set.
+async def _watch_config(
+    host: ServedHost, stopped: anyio.Event, *, poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
+) -> None:
+    """Reload when the configuration file's content changes, until ``stopped`` is set
+    (:class:`~sbproxy.api.config_watch.ConfigWatcher`: every directory the path leads
+    through is watched, and the file is looked at every ``poll_interval_s`` besides).
 
-    watchfiles waits for changes in a worker thread that a cancellation cannot interrupt
-    (only its stop event, checked every 50 ms, or its 5 s timeout ends the wait), so the
-    server sets ``stopped`` before cancelling this task; otherwise every shutdown would
-    take up to 5 s longer.
+    The watch waits in a worker thread that a cancellation cannot interrupt (only its stop
+    event, checked every 50 ms, ends the wait early), so the server sets ``stopped`` before
+    cancelling this task; otherwise a shutdown would wait out the poll interval.
     """
-    import watchfiles
-
     source = host.manager.compiled.source
     if source is None:
         return
-    path = source.resolve()
-    async for changes in watchfiles.awatch(path.parent, recursive=False, stop_event=stopped):
-        if any(Path(changed).resolve() == path for _, changed in changes):
-            await reload_logged(host, source="watch")
+
+    async def reload(digest: str) -> None:
+        await reload_logged(host, source=ReloadSource.WATCH, content_sha256=digest)
+
+    watcher = ConfigWatcher(
+        path=source,
+        state=host.config,
+        reload=reload,
+        poll_interval_s=poll_interval_s,
+    )
+    await watcher.run(stopped)
 
 
 async def _on_stop_signals(
@@ -255,7 +284,7 @@ async def _on_stop_signals(
 async def _on_reload_signal(host: ServedHost) -> None:
     with anyio.open_signal_receiver(signal.SIGHUP) as signals:
         async for _ in signals:
-            host.manager.background(lambda: reload_logged(host, source="sighup"))
+            host.manager.background(lambda: reload_logged(host, source=ReloadSource.SIGHUP))
 
 
 def loop_options() -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""``sbproxy config``: validate an ``sb.yml``; print its JSON Schema or its reference page."""
+"""``sbproxy config``: validate an ``sb.yml``; print its JSON Schema or its reference page;
+``status`` (in ``config_status_cmd``, imported when it runs: it needs the admin client) asks
+a running server which configuration it serves."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 import click
 
 from sbproxy.catalog import Catalog, load_catalog
+from sbproxy.cli._lazy import LazyGroup
 from sbproxy.cli._output import EXIT_INVALID, emit_json, format_option
 from sbproxy.config import (
     CompiledConfig,
@@ -21,9 +24,13 @@ from sbproxy.errors import CatalogError, ConfigError, ConfigIssue
 __all__ = ["config_group"]
 
 
-@click.group("config")
+@click.group(
+    "config",
+    cls=LazyGroup,
+    lazy_commands={"status": "sbproxy.cli.config_status_cmd:status_command"},
+)
 def config_group() -> None:
-    """Check and describe configuration files."""
+    """Check and describe configuration files; show the one a running server serves."""
 
 
 def _catalog_issues(compiled: CompiledConfig) -> list[ConfigIssue]:

@@ -45,7 +45,8 @@ __all__ = ["serve_command"]
     "--watch/--no-watch",
     default=True,
     show_default=True,
-    help="Reload when the configuration file changes (SIGHUP always reloads).",
+    help="Reload when the configuration file's content changes, however it changed (a "
+    "ConfigMap symlink swap, a rename, an edit in place); SIGHUP always reloads.",
 )
 @click.option(
     "--locked",
@@ -64,7 +65,8 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool, locked
 
     Editing the file (with --watch), SIGHUP, POST /admin/reload and `sbproxy apply` reload
     it: the candidate is prepared in full before any route changes, and a bad candidate
-    changes nothing.
+    changes nothing. `sbproxy config status` shows the active config (path, SHA-256,
+    revision) and the last reload's result, time and error.
 
     With --locked, nothing starts (exit 2) when the lockfile is missing or invalid, or a
     model drifted from it (see `sbproxy models verify-lock`); later reloads of the file are

@@ -72,6 +72,8 @@ class CompiledConfig:
         routes: Every public route, sorted by (origin, provider, public_model).
         lowered_from: Lowered deployment id -> dotted path of the first serve entry behind it.
         source: File the configuration came from, if any.
+        content_sha256: SHA-256 (lowercase hex) of the bytes of ``source`` this was compiled
+            from, as ``sha256sum`` prints it; ``None`` when it did not come from a file.
     """
 
     config: SbConfig
@@ -79,6 +81,7 @@ class CompiledConfig:
     routes: tuple[Route, ...]
     lowered_from: Mapping[str, str] = field(default_factory=dict)
     source: Path | None = None
+    content_sha256: str | None = None
 
     @property
     def deployments(self) -> Mapping[str, DeploymentConfig]:

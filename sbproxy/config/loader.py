@@ -12,6 +12,7 @@ variables are never echoed in errors, since they are often secrets.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Mapping
@@ -295,7 +296,9 @@ def _line_for_path(doc: _Document, path: str) -> int | None:
 
 
 def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> CompiledConfig:
-    """Load ``sb.yml`` from disk (see :func:`load_config_text`).
+    """Load ``sb.yml`` from disk (see :func:`load_config_text`), through its path (a symlink is
+    followed, as a Kubernetes ConfigMap mount needs), read once: the result's
+    ``content_sha256`` is the digest of exactly the bytes it was compiled from.
 
     Raises:
         ConfigError: ``invalid_config`` when the file is missing, unreadable, too large, not
@@ -310,7 +313,9 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
                 [ConfigIssue("", f"file is {size} bytes; the limit is {_MAX_CONFIG_BYTES}")],
                 source=source,
             )
-        text = file.read_text(encoding="utf-8")
+        data = file.read_bytes()
+        # Universal newlines, as read_text() gives them.
+        text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except FileNotFoundError:
         raise ConfigError([ConfigIssue("", "file not found")], source=source) from None
     except IsADirectoryError:
@@ -319,4 +324,14 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Co
         raise ConfigError([ConfigIssue("", "permission denied")], source=source) from None
     except UnicodeDecodeError:
         raise ConfigError([ConfigIssue("", "is not UTF-8 text")], source=source) from None
-    return load_config_text(text, source=source, base_dir=file.resolve().parent, env=env, path=file)
+    compiled = load_config_text(
+        # Relative paths resolve against the directory the path names, not where its symlinks
+        # lead: in a ConfigMap mount (sb.yml -> ..data/sb.yml -> ..<timestamp>/sb.yml) the
+        # siblings are linked the same way, and ..<timestamp> is replaced at every update.
+        text,
+        source=source,
+        base_dir=Path(os.path.abspath(file)).parent,  # noqa: PTH100 - keep symlinks unresolved
+        env=env,
+        path=file,
+    )
+    return replace(compiled, content_sha256=hashlib.sha256(data).hexdigest())

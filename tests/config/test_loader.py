@@ -118,3 +118,17 @@ def test_relative_catalog_file_resolves_against_the_config_directory(tmp_path: P
     assert compiled.model_host is not None
     assert compiled.model_host.catalog_file == str(conf_dir / "catalogs" / "ops.yaml")
     assert compiled.source == path
+
+
+def test_relative_paths_in_a_configmap_mount_resolve_in_the_mount(tmp_path: Path) -> None:
+    """sb.yml -> ..data/sb.yml -> ..<timestamp>/sb.yml: a relative path names the mount's
+    sibling link, not the timestamped directory the kubelet replaces at every update."""
+    mount = tmp_path / "config"
+    version = mount / "..2026_12_01_00_00_00.1"
+    version.mkdir(parents=True)
+    (version / "sb.yml").write_text("proxy:\n  model_host:\n    catalog_file: catalog.yaml\n")
+    (mount / "..data").symlink_to(version.name)
+    (mount / "sb.yml").symlink_to("..data/sb.yml")
+    compiled = load_config(mount / "sb.yml")
+    assert compiled.model_host is not None
+    assert compiled.model_host.catalog_file == str(mount / "catalog.yaml")
