@@ -100,6 +100,27 @@ STATE_SCHEMA_VERSION = 1
 _NETWORK_ERRORS = (OSError, http.client.HTTPException)
 
 
+def unreachable(url: str, exc: BaseException) -> TransportError:
+    """The error for a GET of ``url`` that never got an answer: it names the host, why
+    (the name did not resolve, the connection was refused or timed out) and what to do.
+    Retryable (``transport``): the network may come back."""
+    host = urlsplit(url).netloc or url
+    if isinstance(exc, socket.gaierror):
+        why = "its name does not resolve"
+    elif isinstance(exc, ConnectionRefusedError):
+        why = "the connection was refused"
+    elif isinstance(exc, TimeoutError | socket.timeout):
+        why = "it did not answer in time"
+    else:
+        why = f"{type(exc).__name__}: {exc}"
+    return TransportError(
+        f"cannot reach {host} ({why}) for GET {url}",
+        remediation="Check the network or HF_ENDPOINT (a mirror), use --offline with an "
+        "artifact already cached, or put the file in place with `sbproxy models import`.",
+        details={"host": host},
+    )
+
+
 @dataclass(frozen=True)
 class RemoteFile:
     """One file to fetch: its URL (never with credentials) and what it must be."""
@@ -369,7 +390,7 @@ class _Transfer:
                 response = connection.getresponse()
             except _NETWORK_ERRORS as exc:
                 self._close()
-                raise TransportError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+                raise unreachable(current, exc) from exc
             except BaseException:
                 self._close()
                 raise
