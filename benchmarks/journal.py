@@ -91,14 +91,14 @@ async def _run_mode(mode: Synchronous, *, jobs: int, steps: int, warmup: int, ba
         try:
             for _ in range(warmup):
                 submitted = await engine.submit(bench, BenchInput(steps=steps))
-                await engine.run_job(submitted.job.id)
+                await engine.join(submitted.job.id)
             _step_timings.clear()
             job_times: list[float] = []
             wall_started = time.perf_counter()
             for _ in range(jobs):
                 started = time.perf_counter()
                 submitted = await engine.submit(bench, BenchInput(steps=steps))
-                job = await engine.run_job(submitted.job.id)
+                job = await engine.join(submitted.job.id)
                 job_times.append(time.perf_counter() - started)
                 assert job.status == "succeeded", job.to_dict()
             wall_s = time.perf_counter() - wall_started
@@ -187,7 +187,7 @@ def main() -> None:
     full, normal = results["FULL"], results["NORMAL"]
     report = {
         "benchmark": "journal",
-        "engine": "sbproxy.workflows.WorkflowEngine.run_job, one job at a time",
+        "engine": "sbproxy.workflows.WorkflowEngine.join, one job at a time",
         "modes": [full, normal],
         "full_over_normal": {
             "step_overhead_p50": _ratio(

@@ -340,7 +340,7 @@ def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
             idempotency_key=f"remove:{digest}",
             subject=artifact_subject(digest),
         )
-        job = await manager.engine.run_job(submitted.job.id)
+        job = await manager.engine.join(submitted.job.id)
         if job.status != JobStatus.SUCCEEDED:
             if job.error is not None and job.error.code == "removal_blocked":
                 reason = job.error.message.rpartition(_BLOCKED_MARKER)[2].strip() or "protected"
@@ -371,7 +371,7 @@ def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
             GcInput(budget_bytes=budget, protected=protection(manager)),
             idempotency_key=f"gc:{budget}",
         )
-        job = await manager.engine.run_job(submitted.job.id)
+        job = await manager.engine.join(submitted.job.id)
         if job.status != JobStatus.SUCCEEDED:
             raise _job_failed(job, "cache collection")
         report = GcReport.model_validate(job.output)

@@ -136,7 +136,7 @@ def jobs_router(
                 f"job {job_id} is {job.status.value}; only failed or parked jobs can be retried",
                 details={"job_id": job_id},
             )
-        spawn(lambda: engine.run_job(job.id))
+        spawn(lambda: engine.join(job.id))
         return _job(job)
 
     return Router(

@@ -1,7 +1,7 @@
 """Running a job in this process while its events stream to stderr.
 
 ``jobs retry`` (a re-queued job) and ``models pull`` / ``models import`` (a submitted or
-joined pull job) run the job with :meth:`WorkflowEngine.run_job` -- which claims it, or waits
+joined pull job) run the job through :meth:`WorkflowEngine.join` -- which claims it, or waits
 for a live owner elsewhere, or recovers it from a dead one -- and follow the journal's events
 of the same job at the same time, so what the reader sees is what the journal records,
 whichever process does the work.
@@ -67,7 +67,7 @@ async def run_followed(engine: WorkflowEngine, job_id: str, *, after_seq: int = 
             async with anyio.create_task_group() as group:
                 group.start_soon(watch)
                 try:
-                    await engine.run_job(job_id)
+                    await engine.join(job_id)
                 finally:
                     group.cancel_scope.cancel()
         except ExceptionGroup as wrapped:

@@ -223,7 +223,7 @@ class ModelHostService:
 
         A stale job holding the idempotency key ``joining`` is left for the caller's
         submission, which joins and runs it. One out of recoveries ends ``failed`` with
-        ``recovery_exhausted`` (see ``WorkflowEngine.run_job``).
+        ``recovery_exhausted`` (see ``WorkflowEngine.join``).
         """
         return await self.engine.resume_stale(kind, subject=subject, joining=joining)
 
@@ -285,7 +285,7 @@ class ModelHostService:
 
     async def run(self, job: JobRecord) -> JobRecord:
         """Run ``job`` here (or wait for its live owner) until it finishes."""
-        return await self.engine.run_job(job.id)
+        return await self.engine.join(job.id)
 
     async def pull(
         self,
@@ -332,7 +332,7 @@ class ModelHostService:
             idempotency_key=f"remove:{digest}",
             subject=subject,
         )
-        return self._removal(digest, await self.engine.run_job(submitted.job.id))
+        return self._removal(digest, await self.engine.join(submitted.job.id))
 
     @staticmethod
     def _removal(digest: str, job: JobRecord) -> tuple[RemoveOutput, JobRecord]:
@@ -354,7 +354,7 @@ class ModelHostService:
             GcInput(budget_bytes=budget_bytes, protected=self.protected()),
             idempotency_key=key,
         )
-        job = await self.engine.run_job(submitted.job.id)
+        job = await self.engine.join(submitted.job.id)
         report = GcReport.model_validate(job.output) if job.status == JobStatus.SUCCEEDED else None
         return report, job
 
@@ -365,7 +365,7 @@ class ModelHostService:
         submitted = await self.engine.submit(
             prune_workflow, GcInput(budget_bytes=0), idempotency_key="prune"
         )
-        job = await self.engine.run_job(submitted.job.id)
+        job = await self.engine.join(submitted.job.id)
         report = (
             PruneReport.model_validate(job.output) if job.status == JobStatus.SUCCEEDED else None
         )

@@ -17,7 +17,7 @@ Typical use::
 
     engine = await WorkflowEngine.open(cache_root / "jobs" / "journal.db", registry)
     submitted = await engine.submit(pull, PullInput(...), idempotency_key=digest)
-    job = await engine.run_job(submitted.job.id)
+    job = await engine.join(submitted.job.id)
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The workflow engine: submit jobs, run them (inline or in a worker loop), recover them.
 
-One :class:`WorkflowEngine` per process and journal. The server runs :meth:`run_worker`; a
-CLI process that starts a job runs it with :meth:`run_job` and holds the lease itself; after a
+One :class:`WorkflowEngine` per process and journal. Jobs are submitted, then joined
+(:meth:`join`); only a worker runs them: the server's worker loop (:meth:`run_worker`), or,
+in a process without one for the job's kind (a CLI process, the runtime's ordered command
+lanes), the process's own worker, which holds the lease itself. After a
 crash, either of them finds the job again (``running`` under a dead owner, or with a lapsed
 lease), returns it to the queue and finishes it from its last completed step.
 
@@ -13,6 +15,7 @@ re-queued again but ends ``failed`` with ``recovery_exhausted``; ``retry`` reviv
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,12 @@ class WorkflowEngine:
         if max_recoveries is not None and max_recoveries < 0:
             raise ValueError(f"max_recoveries must be at least 0, not {max_recoveries}")
         self.max_recoveries = max_recoveries
+        # Kinds a worker loop of this process takes while it runs (None: no loop); jobs of
+        # those kinds are joined, never run by the caller (see join()).
+        self._worker_kinds: frozenset[str] | None = None
+        # How this process's jobs were run: by its worker loop, by its own worker for a
+        # caller (a CLI process, a runtime lane), or only joined.
+        self.executions: Counter[str] = Counter()
         # Steps may ask for the journal itself too (e.g. to see other jobs of a subject).
         self.resources = (*resources, store)
         self.store = store
@@ -310,11 +319,34 @@ class WorkflowEngine:
                 stale.reason,
                 stale.owner,
             )
-            finished.append(await self.run_job(job.id))
+            finished.append(await self.join(job.id))
         return finished
 
-    async def run_job(self, job_id: str, *, poll_s: float = 0.2) -> JobRecord:
-        """Run ``job_id`` in this process until it finishes, and return it.
+    async def join(self, job_id: str, *, poll_s: float = 0.2) -> JobRecord:
+        """Wait until ``job_id`` finishes, and return it. The one way to wait for a job.
+
+        Who runs it: while this process runs a worker loop (:meth:`run_worker`, the server)
+        that takes the job's kind, that loop does -- the caller only waits, and a job whose
+        owner died is recovered by the loop's recovery pass. Otherwise (a CLI process, or a
+        kind the loop leaves to the runtime's ordered command lanes) this process's own
+        worker runs it for the caller: :meth:`_run_here`.
+
+        Raises:
+            JobNotFound: ``job_not_found``.
+            WorkflowError: ``unknown_workflow`` when this process cannot run the job's kind.
+        """
+        job = await self.get(job_id)
+        if self._worker_kinds is not None and job.kind in self._worker_kinds:
+            self.executions["joined"] += 1
+            while not (job.terminal or job.status == JobStatus.PARKED):
+                await anyio.sleep(poll_s)
+                job = await self.get(job_id)
+            return job
+        return await self._run_here(job_id, poll_s=poll_s)
+
+    async def _run_here(self, job_id: str, *, poll_s: float = 0.2) -> JobRecord:
+        """Run ``job_id`` in this process until it finishes, and return it (the worker of a
+        process that has no worker loop for the job's kind; see :meth:`join`).
 
         A queued job is claimed and executed here. A job running under a live owner is
         waited for; one whose owner died or whose lease lapsed is recovered and then run
@@ -351,6 +383,7 @@ class WorkflowEngine:
             )
             if claimed is None:
                 continue  # another worker claimed it first: wait for that run
+            self.executions["own"] += 1
             finished = await self._execute(claimed)
             if finished.terminal or finished.status == JobStatus.PARKED:
                 return finished
@@ -388,12 +421,14 @@ class WorkflowEngine:
         """
         limiter = anyio.Semaphore(concurrency)
         kinds = tuple(kind for kind in self.registry.kinds() if kind not in exclude)
+        self._worker_kinds = frozenset(kinds)
         running = 0
         last_recovery = -recovery_s
 
         async def run_one(job: JobRecord) -> None:
             nonlocal running
             try:
+                self.executions["worker"] += 1
                 await self._execute(job)
             except SbproxyError as exc:
                 # One job's journal failure (a full disk) must not end the loop: the job
@@ -403,21 +438,24 @@ class WorkflowEngine:
                 running -= 1
                 limiter.release()
 
-        async with anyio.create_task_group() as group:
-            while True:
-                now = anyio.current_time()
-                if now - last_recovery >= recovery_s:
-                    last_recovery = now
-                    await self.recover()
-                await limiter.acquire()
-                job = await self.store.claim(
-                    owner=self.identity.owner, lease_ms=self.lease.lease_ms, kinds=kinds
-                )
-                if job is None:
-                    limiter.release()
-                    if until_idle and running == 0:
-                        return
-                    await anyio.sleep(poll_s)
-                    continue
-                running += 1
-                group.start_soon(run_one, job)
+        try:
+            async with anyio.create_task_group() as group:
+                while True:
+                    now = anyio.current_time()
+                    if now - last_recovery >= recovery_s:
+                        last_recovery = now
+                        await self.recover()
+                    await limiter.acquire()
+                    job = await self.store.claim(
+                        owner=self.identity.owner, lease_ms=self.lease.lease_ms, kinds=kinds
+                    )
+                    if job is None:
+                        limiter.release()
+                        if until_idle and running == 0:
+                            return
+                        await anyio.sleep(poll_s)
+                        continue
+                    running += 1
+                    group.start_soon(run_one, job)
+        finally:
+            self._worker_kinds = None

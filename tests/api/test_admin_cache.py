@@ -60,7 +60,7 @@ async def pull_spare(host: Served) -> str:
     submitted = await manager.engine.submit(
         pull_workflow, PullInput(artifact=artifact), idempotency_key=artifact.digest
     )
-    job = await manager.engine.run_job(submitted.job.id)
+    job = await manager.engine.join(submitted.job.id)
     assert job.status == JobStatus.SUCCEEDED, job.error
     return artifact.digest
 

@@ -167,7 +167,7 @@ async def _main(journal: Path, action: str, args: list[str]) -> None:
             print(f"job {job_id}", flush=True)
             if action == "submit":
                 return
-        job = await engine.run_job(job_id)
+        job = await engine.join(job_id)
         print(json.dumps(job.to_dict()), flush=True)
     finally:
         await engine.close()

@@ -75,7 +75,7 @@ async def _main(journal: Path, effects: str, key: str) -> None:
             crash_five, CrashInput(effects=effects, seed=7), idempotency_key=key
         )
         print(f"job {submitted.job.id}", flush=True)
-        job = await engine.run_job(submitted.job.id)
+        job = await engine.join(submitted.job.id)
         print(json.dumps(job.to_dict()), flush=True)
     finally:
         await engine.close()

@@ -54,7 +54,7 @@ async def own(journal: Path, gate: Path) -> None:
     try:
         submitted = await engine.submit(hold_workflow, Gate(path=str(gate)), idempotency_key="hold")
         print(f"job {submitted.job.id}", flush=True)
-        job = await engine.run_job(submitted.job.id, poll_s=0.05)
+        job = await engine.join(submitted.job.id, poll_s=0.05)
         print(json.dumps(job.to_dict()), flush=True)
     finally:
         await engine.close()

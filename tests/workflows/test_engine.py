@@ -114,14 +114,14 @@ async def test_completed_steps_are_replayed_not_rerun(journal: Path) -> None:
     first = await open_engine(journal, registry, lease_s=0.3)
     submitted = await first.submit(pair, Count(n=4))
     with pytest.raises(BaseExceptionGroup) as died:
-        await first.run_job(submitted.job.id)
+        await first.join(submitted.job.id)
     assert died.group_contains(Boom)
     await first.close()
     assert calls == {"one": 1}
 
     disarm_all()
     second = await open_engine(journal, registry, lease_s=0.3)
-    job = await second.run_job(submitted.job.id)  # waits for the dead lease to lapse
+    job = await second.join(submitted.job.id)  # waits for the dead lease to lapse
     steps = await second.steps(job.id)
     await second.close()
     assert job.status == JobStatus.SUCCEEDED
@@ -153,7 +153,7 @@ async def test_the_committed_point_passes_once_the_output_is_journaled(journal: 
     first = await open_engine(journal, registry, lease_s=0.3)
     submitted = await first.submit(pair, Count(n=4))
     with pytest.raises(BaseExceptionGroup) as died:
-        await first.run_job(submitted.job.id)
+        await first.join(submitted.job.id)
     assert died.group_contains(Boom)
     await first.close()
     # Step one's output had committed; step two had not begun.
@@ -168,7 +168,7 @@ async def test_the_committed_point_passes_once_the_output_is_journaled(journal: 
     for name in ("one", "two"):
         arm(f"step:{name}:committed", action=record(name))
     second = await open_engine(journal, registry, lease_s=0.3)
-    job = await second.run_job(submitted.job.id)
+    job = await second.join(submitted.job.id)
     await second.close()
     assert (job.status, job.output, job.attempt) == (JobStatus.SUCCEEDED, {"n": 50}, 2)
     assert calls == {"one": 1, "two": 1}  # the committed step was replayed, not rerun
@@ -187,7 +187,7 @@ async def test_changed_step_sequence_parks_the_job(journal: Path) -> None:
     engine = await open_engine(journal, original, lease_s=0.3)
     submitted = await engine.submit(pair, Count(n=1))
     with pytest.raises(BaseExceptionGroup) as died:
-        await engine.run_job(submitted.job.id)
+        await engine.join(submitted.job.id)
     assert died.group_contains(Boom)
     await engine.close()
     disarm_all()
@@ -199,7 +199,7 @@ async def test_changed_step_sequence_parks_the_job(journal: Path) -> None:
         return await ctx.step(other, arg)  # step 0 used to be "one"
 
     engine = await open_engine(journal, changed, lease_s=0.3)
-    parked = await engine.run_job(submitted.job.id)
+    parked = await engine.join(submitted.job.id)
     await engine.close()
     assert parked.status == JobStatus.PARKED
     assert parked.error is not None
@@ -210,7 +210,7 @@ async def test_changed_step_sequence_parks_the_job(journal: Path) -> None:
     # The original code can take it back: retry resumes after the completed step.
     engine = await open_engine(journal, original)
     await engine.retry(parked.id)
-    done = await engine.run_job(parked.id)
+    done = await engine.join(parked.id)
     await engine.close()
     assert done.status == JobStatus.SUCCEEDED
     assert done.output == {"n": 20}
@@ -230,7 +230,7 @@ async def test_a_job_of_another_workflow_version_is_parked(journal: Path) -> Non
         return arg
 
     engine = await open_engine(journal, newer)
-    job = await engine.run_job(submitted.job.id)
+    job = await engine.join(submitted.job.id)
     await engine.close()
     assert job.status == JobStatus.PARKED
     assert job.error is not None
@@ -296,7 +296,7 @@ async def test_retry_policy_and_reason_codes(
     workflow = registry.get("single")
     assert workflow is not None
     submitted = await engine.submit(workflow, Count(n=failures))
-    job = await engine.run_job(submitted.job.id)
+    job = await engine.join(submitted.job.id)
     steps = await engine.steps(job.id)
     await engine.close()
     assert job.status == status
@@ -325,7 +325,7 @@ async def test_cooperative_cancellation_of_a_running_job(journal: Path) -> None:
     result = {}
 
     async def run() -> None:
-        result["job"] = await engine.run_job(submitted.job.id)
+        result["job"] = await engine.join(submitted.job.id)
 
     async with anyio.create_task_group() as group:
         group.start_soon(run)
@@ -354,7 +354,7 @@ async def test_progress_events_are_throttled_and_the_last_one_kept(journal: Path
 
     engine = await open_engine(journal, registry)
     submitted = await engine.submit(run, Count(n=5000))
-    job = await engine.run_job(submitted.job.id)
+    job = await engine.join(submitted.job.id)
     events = [e async for e in engine.follow(job.id)]
     await engine.close()
     progress = [e for e in events if e.type == "progress"]
@@ -397,7 +397,7 @@ async def test_worker_loop_respects_its_concurrency_limit(journal: Path) -> None
     assert active["max"] == 2
 
 
-async def test_run_job_of_an_unknown_id(engine: WorkflowEngine) -> None:
+async def test_join_of_an_unknown_id(engine: WorkflowEngine) -> None:
     with pytest.raises(SbproxyError) as info:
-        await engine.run_job("01ARZ3NDEKTSV4RRFFQ69G5FAV")
+        await engine.join("01ARZ3NDEKTSV4RRFFQ69G5FAV")
     assert info.value.code == "job_not_found"

@@ -145,7 +145,7 @@ async def test_a_runner_that_lost_its_lease_cannot_overwrite_the_new_owners_resu
     results: dict[str, JobRecord] = {}
 
     async def run(name: str, engine: WorkflowEngine) -> None:
-        results[name] = await engine.run_job(job_id, poll_s=0.01)
+        results[name] = await engine.join(job_id, poll_s=0.01)
 
     with anyio.fail_after(20):
         async with anyio.create_task_group() as group:
@@ -176,7 +176,7 @@ async def test_a_runner_that_lost_its_lease_cannot_overwrite_the_new_owners_resu
         ("after", "succeeded", 1, '"B#2+after"'),
     ]
     assert await a_engine.store.last_event_seq(job_id) == events_before
-    final = results["A"]  # A's run_job ends with the job as B left it
+    final = results["A"]  # A's join ends with the job as B left it
     assert (final.status, final.attempt, final.output) == (JobStatus.SUCCEEDED, 2, "B#2+after")
 
 
@@ -192,7 +192,7 @@ async def test_the_same_owner_claiming_again_fences_off_its_own_older_claim(
     results: list[JobRecord] = []
 
     async def run() -> None:
-        results.append(await engine.run_job(job_id, poll_s=0.01))
+        results.append(await engine.join(job_id, poll_s=0.01))
 
     with anyio.fail_after(20):
         async with anyio.create_task_group() as group:

@@ -123,7 +123,7 @@ async def test_a_wall_clock_step_does_not_recover_a_live_heartbeating_job(
             finished: list[Any] = []
 
             async def run() -> None:
-                finished.append(await engine.run_job(submitted.job.id))
+                finished.append(await engine.join(submitted.job.id))
 
             group.start_soon(run)
             with anyio.fail_after(10):
@@ -171,7 +171,7 @@ async def test_a_wall_clock_step_still_recovers_a_dead_owners_job(
         assert await observer.recover() == [submitted.job.id]
         gate.released.set()
         with anyio.fail_after(10):
-            job = await observer.run_job(submitted.job.id, poll_s=0.05)
+            job = await observer.join(submitted.job.id, poll_s=0.05)
         assert (job.status, job.attempt, gate.runs) == (JobStatus.SUCCEEDED, 2, 1)
     finally:
         await observer.close()

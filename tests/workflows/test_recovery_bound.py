@@ -1,6 +1,6 @@
 """Bounded recovery in one process: a run that dies (an exception nothing handles stands in
 for the process dying) leaves its job ``running``; once its lease lapses on the injected
-lease clock the next ``run_job`` recovers it -- at most ``max_recoveries`` times in a row
+lease clock the next ``join`` recovers it -- at most ``max_recoveries`` times in a row
 without a step completing. The real-process version is in ``test_crash_recovery.py``."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ async def run_and_die_at(engine: WorkflowEngine, clock: Clock, job_id: str, poin
     disarm_all()
     arm(point, action=die)
     with pytest.raises(BaseExceptionGroup) as died:
-        await engine.run_job(job_id, poll_s=0.01)
+        await engine.join(job_id, poll_s=0.01)
     assert died.group_contains(Boom)
     job = await engine.get(job_id)
     assert job.status == JobStatus.RUNNING  # nobody recorded the death
@@ -124,7 +124,7 @@ async def test_the_limit_is_the_engines_and_a_completed_step_starts_the_count_ag
     assert (await engine.get(job_id)).recoveries == 1
 
     disarm_all()
-    job = await engine.run_job(job_id, poll_s=0.01)  # a second recovery in a row: refused
+    job = await engine.join(job_id, poll_s=0.01)  # a second recovery in a row: refused
     assert (job.status, job.attempt, job.recoveries) == (JobStatus.FAILED, 3, 1)
     assert job.error is not None and job.error.code == RECOVERY_EXHAUSTED
     assert "recovered once without completing a step" in job.error.message
@@ -133,7 +133,7 @@ async def test_the_limit_is_the_engines_and_a_completed_step_starts_the_count_ag
 
     retried = await engine.retry(job_id)
     assert (retried.status, retried.recoveries) == (JobStatus.QUEUED, 0)
-    job = await engine.run_job(job_id, poll_s=0.01)
+    job = await engine.join(job_id, poll_s=0.01)
     assert (job.status, job.attempt, job.output) == (JobStatus.SUCCEEDED, 4, ["a", "b", "c"])
     assert ran == ["a", "b", "c"]
 
@@ -148,7 +148,7 @@ async def test_the_default_allows_three_recoveries_and_none_lifts_the_bound(
     for _ in range(1 + DEFAULT_MAX_RECOVERIES):
         await run_and_die_at(bounded, clock, job_id, "step:a:before")
     disarm_all()
-    failed = await bounded.run_job(job_id, poll_s=0.01)
+    failed = await bounded.join(job_id, poll_s=0.01)
     assert (failed.status, failed.attempt) == (JobStatus.FAILED, 4)
     assert failed.error is not None and failed.error.code == RECOVERY_EXHAUSTED
 
@@ -157,7 +157,7 @@ async def test_the_default_allows_three_recoveries_and_none_lifts_the_bound(
     for _ in range(6):
         await run_and_die_at(unbounded, clock, other, "step:a:before")
     disarm_all()
-    done = await unbounded.run_job(other, poll_s=0.01)
+    done = await unbounded.join(other, poll_s=0.01)
     assert (done.status, done.attempt) == (JobStatus.SUCCEEDED, 7)
 
 

@@ -46,7 +46,7 @@ async def test_job_and_step_spans_link_to_the_submitting_trace(
     with tracer().start_as_current_span("POST /admin/model-host/load") as request:
         submitted = await engine.submit(traced, Payload(value=3))
         request_context = request.get_span_context()
-    job = await engine.run_job(submitted.job.id)
+    job = await engine.join(submitted.job.id)
     await engine.close()
     assert job.trace_context is not None
     assert "traceparent" in job.trace_context

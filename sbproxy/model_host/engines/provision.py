@@ -96,7 +96,7 @@ async def provision_llama_cpp(
             idempotency_key=f"engine_fetch:{release_identity(fetch)}",
             subject=f"engine:llama_cpp:{release_identity(fetch)}",
         )
-    job = await engine.run_job(submitted.job.id)
+    job = await engine.join(submitted.job.id)
     if job.status != JobStatus.SUCCEEDED:
         error = job.error
         raise EngineError(

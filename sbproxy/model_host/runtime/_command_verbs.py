@@ -177,7 +177,7 @@ class CommandsMixin:
                     return
                 if command.superseded_by is not None:
                     await self._cancel_job(command.job_id)
-                final = await self.engine.run_job(command.job_id)
+                final = await self.engine.join(command.job_id)
                 await self._settle(queue.deployment, command, final)
         except SbproxyError as exc:  # the journal refused (a full disk): no traceback
             logger.error(
@@ -236,7 +236,7 @@ class CommandsMixin:
     ) -> AsyncIterator[None]:
         """The frame a runtime job's step runs in: the command's cancellable scope (a later
         stop cancels a load's steps), or -- for a job run outside a command, e.g. straight
-        from ``run_job`` -- a turn of its own in the deployment's queue.
+        from ``join`` in a test -- a turn of its own in the deployment's queue.
 
         Raises:
             JobCancelled: ``cancelled`` when a later command superseded this one.

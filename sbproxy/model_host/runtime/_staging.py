@@ -51,7 +51,7 @@ class StagingMixin:
         self: RuntimeManager, deployment: str, config: DeploymentConfig, artifact: ResolvedArtifact
     ) -> Slot:
         """A new, not yet routed slot for ``deployment`` (a changed or added definition)."""
-        slot = new_slot(deployment, config)
+        slot = new_slot(deployment, config, clock=self.clock.now)
         slot.gate.on_idle = self._capacity_changed
         slot.artifact = artifact
         self.staged[deployment] = slot
@@ -114,7 +114,9 @@ class StagingMixin:
             fresh = staged.get(deployment)
             if fresh is None:
                 if deployment not in slots:  # resumed without staged state: start cold
-                    slots[deployment] = new_slot(deployment, candidate.deployments[deployment])
+                    slots[deployment] = new_slot(
+                        deployment, candidate.deployments[deployment], clock=self.clock.now
+                    )
                     slots[deployment].gate.on_idle = self._capacity_changed
                 continue
             old = slots.get(deployment)

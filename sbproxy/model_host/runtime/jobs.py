@@ -122,7 +122,7 @@ async def pull_artifact(
         idempotency_key=artifact.digest,
         subject=f"artifact:sha256:{artifact.digest}",
     )
-    job = await manager.engine.run_job(submitted.job.id)
+    job = await manager.engine.join(submitted.job.id)
     if job.status != JobStatus.SUCCEEDED:
         error = job.error
         raise SbproxyError(

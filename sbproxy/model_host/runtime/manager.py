@@ -187,7 +187,7 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
         self._closing_at: float | None = None
         self.slots: dict[str, Slot] = {}
         for deployment_id, deployment in compiled.deployments.items():
-            self._adopt_slot(new_slot(deployment_id, deployment))
+            self._adopt_slot(new_slot(deployment_id, deployment, clock=self.clock.now))
         self.commands: dict[str, CommandQueue] = {}
         # Reload bookkeeping, written only through the staging methods below: staged
         # generations not yet routed, generations a ``recreate`` stopped (and whether they

@@ -629,7 +629,7 @@ async def reload(
                 ),
                 subject="runtime:reload",
             )
-            job = await manager.engine.run_job(submitted.job.id)
+            job = await manager.engine.join(submitted.job.id)
         finally:
             manager.candidates.pop(digest, None)
     if job.status != JobStatus.SUCCEEDED or job.output is None:

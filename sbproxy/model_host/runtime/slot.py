@@ -6,6 +6,7 @@ tallies, its errors.
 from __future__ import annotations
 
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -158,8 +159,11 @@ def pulse(slot: Slot) -> None:
     slot.ready = anyio.Event()
 
 
-def new_slot(deployment: str, config: DeploymentConfig) -> Slot:
-    """A ``configured`` slot for one deployment definition, with its admission gate."""
+def new_slot(
+    deployment: str, config: DeploymentConfig, *, clock: Callable[[], float] = time.monotonic
+) -> Slot:
+    """A ``configured`` slot for one deployment definition, with its admission gate on
+    ``clock`` (the manager's, so that keep-alive and the gate agree on time)."""
     return Slot(
         deployment=deployment,
         config=config,
@@ -168,5 +172,6 @@ def new_slot(deployment: str, config: DeploymentConfig) -> Slot:
             max_active=config.max_concurrency,
             max_queue=config.max_queue_depth,
             queue_timeout_s=config.queue_timeout_ms / 1000,
+            clock=clock,
         ),
     )

@@ -70,4 +70,4 @@ async def pull(root: Path, request: PullInput) -> JobRecord:
         submitted = await engine.submit(
             pull_workflow, request, idempotency_key=request.artifact.digest
         )
-        return await engine.run_job(submitted.job.id)
+        return await engine.join(submitted.job.id)

@@ -150,9 +150,9 @@ async def test_the_repair_advice_for_a_shared_damaged_blob_names_every_sharer_an
             ("r2", RemoveInput(digest=second.digest)),
         ):
             submitted = await engine.submit(remove_workflow, request, idempotency_key=key)
-            assert (await engine.run_job(submitted.job.id)).status == JobStatus.SUCCEEDED
+            assert (await engine.join(submitted.job.id)).status == JobStatus.SUCCEEDED
         submitted = await engine.submit(prune_workflow, GcInput(budget_bytes=0))
-        assert (await engine.run_job(submitted.job.id)).status == JobStatus.SUCCEEDED
+        assert (await engine.join(submitted.job.id)).status == JobStatus.SUCCEEDED
     repaired = await pull(tmp_path, PullInput(artifact=first))
     assert repaired.status == JobStatus.SUCCEEDED, repaired.error
     assert (tmp_path / "snapshots" / first.digest / "model.gguf").read_bytes() == data

@@ -41,7 +41,7 @@ def local_artifact(root: Path, name: str, files: dict[str, bytes]) -> ResolvedAr
 
 async def run(engine: WorkflowEngine, workflow: object, request: object, key: str) -> JobRecord:
     submitted = await engine.submit(workflow, request, idempotency_key=key)  # type: ignore[arg-type]
-    return await engine.run_job(submitted.job.id)
+    return await engine.join(submitted.job.id)
 
 
 async def publish(engine: WorkflowEngine, artifact: ResolvedArtifact) -> None:
@@ -213,7 +213,7 @@ async def test_prune_keeps_blobs_of_an_unfinished_multi_file_pull(tmp_path: Path
                 pull_workflow, PullInput(artifact=artifact), idempotency_key=artifact.digest
             )
             with pytest.raises(BaseExceptionGroup):
-                await engine.run_job(submitted.job.id)
+                await engine.join(submitted.job.id)
             first_blob = cache.blob(hashlib.sha256(files["a.gguf"]).hexdigest())
             assert first_blob.exists()
     finally:

@@ -289,7 +289,7 @@ async def test_a_full_journal_fails_with_our_code_and_leaves_the_job_resumable(
             pull_workflow, PullInput(artifact=artifact), idempotency_key=artifact.digest
         )
         with pytest.raises(Exception) as raised:  # an ExceptionGroup or the error itself
-            await engine.run_job(submitted.job.id)
+            await engine.join(submitted.job.id)
         error = sole_error(raised.value)
         assert error is not None, raised.value
         assert error.code == "disk_full"
@@ -309,7 +309,7 @@ async def test_a_full_journal_fails_with_our_code_and_leaves_the_job_resumable(
     async with pull_engine(tmp_path) as (engine, _):
         # This process still "owns" it: its lease lapses (5 s here) and it is taken over.
         with anyio.fail_after(30):
-            finished = await engine.run_job(submitted.job.id)
+            finished = await engine.join(submitted.job.id)
     assert finished.status == JobStatus.SUCCEEDED, finished.error
     assert finished.attempt == 2
     assert gets(mirror) == [(206, kept)]

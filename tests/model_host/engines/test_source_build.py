@@ -71,7 +71,7 @@ async def build_with_steps(
         submitted = await engine.submit(
             engine_build_workflow, request, idempotency_key=build_identity(request)
         )
-        job = await engine.run_job(submitted.job.id)
+        job = await engine.join(submitted.job.id)
         steps = [step.name for step in await engine.steps(job.id)]
         return job.status, job.output, job.error.code if job.error else "", steps
     finally:

@@ -52,7 +52,7 @@ async def main(root: Path) -> None:
             while slot.state != DeploymentState.READY:
                 await anyio.sleep(0.05)
         assert slot.job_id is not None
-        job = await host.engine.run_job(slot.job_id)
+        job = await host.engine.join(slot.job_id)
         assert slot.process is not None
         with anyio.fail_after(30):
             status = await answered(host.manager)

@@ -51,7 +51,7 @@ async def test_cold_start_on_the_first_request(tmp_path: Path) -> None:
         )
         assert status.job_id is not None
         upstream.release()
-        job = await host.engine.run_job(status.job_id)  # waits for the load job to settle
+        job = await host.engine.join(status.job_id)  # waits for the load job to settle
         assert job.kind == "load"
         assert job.status == JobStatus.SUCCEEDED
         assert [s.name for s in await host.engine.steps(job.id)] == [
@@ -119,7 +119,7 @@ async def test_crash_loop_is_retained_until_reset(tmp_path: Path) -> None:
 
         fake_llama_server(host.root / "bin")  # the operator fixes the engine
         reset = await submit_reset(host.manager, "tiny")
-        done = await host.engine.run_job(reset.id)
+        done = await host.engine.join(reset.id)
         assert done.status == JobStatus.SUCCEEDED
         assert slot.state == DeploymentState.CONFIGURED
         upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
@@ -133,7 +133,7 @@ async def test_reset_requires_a_retained_failure(tmp_path: Path) -> None:
         upstream.release()
         slot = host.manager.slot("tiny")
         port = slot.port
-        job = await host.engine.run_job((await submit_reset(host.manager, "tiny")).id)
+        job = await host.engine.join((await submit_reset(host.manager, "tiny")).id)
         assert job.status == JobStatus.FAILED
         assert job.error is not None
         assert job.error.code == "prepare_failed"
@@ -150,7 +150,7 @@ async def test_drain_waits_for_active_requests_then_stops(tmp_path: Path) -> Non
         finished: list[object] = []
 
         async def drain() -> None:
-            finished.append(await host.engine.run_job(job.id))
+            finished.append(await host.engine.join(job.id))
 
         async with anyio.create_task_group() as group:
             group.start_soon(drain)

@@ -154,7 +154,7 @@ async def test_a_replayed_launch_is_observed_not_trusted(tmp_path: Path) -> None
         await database.write(reopen)
         os.kill(first.extra["engine_pid"], signal.SIGKILL)
         await until(lambda: not manager.slot("tiny").routable(), timeout_s=5)
-        rerun = await host.engine.run_job(load.id)
+        rerun = await host.engine.join(load.id)
         assert rerun.status == JobStatus.SUCCEEDED
         assert rerun.output is not None
         assert rerun.output["generation"] > first.generation
