@@ -7,7 +7,7 @@ records.
 
 from __future__ import annotations
 
-from sbproxy.store.database import Database, StoreError, Synchronous
+from sbproxy.store.database import Database, StoreError, Synchronous, Transaction
 from sbproxy.store.jobs import (
     RECOVERY_EXHAUSTED,
     ErrorInfo,
@@ -67,6 +67,7 @@ __all__ = [
     "StoreError",
     "SubmitOutcome",
     "Synchronous",
+    "Transaction",
     "UsageDelta",
     "UsageStore",
     "UsageTotals",
