@@ -407,13 +407,18 @@ class JobStore:
         self.lease_clock = lease_clock
         self.outcomes = JobOutcomes()
 
-    def _count_outcome(self, row: Any, status: JobStatus, ended_ms: int) -> None:
-        """Tally a terminal transition this store just committed (``row``: kind, started)."""
+    async def close(self) -> None:
+        """Close the journal database (its connections and their threads)."""
+        await self.database.close()
+
+    def _count_outcome(self, row: sqlite3.Row, status: JobStatus, ended_ms: int) -> None:
+        """Tally a terminal transition this store just committed (``row``: the job's row,
+        or at least its ``kind`` and ``started_at_ms``)."""
         if status not in TERMINAL_JOB_STATUSES:
             return
-        started = row[1]
+        started = row["started_at_ms"]
         self.outcomes.record(
-            kind=str(row[0]),
+            kind=str(row["kind"]),
             status=status.value,
             duration_s=None if started is None else (ended_ms - int(started)) / 1000,
         )
@@ -646,7 +651,7 @@ class JobStore:
             max_recoveries: Recoveries allowed in a row without a completed step; ``None``
                 for no bound.
         """
-        exhausted_rows: list[tuple[Any, int]] = []
+        exhausted_rows: list[tuple[sqlite3.Row, int]] = []
 
         def work(tx: Transaction) -> Recovered:
             exhausted_rows.clear()  # a retried transaction starts over
@@ -713,7 +718,7 @@ class JobStore:
             had been recovered ``max_recoveries`` times since a step last completed and ended
             with ``recovery_exhausted``, ``None`` when ``owner`` no longer held it.
         """
-        exhausted_rows: list[tuple[Any, int]] = []
+        exhausted_rows: list[tuple[sqlite3.Row, int]] = []
 
         def work(tx: Transaction) -> JobStatus | None:
             exhausted_rows.clear()
@@ -757,17 +762,31 @@ class JobStore:
         status: JobStatus,
         output_json: str | None = None,
         error: ErrorInfo | None = None,
-    ) -> bool:
+        keep_finished: int | None = None,
+    ) -> JobRecord | None:
         """Record a running job's outcome if ``owner``'s claim ``attempt`` still holds it.
 
-        ``status`` is succeeded, failed, cancelled or parked. Returns ``False`` (and writes
-        nothing) when the lease was lost to recovery.
+        Args:
+            job_id: The job.
+            owner: Lease owner of the claim.
+            attempt: The claim's attempt.
+            status: Succeeded, failed, cancelled or parked.
+            output_json: The workflow's result (succeeded).
+            error: The failure (failed, cancelled, parked).
+            keep_finished: When given and the job ended (succeeded, failed, cancelled), the
+                oldest finished jobs beyond the newest ``keep_finished`` are deleted in the
+                same transaction (:meth:`prune_terminal`).
+
+        Returns:
+            The job as recorded; ``None``, having written nothing, when the lease was lost
+            to recovery.
         """
         data: dict[str, Any] = {"status": status.value}
         if error:
             data["error"] = {"code": error.code, "message": error.message}
+        prune = keep_finished is not None and status in TERMINAL_JOB_STATUSES
 
-        def work(tx: Transaction) -> tuple[Any, int] | None:
+        def work(tx: Transaction) -> tuple[sqlite3.Row, int] | None:
             now = self.clock()
             ended = now if status in TERMINAL_JOB_STATUSES else None
             row = tx.one(
@@ -787,13 +806,15 @@ class JobStore:
             if row is None:
                 return None
             _event(tx, job_id, "status", data, now)
+            if prune:
+                _prune(tx, keep=int(keep_finished or 0))
             return row, now
 
         done = await self.database.write(work)
         if done is None:
-            return False
+            return None
         self._count_outcome(done[0], status, done[1])
-        return True
+        return _job(done[0])
 
     async def request_cancel(self, job_id: str) -> JobRecord | None:
         """Cancel a job: queued and parked jobs at once, running ones cooperatively.
@@ -802,7 +823,7 @@ class JobStore:
         are returned unchanged.
         """
 
-        cancelled: list[tuple[Any, int]] = []
+        cancelled: list[tuple[sqlite3.Row, int]] = []
 
         def work(tx: Transaction) -> JobRecord | None:
             cancelled.clear()  # a retried transaction starts over
@@ -1013,15 +1034,11 @@ class JobStore:
     # -- retention -------------------------------------------------------------------------
 
     async def prune_terminal(self, *, keep: int) -> int:
-        """Delete the oldest finished jobs beyond the newest ``keep``; never active ones."""
+        """Delete the oldest finished jobs beyond the newest ``keep``; never active ones.
 
-        def work(tx: Transaction) -> int:
-            # Nothing to delete (the common case) is found by a read, without writing.
-            if tx.scalar(_TERMINAL_BEYOND, {"keep": keep}) is None:
-                return 0
-            return int(tx.execute(_PRUNE_TERMINAL, {"keep": keep}).rowcount)
-
-        return await self.database.write(work)
+        Returns how many were deleted (their steps and events go with them).
+        """
+        return await self.database.write(lambda tx: _prune(tx, keep=keep))
 
 
 # -- statements ------------------------------------------------------------------------------
@@ -1069,7 +1086,7 @@ _FINISH = (
     f" error_code = :code, error_message = :message, {_NO_LEASE},"
     " updated_at_ms = :now, ended_at_ms = :ended"
     f" WHERE id = :id AND {_FENCE}"
-    " RETURNING kind, started_at_ms"
+    " RETURNING *"
 )
 _PROGRESS = (
     "UPDATE jobs SET progress_json = :progress, updated_at_ms = :now"  # noqa: S608 - fixed text
@@ -1106,6 +1123,13 @@ _PRUNE_TERMINAL = (
 )
 
 
+def _prune(tx: Transaction, *, keep: int) -> int:
+    # Nothing to delete (the common case) is found by a read, without writing.
+    if tx.scalar(_TERMINAL_BEYOND, {"keep": keep}) is None:
+        return 0
+    return int(tx.execute(_PRUNE_TERMINAL, {"keep": keep}).rowcount)
+
+
 def _event(tx: Transaction, job_id: str, kind: str, data: Mapping[str, Any], now: int) -> None:
     tx.execute(_INSERT_EVENT, (job_id, now, kind, _event_json(data)))
 
@@ -1117,7 +1141,7 @@ def _exhaust(
     cause: str,
     condition: str,
     params: Mapping[str, Any],
-) -> Any:
+) -> sqlite3.Row | None:
     """Fail running ``job_id`` with ``recovery_exhausted`` if ``condition`` holds (one
     compare-and-set); its ``(kind, started_at_ms)`` row, or ``None`` when it did not."""
     now = params["now"]

@@ -11,7 +11,7 @@ from opentelemetry import trace
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from sbproxy.errors import SbproxyError
-from sbproxy.store import ErrorInfo, JobRecord, JobStore, StepRecord, StepRefusal, StepStatus
+from sbproxy.store import ErrorInfo, JobJournal, JobRecord, StepRecord, StepRefusal, StepStatus
 from sbproxy.telemetry import ATTR_JOB_ID, ATTR_JOB_KIND, ATTR_STEP, ATTR_STEP_ATTEMPT, tracer
 from sbproxy.workflows.declare import StepDef
 from sbproxy.workflows.errors import (
@@ -90,7 +90,7 @@ class StepContext:
     """
 
     def __init__(
-        self, *, store: JobStore, state: _JobState, step_name: str, seq: int, attempt: int
+        self, *, store: JobJournal, state: _JobState, step_name: str, seq: int, attempt: int
     ) -> None:
         self._store = store
         self._state = state
@@ -172,7 +172,7 @@ class WorkflowContext:
     def __init__(
         self,
         *,
-        store: JobStore,
+        store: JobJournal,
         state: _JobState,
         journal: Mapping[int, StepRecord],
     ) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from sbproxy.store import Database
+from sbproxy.store import Database, JobJournal, JobStore
 
 __all__ = ["JournalFull"]
 
@@ -19,17 +19,20 @@ _WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE")
 
 
 class JournalFull:
-    """While :attr:`on`, every write statement on ``database`` fails with SQLITE_FULL.
+    """While :attr:`on`, every write statement on the journal fails with SQLITE_FULL.
 
     Attributes:
         on: Whether writes fail now.
         failures: How many statements failed so far.
     """
 
-    def __init__(self, database: Database) -> None:
+    def __init__(self, journal: Database | JobJournal) -> None:
         self.on = False
         self.failures = 0
-        database.add_statement_hook(self._check)
+        if not isinstance(journal, Database):
+            assert isinstance(journal, JobStore), "faults are armed on the SQLite journal"
+            journal = journal.database
+        journal.add_statement_hook(self._check)
 
     def _check(self, sql: str) -> None:
         statement = sql.lstrip().upper()
