@@ -46,6 +46,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_rand
 __all__ = [
     "LOCK_RETRY_ATTEMPTS",
     "MAX_GROUP",
+    "ConnectionClosed",
     "ConnectionThread",
     "ReaderThread",
     "StatementHook",
@@ -66,6 +67,10 @@ LOCK_RETRY_ATTEMPTS = 5
 # Most transactions one group commit may hold: bounds how long the first of them waits for
 # the others' statements before its fsync.
 MAX_GROUP = 64
+
+
+class ConnectionClosed(Exception):
+    """The connection thread was closed before the request was handed to it."""
 
 
 def is_locked(exc: BaseException) -> bool:
@@ -199,11 +204,11 @@ class ConnectionThread:
         effect, so nothing of its transaction is left in flight behind the caller's back.
 
         Raises:
-            RuntimeError: the thread was closed.
+            ConnectionClosed: the thread was closed.
             Exception: what ``work`` or the driver raised (see the subclasses).
         """
         if self._closed:
-            raise RuntimeError(f"{self.name} is closed")
+            raise ConnectionClosed(f"{self.name} is closed")
         loop = asyncio.get_running_loop()
         request: _Request[T] = _Request(work, loop, loop.create_future())
         self._queue.put(request)
@@ -282,7 +287,15 @@ class WriterThread(ConnectionThread):
 
     A result (or error) is delivered only after the transaction's ``COMMIT`` returned (or it
     was rolled back): under ``synchronous=FULL`` a delivered result is durable.
+
+    Attributes:
+        writes: Write requests committed so far.
+        commits: ``COMMIT`` statements that succeeded so far (fewer than ``writes`` when
+            groups formed).
     """
+
+    writes = 0
+    commits = 0
 
     def _serve(self, connection: sqlite3.Connection) -> None:
         transaction = Transaction(connection, self._hooks)
@@ -322,6 +335,8 @@ class WriterThread(ConnectionThread):
             try:
                 value = work(transaction)
                 connection.execute("COMMIT")
+                self.commits += 1
+                self.writes += 1
             except BaseException:
                 if connection.in_transaction:
                     connection.execute("ROLLBACK")
@@ -369,6 +384,8 @@ class WriterThread(ConnectionThread):
                 connection.execute("RELEASE grouped")
                 outcomes.append((value, None))
             connection.execute("COMMIT")
+            self.commits += 1
+            self.writes += len(group)
         except BaseException:  # noqa: BLE001 - each request is rerun alone to meet its own
             if connection.in_transaction:
                 connection.execute("ROLLBACK")

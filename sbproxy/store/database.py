@@ -45,6 +45,7 @@ import anyio.to_thread
 from sbproxy.errors import SbproxyError
 from sbproxy.store.connection import (
     LOCK_RETRY_ATTEMPTS,
+    ConnectionClosed,
     ReaderThread,
     StatementHook,
     Transaction,
@@ -277,6 +278,13 @@ class Database:
         for reader in self._readers:
             await reader.close()
 
+    @property
+    def write_counts(self) -> tuple[int, int]:
+        """``(writes, commits)`` committed so far by this process: the writes that
+        succeeded, and the ``COMMIT`` statements (one fsync each under ``FULL``) they took;
+        fewer commits than writes means group commits formed."""
+        return self._writer.writes, self._writer.commits
+
     def add_statement_hook(self, hook: StatementHook) -> None:
         """Call ``hook`` with the SQL of every statement a transaction runs from now on, on
         the connection's thread, before it runs (tests make writes fail with it)."""
@@ -296,7 +304,7 @@ class Database:
             raise _closed_error(self.path)
         try:
             return await self._readers[0].run(work)
-        except RuntimeError as exc:
+        except ConnectionClosed as exc:
             raise _closed_error(self.path) from exc
         except Exception as exc:
             if _driver_failure(exc):
@@ -322,7 +330,7 @@ class Database:
         """
         try:
             return await self._writer.run(work)
-        except RuntimeError as exc:
+        except ConnectionClosed as exc:
             raise _closed_error(self.path) from exc
         except Exception as exc:
             if is_locked(exc):
