@@ -343,15 +343,22 @@ class WriterThread(ConnectionThread):
                 raise
             return value
 
-        retrying = Retrying(
-            retry=retry_if_exception(is_locked),
-            stop=stop_after_attempt(LOCK_RETRY_ATTEMPTS),
-            wait=wait_random_exponential(multiplier=0.05, max=2),
-            sleep=time.sleep,
-            reraise=True,
-        )
         try:
-            value = retrying(attempt)
+            try:
+                value = attempt()
+            except sqlite3.OperationalError as exc:
+                if not is_locked(exc):
+                    raise
+                # The lock outlasted a whole busy timeout: tenacity runs the other attempts,
+                # with jittered backoff between them (the first attempt stays off its
+                # machinery: it is every write's path).
+                value = Retrying(
+                    retry=retry_if_exception(is_locked),
+                    stop=stop_after_attempt(LOCK_RETRY_ATTEMPTS - 1),
+                    wait=wait_random_exponential(multiplier=0.05, max=2),
+                    sleep=time.sleep,
+                    reraise=True,
+                )(attempt)
         except BaseException as exc:  # noqa: BLE001 - every outcome goes to the caller
             request.settle(None, exc)
         else:

@@ -32,7 +32,8 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 # Progress is persisted at most this often (plus always at completion); one event is one
-# SQLite commit (~4 ms with synchronous=FULL here), so a few per second per job is cheap.
+# durable commit (~0.2-0.4 ms with the SQLite journal's synchronous=FULL here,
+# benchmarks/journal.py), so a few per second per job is cheap.
 PROGRESS_INTERVAL_S = 0.25
 
 
