@@ -1,27 +1,47 @@
-"""What durability costs: journaled steps per second under ``synchronous=FULL`` and ``NORMAL``.
+"""What durability costs: journaled steps per second, sbproxy against DBOS Transact.
 
-Runs N jobs of K trivial steps through the real engine (submit, claim, replay-aware
-``ctx.step``, lease heartbeat, finish) on a fresh journal per mode, one job at a time, and
-prints ONE JSON object on stdout:
+Contenders, each on a fresh journal in ``--dir``, all doing the same durable work -- jobs of
+``--steps`` trivial steps, one job at a time, every step's output journaled before the step
+returns, the job's start and outcome recorded:
 
-* ``durable_steps_per_s``: journaled steps per wall-clock second over the measured jobs
-  (submit and claim/finish commits included, so this is the end-to-end rate);
-* ``step_overhead_ms``: each ``ctx.step`` call timed from inside the workflow. A trivial step
-  does no work, so this is the journal's cost per step: two ``BEGIN IMMEDIATE`` commits
-  (step started, with the cancellation check in the same transaction; output recorded);
-* ``job_ms``: submit to finished, per job;
-* ``raw_sqlite_commit_ms``: a one-row commit through the stdlib driver with the same
-  pragmas, the floor that fsync sets (the rest of a step's cost is the async stack);
-* ``full_over_normal``: how much slower FULL is than NORMAL on each figure.
+* ``sbproxy``: the real engine (``WorkflowEngine.submit`` + ``join``: submit, claim,
+  replay-aware ``ctx.step``, lease heartbeat, finish, history pruning) with
+  ``synchronous=FULL``;
+* ``sbproxy_normal``: the same with ``synchronous=NORMAL`` (commits not fsynced), to show
+  what the fsyncs cost;
+* ``dbos``: DBOS Transact (``@DBOS.workflow()`` calling ``@DBOS.step()`` functions, called
+  synchronously) on a SQLite system database, when the ``dbos`` package is installed (the
+  ``dev`` extra); skipped, and said so, when it is not. ``--dbos-journal default`` leaves
+  DBOS's own SQLite setup (rollback journal, SQLite's default ``synchronous=FULL``);
+  ``wal`` switches its file to WAL first, the journal mode sbproxy uses.
 
-Usage: ``python benchmarks/journal.py [--jobs 40] [--steps 5] [--warmup 2] [--dir PATH]``.
-Durability costs depend on the file system under ``--dir`` (tmpfs makes fsync free), so the
-output names it.
+The contenders run interleaved in one process: ``--rounds`` rounds, each running
+``jobs / rounds`` jobs of every contender, in an order that rotates from round to round, so
+that a noisy neighbour hits all of them alike. It prints ONE JSON object on stdout:
+
+* per contender: ``durable_steps_per_s`` (journaled steps per wall-clock second over its
+  measured jobs, submit to outcome included), ``step_overhead_ms`` (each step call timed
+  from inside the workflow: a trivial step does nothing, so this is the journal's cost per
+  step; p50/p95/p99/mean/max), ``job_ms`` (start to outcome per job);
+* ``sbproxy_over_dbos``: sbproxy's steps/s over DBOS's, and DBOS's step p50 and p95 over
+  sbproxy's (above 1: sbproxy is faster), with the targets of issue 14 (step p50 at most
+  1.5 ms, steps/s at least 1.5 times DBOS's);
+* ``full_over_normal``: what FULL costs over NORMAL for sbproxy;
+* ``raw_sqlite_commit_ms``: a one-row ``BEGIN IMMEDIATE`` commit through the stdlib driver
+  (WAL, FULL and NORMAL), the floor that fsync sets, measured in every round too (as many
+  commits as a contender ran steps);
+* ``environment``: versions, CPUs, and the directory and file system of the journals
+  (tmpfs makes fsync free: point ``--dir`` at a real disk).
+
+Usage: ``python benchmarks/journal.py [--jobs 40] [--steps 5] [--warmup 2] [--rounds 4]
+[--dir PATH] [--dbos-journal default|wal] [--no-dbos]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -30,9 +50,9 @@ import statistics
 import sys
 import tempfile
 import time
-from functools import partial
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import anyio
 from pydantic import BaseModel
@@ -42,8 +62,12 @@ from sbproxy.workflows import Registry, StepContext, WorkflowContext, WorkflowEn
 
 registry = Registry()
 
-# Filled by the workflow body: the duration of every ctx.step call, in seconds.
-_step_timings: list[float] = []
+# Where the running contender's workflow body appends each step call's duration (seconds).
+_timings: list[list[float]] = [[]]
+
+# The issue's targets (issue 14, item 8).
+TARGET_STEP_P50_MS = 1.5
+TARGET_OVER_DBOS = 1.5
 
 
 class BenchInput(BaseModel):
@@ -65,8 +89,168 @@ async def bench(ctx: WorkflowContext, arg: BenchInput) -> int:
     for index in range(arg.steps):
         started = time.perf_counter()
         value = await ctx.step(trivial, value, name=f"bench:{index}")
-        _step_timings.append(time.perf_counter() - started)
+        _timings[0].append(time.perf_counter() - started)
     return value
+
+
+class Contender:
+    """One way of running the jobs; subclasses open, run one job and close."""
+
+    name = ""
+
+    def __init__(self, *, steps: int, directory: Path) -> None:
+        self.steps = steps
+        self.directory = directory
+        self.step_times: list[float] = []
+        self.job_times: list[float] = []
+        self.wall_s = 0.0
+
+    async def open(self) -> None:
+        raise NotImplementedError
+
+    async def one_job(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def run(self, jobs: int, *, measured: bool) -> None:
+        """Run ``jobs`` jobs one after another; keep their timings when ``measured``."""
+        step_times: list[float] = []
+        job_times: list[float] = []
+        _timings[0] = step_times
+        started = time.perf_counter()
+        for _ in range(jobs):
+            job_started = time.perf_counter()
+            await self.one_job()
+            job_times.append(time.perf_counter() - job_started)
+        wall_s = time.perf_counter() - started
+        assert len(step_times) == jobs * self.steps, (len(step_times), jobs, self.steps)
+        if measured:
+            self.step_times += step_times
+            self.job_times += job_times
+            self.wall_s += wall_s
+
+    def report(self) -> dict[str, Any]:
+        steps = len(self.step_times)
+        return {
+            **self.describe(),
+            "jobs": len(self.job_times),
+            "steps_per_job": self.steps,
+            "durable_steps": steps,
+            "wall_s": round(self.wall_s, 3),
+            "durable_steps_per_s": round(steps / self.wall_s, 1) if self.wall_s else None,
+            "step_overhead_ms": _summary_ms(self.step_times),
+            "job_ms": _summary_ms(self.job_times),
+        }
+
+
+class Sbproxy(Contender):
+    """sbproxy's engine: submit, then run the job in this process (the CLI's path)."""
+
+    def __init__(self, mode: Synchronous, *, steps: int, directory: Path) -> None:
+        super().__init__(steps=steps, directory=directory)
+        self.mode = mode
+        self.name = "sbproxy" if mode == "FULL" else "sbproxy_normal"
+        self.engine: WorkflowEngine | None = None
+        self.path = directory / "journal.db"
+
+    async def open(self) -> None:
+        self.engine = await WorkflowEngine.open(self.path, registry, synchronous=self.mode)
+
+    async def one_job(self) -> None:
+        assert self.engine is not None
+        submitted = await self.engine.submit(bench, BenchInput(steps=self.steps))
+        job = await self.engine.join(submitted.job.id)
+        assert job.status == "succeeded", job.to_dict()
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "contender": self.name,
+            "engine": "sbproxy.workflows.WorkflowEngine (submit + join)",
+            "journal": {"journal_mode": _journal_mode(self.path), "synchronous": self.mode},
+        }
+
+
+class Dbos(Contender):
+    """DBOS Transact: a ``@DBOS.workflow()`` calling ``@DBOS.step()`` functions, on a SQLite
+    system database (DBOS is a process-wide singleton: one such contender per run)."""
+
+    name = "dbos"
+
+    def __init__(self, journal: str, *, steps: int, directory: Path) -> None:
+        super().__init__(steps=steps, directory=directory)
+        self.journal = journal
+        self.path = directory / "dbos.sqlite"
+        self.workflow: Callable[[int], int] | None = None
+
+    async def open(self) -> None:
+        from dbos import DBOS, DBOSConfig
+
+        if self.journal == "wal":
+            # journal_mode is a property of the file: DBOS's connections inherit it.
+            with sqlite3.connect(self.path) as connection:
+                connection.execute("PRAGMA journal_mode=WAL")
+
+        @DBOS.step()
+        def dbos_trivial(value: int) -> int:
+            return value + 1
+
+        @DBOS.workflow()
+        def dbos_bench(steps: int) -> int:
+            value = 0
+            for _ in range(steps):
+                started = time.perf_counter()
+                value = dbos_trivial(value)
+                _timings[0].append(time.perf_counter() - started)
+            return value
+
+        config: DBOSConfig = {
+            "name": "sbproxy-journal-bench",
+            "system_database_url": f"sqlite:///{self.path}",
+            "run_admin_server": False,
+            "log_level": "WARNING",
+            "console_log_level": "WARNING",
+        }
+        DBOS(config=config)
+        DBOS.launch()
+        self.workflow = dbos_bench
+
+    async def one_job(self) -> None:
+        assert self.workflow is not None
+        # Called on the event loop's thread like a plain function: DBOS's synchronous API,
+        # its fastest path (nothing else runs meanwhile).
+        assert self.workflow(self.steps) == self.steps
+
+    async def close(self) -> None:
+        from dbos import DBOS
+
+        DBOS.destroy(destroy_registry=True)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "contender": self.name,
+            "engine": f"DBOS Transact {importlib.metadata.version('dbos')} (sync workflow + steps)",
+            "journal": {
+                "journal_mode": _journal_mode(self.path),
+                "synchronous": "FULL (SQLite's default; DBOS sets none)",
+                "setup": self.journal,
+            },
+        }
+
+
+def _journal_mode(path: Path) -> str | None:
+    if not path.exists():
+        return None
+    with sqlite3.connect(path) as connection:
+        return str(connection.execute("PRAGMA journal_mode").fetchone()[0])
 
 
 def _percentile(values: list[float], pct: int) -> float:
@@ -75,70 +259,42 @@ def _percentile(values: list[float], pct: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[pct - 1]
 
 
-def _summary_ms(seconds: list[float]) -> dict[str, float]:
+def _summary_ms(seconds: list[float]) -> dict[str, float] | None:
+    if not seconds:
+        return None
     ms = [value * 1000 for value in seconds]
     return {
         "p50": round(_percentile(ms, 50), 3),
+        "p95": round(_percentile(ms, 95), 3),
         "p99": round(_percentile(ms, 99), 3),
         "mean": round(statistics.fmean(ms), 3),
         "max": round(max(ms), 3),
     }
 
 
-async def _run_mode(mode: Synchronous, *, jobs: int, steps: int, warmup: int, base: Path) -> Any:
-    with tempfile.TemporaryDirectory(prefix=f"journal-{mode.lower()}-", dir=base) as tmp:
-        engine = await WorkflowEngine.open(Path(tmp) / "journal.db", registry, synchronous=mode)
-        try:
-            for _ in range(warmup):
-                submitted = await engine.submit(bench, BenchInput(steps=steps))
-                await engine.join(submitted.job.id)
-            _step_timings.clear()
-            job_times: list[float] = []
-            wall_started = time.perf_counter()
-            for _ in range(jobs):
-                started = time.perf_counter()
-                submitted = await engine.submit(bench, BenchInput(steps=steps))
-                job = await engine.join(submitted.job.id)
-                job_times.append(time.perf_counter() - started)
-                assert job.status == "succeeded", job.to_dict()
-            wall_s = time.perf_counter() - wall_started
-        finally:
-            await engine.close()
-    step_times = list(_step_timings)
-    assert len(step_times) == jobs * steps
-    return {
-        "synchronous": mode,
-        "jobs": jobs,
-        "steps_per_job": steps,
-        "durable_steps": jobs * steps,
-        "wall_s": round(wall_s, 3),
-        "durable_steps_per_s": round(jobs * steps / wall_s, 1),
-        "step_overhead_ms": _summary_ms(step_times),
-        "job_ms": _summary_ms(job_times),
-    }
+class RawCommits:
+    """The floor fsync sets: one-row ``BEGIN IMMEDIATE`` commits through the stdlib driver
+    (WAL), measured in every round beside the contenders."""
 
+    def __init__(self, mode: Synchronous, *, directory: Path) -> None:
+        self.connection = sqlite3.connect(
+            directory / f"raw-{mode.lower()}.db", isolation_level=None
+        )
+        self.connection.execute("PRAGMA journal_mode=WAL")
+        self.connection.execute(f"PRAGMA synchronous={mode}")
+        self.connection.execute("CREATE TABLE t (n INTEGER)")
+        self.timings: list[float] = []
 
-def _raw_commit_ms(mode: str, *, base: Path, commits: int = 300) -> dict[str, float]:
-    """The floor: one-row ``BEGIN IMMEDIATE`` commits through the stdlib driver, same pragmas.
+    def run(self, commits: int) -> None:
+        for index in range(commits):
+            started = time.perf_counter()
+            self.connection.execute("BEGIN IMMEDIATE")
+            self.connection.execute("INSERT INTO t VALUES (?)", (index,))
+            self.connection.execute("COMMIT")
+            self.timings.append(time.perf_counter() - started)
 
-    The gap between this and ``step_overhead_ms`` / 2 is the async stack's cost per commit.
-    """
-    with tempfile.TemporaryDirectory(prefix=f"raw-{mode.lower()}-", dir=base) as tmp:
-        connection = sqlite3.connect(Path(tmp) / "raw.db", isolation_level=None)
-        try:
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute(f"PRAGMA synchronous={mode}")
-            connection.execute("CREATE TABLE t (n INTEGER)")
-            timings = []
-            for index in range(commits):
-                started = time.perf_counter()
-                connection.execute("BEGIN IMMEDIATE")
-                connection.execute("INSERT INTO t VALUES (?)", (index,))
-                connection.execute("COMMIT")
-                timings.append(time.perf_counter() - started)
-        finally:
-            connection.close()
-    return _summary_ms(timings)
+    def close(self) -> None:
+        self.connection.close()
 
 
 def _filesystem(path: Path) -> str | None:
@@ -160,49 +316,135 @@ def _filesystem(path: Path) -> str | None:
     return best[1] if best else None
 
 
-def _ratio(slow: float, fast: float) -> float | None:
-    return round(slow / fast, 2) if fast else None
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return round(numerator / denominator, 2) if numerator and denominator else None
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` jobs over ``parts`` rounds, as evenly as they go."""
+    return [total // parts + (1 if index < total % parts else 0) for index in range(parts)]
+
+
+async def _measure(
+    contenders: list[Contender],
+    floors: list[RawCommits],
+    *,
+    jobs: int,
+    warmup: int,
+    rounds: int,
+) -> None:
+    for contender in contenders:
+        await contender.open()
+    try:
+        for contender in contenders:
+            if warmup:
+                await contender.run(warmup, measured=False)
+        for index, count in enumerate(_split(jobs, rounds)):
+            if not count:
+                continue
+            shift = index % len(contenders)
+            for contender in contenders[shift:] + contenders[:shift]:
+                await contender.run(count, measured=True)
+            for floor in floors:
+                floor.run(count * contenders[0].steps)
+    finally:
+        for contender in contenders:
+            await contender.close()
+
+
+def _comparison(sbproxy: dict[str, Any], dbos: dict[str, Any] | None) -> dict[str, Any]:
+    p50 = sbproxy["step_overhead_ms"]["p50"]
+    targets: dict[str, Any] = {
+        "step_overhead_p50_ms_at_most": TARGET_STEP_P50_MS,
+        "steps_per_s_over_dbos_at_least": TARGET_OVER_DBOS,
+        "step_overhead_p50_met": p50 <= TARGET_STEP_P50_MS,
+    }
+    if dbos is None:
+        return {"targets": targets}
+    over = _ratio(sbproxy["durable_steps_per_s"], dbos["durable_steps_per_s"])
+    targets["steps_per_s_over_dbos_met"] = over is not None and over >= TARGET_OVER_DBOS
+    return {
+        "durable_steps_per_s": over,
+        "dbos_step_p50_over_sbproxy": _ratio(dbos["step_overhead_ms"]["p50"], p50),
+        "dbos_step_p95_over_sbproxy": _ratio(
+            dbos["step_overhead_ms"]["p95"], sbproxy["step_overhead_ms"]["p95"]
+        ),
+        "dbos_job_p50_over_sbproxy": _ratio(dbos["job_ms"]["p50"], sbproxy["job_ms"]["p50"]),
+        "targets": targets,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--jobs", type=int, default=40, help="measured jobs per mode")
+    parser.add_argument("--jobs", type=int, default=40, help="measured jobs per contender")
     parser.add_argument("--steps", type=int, default=5, help="trivial steps per job")
-    parser.add_argument("--warmup", type=int, default=2, help="unmeasured jobs first")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured jobs per contender")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
     parser.add_argument(
         "--dir",
         type=Path,
         default=Path(tempfile.gettempdir()),
         help="where the temporary journals live (its file system decides fsync cost)",
     )
+    parser.add_argument(
+        "--dbos-journal",
+        choices=("default", "wal"),
+        default="default",
+        help="DBOS's own SQLite setup (rollback journal), or its file switched to WAL",
+    )
+    parser.add_argument("--no-dbos", action="store_true", help="leave DBOS out")
     args = parser.parse_args()
-    if args.jobs < 1 or args.steps < 1 or args.warmup < 0:
-        parser.error("--jobs and --steps must be at least 1, --warmup at least 0")
+    if args.jobs < 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--jobs, --steps and --rounds must be at least 1, --warmup at least 0")
 
-    results = {}
-    for mode in get_args(Synchronous):
-        run = partial(_run_mode, mode, jobs=args.jobs, steps=args.steps, warmup=args.warmup)
-        results[mode] = anyio.run(partial(run, base=args.dir))
-        results[mode]["raw_sqlite_commit_ms"] = _raw_commit_ms(mode, base=args.dir)
-    full, normal = results["FULL"], results["NORMAL"]
+    dbos_skipped: str | None = None
+    if args.no_dbos:
+        dbos_skipped = "--no-dbos"
+    elif importlib.util.find_spec("dbos") is None:
+        dbos_skipped = "the dbos package is not installed (pip install -e '.[dev]')"
+
+    with tempfile.TemporaryDirectory(prefix="journal-bench-", dir=args.dir) as tmp:
+        root = Path(tmp)
+        contenders: list[Contender] = []
+        for mode in ("FULL", "NORMAL"):
+            (root / mode.lower()).mkdir()
+            contenders.append(Sbproxy(mode, steps=args.steps, directory=root / mode.lower()))
+        if dbos_skipped is None:
+            (root / "dbos").mkdir()
+            contenders.append(Dbos(args.dbos_journal, steps=args.steps, directory=root / "dbos"))
+        floors = [RawCommits(mode, directory=root) for mode in ("FULL", "NORMAL")]
+        try:
+            anyio.run(_measure_all, contenders, floors, args.jobs, args.warmup, args.rounds)
+        finally:
+            for floor in floors:
+                floor.close()
+        reports = {contender.name: contender.report() for contender in contenders}
+
+    full, normal = reports["sbproxy"], reports["sbproxy_normal"]
+    dbos = reports.get("dbos")
     report = {
         "benchmark": "journal",
-        "engine": "sbproxy.workflows.WorkflowEngine.join, one job at a time",
-        "modes": [full, normal],
+        "shape": {
+            "jobs": args.jobs,
+            "steps_per_job": args.steps,
+            "warmup_jobs": args.warmup,
+            "rounds": args.rounds,
+            "order": "interleaved, one job at a time, the order rotating each round",
+        },
+        "contenders": reports,
+        "dbos_skipped": dbos_skipped,
+        "sbproxy_over_dbos": _comparison(full, dbos),
         "full_over_normal": {
             "step_overhead_p50": _ratio(
                 full["step_overhead_ms"]["p50"], normal["step_overhead_ms"]["p50"]
             ),
-            "step_overhead_p99": _ratio(
-                full["step_overhead_ms"]["p99"], normal["step_overhead_ms"]["p99"]
-            ),
-            "wall_time": _ratio(full["wall_s"], normal["wall_s"]),
             "steps_per_s_normal_over_full": _ratio(
                 normal["durable_steps_per_s"], full["durable_steps_per_s"]
             ),
-            "raw_commit_p50": _ratio(
-                full["raw_sqlite_commit_ms"]["p50"], normal["raw_sqlite_commit_ms"]["p50"]
-            ),
+        },
+        "raw_sqlite_commit_ms": {
+            "wal_full": _summary_ms(floors[0].timings),
+            "wal_normal": _summary_ms(floors[1].timings),
         },
         "environment": {
             "sqlite_version": sqlite3.sqlite_version,
@@ -210,13 +452,26 @@ def main() -> None:
             "implementation": platform.python_implementation(),
             "platform": platform.platform(),
             "machine": platform.machine(),
-            "processor": platform.processor() or None,
             "cpu_count": os.cpu_count(),
+            "load_average": _load_average(),
             "journal_dir": str(args.dir),
             "journal_filesystem": _filesystem(args.dir),
         },
     }
     print(json.dumps(report, indent=2))
+
+
+async def _measure_all(
+    contenders: list[Contender], floors: list[RawCommits], jobs: int, warmup: int, rounds: int
+) -> None:
+    await _measure(contenders, floors, jobs=jobs, warmup=warmup, rounds=rounds)
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

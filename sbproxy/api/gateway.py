@@ -195,7 +195,7 @@ class Gateway:
     usage: UsageLedger = field(init=False)
 
     def __post_init__(self) -> None:
-        self.usage = UsageLedger(UsageStore(self.manager.engine.store.database), self.keys.budgets)
+        self.usage = UsageLedger(UsageStore(self.manager.runtime_store.database), self.keys.budgets)
 
     async def open(self) -> None:
         """Create the shared upstream session (on the app's event loop) and load usage.

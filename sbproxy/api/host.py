@@ -40,7 +40,7 @@ from sbproxy.model_host.runtime.manager import (
     artifact_request,
 )
 from sbproxy.model_host.runtime.reload import admin_desired
-from sbproxy.store import RuntimeStore
+from sbproxy.store import RuntimeStore, open_journal
 from sbproxy.workflows import WorkflowEngine
 
 __all__ = ["ServedHost", "open_host"]
@@ -95,14 +95,15 @@ async def open_host(
     _check_resolvable(compiled, catalog, worker)
     cache = ArtifactCache(layout)
     cache.ensure_dirs()
-    engine = await WorkflowEngine.open(layout.journal, registry, resources=[cache])
+    journal = await open_journal(layout.journal)
+    engine = WorkflowEngine(journal, registry, resources=[cache])
     try:
         manager = RuntimeManager(
             compiled=compiled,
             layout=layout,
             catalog=catalog,
             engine=engine,
-            runtime_store=RuntimeStore(engine.store.database),
+            runtime_store=RuntimeStore(journal.database),
             worker=worker,
         )
         engine.add_resource(manager)

@@ -1,13 +1,15 @@
-"""The SQLite job journal: the only package that imports sqlalchemy, sqlmodel and aiosqlite.
+"""The job journal: the only package that touches the database (sqlite3, sqlmodel).
 
-:class:`Database` opens the file (WAL, ``synchronous=FULL``, ``BEGIN IMMEDIATE`` writes,
-migrations); :class:`JobStore` is the repository of jobs, steps and events, returning frozen
-records.
+:class:`JobJournal` is what the workflow engine needs of a journal; :func:`open_journal`
+opens one. :class:`Database` opens the SQLite file (WAL, ``synchronous=FULL``, one writer
+thread with ``BEGIN IMMEDIATE`` transactions and group commit, reader threads,
+migrations); :class:`JobStore` is the SQLite repository of jobs, steps and events, returning
+frozen records.
 """
 
 from __future__ import annotations
 
-from sbproxy.store.database import Database, StoreError, Synchronous
+from sbproxy.store.database import Database, StoreError, Synchronous, Transaction
 from sbproxy.store.jobs import (
     RECOVERY_EXHAUSTED,
     ErrorInfo,
@@ -20,6 +22,7 @@ from sbproxy.store.jobs import (
     SubmitOutcome,
     wall_clock_ms,
 )
+from sbproxy.store.journal import JobJournal, open_journal
 from sbproxy.store.leaseclock import (
     UNKNOWN_BOOT,
     LeaseClock,
@@ -52,6 +55,7 @@ __all__ = [
     "DurationHistogram",
     "ErrorInfo",
     "EventRecord",
+    "JobJournal",
     "JobOutcomes",
     "JobRecord",
     "JobStatus",
@@ -67,10 +71,12 @@ __all__ = [
     "StoreError",
     "SubmitOutcome",
     "Synchronous",
+    "Transaction",
     "UsageDelta",
     "UsageStore",
     "UsageTotals",
     "boot_id",
+    "open_journal",
     "system_lease_time",
     "wall_clock_ms",
 ]

@@ -1,62 +1,74 @@
-"""The SQLite database behind the job journal: connection setup and transactions.
+"""The SQLite database behind the job journal: connections, transactions and their errors.
 
 Discipline (ARCHITECTURE.md, "SQLite discipline"; figures in measured-here.md):
 
 * WAL journal, ``busy_timeout`` 30 s, ``synchronous=FULL`` by default (a commit survives
   power loss; ``NORMAL`` is offered for benchmarks and measured side by side).
-* Every write is a short ``BEGIN IMMEDIATE`` transaction: a deferred transaction that later
-  upgrades to a write fails with "database is locked" under contention (71 % of transactions
-  with four processes here), an immediate one waits for the lock instead.
-* The driver's own implicit ``BEGIN`` is disabled (``isolation_level = None``) so that the
-  ``begin`` event decides the transaction mode.
-* A write that still meets "database is locked" (a busy timeout elapsed) is retried with
-  tenacity, a few times with jittered backoff; the transaction is rolled back first, so a
-  retried write never applies twice.
-* A driver error never leaves this module as itself (SQLAlchemy's carry their own codes,
-  such as ``e3q8``, which are not ours): a full file system -- SQLite's ``SQLITE_FULL``,
-  "database or disk is full", or ``ENOSPC`` / ``EDQUOT`` -- is :class:`StoreError`
-  ``disk_full`` naming the journal, the bytes a write needs at least and the bytes free;
-  any other is ``store_failed`` with SQLite's own message. ``IntegrityError`` alone passes
-  through: the repositories catch it as an answer (a duplicate key), not a failure.
+* One writer connection per process, on its own thread (``connection.py``): every write is
+  a short ``BEGIN IMMEDIATE`` transaction -- a deferred transaction that later upgrades to a
+  write fails with "database is locked" under contention (71 % of transactions with four
+  processes here), an immediate one waits for the lock instead. Writes that queue up behind
+  a commit share the next one (group commit); a write's result is returned only once its
+  ``COMMIT`` returned, so it is durable when the caller sees it.
+* Reads run on reader connections of their own (``query_only``), each one ``BEGIN``
+  snapshot, never waiting for a commit's fsync.
+* The driver's own implicit transactions are off (``isolation_level=None``): the
+  transaction mode is always the one written here.
+* A write that still meets "database is locked" (a busy timeout elapsed) is retried, a few
+  times with jittered backoff; the transaction is rolled back first, so a retried write
+  never applies twice.
+* A driver error never leaves this module as itself: a full file system -- SQLite's
+  ``SQLITE_FULL``, "database or disk is full", or ``ENOSPC`` / ``EDQUOT`` -- is
+  :class:`StoreError` ``disk_full`` naming the journal, the bytes a write needs at least and
+  the bytes free; any other is ``store_failed`` with SQLite's own message.
+  ``sqlite3.IntegrityError`` alone passes through: the repositories catch it as an answer
+  (a duplicate key), not a failure.
+
+The schema is declared in SQLModel (``tables.py``) and created by the versioned migrations
+(``migrations.py``); statements run as fixed SQL texts that the driver keeps prepared.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import queue
 import sqlite3
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
-from sqlalchemy import event
-from sqlalchemy.exc import DBAPIError, IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_random_exponential,
-)
 
 from sbproxy.errors import SbproxyError
+from sbproxy.store.connection import (
+    LOCK_RETRY_ATTEMPTS,
+    ConnectionClosed,
+    ReaderThread,
+    StatementHook,
+    Transaction,
+    WriterThread,
+    is_locked,
+)
 
-__all__ = ["Database", "StoreError", "Synchronous", "journal_error"]
+__all__ = ["Database", "StoreError", "Synchronous", "Transaction", "journal_error"]
 
 Synchronous = Literal["FULL", "NORMAL"]
 T = TypeVar("T")
 
 # Milliseconds SQLite waits for a lock before reporting "database is locked".
 BUSY_TIMEOUT_MS = 30_000
-_LOCK_RETRY_ATTEMPTS = 5
 # SQLite's page size (its default; never changed here): a write that cannot get one more
 # page for the WAL or the database file fails, so this is the least a write needs.
 JOURNAL_PAGE_BYTES = 4096
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# Reader connections per database: reads are short point queries; two let a long listing
+# and a step's read not wait for each other.
+READERS = 2
+# Prepared statements the driver keeps per connection (the journal uses about 60 texts).
+_CACHED_STATEMENTS = 256
 
 
 class StoreError(SbproxyError):
@@ -64,16 +76,6 @@ class StoreError(SbproxyError):
 
     default_code = "store_failed"
     default_retryable = True
-
-
-def _preflight(path: Path) -> None:
-    # Open with the stdlib driver first: a damaged or foreign file fails here cleanly,
-    # before the async pool holds a half-initialised connection.
-    connection = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000)
-    try:
-        connection.execute("PRAGMA schema_version").fetchone()
-    finally:
-        connection.close()
 
 
 def _unwritable_reason(directory: Path) -> str | None:
@@ -89,11 +91,6 @@ def _unwritable_reason(directory: Path) -> str | None:
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             return exc.strerror or str(exc)
         return None
-
-
-def _is_locked(exc: BaseException) -> bool:
-    cause = getattr(exc, "orig", exc)
-    return isinstance(cause, sqlite3.OperationalError) and "locked" in str(cause).lower()
 
 
 def _free_bytes(directory: Path) -> int:
@@ -159,26 +156,65 @@ def journal_error(exc: BaseException, path: Path) -> StoreError:
 
 def _driver_failure(exc: BaseException) -> bool:
     """A driver error this module turns into ours (see the module docstring)."""
-    if isinstance(exc, IntegrityError):
+    if isinstance(exc, sqlite3.IntegrityError):
         return False
-    return isinstance(exc, DBAPIError | sqlite3.Error)
+    return isinstance(exc, sqlite3.Error)
+
+
+def _connect(path: Path, synchronous: Synchronous, *, writer: bool) -> sqlite3.Connection:
+    """Open one configured connection to ``path`` (on the thread that will own it).
+
+    The first statement reads the schema version, so a damaged or foreign file fails here,
+    before anything is written to it. Only the writer switches the file to WAL (a property
+    of the file, which every later connection sees); readers are ``query_only``.
+    """
+    connection = sqlite3.connect(
+        path,
+        timeout=BUSY_TIMEOUT_MS / 1000,
+        isolation_level=None,
+        cached_statements=_CACHED_STATEMENTS,
+    )
+    try:
+        connection.row_factory = sqlite3.Row
+        connection.execute("PRAGMA schema_version").fetchall()
+        if writer:
+            connection.execute("PRAGMA journal_mode=WAL").fetchall()
+        connection.execute(f"PRAGMA synchronous={synchronous}")
+        connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        connection.execute("PRAGMA foreign_keys=ON")
+        if not writer:
+            connection.execute("PRAGMA query_only=ON")
+    except BaseException:
+        connection.close()
+        raise
+    return connection
 
 
 class Database:
-    """An open journal database file.
+    """An open journal database file: one writer thread and a few reader threads.
 
     Use :meth:`open` to create one; close it with :meth:`close`. Safe to share between tasks
-    of one event loop; every process opens its own.
+    of one asyncio event loop; every process opens its own.
 
     Attributes:
         path: The database file.
         synchronous: ``FULL`` or ``NORMAL``.
     """
 
-    def __init__(self, engine: AsyncEngine, path: Path, synchronous: Synchronous) -> None:
-        self._engine = engine
+    def __init__(
+        self,
+        path: Path,
+        synchronous: Synchronous,
+        *,
+        writer: WriterThread,
+        readers: list[ReaderThread],
+        hooks: list[StatementHook],
+    ) -> None:
         self.path = path
         self.synchronous = synchronous
+        self._writer = writer
+        self._readers = readers
+        self._hooks = hooks
 
     @classmethod
     async def open(cls, path: Path, *, synchronous: Synchronous = "FULL") -> Database:
@@ -186,8 +222,10 @@ class Database:
 
         Raises:
             StoreError: ``store_failed`` when the directory cannot be created or the file is
-                not a usable SQLite database; ``invalid_cache_dir`` (not retryable) when the
-                directory cannot be written (read-only file system, no permission).
+                not a usable SQLite database; ``disk_full`` when its file system is full;
+                ``invalid_cache_dir`` (not retryable) when the directory cannot be written
+                (read-only file system, no permission); ``store_version_mismatch`` when the
+                file is newer than this code.
         """
         from sbproxy.store.migrations import migrate
 
@@ -200,130 +238,139 @@ class Database:
                 f"cannot create the journal directory {path.parent}: {exc.strerror}",
                 remediation="Check the cache directory's permissions and free space.",
             ) from exc
-        try:
-            await anyio.to_thread.run_sync(_preflight, path)
-        except sqlite3.DatabaseError as exc:
-            if _is_full(exc, path.parent):
-                raise journal_error(exc, path) from exc
-            unwritable = await anyio.to_thread.run_sync(_unwritable_reason, path.parent)
-            if unwritable is not None:
-                raise StoreError(
-                    f"cannot open the journal {path}: its directory {path.parent} is not "
-                    f"writable ({unwritable})",
-                    # The journal lives in the cache root (<root>/jobs/journal.db): the root is
-                    # what the operator chose wrongly, as for any other unwritable cache root.
-                    code="invalid_cache_dir",
-                    retryable=False,
-                    remediation="Make the directory writable for this user, or use a cache "
-                    "directory on a writable file system (--cache-dir or "
-                    "proxy.model_host.cache.directory); the journal itself is not damaged.",
-                    details={"path": str(path)},
-                ) from exc
-            raise StoreError(
-                f"cannot open the journal {path}: {exc}",
-                remediation="Check that the file is a SQLite database and the disk is writable; "
-                "move a damaged file aside to start a new journal.",
-            ) from exc
-        engine = create_async_engine(
-            f"sqlite+aiosqlite:///{path}",
-            pool_size=4,
-            max_overflow=8,
-            connect_args={"timeout": BUSY_TIMEOUT_MS / 1000},
+        hooks: list[StatementHook] = []
+        writer = WriterThread(
+            name=f"sbproxy-journal-writer:{path.name}",
+            connect=lambda: _connect(path, synchronous, writer=True),
+            hooks=hooks,
         )
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-            dbapi_connection.isolation_level = None
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute(f"PRAGMA synchronous={synchronous}")
-            cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.close()
-
-        @event.listens_for(engine.sync_engine, "begin")
-        def _on_begin(connection: Any) -> None:
-            mode = connection.get_execution_options().get("sbproxy_begin", "DEFERRED")
-            connection.exec_driver_sql(f"BEGIN {mode}")
-
-        database = cls(engine, path, synchronous)
+        try:
+            await writer.open()
+        except sqlite3.DatabaseError as exc:
+            raise await _open_error(exc, path) from exc
+        database = cls(path, synchronous, writer=writer, readers=[], hooks=hooks)
         try:
             await migrate(database)
-        except StoreError:
-            await engine.dispose()
-            raise
-        except BaseException:
-            await engine.dispose()
+            requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            for index in range(READERS):
+                reader = ReaderThread(
+                    name=f"sbproxy-journal-reader-{index}:{path.name}",
+                    connect=lambda: _connect(path, synchronous, writer=False),
+                    hooks=hooks,
+                    requests=requests,
+                )
+                await reader.open()
+                database._readers.append(reader)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await database.close()
+            if isinstance(exc, sqlite3.Error) and _driver_failure(exc):
+                raise journal_error(exc, path) from exc
             raise
         return database
 
     async def close(self) -> None:
-        """Close every pooled connection."""
-        await self._engine.dispose()
+        """Finish the queued writes, then close every connection and end their threads.
 
-    @asynccontextmanager
-    async def read(self) -> AsyncIterator[AsyncConnection]:
-        """A read transaction (``BEGIN DEFERRED``): a consistent snapshot, no write lock.
+        Using the database afterwards raises ``StoreError`` (``store_failed``).
+        """
+        await self._writer.close()
+        for reader in self._readers:
+            await reader.close()
 
-        Opening and closing the connection are shielded from cancellation so that a
-        cancelled reader never leaves a pooled connection half-closed.
+    @property
+    def write_counts(self) -> tuple[int, int]:
+        """``(writes, commits)`` committed so far by this process: the writes that
+        succeeded, and the ``COMMIT`` statements (one fsync each under ``FULL``) they took;
+        fewer commits than writes means group commits formed."""
+        return self._writer.writes, self._writer.commits
+
+    def add_statement_hook(self, hook: StatementHook) -> None:
+        """Call ``hook`` with the SQL of every statement a transaction runs from now on, on
+        the connection's thread, before it runs (tests make writes fail with it)."""
+        self._hooks.append(hook)
+
+    async def read(self, work: Callable[[Transaction], T]) -> T:
+        """Run ``work`` in a read transaction (a consistent snapshot, no write lock) on a
+        reader connection, and return its result.
+
+        ``work`` runs on a reader thread: it must not touch the event loop.
 
         Raises:
-            StoreError: ``disk_full`` or ``store_failed`` for a driver error in the block
-                (see the module docstring).
+            StoreError: ``disk_full`` or ``store_failed`` for a driver error in ``work``
+                (see the module docstring); ``store_failed`` once the database is closed.
         """
+        if not self._readers:
+            raise _closed_error(self.path)
         try:
-            with anyio.CancelScope(shield=True):
-                connection = await self._engine.connect()
-                transaction = await connection.begin()
+            return await self._readers[0].run(work)
+        except ConnectionClosed as exc:
+            raise _closed_error(self.path) from exc
         except Exception as exc:
             if _driver_failure(exc):
                 raise journal_error(exc, self.path) from exc
             raise
-        try:
-            yield connection
-        except Exception as exc:
-            if _driver_failure(exc):
-                raise journal_error(exc, self.path) from exc
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                # Nothing was written: ending with a rollback is the cheapest close.
-                await transaction.rollback()
-                await connection.close()
 
-    async def write(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
-        """Run ``work`` in one ``BEGIN IMMEDIATE`` transaction and commit it.
+    async def write(self, work: Callable[[Transaction], T]) -> T:
+        """Run ``work`` in one ``BEGIN IMMEDIATE`` transaction, commit it, return its result.
 
-        ``work`` may run more than once if the database stays locked past the busy timeout;
-        each failed attempt is rolled back before the next, so its effects apply once.
+        ``work`` runs on the writer thread (it must not touch the event loop) and may run
+        more than once -- when the database stays locked past the busy timeout, or when a
+        group commit it was part of failed -- each failed run rolled back before the next,
+        so its effects apply once; state it keeps outside the database must be reset at its
+        start. The result is returned only after ``COMMIT`` returned: with
+        ``synchronous=FULL`` it is on disk.
 
         Raises:
-            StoreError: ``store_failed`` when the database stays locked after every retry or
-                the driver fails otherwise; ``disk_full`` (not retryable) when the journal's
-                file system is full -- the transaction is rolled back, nothing of it applies.
-            IntegrityError: a constraint ``work`` broke (the caller's answer to handle).
+            StoreError: ``store_failed`` when the database stays locked after every retry,
+                the driver fails otherwise, or the database is closed; ``disk_full`` (not
+                retryable) when the journal's file system is full -- the transaction is
+                rolled back, nothing of it applies.
+            sqlite3.IntegrityError: a constraint ``work`` broke (the caller's answer).
         """
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(_is_locked),
-            stop=stop_after_attempt(_LOCK_RETRY_ATTEMPTS),
-            wait=wait_random_exponential(multiplier=0.05, max=2),
-            reraise=True,
-        )
         try:
-            async for attempt in retrying:
-                with attempt:
-                    async with self._engine.connect() as connection:
-                        immediate = await connection.execution_options(sbproxy_begin="IMMEDIATE")
-                        async with immediate.begin():
-                            return await work(immediate)
+            return await self._writer.run(work)
+        except ConnectionClosed as exc:
+            raise _closed_error(self.path) from exc
         except Exception as exc:
-            if _is_locked(exc):
+            if is_locked(exc):
                 raise StoreError(
-                    f"the journal {self.path} stayed locked after {_LOCK_RETRY_ATTEMPTS} attempts",
+                    f"the journal {self.path} stayed locked after {LOCK_RETRY_ATTEMPTS} attempts",
                     remediation="Another process holds a long write transaction; retry.",
                 ) from exc
             if _driver_failure(exc):
                 raise journal_error(exc, self.path) from exc
             raise
-        raise AssertionError("unreachable")  # pragma: no cover - tenacity reraises
+
+
+def _closed_error(path: Path) -> StoreError:
+    return StoreError(
+        f"the job journal {path} is closed",
+        remediation="This is a bug: the journal was used after its engine closed it.",
+        details={"path": str(path)},
+    )
+
+
+async def _open_error(exc: sqlite3.DatabaseError, path: Path) -> StoreError:
+    """Our error for a connection to ``path`` that could not be opened and configured."""
+    if _is_full(exc, path.parent):
+        return journal_error(exc, path)
+    unwritable = await anyio.to_thread.run_sync(_unwritable_reason, path.parent)
+    if unwritable is not None:
+        return StoreError(
+            f"cannot open the journal {path}: its directory {path.parent} is not "
+            f"writable ({unwritable})",
+            # The journal lives in the cache root (<root>/jobs/journal.db): the root is
+            # what the operator chose wrongly, as for any other unwritable cache root.
+            code="invalid_cache_dir",
+            retryable=False,
+            remediation="Make the directory writable for this user, or use a cache "
+            "directory on a writable file system (--cache-dir or "
+            "proxy.model_host.cache.directory); the journal itself is not damaged.",
+            details={"path": str(path)},
+        )
+    return StoreError(
+        f"cannot open the journal {path}: {exc}",
+        remediation="Check that the file is a SQLite database and the disk is writable; "
+        "move a damaged file aside to start a new journal.",
+    )

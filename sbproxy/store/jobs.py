@@ -22,20 +22,17 @@ completing a step ends ``failed`` with ``recovery_exhausted`` instead of being r
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.engine import RowMapping
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection
 from ulid import ULID
 
 from sbproxy.redact import redact
-from sbproxy.store.database import Database
+from sbproxy.store.database import Database, Transaction
 from sbproxy.store.leaseclock import LeaseClock, LeaseStamp, system_lease_time
 from sbproxy.store.lifecycle import (
     ACTIVE_JOB_STATUSES,
@@ -296,14 +293,14 @@ def _error(code: str | None, message: str | None) -> ErrorInfo | None:
     return ErrorInfo(code=code, message=message or "")
 
 
-def _lease(row: RowMapping) -> LeaseStamp | None:
+def _lease(row: sqlite3.Row) -> LeaseStamp | None:
     clock, deadline, duration = row["lease_clock"], row["lease_deadline_ms"], row["lease_ms"]
     if clock is None or deadline is None or duration is None:
         return None
     return LeaseStamp(clock=clock, deadline_ms=deadline, duration_ms=duration)
 
 
-def _job(row: RowMapping) -> JobRecord:
+def _job(row: sqlite3.Row) -> JobRecord:
     return JobRecord(
         id=row["id"],
         kind=row["kind"],
@@ -328,7 +325,7 @@ def _job(row: RowMapping) -> JobRecord:
     )
 
 
-def _step(row: RowMapping) -> StepRecord:
+def _step(row: sqlite3.Row) -> StepRecord:
     return StepRecord(
         job_id=row["job_id"],
         seq=row["seq"],
@@ -355,7 +352,7 @@ def _redact_tree(value: Any) -> Any:
 
 
 def _exhausted_message(
-    job_id: str, recoveries: int, cause: str, last_step: RowMapping | None
+    job_id: str, recoveries: int, cause: str, last_step: sqlite3.Row | None
 ) -> str:
     """What a ``recovery_exhausted`` failure says: how often, where it died, what to do."""
     times = "once" if recoveries == 1 else f"{recoveries} times"
@@ -410,13 +407,18 @@ class JobStore:
         self.lease_clock = lease_clock
         self.outcomes = JobOutcomes()
 
-    def _count_outcome(self, row: Any, status: JobStatus, ended_ms: int) -> None:
-        """Tally a terminal transition this store just committed (``row``: kind, started)."""
+    async def close(self) -> None:
+        """Close the journal database (its connections and their threads)."""
+        await self.database.close()
+
+    def _count_outcome(self, row: sqlite3.Row, status: JobStatus, ended_ms: int) -> None:
+        """Tally a terminal transition this store just committed (``row``: the job's row,
+        or at least its ``kind`` and ``started_at_ms``)."""
         if status not in TERMINAL_JOB_STATUSES:
             return
-        started = row[1]
+        started = row["started_at_ms"]
         self.outcomes.record(
-            kind=str(row[0]),
+            kind=str(row["kind"]),
             status=status.value,
             duration_s=None if started is None else (ended_ms - int(started)) / 1000,
         )
@@ -425,22 +427,12 @@ class JobStore:
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job with ``job_id``, or ``None``."""
-        async with self.database.read() as connection:
-            row = (
-                (
-                    await connection.execute(
-                        text("SELECT * FROM jobs WHERE id = :id"), {"id": job_id}
-                    )
-                )
-                .mappings()
-                .first()
-            )
+        row = await self.database.read(lambda tx: tx.one(_JOB_BY_ID, {"id": job_id}))
         return _job(row) if row else None
 
     async def find_active(self, idempotency_key: str) -> JobRecord | None:
         """The unfinished (queued, running or parked) job holding ``idempotency_key``."""
-        async with self.database.read() as connection:
-            row = await self._active_by_key(connection, idempotency_key)
+        row = await self.database.read(lambda tx: tx.one(_ACTIVE_BY_KEY, {"key": idempotency_key}))
         return _job(row) if row else None
 
     async def list_jobs(
@@ -468,42 +460,20 @@ class JobStore:
             params["subject"] = subject
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         query = f"SELECT * FROM jobs {where} ORDER BY created_at_ms DESC, id DESC LIMIT :limit"  # noqa: S608 - clauses are fixed text
-        async with self.database.read() as connection:
-            rows = (await connection.execute(text(query), params)).mappings().all()
+        rows = await self.database.read(lambda tx: tx.all(query, params))
         return [_job(row) for row in rows]
 
     async def steps(self, job_id: str) -> list[StepRecord]:
         """The journal of ``job_id`` in step order."""
-        async with self.database.read() as connection:
-            rows = (
-                (
-                    await connection.execute(
-                        text("SELECT * FROM steps WHERE job_id = :id ORDER BY seq"), {"id": job_id}
-                    )
-                )
-                .mappings()
-                .all()
-            )
+        rows = await self.database.read(lambda tx: tx.all(_STEPS_OF_JOB, {"id": job_id}))
         return [_step(row) for row in rows]
 
     async def events(
         self, job_id: str, *, after_seq: int = 0, limit: int = 500
     ) -> list[EventRecord]:
         """Events of ``job_id`` with ``seq > after_seq``, oldest first."""
-        async with self.database.read() as connection:
-            rows = (
-                (
-                    await connection.execute(
-                        text(
-                            "SELECT * FROM job_events WHERE job_id = :id AND seq > :after"
-                            " ORDER BY seq LIMIT :limit"
-                        ),
-                        {"id": job_id, "after": after_seq, "limit": limit},
-                    )
-                )
-                .mappings()
-                .all()
-            )
+        params = {"id": job_id, "after": after_seq, "limit": limit}
+        rows = await self.database.read(lambda tx: tx.all(_EVENTS_AFTER, params))
         return [
             EventRecord(
                 seq=row["seq"],
@@ -517,13 +487,11 @@ class JobStore:
 
     async def last_event_seq(self, job_id: str) -> int:
         """Sequence number of the newest event of ``job_id`` (0 when it has none)."""
-        async with self.database.read() as connection:
-            value = (
-                await connection.execute(
-                    text("SELECT COALESCE(MAX(seq), 0) FROM job_events WHERE job_id = :id"),
-                    {"id": job_id},
-                )
-            ).scalar_one()
+        value = await self.database.read(
+            lambda tx: tx.scalar(
+                "SELECT COALESCE(MAX(seq), 0) FROM job_events WHERE job_id = :id", {"id": job_id}
+            )
+        )
         return int(value)
 
     # -- submission ------------------------------------------------------------------------
@@ -543,21 +511,20 @@ class JobStore:
         The check and the insert share one ``BEGIN IMMEDIATE`` transaction and a partial
         unique index backs it, so concurrent submitters of one key get one job.
         """
+        trace = json.dumps(dict(trace_context)) if trace_context else None
 
-        async def work(connection: AsyncConnection) -> SubmitOutcome:
+        def work(tx: Transaction) -> SubmitOutcome:
             if idempotency_key is not None:
-                existing = await self._active_by_key(connection, idempotency_key)
+                existing = tx.one(_ACTIVE_BY_KEY, {"key": idempotency_key})
                 if existing is not None:
                     return SubmitOutcome(job=_job(existing), created=False)
             now = self.clock()
             job_id = str(ULID())
-            await connection.execute(
-                text(
-                    "INSERT INTO jobs (id, kind, workflow_version, subject, input_json,"
-                    " idempotency_key, status, trace_context, created_at_ms, updated_at_ms)"
-                    " VALUES (:id, :kind, :version, :subject, :input, :key, :status, :trace,"
-                    " :now, :now)"
-                ),
+            row = tx.one(
+                "INSERT INTO jobs (id, kind, workflow_version, subject, input_json,"
+                " idempotency_key, status, trace_context, created_at_ms, updated_at_ms)"
+                " VALUES (:id, :kind, :version, :subject, :input, :key, 'queued', :trace,"
+                " :now, :now) RETURNING *",
                 {
                     "id": job_id,
                     "kind": kind,
@@ -565,18 +532,17 @@ class JobStore:
                     "subject": subject,
                     "input": input_json,
                     "key": idempotency_key,
-                    "status": JobStatus.QUEUED.value,
-                    "trace": json.dumps(dict(trace_context)) if trace_context else None,
+                    "trace": trace,
                     "now": now,
                 },
             )
-            await self._event(connection, job_id, "status", {"status": "queued"}, now)
-            row = await self._row(connection, job_id)
+            assert row is not None  # noqa: S101 - an INSERT ... RETURNING returns its row
+            _event(tx, job_id, "status", {"status": "queued"}, now)
             return SubmitOutcome(job=_job(row), created=True)
 
         try:
             return await self.database.write(work)
-        except IntegrityError:
+        except sqlite3.IntegrityError:
             # Another process inserted the same key between our check and insert (possible
             # only across separate databases' views; kept as a belt-and-braces path).
             assert idempotency_key is not None  # noqa: S101 - only the key index can conflict
@@ -602,40 +568,27 @@ class JobStore:
         Returns:
             The claimed job, or ``None`` when nothing was claimable.
         """
+        kind_clause = ""
+        kind_params: dict[str, Any] = {}
+        if kinds:
+            names = ", ".join(f":k{i}" for i in range(len(kinds)))
+            kind_clause = f" AND kind IN ({names})"
+            kind_params = {f"k{i}": k for i, k in enumerate(kinds)}
+        oldest = (
+            "SELECT id FROM jobs WHERE status = 'queued'"  # noqa: S608 - fixed text
+            f"{kind_clause} ORDER BY created_at_ms, id LIMIT 1"
+        )
 
-        async def work(connection: AsyncConnection) -> JobRecord | None:
+        def work(tx: Transaction) -> JobRecord | None:
             now = self.clock()
-            if job_id is not None:
-                target = job_id
-            else:
-                kind_clause = ""
-                params: dict[str, Any] = {}
-                if kinds:
-                    names = ", ".join(f":k{i}" for i in range(len(kinds)))
-                    kind_clause = f" AND kind IN ({names})"
-                    params = {f"k{i}": k for i, k in enumerate(kinds)}
-                found = (
-                    await connection.execute(
-                        text(
-                            "SELECT id FROM jobs WHERE status = 'queued'"  # noqa: S608 - fixed text
-                            f"{kind_clause} ORDER BY created_at_ms, id LIMIT 1"
-                        ),
-                        params,
-                    )
-                ).scalar()
-                if found is None:
-                    return None
-                target = found
+            target = job_id if job_id is not None else tx.scalar(oldest, kind_params)
+            if target is None:
+                return None
             # Read inside the write lock: every lease stamped before is already committed, so
             # no observer ever sees a renewal later than its own reading of the clock.
             lease_now = self.lease_clock()
-            result = await connection.execute(
-                text(
-                    "UPDATE jobs SET status = 'running', lease_owner = :owner,"  # noqa: S608 - fixed text
-                    f" {_SET_LEASE}, attempt = attempt + 1,"
-                    " started_at_ms = COALESCE(started_at_ms, :now), updated_at_ms = :now"
-                    " WHERE id = :id AND status = 'queued'"
-                ),
+            row = tx.one(
+                _CLAIM,
                 {
                     "owner": owner,
                     "clock": lease_now.clock,
@@ -645,10 +598,10 @@ class JobStore:
                     "id": target,
                 },
             )
-            if result.rowcount != 1:
+            if row is None:
                 return None
-            await self._event(connection, target, "status", {"status": "running"}, now)
-            return _job(await self._row(connection, target))
+            _event(tx, target, "status", {"status": "running"}, now)
+            return _job(row)
 
         return await self.database.write(work)
 
@@ -660,14 +613,11 @@ class JobStore:
         took it): the runner must stop.
         """
 
-        async def work(connection: AsyncConnection) -> bool:
+        def work(tx: Transaction) -> bool:
             now = self.clock()
             lease_now = self.lease_clock()
-            result = await connection.execute(
-                text(
-                    f"UPDATE jobs SET {_SET_LEASE}, updated_at_ms = :now"  # noqa: S608 - fixed text
-                    f" WHERE id = :id AND {_FENCE}"
-                ),
+            changed = tx.execute(
+                _HEARTBEAT,
                 {
                     "clock": lease_now.clock,
                     "deadline": lease_now.ms + lease_ms,
@@ -677,8 +627,8 @@ class JobStore:
                     "owner": owner,
                     "attempt": attempt,
                 },
-            )
-            return bool(result.rowcount == 1)
+            ).rowcount
+            return changed == 1
 
         return await self.database.write(work)
 
@@ -701,9 +651,9 @@ class JobStore:
             max_recoveries: Recoveries allowed in a row without a completed step; ``None``
                 for no bound.
         """
-        exhausted_rows: list[tuple[Any, int]] = []
+        exhausted_rows: list[tuple[sqlite3.Row, int]] = []
 
-        async def work(connection: AsyncConnection) -> Recovered:
+        def work(tx: Transaction) -> Recovered:
             exhausted_rows.clear()  # a retried transaction starts over
             now = self.clock()
             lease_now = self.lease_clock()
@@ -713,52 +663,31 @@ class JobStore:
                 "lease_now": lease_now.ms,
                 "max": max_recoveries,
             }
-            requeued = list(
-                (
-                    await connection.execute(
-                        text(
-                            f"UPDATE jobs SET status = 'queued', {_NO_LEASE},"  # noqa: S608 - fixed text
-                            " recoveries = recoveries + 1, updated_at_ms = :now"
-                            f" WHERE status = 'running' AND {_LAPSED} AND {_MAY_RECOVER}"
-                            " RETURNING id, recoveries"
-                        ),
-                        params,
-                    )
-                ).all()
-            )
-            for job_id, recoveries in requeued:
-                await self._event(
-                    connection,
-                    job_id,
+            if tx.scalar(_ANY_LAPSED, params) is None:
+                return Recovered(requeued=(), exhausted=())  # the common case: a cheap read
+            requeued = tx.all(_REQUEUE_LAPSED, params)
+            for row in requeued:
+                _event(
+                    tx,
+                    row["id"],
                     "status",
-                    {"status": "queued", "reason": "lease_expired", "recovery": recoveries},
+                    {"status": "queued", "reason": "lease_expired", "recovery": row["recoveries"]},
                     now,
                 )
-            spent = list(
-                (
-                    await connection.execute(
-                        text(
-                            "SELECT id FROM jobs WHERE status = 'running'"  # noqa: S608 - fixed text
-                            f" AND {_LAPSED} AND {_OUT_OF_RECOVERIES} ORDER BY created_at_ms, id"
-                        ),
-                        params,
-                    )
-                ).scalars()
-            )
             exhausted = []
-            for job_id in spent:
-                row = await self._exhaust(
-                    connection,
-                    job_id,
+            for row in tx.all(_SPENT_LAPSED, params):
+                ended = _exhaust(
+                    tx,
+                    row["id"],
                     cause="lease_expired",
                     condition=f"{_LAPSED} AND {_OUT_OF_RECOVERIES}",
                     params=params,
                 )
-                if row is not None:
-                    exhausted.append(job_id)
-                    exhausted_rows.append((row, now))
+                if ended is not None:
+                    exhausted.append(row["id"])
+                    exhausted_rows.append((ended, now))
             return Recovered(
-                requeued=tuple(job_id for job_id, _ in requeued), exhausted=tuple(exhausted)
+                requeued=tuple(row["id"] for row in requeued), exhausted=tuple(exhausted)
             )
 
         recovered = await self.database.write(work)
@@ -789,34 +718,24 @@ class JobStore:
             had been recovered ``max_recoveries`` times since a step last completed and ended
             with ``recovery_exhausted``, ``None`` when ``owner`` no longer held it.
         """
-        exhausted_rows: list[tuple[Any, int]] = []
+        exhausted_rows: list[tuple[sqlite3.Row, int]] = []
 
-        async def work(connection: AsyncConnection) -> JobStatus | None:
+        def work(tx: Transaction) -> JobStatus | None:
             exhausted_rows.clear()
             now = self.clock()
             params = {"now": now, "id": job_id, "owner": owner, "max": max_recoveries}
-            requeued = (
-                await connection.execute(
-                    text(
-                        f"UPDATE jobs SET status = 'queued', {_NO_LEASE},"  # noqa: S608 - fixed text
-                        " recoveries = recoveries + 1, updated_at_ms = :now"
-                        " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
-                        f" AND {_MAY_RECOVER} RETURNING recoveries"
-                    ),
-                    params,
-                )
-            ).scalar()
+            requeued = tx.scalar(_REQUEUE_FROM, params)
             if requeued is not None:
-                await self._event(
-                    connection,
+                _event(
+                    tx,
                     job_id,
                     "status",
                     {"status": "queued", "reason": reason, "recovery": requeued},
                     now,
                 )
                 return JobStatus.QUEUED
-            row = await self._exhaust(
-                connection,
+            row = _exhaust(
+                tx,
                 job_id,
                 cause=reason,
                 condition=f"lease_owner = :owner AND {_OUT_OF_RECOVERIES}",
@@ -832,58 +751,6 @@ class JobStore:
             self._count_outcome(row, JobStatus.FAILED, ended)
         return moved
 
-    async def _exhaust(
-        self,
-        connection: AsyncConnection,
-        job_id: str,
-        *,
-        cause: str,
-        condition: str,
-        params: Mapping[str, Any],
-    ) -> Any:
-        """Fail running ``job_id`` with ``recovery_exhausted`` if ``condition`` holds (one
-        compare-and-set); its ``(kind, started_at_ms)`` row, or ``None`` when it did not."""
-        now = params["now"]
-        recoveries = (
-            await connection.execute(
-                text("SELECT recoveries FROM jobs WHERE id = :id"), {"id": job_id}
-            )
-        ).scalar()
-        last_step = (
-            (
-                await connection.execute(
-                    text("SELECT * FROM steps WHERE job_id = :id ORDER BY seq DESC LIMIT 1"),
-                    {"id": job_id},
-                )
-            )
-            .mappings()
-            .first()
-        )
-        message = _bounded(_exhausted_message(job_id, int(recoveries or 0), cause, last_step))
-        row = (
-            await connection.execute(
-                text(
-                    "UPDATE jobs SET status = 'failed', error_code = :code,"  # noqa: S608 - fixed text
-                    f" error_message = :message, {_NO_LEASE}, updated_at_ms = :now,"
-                    " ended_at_ms = :now"
-                    f" WHERE id = :job AND status = 'running' AND {condition}"
-                    " RETURNING kind, started_at_ms"
-                ),
-                {**params, "job": job_id, "code": RECOVERY_EXHAUSTED, "message": message},
-            )
-        ).first()
-        if row is None:
-            return None
-        data: dict[str, Any] = {
-            "status": "failed",
-            "reason": RECOVERY_EXHAUSTED,
-            "error": {"code": RECOVERY_EXHAUSTED, "message": message},
-        }
-        if last_step is not None:
-            data["step"] = last_step["name"]
-        await self._event(connection, job_id, "status", data, now)
-        return row
-
     # -- outcomes --------------------------------------------------------------------------
 
     async def finish(
@@ -895,24 +762,35 @@ class JobStore:
         status: JobStatus,
         output_json: str | None = None,
         error: ErrorInfo | None = None,
-    ) -> bool:
+        keep_finished: int | None = None,
+    ) -> JobRecord | None:
         """Record a running job's outcome if ``owner``'s claim ``attempt`` still holds it.
 
-        ``status`` is succeeded, failed, cancelled or parked. Returns ``False`` (and writes
-        nothing) when the lease was lost to recovery.
-        """
+        Args:
+            job_id: The job.
+            owner: Lease owner of the claim.
+            attempt: The claim's attempt.
+            status: Succeeded, failed, cancelled or parked.
+            output_json: The workflow's result (succeeded).
+            error: The failure (failed, cancelled, parked).
+            keep_finished: When given and the job ended (succeeded, failed, cancelled), the
+                oldest finished jobs beyond the newest ``keep_finished`` are deleted in the
+                same transaction (:meth:`prune_terminal`).
 
-        async def work(connection: AsyncConnection) -> tuple[Any, int] | None:
+        Returns:
+            The job as recorded; ``None``, having written nothing, when the lease was lost
+            to recovery.
+        """
+        data: dict[str, Any] = {"status": status.value}
+        if error:
+            data["error"] = {"code": error.code, "message": error.message}
+        prune = keep_finished is not None and status in TERMINAL_JOB_STATUSES
+
+        def work(tx: Transaction) -> tuple[sqlite3.Row, int] | None:
             now = self.clock()
             ended = now if status in TERMINAL_JOB_STATUSES else None
-            result = await connection.execute(
-                text(
-                    "UPDATE jobs SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
-                    f" error_code = :code, error_message = :message, {_NO_LEASE},"
-                    " updated_at_ms = :now, ended_at_ms = :ended"
-                    f" WHERE id = :id AND {_FENCE}"
-                    " RETURNING kind, started_at_ms"
-                ),
+            row = tx.one(
+                _FINISH,
                 {
                     "status": status.value,
                     "output": output_json,
@@ -925,20 +803,18 @@ class JobStore:
                     "attempt": attempt,
                 },
             )
-            row = result.first()
             if row is None:
                 return None
-            data: dict[str, Any] = {"status": status.value}
-            if error:
-                data["error"] = {"code": error.code, "message": error.message}
-            await self._event(connection, job_id, "status", data, now)
+            _event(tx, job_id, "status", data, now)
+            if prune:
+                _prune(tx, keep=int(keep_finished or 0))
             return row, now
 
         done = await self.database.write(work)
         if done is None:
-            return False
+            return None
         self._count_outcome(done[0], status, done[1])
-        return True
+        return _job(done[0])
 
     async def request_cancel(self, job_id: str) -> JobRecord | None:
         """Cancel a job: queued and parked jobs at once, running ones cooperatively.
@@ -947,36 +823,30 @@ class JobStore:
         are returned unchanged.
         """
 
-        cancelled: list[tuple[Any, int]] = []
+        cancelled: list[tuple[sqlite3.Row, int]] = []
 
-        async def work(connection: AsyncConnection) -> JobRecord | None:
+        def work(tx: Transaction) -> JobRecord | None:
             cancelled.clear()  # a retried transaction starts over
             now = self.clock()
-            direct = (
-                await connection.execute(
-                    text(
-                        "UPDATE jobs SET status = 'cancelled', cancel_requested = 1,"  # noqa: S608 - fixed text
-                        f" {_NO_LEASE}, updated_at_ms = :now,"
-                        " ended_at_ms = :now WHERE id = :id AND status IN ('queued', 'parked')"
-                        " RETURNING kind, started_at_ms"
-                    ),
-                    {"now": now, "id": job_id},
-                )
-            ).first()
+            direct = tx.one(
+                "UPDATE jobs SET status = 'cancelled', cancel_requested = 1,"  # noqa: S608 - fixed text
+                f" {_NO_LEASE}, updated_at_ms = :now,"
+                " ended_at_ms = :now WHERE id = :id AND status IN ('queued', 'parked')"
+                " RETURNING kind, started_at_ms",
+                {"now": now, "id": job_id},
+            )
             if direct is not None:
                 cancelled.append((direct, now))
-                await self._event(connection, job_id, "status", {"status": "cancelled"}, now)
+                _event(tx, job_id, "status", {"status": "cancelled"}, now)
             else:
-                flagged = await connection.execute(
-                    text(
-                        "UPDATE jobs SET cancel_requested = 1, updated_at_ms = :now"
-                        " WHERE id = :id AND status = 'running' AND cancel_requested = 0"
-                    ),
+                flagged = tx.execute(
+                    "UPDATE jobs SET cancel_requested = 1, updated_at_ms = :now"
+                    " WHERE id = :id AND status = 'running' AND cancel_requested = 0",
                     {"now": now, "id": job_id},
-                )
-                if flagged.rowcount == 1:
-                    await self._event(connection, job_id, "cancel_requested", {}, now)
-            row = await self._row_or_none(connection, job_id)
+                ).rowcount
+                if flagged == 1:
+                    _event(tx, job_id, "cancel_requested", {}, now)
+            row = tx.one(_JOB_BY_ID, {"id": job_id})
             return _job(row) if row else None
 
         record = await self.database.write(work)
@@ -986,12 +856,9 @@ class JobStore:
 
     async def cancel_requested(self, job_id: str) -> bool:
         """Whether cancellation of ``job_id`` was requested (cheap read for long loops)."""
-        async with self.database.read() as connection:
-            value = (
-                await connection.execute(
-                    text("SELECT cancel_requested FROM jobs WHERE id = :id"), {"id": job_id}
-                )
-            ).scalar()
+        value = await self.database.read(
+            lambda tx: tx.scalar("SELECT cancel_requested FROM jobs WHERE id = :id", {"id": job_id})
+        )
         return bool(value)
 
     async def retry(self, job_id: str) -> JobRecord | None:
@@ -1003,25 +870,21 @@ class JobStore:
         failed job whose idempotency key was taken by a newer unfinished job stays failed.
         """
 
-        async def work(connection: AsyncConnection) -> JobRecord | None:
+        def work(tx: Transaction) -> JobRecord | None:
             now = self.clock()
             try:
-                result = await connection.execute(
-                    text(
-                        "UPDATE jobs SET status = 'queued', error_code = NULL,"
-                        " error_message = NULL, cancel_requested = 0, ended_at_ms = NULL,"
-                        " recoveries = 0, updated_at_ms = :now"
-                        " WHERE id = :id AND status IN ('failed', 'parked')"
-                    ),
+                changed = tx.execute(
+                    "UPDATE jobs SET status = 'queued', error_code = NULL,"
+                    " error_message = NULL, cancel_requested = 0, ended_at_ms = NULL,"
+                    " recoveries = 0, updated_at_ms = :now"
+                    " WHERE id = :id AND status IN ('failed', 'parked')",
                     {"now": now, "id": job_id},
-                )
-            except IntegrityError:
-                result = None
-            if result is not None and result.rowcount == 1:
-                await self._event(
-                    connection, job_id, "status", {"status": "queued", "reason": "retry"}, now
-                )
-            row = await self._row_or_none(connection, job_id)
+                ).rowcount
+            except sqlite3.IntegrityError:
+                changed = 0
+            if changed == 1:
+                _event(tx, job_id, "status", {"status": "queued", "reason": "retry"}, now)
+            row = tx.one(_JOB_BY_ID, {"id": job_id})
             return _job(row) if row else None
 
         return await self.database.write(work)
@@ -1040,26 +903,25 @@ class JobStore:
         Returns ``False``, writing nothing, when ``owner``'s claim ``attempt`` no longer holds
         the job.
         """
+        encoded = _event_json(progress)
+        data = dict(progress)
 
-        async def work(connection: AsyncConnection) -> bool:
+        def work(tx: Transaction) -> bool:
             now = self.clock()
-            result = await connection.execute(
-                text(
-                    "UPDATE jobs SET progress_json = :progress, updated_at_ms = :now"  # noqa: S608 - fixed text
-                    f" WHERE id = :id AND {_FENCE}"
-                ),
+            changed = tx.execute(
+                _PROGRESS,
                 {
-                    "progress": _event_json(progress),
+                    "progress": encoded,
                     "now": now,
                     "id": job_id,
                     "owner": owner,
                     "attempt": attempt,
                 },
-            )
-            if result.rowcount != 1:
+            ).rowcount
+            if changed != 1:
                 return False
             if event:
-                await self._event(connection, job_id, "progress", dict(progress), now)
+                _event(tx, job_id, "progress", data, now)
             return True
 
         return await self.database.write(work)
@@ -1067,23 +929,22 @@ class JobStore:
     async def record_event(self, job_id: str, *, kind: str, data: Mapping[str, Any]) -> None:
         """Append one event of type ``kind`` to ``job_id``'s durable event stream (the
         runtime's deployment transitions, for example); a job that is gone records nothing."""
+        payload = dict(data)
 
-        async def work(connection: AsyncConnection) -> None:
-            if await self._row_or_none(connection, job_id) is not None:
-                await self._event(connection, job_id, kind, dict(data), self.clock())
+        def work(tx: Transaction) -> None:
+            if tx.one("SELECT 1 FROM jobs WHERE id = :id", {"id": job_id}) is not None:
+                _event(tx, job_id, kind, payload, self.clock())
 
         await self.database.write(work)
 
     async def detach_key(self, job_id: str) -> None:
         """Drop ``job_id``'s idempotency key, so that a new submission with that key makes a
         new job instead of joining this one (a superseded job winding down)."""
-
-        async def work(connection: AsyncConnection) -> None:
-            await connection.execute(
-                text("UPDATE jobs SET idempotency_key = NULL WHERE id = :id"), {"id": job_id}
+        await self.database.write(
+            lambda tx: tx.execute(
+                "UPDATE jobs SET idempotency_key = NULL WHERE id = :id", {"id": job_id}
             )
-
-        await self.database.write(work)
+        )
 
     # -- the journal -----------------------------------------------------------------------
 
@@ -1100,8 +961,9 @@ class JobStore:
             (cancellation was requested) or ``StepRefusal.LEASE_LOST`` (the claim no longer
             holds the job: stop).
         """
+        event = _event_json({"seq": seq, "name": name, "status": "running"})
 
-        async def work(connection: AsyncConnection) -> StepRecord | StepRefusal:
+        def work(tx: Transaction) -> StepRecord | StepRefusal:
             now = self.clock()
             params = {
                 "id": job_id,
@@ -1111,36 +973,11 @@ class JobStore:
                 "owner": owner,
                 "attempt": attempt,
             }
-            # The WHERE clause also keeps SQLite from reading ON CONFLICT as a join constraint.
-            row = (
-                (
-                    await connection.execute(
-                        text(
-                            "INSERT INTO steps (job_id, seq, name, status, attempts, started_at_ms)"  # noqa: S608 - fixed text
-                            " SELECT id, :seq, :name, 'running', 1, :now FROM jobs"
-                            f" WHERE id = :id AND {_FENCE} AND cancel_requested = 0"
-                            " ON CONFLICT (job_id, seq) DO UPDATE SET status = 'running',"
-                            " attempts = attempts + 1, error_code = NULL, error_message = NULL,"
-                            " ended_at_ms = NULL"
-                            " RETURNING *"
-                        ),
-                        params,
-                    )
-                )
-                .mappings()
-                .first()
-            )
+            row = tx.one(_BEGIN_STEP, params)
             if row is None:
-                held = (
-                    await connection.execute(
-                        text(f"SELECT 1 FROM jobs WHERE id = :id AND {_FENCE}"),  # noqa: S608 - fixed text
-                        params,
-                    )
-                ).scalar()
+                held = tx.scalar(_HELD, params)
                 return StepRefusal.CANCELLED if held else StepRefusal.LEASE_LOST
-            await self._event(
-                connection, job_id, "step", {"seq": seq, "name": name, "status": "running"}, now
-            )
+            tx.execute(_INSERT_EVENT, (job_id, now, "step", event))
             return _step(row)
 
         return await self.database.write(work)
@@ -1165,41 +1002,31 @@ class JobStore:
         Returns:
             ``False``, having written nothing, when the claim no longer holds the job.
         """
+        status = StepStatus.FAILED if error else StepStatus.SUCCEEDED
+        data: dict[str, Any] = {"seq": seq, "name": name, "status": status.value}
+        if error:
+            data["error"] = {"code": error.code, "message": error.message}
+        event = _event_json(data)
+        message = _bounded(error.message) if error else None
 
-        async def work(connection: AsyncConnection) -> bool:
+        def work(tx: Transaction) -> bool:
             now = self.clock()
-            status = StepStatus.FAILED if error else StepStatus.SUCCEEDED
             params = {
                 "status": status.value,
                 "output": output_json,
                 "code": error.code if error else None,
-                "message": _bounded(error.message) if error else None,
+                "message": message,
                 "now": now,
                 "id": job_id,
                 "seq": seq,
                 "owner": owner,
                 "attempt": attempt,
             }
-            result = await connection.execute(
-                text(
-                    "UPDATE steps SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
-                    " error_code = :code, error_message = :message, ended_at_ms = :now"
-                    " WHERE job_id = :id AND seq = :seq AND status = 'running'"
-                    f" AND {_STEP_FENCE}"
-                ),
-                params,
-            )
-            if result.rowcount != 1:
+            if tx.execute(_END_STEP, params).rowcount != 1:
                 return False
             if status == StepStatus.SUCCEEDED:
-                await connection.execute(
-                    text(f"UPDATE jobs SET recoveries = 0 WHERE id = :id AND {_FENCE}"),  # noqa: S608 - fixed text
-                    params,
-                )
-            data: dict[str, Any] = {"seq": seq, "name": name, "status": status.value}
-            if error:
-                data["error"] = {"code": error.code, "message": error.message}
-            await self._event(connection, job_id, "step", data, now)
+                tx.execute(_RESET_RECOVERIES, params)
+            tx.execute(_INSERT_EVENT, (job_id, now, "step", event))
             return True
 
         return await self.database.write(work)
@@ -1207,64 +1034,138 @@ class JobStore:
     # -- retention -------------------------------------------------------------------------
 
     async def prune_terminal(self, *, keep: int) -> int:
-        """Delete the oldest finished jobs beyond the newest ``keep``; never active ones."""
+        """Delete the oldest finished jobs beyond the newest ``keep``; never active ones.
 
-        async def work(connection: AsyncConnection) -> int:
-            result = await connection.execute(
-                text(
-                    f"DELETE FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)} AND id NOT IN ("  # noqa: S608
-                    f" SELECT id FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)}"
-                    " ORDER BY ended_at_ms DESC, created_at_ms DESC, id DESC LIMIT :keep)"
-                ),
-                {"keep": keep},
-            )
-            return int(result.rowcount)
+        Returns how many were deleted (their steps and events go with them).
+        """
+        return await self.database.write(lambda tx: _prune(tx, keep=keep))
 
-        return await self.database.write(work)
 
-    # -- helpers ---------------------------------------------------------------------------
+# -- statements ------------------------------------------------------------------------------
+# Fixed texts, so that each connection prepares them once (the driver's statement cache).
 
-    async def _active_by_key(self, connection: AsyncConnection, key: str) -> RowMapping | None:
-        return (
-            (
-                await connection.execute(
-                    text(
-                        "SELECT * FROM jobs WHERE idempotency_key = :key"  # noqa: S608
-                        f" AND status IN {_in(ACTIVE_JOB_STATUSES)}"
-                    ),
-                    {"key": key},
-                )
-            )
-            .mappings()
-            .first()
-        )
+_JOB_BY_ID = "SELECT * FROM jobs WHERE id = :id"
+_ACTIVE_BY_KEY = (
+    "SELECT * FROM jobs WHERE idempotency_key = :key"  # noqa: S608 - fixed text
+    f" AND status IN {_in(ACTIVE_JOB_STATUSES)}"
+)
+_STEPS_OF_JOB = "SELECT * FROM steps WHERE job_id = :id ORDER BY seq"
+_EVENTS_AFTER = (
+    "SELECT * FROM job_events WHERE job_id = :id AND seq > :after ORDER BY seq LIMIT :limit"
+)
+_INSERT_EVENT = "INSERT INTO job_events (job_id, at_ms, type, data_json) VALUES (?, ?, ?, ?)"
+_CLAIM = (
+    "UPDATE jobs SET status = 'running', lease_owner = :owner,"  # noqa: S608 - fixed text
+    f" {_SET_LEASE}, attempt = attempt + 1,"
+    " started_at_ms = COALESCE(started_at_ms, :now), updated_at_ms = :now"
+    " WHERE id = :id AND status = 'queued' RETURNING *"
+)
+_HEARTBEAT = (
+    f"UPDATE jobs SET {_SET_LEASE}, updated_at_ms = :now"  # noqa: S608 - fixed text
+    f" WHERE id = :id AND {_FENCE}"
+)
+_ANY_LAPSED = f"SELECT 1 FROM jobs WHERE status = 'running' AND {_LAPSED} LIMIT 1"  # noqa: S608 - fixed text
+_REQUEUE_LAPSED = (
+    f"UPDATE jobs SET status = 'queued', {_NO_LEASE},"  # noqa: S608 - fixed text
+    " recoveries = recoveries + 1, updated_at_ms = :now"
+    f" WHERE status = 'running' AND {_LAPSED} AND {_MAY_RECOVER}"
+    " RETURNING id, recoveries"
+)
+_SPENT_LAPSED = (
+    "SELECT id FROM jobs WHERE status = 'running'"  # noqa: S608 - fixed text
+    f" AND {_LAPSED} AND {_OUT_OF_RECOVERIES} ORDER BY created_at_ms, id"
+)
+_REQUEUE_FROM = (
+    f"UPDATE jobs SET status = 'queued', {_NO_LEASE},"  # noqa: S608 - fixed text
+    " recoveries = recoveries + 1, updated_at_ms = :now"
+    " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
+    f" AND {_MAY_RECOVER} RETURNING recoveries"
+)
+_FINISH = (
+    "UPDATE jobs SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
+    f" error_code = :code, error_message = :message, {_NO_LEASE},"
+    " updated_at_ms = :now, ended_at_ms = :ended"
+    f" WHERE id = :id AND {_FENCE}"
+    " RETURNING *"
+)
+_PROGRESS = (
+    "UPDATE jobs SET progress_json = :progress, updated_at_ms = :now"  # noqa: S608 - fixed text
+    f" WHERE id = :id AND {_FENCE}"
+)
+# The WHERE clause also keeps SQLite from reading ON CONFLICT as a join constraint.
+_BEGIN_STEP = (
+    "INSERT INTO steps (job_id, seq, name, status, attempts, started_at_ms)"  # noqa: S608 - fixed text
+    " SELECT id, :seq, :name, 'running', 1, :now FROM jobs"
+    f" WHERE id = :id AND {_FENCE} AND cancel_requested = 0"
+    " ON CONFLICT (job_id, seq) DO UPDATE SET status = 'running',"
+    " attempts = attempts + 1, error_code = NULL, error_message = NULL,"
+    " ended_at_ms = NULL"
+    " RETURNING *"
+)
+_HELD = f"SELECT 1 FROM jobs WHERE id = :id AND {_FENCE}"  # noqa: S608 - fixed text
+_END_STEP = (
+    "UPDATE steps SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
+    " error_code = :code, error_message = :message, ended_at_ms = :now"
+    " WHERE job_id = :id AND seq = :seq AND status = 'running'"
+    f" AND {_STEP_FENCE}"
+)
+_RESET_RECOVERIES = (
+    f"UPDATE jobs SET recoveries = 0 WHERE id = :id AND {_FENCE} AND recoveries != 0"  # noqa: S608 - fixed text
+)
+_TERMINALS_NEWEST_FIRST = (
+    f"SELECT id FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)}"  # noqa: S608 - fixed text
+    " ORDER BY ended_at_ms DESC, created_at_ms DESC, id DESC"
+)
+_TERMINAL_BEYOND = f"{_TERMINALS_NEWEST_FIRST} LIMIT 1 OFFSET :keep"
+_PRUNE_TERMINAL = (
+    f"DELETE FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)} AND id NOT IN ("  # noqa: S608 - fixed text
+    f" {_TERMINALS_NEWEST_FIRST} LIMIT :keep)"
+)
 
-    async def _row(self, connection: AsyncConnection, job_id: str) -> RowMapping:
-        return (
-            (await connection.execute(text("SELECT * FROM jobs WHERE id = :id"), {"id": job_id}))
-            .mappings()
-            .one()
-        )
 
-    async def _row_or_none(self, connection: AsyncConnection, job_id: str) -> RowMapping | None:
-        return (
-            (await connection.execute(text("SELECT * FROM jobs WHERE id = :id"), {"id": job_id}))
-            .mappings()
-            .first()
-        )
+def _prune(tx: Transaction, *, keep: int) -> int:
+    # Nothing to delete (the common case) is found by a read, without writing.
+    if tx.scalar(_TERMINAL_BEYOND, {"keep": keep}) is None:
+        return 0
+    return int(tx.execute(_PRUNE_TERMINAL, {"keep": keep}).rowcount)
 
-    async def _event(
-        self,
-        connection: AsyncConnection,
-        job_id: str,
-        kind: str,
-        data: Mapping[str, Any],
-        now: int,
-    ) -> None:
-        await connection.execute(
-            text(
-                "INSERT INTO job_events (job_id, at_ms, type, data_json)"
-                " VALUES (:id, :at, :type, :data)"
-            ),
-            {"id": job_id, "at": now, "type": kind, "data": _event_json(data)},
-        )
+
+def _event(tx: Transaction, job_id: str, kind: str, data: Mapping[str, Any], now: int) -> None:
+    tx.execute(_INSERT_EVENT, (job_id, now, kind, _event_json(data)))
+
+
+def _exhaust(
+    tx: Transaction,
+    job_id: str,
+    *,
+    cause: str,
+    condition: str,
+    params: Mapping[str, Any],
+) -> sqlite3.Row | None:
+    """Fail running ``job_id`` with ``recovery_exhausted`` if ``condition`` holds (one
+    compare-and-set); its ``(kind, started_at_ms)`` row, or ``None`` when it did not."""
+    now = params["now"]
+    recoveries = tx.scalar("SELECT recoveries FROM jobs WHERE id = :id", {"id": job_id})
+    last_step = tx.one(
+        "SELECT * FROM steps WHERE job_id = :id ORDER BY seq DESC LIMIT 1", {"id": job_id}
+    )
+    message = _bounded(_exhausted_message(job_id, int(recoveries or 0), cause, last_step))
+    row = tx.one(
+        "UPDATE jobs SET status = 'failed', error_code = :code,"  # noqa: S608 - fixed text
+        f" error_message = :message, {_NO_LEASE}, updated_at_ms = :now,"
+        " ended_at_ms = :now"
+        f" WHERE id = :job AND status = 'running' AND {condition}"
+        " RETURNING kind, started_at_ms",
+        {**params, "job": job_id, "code": RECOVERY_EXHAUSTED, "message": message},
+    )
+    if row is None:
+        return None
+    data: dict[str, Any] = {
+        "status": "failed",
+        "reason": RECOVERY_EXHAUSTED,
+        "error": {"code": RECOVERY_EXHAUSTED, "message": message},
+    }
+    if last_step is not None:
+        data["step"] = last_step["name"]
+    _event(tx, job_id, "status", data, now)
+    return row

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection
-
-from sbproxy.store.database import Database, StoreError
+from sbproxy.store.database import Database, StoreError, Transaction
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "migrate"]
 
@@ -153,18 +150,14 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
-async def _apply(connection: AsyncConnection) -> None:
-    await connection.execute(
-        text(
-            "CREATE TABLE IF NOT EXISTS schema_migrations ("
-            " version INTEGER NOT NULL PRIMARY KEY,"
-            " description TEXT NOT NULL,"
-            " applied_at_ms INTEGER NOT NULL)"
-        )
+def _apply(transaction: Transaction) -> None:
+    transaction.execute(
+        "CREATE TABLE IF NOT EXISTS schema_migrations ("
+        " version INTEGER NOT NULL PRIMARY KEY,"
+        " description TEXT NOT NULL,"
+        " applied_at_ms INTEGER NOT NULL)"
     )
-    current = (
-        await connection.execute(text("SELECT COALESCE(MAX(version), 0) FROM schema_migrations"))
-    ).scalar_one()
+    current = transaction.scalar("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
     if current > SCHEMA_VERSION:
         raise StoreError(
             f"the journal has schema version {current}, newer than this sbproxy knows "
@@ -177,18 +170,16 @@ async def _apply(connection: AsyncConnection) -> None:
         if version <= current:
             continue
         for statement in statements:
-            await connection.execute(text(statement))
-        await connection.execute(
-            text(
-                "INSERT INTO schema_migrations (version, description, applied_at_ms)"
-                " VALUES (:v, :d, :t)"
-            ),
+            transaction.execute(statement)
+        transaction.execute(
+            "INSERT INTO schema_migrations (version, description, applied_at_ms)"
+            " VALUES (:v, :d, :t)",
             {"v": version, "d": description, "t": int(time.time() * 1000)},
         )
 
 
 async def migrate(database: Database) -> None:
-    """Bring ``database`` to :data:`SCHEMA_VERSION`.
+    """Bring ``database`` to :data:`SCHEMA_VERSION`, in one ``BEGIN IMMEDIATE`` transaction.
 
     Raises:
         StoreError: ``store_version_mismatch`` when the file is newer than this code.

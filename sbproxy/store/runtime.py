@@ -12,10 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection
-
-from sbproxy.store.database import Database
+from sbproxy.store.database import Database, Transaction
 from sbproxy.store.jobs import wall_clock_ms
 
 __all__ = ["CommittedRevision", "RuntimeStore"]
@@ -40,55 +37,44 @@ class RuntimeStore:
 
     async def next_generation(self, deployment: str) -> int:
         """A new generation number for ``deployment`` (1, 2, ...), durable before returned."""
+        params = {"d": deployment, "now": self.clock()}
 
-        async def work(connection: AsyncConnection) -> int:
-            value = (
-                await connection.execute(
-                    text(
-                        "INSERT INTO deployment_generations (deployment, generation, updated_at_ms)"
-                        " VALUES (:d, 1, :now) ON CONFLICT (deployment) DO UPDATE SET"
-                        " generation = generation + 1, updated_at_ms = :now RETURNING generation"
-                    ),
-                    {"d": deployment, "now": self.clock()},
+        def work(tx: Transaction) -> int:
+            return int(
+                tx.scalar(
+                    "INSERT INTO deployment_generations (deployment, generation, updated_at_ms)"
+                    " VALUES (:d, 1, :now) ON CONFLICT (deployment) DO UPDATE SET"
+                    " generation = generation + 1, updated_at_ms = :now RETURNING generation",
+                    params,
                 )
-            ).scalar_one()
-            return int(value)
+            )
 
         return await self.database.write(work)
 
     async def commit_revision(self, *, content_digest: str, desired: Mapping[str, Any]) -> int:
         """Record a committed desired state; returns its revision number (1, 2, ...)."""
+        params = {
+            "digest": content_digest,
+            "desired": json.dumps(desired, sort_keys=True),
+            "now": self.clock(),
+        }
 
-        async def work(connection: AsyncConnection) -> int:
-            value = (
-                await connection.execute(
-                    text(
-                        "INSERT INTO runtime_revisions (content_digest, desired_json,"
-                        " committed_at_ms) VALUES (:digest, :desired, :now) RETURNING revision"
-                    ),
-                    {
-                        "digest": content_digest,
-                        "desired": json.dumps(desired, sort_keys=True),
-                        "now": self.clock(),
-                    },
+        def work(tx: Transaction) -> int:
+            return int(
+                tx.scalar(
+                    "INSERT INTO runtime_revisions (content_digest, desired_json,"
+                    " committed_at_ms) VALUES (:digest, :desired, :now) RETURNING revision",
+                    params,
                 )
-            ).scalar_one()
-            return int(value)
+            )
 
         return await self.database.write(work)
 
     async def latest_revision(self) -> CommittedRevision | None:
         """The last committed revision, if any."""
-        async with self.database.read() as connection:
-            row = (
-                (
-                    await connection.execute(
-                        text("SELECT * FROM runtime_revisions ORDER BY revision DESC LIMIT 1")
-                    )
-                )
-                .mappings()
-                .first()
-            )
+        row = await self.database.read(
+            lambda tx: tx.one("SELECT * FROM runtime_revisions ORDER BY revision DESC LIMIT 1")
+        )
         if row is None:
             return None
         return CommittedRevision(

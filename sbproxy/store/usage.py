@@ -11,10 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection
-
-from sbproxy.store.database import Database
+from sbproxy.store.database import Database, Transaction
 from sbproxy.store.jobs import wall_clock_ms
 
 __all__ = ["HOUR_MS", "UsageDelta", "UsageStore", "UsageTotals"]
@@ -94,18 +91,16 @@ class UsageStore:
             for delta in deltas
         ]
 
-        async def work(connection: AsyncConnection) -> None:
-            await connection.execute(
-                text(
-                    "INSERT INTO token_usage (key_name, hour_start_ms, prompt_tokens,"
-                    " completion_tokens, requests, updated_at_ms)"
-                    " VALUES (:key, :hour, :prompt, :completion, :requests, :now)"
-                    " ON CONFLICT (key_name, hour_start_ms) DO UPDATE SET"
-                    " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
-                    " completion_tokens = completion_tokens + excluded.completion_tokens,"
-                    " requests = requests + excluded.requests,"
-                    " updated_at_ms = excluded.updated_at_ms"
-                ),
+        def work(tx: Transaction) -> None:
+            tx.executemany(
+                "INSERT INTO token_usage (key_name, hour_start_ms, prompt_tokens,"
+                " completion_tokens, requests, updated_at_ms)"
+                " VALUES (:key, :hour, :prompt, :completion, :requests, :now)"
+                " ON CONFLICT (key_name, hour_start_ms) DO UPDATE SET"
+                " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
+                " completion_tokens = completion_tokens + excluded.completion_tokens,"
+                " requests = requests + excluded.requests,"
+                " updated_at_ms = excluded.updated_at_ms",
                 rows,
             )
 
@@ -113,19 +108,18 @@ class UsageStore:
 
     async def totals(self, key_name: str, *, since_ms: int, until_ms: int) -> UsageTotals:
         """The usage of ``key_name`` in the hours starting in ``[since_ms, until_ms)``."""
-        async with self.database.read() as connection:
-            row = (
-                await connection.execute(
-                    text(
-                        "SELECT COALESCE(SUM(prompt_tokens), 0),"
-                        " COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(requests), 0)"
-                        " FROM token_usage"
-                        " WHERE key_name = :key AND hour_start_ms >= :since"
-                        " AND hour_start_ms < :until"
-                    ),
-                    {"key": key_name, "since": since_ms, "until": until_ms},
-                )
-            ).one()
+        params = {"key": key_name, "since": since_ms, "until": until_ms}
+        row = await self.database.read(
+            lambda tx: tx.one(
+                "SELECT COALESCE(SUM(prompt_tokens), 0),"
+                " COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(requests), 0)"
+                " FROM token_usage"
+                " WHERE key_name = :key AND hour_start_ms >= :since"
+                " AND hour_start_ms < :until",
+                params,
+            )
+        )
+        assert row is not None  # noqa: S101 - an aggregate returns one row
         return UsageTotals(
             prompt_tokens=int(row[0]), completion_tokens=int(row[1]), requests=int(row[2])
         )

@@ -11,7 +11,7 @@ from opentelemetry import trace
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from sbproxy.errors import SbproxyError
-from sbproxy.store import ErrorInfo, JobRecord, JobStore, StepRecord, StepRefusal, StepStatus
+from sbproxy.store import ErrorInfo, JobJournal, JobRecord, StepRecord, StepRefusal, StepStatus
 from sbproxy.telemetry import ATTR_JOB_ID, ATTR_JOB_KIND, ATTR_STEP, ATTR_STEP_ATTEMPT, tracer
 from sbproxy.workflows.declare import StepDef
 from sbproxy.workflows.errors import (
@@ -32,7 +32,8 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 # Progress is persisted at most this often (plus always at completion); one event is one
-# SQLite commit (~4 ms with synchronous=FULL here), so a few per second per job is cheap.
+# durable commit (~0.2-0.4 ms with the SQLite journal's synchronous=FULL here,
+# benchmarks/journal.py), so a few per second per job is cheap.
 PROGRESS_INTERVAL_S = 0.25
 
 
@@ -90,7 +91,7 @@ class StepContext:
     """
 
     def __init__(
-        self, *, store: JobStore, state: _JobState, step_name: str, seq: int, attempt: int
+        self, *, store: JobJournal, state: _JobState, step_name: str, seq: int, attempt: int
     ) -> None:
         self._store = store
         self._state = state
@@ -172,7 +173,7 @@ class WorkflowContext:
     def __init__(
         self,
         *,
-        store: JobStore,
+        store: JobJournal,
         state: _JobState,
         journal: Mapping[int, StepRecord],
     ) -> None:

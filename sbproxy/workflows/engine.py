@@ -25,14 +25,14 @@ from pydantic import BaseModel
 
 from sbproxy.errors import SbproxyError
 from sbproxy.store import (
-    Database,
     EventRecord,
+    JobJournal,
     JobRecord,
     JobStatus,
-    JobStore,
     StepRecord,
     SubmitOutcome,
     Synchronous,
+    open_journal,
 )
 from sbproxy.telemetry import current_carrier
 from sbproxy.workflows.declare import Registry, WorkflowDef
@@ -80,7 +80,7 @@ class WorkflowEngine:
 
     def __init__(
         self,
-        store: JobStore,
+        store: JobJournal,
         registry: Registry,
         *,
         lease: LeaseSettings | None = None,
@@ -123,9 +123,8 @@ class WorkflowEngine:
     ) -> WorkflowEngine:
         """Open the journal at ``path`` (creating it) and return an engine over it (the
         arguments as for the constructor)."""
-        database = await Database.open(path, synchronous=synchronous)
         return cls(
-            JobStore(database),
+            await open_journal(path, synchronous=synchronous),
             registry,
             lease=lease,
             history_limit=history_limit,
@@ -135,7 +134,7 @@ class WorkflowEngine:
 
     async def close(self) -> None:
         """Close the journal."""
-        await self.store.database.close()
+        await self.store.close()
 
     # -- submission and inspection ---------------------------------------------------------
 
@@ -359,6 +358,18 @@ class WorkflowEngine:
             WorkflowError: ``unknown_workflow`` when the job's kind is not registered here
                 (checked before claiming, so the job stays queued for a worker that knows it).
         """
+        # The common case first: a queued job of a kind this process runs is claimed at
+        # once; anything else (and a claim someone else won) takes the loop below.
+        claimed = await self.store.claim(
+            owner=self.identity.owner,
+            lease_ms=self.lease.lease_ms,
+            job_id=job_id,
+            kinds=self.registry.kinds(),
+        )
+        if claimed is not None:
+            finished = await self._execute(claimed)
+            if finished.terminal or finished.status == JobStatus.PARKED:
+                return finished
         while True:
             job = await self.get(job_id)
             if job.terminal or job.status == JobStatus.PARKED:
@@ -389,19 +400,17 @@ class WorkflowEngine:
                 return finished
 
     async def _execute(self, job: JobRecord) -> JobRecord:
-        """Run a job this worker claimed, then prune finished history (only when this run
-        finished it: a run that lost its lease writes nothing more)."""
-        finished = await execute(
+        """Run a job this worker claimed; the outcome's transaction also prunes finished
+        history (only when this run ended it: a run that lost its lease writes nothing)."""
+        return await execute(
             job,
             store=self.store,
             registry=self.registry,
             owner=self.identity.owner,
             lease=self.lease,
             resources=self.resources,
+            keep_finished=self.history_limit,
         )
-        if finished.terminal and finished.attempt == job.attempt:
-            await self.store.prune_terminal(keep=self.history_limit)
-        return finished
 
     async def run_worker(
         self,

@@ -17,7 +17,7 @@ from opentelemetry import trace
 from pydantic import ValidationError
 
 from sbproxy.errors import SbproxyError
-from sbproxy.store import ErrorInfo, JobRecord, JobStatus, JobStore
+from sbproxy.store import ErrorInfo, JobJournal, JobRecord, JobStatus
 from sbproxy.telemetry import (
     ATTR_JOB_ATTEMPT,
     ATTR_JOB_ID,
@@ -51,7 +51,7 @@ class LeaseSettings:
 
 
 async def _heartbeat(
-    store: JobStore, state: _JobState, lease: LeaseSettings, scope: anyio.CancelScope
+    store: JobJournal, state: _JobState, lease: LeaseSettings, scope: anyio.CancelScope
 ) -> None:
     while True:
         await anyio.sleep(lease.heartbeat_s)
@@ -69,13 +69,24 @@ async def _heartbeat(
 async def execute(
     job: JobRecord,
     *,
-    store: JobStore,
+    store: JobJournal,
     registry: Registry,
     owner: str,
     lease: LeaseSettings,
     resources: Sequence[object] = (),
+    keep_finished: int | None = None,
 ) -> JobRecord:
     """Run ``job`` (already claimed by ``owner``) to an outcome and record it.
+
+    Args:
+        job: The claimed job.
+        store: The journal.
+        registry: The workflows this process can run.
+        owner: The claim's lease owner.
+        lease: Lease length and heartbeat period.
+        resources: Objects steps may ask for.
+        keep_finished: When this run ends the job, finished jobs to keep (the oldest beyond
+            are pruned with the outcome, in its transaction); ``None`` prunes nothing.
 
     Returns:
         The job as stored afterwards. If the lease was lost to recovery the record shows
@@ -100,15 +111,16 @@ async def execute(
                 status=status,
                 output_json=output,
                 error=error,
+                keep_finished=keep_finished,
             )
-            if not finished:
-                logger.warning(
-                    "job %s: outcome %s of attempt %d was fenced off: another run holds the "
-                    "job now",
-                    job.id,
-                    status.value,
-                    job.attempt,
-                )
+            if finished is not None:
+                return finished
+            logger.warning(
+                "job %s: outcome %s of attempt %d was fenced off: another run holds the job now",
+                job.id,
+                status.value,
+                job.attempt,
+            )
     final = await store.get(job.id)
     assert final is not None  # noqa: S101 - jobs are never deleted while running
     return final
@@ -117,7 +129,7 @@ async def execute(
 async def _run(
     job: JobRecord,
     *,
-    store: JobStore,
+    store: JobJournal,
     registry: Registry,
     owner: str,
     lease: LeaseSettings,

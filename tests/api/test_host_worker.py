@@ -52,7 +52,7 @@ async def test_the_worker_loop_survives_a_full_journal_and_runs_the_job_once_wri
         tmp_path / "journal.db", chosen, lease=LeaseSettings(lease_s=5, heartbeat_s=0.5)
     )
     try:
-        journal = JournalFull(engine.store.database)
+        journal = JournalFull(engine.store)
         definition = chosen.get("double")
         assert definition is not None
         job = (await engine.submit(definition, Number(n=21))).job

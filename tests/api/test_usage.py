@@ -57,16 +57,13 @@ class Clock:
 
 
 async def hours(database: Database) -> list[tuple[str, int, int, int, int]]:
-    from sqlalchemy import text
-
-    async with database.read() as connection:
-        rows = await connection.execute(
-            text(
-                "SELECT key_name, hour_start_ms, prompt_tokens, completion_tokens, requests"
-                " FROM token_usage ORDER BY key_name, hour_start_ms"
-            )
+    rows = await database.read(
+        lambda tx: tx.all(
+            "SELECT key_name, hour_start_ms, prompt_tokens, completion_tokens, requests"
+            " FROM token_usage ORDER BY key_name, hour_start_ms"
         )
-        return [tuple(row) for row in rows]
+    )
+    return [tuple(row) for row in rows]
 
 
 async def test_ledger_writes_in_batches_and_a_new_ledger_loads_the_window(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Driver errors of the journal leave the store as ours: ``disk_full`` or ``store_failed``.
 
-SQLAlchemy's errors carry their own codes (``e3q8`` for every ``OperationalError``), which
-must never reach a job, the CLI or the admin API. A full disk is ``disk_full`` naming the
+Driver errors (and SQLAlchemy's codes such as ``e3q8``, from when the store ran on it) must
+never reach a job, the CLI or the admin API. A full disk is ``disk_full`` naming the
 journal, the bytes a write needs at least and the bytes free; anything else is
 ``store_failed`` with SQLite's message. Real SQLite throughout: a database capped with
 ``PRAGMA max_page_count`` (SQLite's own "database or disk is full"), and a real 1 MiB tmpfs
@@ -10,15 +10,12 @@ where this process may mount one.
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
-from typing import Any
 
 import pytest
-from sqlalchemy import event, text
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection
 
-from sbproxy.store import Database, StoreError
+from sbproxy.store import Database, StoreError, Transaction
 from tests.support.small_fs import fill, small_filesystem
 
 pytestmark = pytest.mark.anyio
@@ -27,15 +24,15 @@ ROW = b"r" * 16_384
 
 
 async def make_table(database: Database) -> None:
-    async def work(connection: AsyncConnection) -> None:
-        await connection.execute(text("CREATE TABLE filler (id INTEGER PRIMARY KEY, body BLOB)"))
+    def work(tx: Transaction) -> None:
+        tx.execute("CREATE TABLE filler (id INTEGER PRIMARY KEY, body BLOB)")
 
     await database.write(work)
 
 
 async def insert_until_it_fails(database: Database, *, rows: int = 400) -> StoreError:
-    async def work(connection: AsyncConnection) -> None:
-        await connection.execute(text("INSERT INTO filler (body) VALUES (:b)"), {"b": ROW})
+    def work(tx: Transaction) -> None:
+        tx.execute("INSERT INTO filler (body) VALUES (:b)", {"b": ROW})
 
     for _ in range(rows):
         try:
@@ -61,12 +58,8 @@ async def test_sqlite_reporting_the_database_full_is_disk_full(tmp_path: Path) -
     database = await Database.open(path)
     try:
         await make_table(database)
-
-        def capped(dbapi_connection: Any, _record: Any) -> None:
-            dbapi_connection.execute("PRAGMA max_page_count = 64")
-
-        event.listen(database._engine.sync_engine, "connect", capped)
-        await database._engine.dispose()  # new connections get the cap
+        # The writer is the one connection that writes: cap it.
+        await database.write(lambda tx: tx.execute("PRAGMA max_page_count = 64"))
         error = await insert_until_it_fails(database)
         assert_journal_full(error, path)
         assert type(error.__cause__).__name__ == "OperationalError"
@@ -105,8 +98,8 @@ async def test_any_other_driver_error_is_store_failed_with_sqlites_message(
     database = await Database.open(path)
     try:
 
-        async def broken_write(connection: AsyncConnection) -> None:
-            await connection.execute(text("INSERT INTO no_such_table VALUES (1)"))
+        def broken_write(tx: Transaction) -> None:
+            tx.execute("INSERT INTO no_such_table VALUES (1)")
 
         with pytest.raises(StoreError) as raised:
             await database.write(broken_write)
@@ -117,8 +110,7 @@ async def test_any_other_driver_error_is_store_failed_with_sqlites_message(
         assert raised.value.details == {"path": str(path), "sqlite_error": "SQLITE_ERROR"}
 
         with pytest.raises(StoreError) as read_failed:
-            async with database.read() as connection:
-                await connection.execute(text("SELECT x FROM nowhere"))
+            await database.read(lambda tx: tx.execute("SELECT x FROM nowhere"))
         assert read_failed.value.code == "store_failed"
         assert "no such table: nowhere" in read_failed.value.message
         assert "e3q8" not in str(raised.value) + str(read_failed.value)
@@ -132,12 +124,12 @@ async def test_a_broken_constraint_still_reaches_the_repository(tmp_path: Path) 
     database = await Database.open(tmp_path / "journal.db")
     try:
 
-        async def duplicate(connection: AsyncConnection) -> None:
-            await connection.execute(text("CREATE TABLE once (id INTEGER PRIMARY KEY)"))
-            await connection.execute(text("INSERT INTO once VALUES (1)"))
-            await connection.execute(text("INSERT INTO once VALUES (1)"))
+        def duplicate(tx: Transaction) -> None:
+            tx.execute("CREATE TABLE once (id INTEGER PRIMARY KEY)")
+            tx.execute("INSERT INTO once VALUES (1)")
+            tx.execute("INSERT INTO once VALUES (1)")
 
-        with pytest.raises(IntegrityError):
+        with pytest.raises(sqlite3.IntegrityError):
             await database.write(duplicate)
     finally:
         await database.close()

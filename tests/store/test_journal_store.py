@@ -46,13 +46,12 @@ async def test_pragmas_and_schema_version(store: JobStore) -> None:
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         version = raw.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0]
     assert version == SCHEMA_VERSION
-    async with store.database.read() as connection:
-        from sqlalchemy import text
-
-        synchronous = (await connection.execute(text("PRAGMA synchronous"))).scalar()
-        busy = (await connection.execute(text("PRAGMA busy_timeout"))).scalar()
-    assert synchronous == 2  # FULL
-    assert busy == 30_000
+    for run in (store.database.read, store.database.write):
+        synchronous, busy = await run(
+            lambda tx: (tx.scalar("PRAGMA synchronous"), tx.scalar("PRAGMA busy_timeout"))
+        )
+        assert synchronous == 2  # FULL, on the reader connections and on the writer
+        assert busy == 30_000
 
 
 async def test_migrations_are_idempotent_and_match_the_mappings(tmp_path: Path) -> None:

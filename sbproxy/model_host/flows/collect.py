@@ -33,7 +33,7 @@ from sbproxy.model_host.artifacts.collect import (
 from sbproxy.model_host.artifacts.errors import RemovalBlocked
 from sbproxy.model_host.artifacts.locks import hold
 from sbproxy.model_host.registry import registry
-from sbproxy.store import JobStatus, JobStore
+from sbproxy.store import JobJournal, JobStatus, JobStore
 from sbproxy.workflows import StepContext, WorkflowContext, step
 
 __all__ = [
@@ -63,7 +63,7 @@ def artifact_subject(digest: str) -> str:
     return f"artifact:sha256:{digest}"
 
 
-async def active_pull_state(store: JobStore, digest: str) -> str | None:
+async def active_pull_state(store: JobJournal, digest: str) -> str | None:
     """State of an unfinished pull job of ``digest`` (``queued``, ``running``, ``parked``)."""
     jobs = await store.list_jobs(statuses=_ACTIVE, kind="pull", subject=artifact_subject(digest))
     return jobs[0].status.value if jobs else None
@@ -187,7 +187,7 @@ class PruneReport(BaseModel):
     abandoned_partials: int = 0
 
 
-async def owned_partials(store: JobStore) -> set[str]:
+async def owned_partials(store: JobJournal) -> set[str]:
     """Digests whose partial downloads an unfinished pull job owns (kept by prune and gc)."""
     jobs = await store.list_jobs(statuses=_ACTIVE, kind="pull", limit=-1)
     return {str(job.input.get("artifact", {}).get("digest", "")) for job in jobs} - {""}
@@ -300,7 +300,7 @@ async def prune_workflow(ctx: WorkflowContext, request: GcInput) -> PruneReport:
     return await ctx.step(orphans_step, request)
 
 
-async def prune_preview(cache: ArtifactCache, store: JobStore) -> PruneReport:
+async def prune_preview(cache: ArtifactCache, store: JobJournal) -> PruneReport:
     """What a prune would delete (``--dry-run``): nothing is changed.
 
     Blobs that only an abandoned partial's manifest protects are counted with the blobs a

@@ -276,7 +276,7 @@ async def test_a_full_journal_fails_with_our_code_and_leaves_the_job_resumable(
     mirror.add_file(REPO, REVISION, FILE, data, throttle_bps=2 * MIB)
     part = part_of(tmp_path, artifact)
     async with pull_engine(tmp_path) as (engine, _):
-        journal = JournalFull(engine.store.database)
+        journal = JournalFull(engine.store)
 
         def journal_fills() -> None:
             if part.stat().st_size <= 3 * MIB:

@@ -22,7 +22,7 @@ from sbproxy.model_host.runtime.clock import Clock
 from sbproxy.model_host.runtime.manager import RUNTIME_JOB_KINDS, RuntimeManager
 from sbproxy.model_host.runtime.reload import admin_desired  # also registers "reload"
 from sbproxy.model_host.runtime.state import LaunchBackoff
-from sbproxy.store import RuntimeStore
+from sbproxy.store import RuntimeStore, open_journal
 from sbproxy.workflows import LeaseSettings, WorkflowEngine
 from tests.model_host.engines.support import fake_llama_server
 from tests.model_host.runtime.support import write_gguf
@@ -156,15 +156,16 @@ async def runtime_host(
     layout = CacheLayout(root=root / "cache")
     cache = ArtifactCache(layout)
     cache.ensure_dirs()
-    engine = await WorkflowEngine.open(
-        layout.journal, registry, resources=[cache], lease=LeaseSettings(lease_s=5, heartbeat_s=0.5)
+    journal = await open_journal(layout.journal)
+    engine = WorkflowEngine(
+        journal, registry, resources=[cache], lease=LeaseSettings(lease_s=5, heartbeat_s=0.5)
     )
     manager = RuntimeManager(
         compiled=compiled,
         layout=layout,
         catalog=load_catalog(root / "catalog.yaml"),
         engine=engine,
-        runtime_store=RuntimeStore(engine.store.database),
+        runtime_store=RuntimeStore(journal.database),
         worker=WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=memory_bytes),
         backoff=backoff or LaunchBackoff(base_s=0.05, max_s=0.2, max_attempts=3),
         ready_timeout_s=20,

@@ -24,7 +24,7 @@ from sbproxy.model_host.runtime import slot as slot_module
 from sbproxy.model_host.runtime.admission import AdmissionRejected
 from sbproxy.model_host.runtime.manager import IllegalTransition
 from sbproxy.model_host.runtime.state import DEPLOYMENT_TRANSITIONS, DeploymentState
-from sbproxy.store import JobRecord, JobStatus
+from sbproxy.store import JobRecord, JobStatus, JobStore, Transaction
 from sbproxy.workflows import process_start_ticks
 from tests.model_host.engines.support import fake_llama_server
 from tests.model_host.runtime.host import Host, runtime_host
@@ -141,17 +141,16 @@ async def test_a_replayed_launch_is_observed_not_trusted(tmp_path: Path) -> None
         assert steps[-1].name == "launch"
         # Make the job unfinished again, as a host killed after the step committed leaves
         # it, and kill its engine the way a host crash does.
-        database = host.engine.store.database
+        store = host.engine.store
+        assert isinstance(store, JobStore)
 
-        async def reopen(connection: Any) -> None:
-            from sqlalchemy import text
-
-            await connection.execute(
-                text("UPDATE jobs SET status = 'queued', lease_owner = NULL WHERE id = :id"),
+        def reopen(tx: Transaction) -> None:
+            tx.execute(
+                "UPDATE jobs SET status = 'queued', lease_owner = NULL WHERE id = :id",
                 {"id": load.id},
             )
 
-        await database.write(reopen)
+        await store.database.write(reopen)
         os.kill(first.extra["engine_pid"], signal.SIGKILL)
         await until(lambda: not manager.slot("tiny").routable(), timeout_s=5)
         rerun = await host.engine.join(load.id)

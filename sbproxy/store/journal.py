@@ -1,0 +1,186 @@
+"""What the workflow engine needs of a job journal: the interface a backend implements.
+
+:class:`~sbproxy.store.JobStore` implements it on SQLite (one writer thread, group commit,
+``BEGIN IMMEDIATE``). ``sbproxy.workflows`` depends on this protocol only, never on SQLite,
+so a PostgreSQL backend over the same schema can implement it next. What any backend must
+keep (``docs/durable-jobs.md``):
+
+* **One transaction per method**, and a returned write durable before the method returns
+  (SQLite: ``synchronous=FULL``; PostgreSQL: ``synchronous_commit=on``).
+* **Compare-and-set transitions** checked by row count, never read-then-write.
+* **Fencing in the writing statement**: ``begin_step``, ``end_step``, ``report_progress``,
+  ``heartbeat`` and ``finish`` change the journal only while the caller's claim (lease owner
+  *and* attempt) still holds the job, checked by the statement that writes.
+* **Claims** move one queued job to running and bump ``attempt``; several workers claim
+  concurrently without taking one job twice (SQLite serialises writers; PostgreSQL would
+  pick the oldest queued row with ``FOR UPDATE SKIP LOCKED``).
+* **Leases on the store's lease clock**: the store stamps them (inside the write) from
+  :attr:`JobJournal.lease_clock` and judges lapses by it; the engine reads that clock only to
+  show how stale a job is. A backend shared by several hosts needs a clock they all read
+  alike (the database server's, for example) and owner ids that name the host; this one
+  assumes one machine (``leaseclock.py``, ``sbproxy.workflows.identity``).
+* **Events** get a durable, strictly increasing ``seq``; idempotency keys are unique among
+  unfinished jobs (a partial unique index).
+* **Errors**: a driver error leaves as :class:`~sbproxy.store.StoreError` (``disk_full`` or
+  ``store_failed``), never as the driver's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from sbproxy.store.database import Database, Synchronous
+from sbproxy.store.jobs import (
+    ErrorInfo,
+    EventRecord,
+    JobRecord,
+    JobStore,
+    Recovered,
+    StepRecord,
+    StepRefusal,
+    SubmitOutcome,
+)
+from sbproxy.store.leaseclock import LeaseClock
+from sbproxy.store.lifecycle import JobStatus
+from sbproxy.store.outcomes import JobOutcomes
+
+__all__ = ["JobJournal", "open_journal"]
+
+
+class JobJournal(Protocol):
+    """Jobs, their step journal and their events, as the engine uses them.
+
+    The methods' contracts are those of :class:`~sbproxy.store.JobStore`, which documents
+    each one (arguments, returns, errors).
+
+    Attributes:
+        clock: "Now" in epoch milliseconds, for the timestamps people read.
+        lease_clock: The clock leases are stamped on and judged by.
+        outcomes: Tallies of the jobs this process finished (metrics).
+    """
+
+    clock: Callable[[], int]
+    lease_clock: LeaseClock
+    outcomes: JobOutcomes
+
+    async def close(self) -> None:
+        """Release the backend's connections; the journal is unusable afterwards."""
+        ...
+
+    # -- reads -----------------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> JobRecord | None: ...
+
+    async def find_active(self, idempotency_key: str) -> JobRecord | None: ...
+
+    async def list_jobs(
+        self,
+        *,
+        statuses: Sequence[JobStatus] = (),
+        kind: str | None = None,
+        subject: str | None = None,
+        limit: int = 100,
+    ) -> list[JobRecord]: ...
+
+    async def steps(self, job_id: str) -> list[StepRecord]: ...
+
+    async def events(
+        self, job_id: str, *, after_seq: int = 0, limit: int = 500
+    ) -> list[EventRecord]: ...
+
+    async def last_event_seq(self, job_id: str) -> int: ...
+
+    async def cancel_requested(self, job_id: str) -> bool: ...
+
+    # -- submission, leases and outcomes ---------------------------------------------------
+
+    async def submit(
+        self,
+        *,
+        kind: str,
+        workflow_version: int,
+        input_json: str,
+        idempotency_key: str | None = None,
+        subject: str | None = None,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> SubmitOutcome: ...
+
+    async def claim(
+        self, *, owner: str, lease_ms: int, job_id: str | None = None, kinds: Sequence[str] = ()
+    ) -> JobRecord | None: ...
+
+    async def heartbeat(self, job_id: str, *, owner: str, attempt: int, lease_ms: int) -> bool: ...
+
+    async def recover_lapsed(self, *, max_recoveries: int | None) -> Recovered: ...
+
+    async def recover_from(
+        self, job_id: str, *, owner: str, reason: str, max_recoveries: int | None
+    ) -> JobStatus | None: ...
+
+    async def finish(
+        self,
+        job_id: str,
+        *,
+        owner: str,
+        attempt: int,
+        status: JobStatus,
+        output_json: str | None = None,
+        error: ErrorInfo | None = None,
+        keep_finished: int | None = None,
+    ) -> JobRecord | None: ...
+
+    async def request_cancel(self, job_id: str) -> JobRecord | None: ...
+
+    async def retry(self, job_id: str) -> JobRecord | None: ...
+
+    async def prune_terminal(self, *, keep: int) -> int: ...
+
+    # -- a runner's writes (fenced) --------------------------------------------------------
+
+    async def begin_step(
+        self, job_id: str, *, owner: str, attempt: int, seq: int, name: str
+    ) -> StepRecord | StepRefusal: ...
+
+    async def end_step(
+        self,
+        job_id: str,
+        *,
+        owner: str,
+        attempt: int,
+        seq: int,
+        name: str,
+        output_json: str | None = None,
+        error: ErrorInfo | None = None,
+    ) -> bool: ...
+
+    async def report_progress(
+        self,
+        job_id: str,
+        *,
+        owner: str,
+        attempt: int,
+        progress: Mapping[str, Any],
+        event: bool,
+    ) -> bool: ...
+
+    async def record_event(self, job_id: str, *, kind: str, data: Mapping[str, Any]) -> None: ...
+
+    async def detach_key(self, job_id: str) -> None: ...
+
+
+async def open_journal(path: Path, *, synchronous: Synchronous = "FULL") -> JobStore:
+    """Open the journal at ``path`` (creating it and migrating its schema): the SQLite
+    backend, the only one so far.
+
+    Args:
+        path: The journal file (``<cache root>/jobs/journal.db``).
+        synchronous: ``FULL`` (every commit durable on power loss) or ``NORMAL`` (for
+            benchmarks).
+
+    Raises:
+        StoreError: as :meth:`Database.open` (``store_failed``, ``disk_full``,
+            ``invalid_cache_dir``, ``store_version_mismatch``).
+    """
+    return JobStore(await Database.open(path, synchronous=synchronous))

@@ -1,0 +1,237 @@
+"""The journal's connection threads: one writer with group commit, readers beside it.
+
+Real SQLite files throughout. The writer is held busy by a write that waits on an event (it
+runs on the writer's thread), so that the writes submitted meanwhile queue up behind it and
+meet the writer together, as they do behind a slow fsync.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+from anyio.abc import TaskGroup
+
+from sbproxy.store import Database, StoreError, Transaction
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def database(tmp_path: Path) -> AsyncIterator[Database]:
+    opened = await Database.open(tmp_path / "journal.db")
+
+    def table(tx: Transaction) -> None:
+        tx.execute("CREATE TABLE t (n INTEGER PRIMARY KEY, by TEXT)")
+
+    await opened.write(table)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+def insert(n: int) -> Callable[[Transaction], int]:
+    def work(tx: Transaction) -> int:
+        tx.execute("INSERT INTO t (n, by) VALUES (?, 'w')", (n,))
+        return n
+
+    return work
+
+
+async def rows(database: Database) -> list[int]:
+    found = await database.read(lambda tx: tx.all("SELECT n FROM t ORDER BY n"))
+    return [row[0] for row in found]
+
+
+class Holder:
+    """A write that keeps the writer thread busy until :meth:`release`."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.go = threading.Event()
+
+    def work(self, tx: Transaction) -> str:
+        self.started.set()
+        assert self.go.wait(10), "the test never released the writer"
+        tx.execute("INSERT INTO t (n, by) VALUES (0, 'holder')")
+        return "held"
+
+    def release(self) -> None:
+        self.go.set()
+
+
+async def collect(
+    group: TaskGroup, results: dict[int, Any], key: int, call: Awaitable[Any]
+) -> None:
+    async def run() -> None:
+        try:
+            results[key] = await call
+        except Exception as exc:  # noqa: BLE001 - the test looks at what each write met
+            results[key] = exc
+
+    group.start_soon(run)
+
+
+async def hold_then(
+    database: Database, writes: dict[int, Callable[[Transaction], Any]]
+) -> dict[int, Any]:
+    """Run ``writes`` while the writer is held, so that they queue up, then release it."""
+    holder = Holder()
+    results: dict[int, Any] = {}
+    async with anyio.create_task_group() as group:
+        await collect(group, results, 0, database.write(holder.work))
+        while not holder.started.is_set():
+            await anyio.sleep(0.001)
+        for key, work in writes.items():
+            await collect(group, results, key, database.write(work))
+        # Every write is queued once its task waits for its result.
+        for _ in range(10):
+            await anyio.lowlevel.checkpoint()
+        holder.release()
+    assert results[0] == "held"
+    return results
+
+
+async def test_writes_that_queue_up_share_one_commit(database: Database) -> None:
+    writes_before, commits_before = database.write_counts
+    results = await hold_then(database, {n: insert(n) for n in range(1, 9)})
+    assert {key: results[key] for key in range(1, 9)} == {n: n for n in range(1, 9)}
+    assert await rows(database) == list(range(9))
+    writes, commits = database.write_counts
+    assert writes - writes_before == 9
+    # The holder's commit, then one for the eight that queued behind it.
+    assert commits - commits_before == 2
+
+
+async def test_a_failing_write_in_a_group_fails_alone(database: Database) -> None:
+    def broken(tx: Transaction) -> None:
+        tx.execute("INSERT INTO t (n, by) VALUES (100, 'broken')")
+        raise ValueError("the closure itself fails after a statement")
+
+    def duplicate(tx: Transaction) -> None:
+        tx.execute("INSERT INTO t (n, by) VALUES (200, 'duplicate')")
+        tx.execute("INSERT INTO t (n, by) VALUES (1, 'duplicate')")  # n = 1 is taken
+
+    results = await hold_then(
+        database, {1: insert(1), 2: broken, 3: duplicate, 4: insert(4), 5: insert(5)}
+    )
+    assert results[1] == 1 and results[4] == 4 and results[5] == 5
+    assert isinstance(results[2], ValueError)
+    assert isinstance(results[3], sqlite3.IntegrityError)
+    # Nothing of the failed writes applied, everything of the others did.
+    assert await rows(database) == [0, 1, 4, 5]
+
+
+async def test_a_full_disk_in_a_group_fails_only_the_write_that_met_it(
+    database: Database,
+) -> None:
+    def unlucky(tx: Transaction) -> None:
+        tx.execute("INSERT INTO t (n, by) VALUES (7, 'unlucky')")
+
+    def full_for_the_unlucky(sql: str) -> None:
+        if "'unlucky'" in sql:
+            raise sqlite3.OperationalError("database or disk is full")
+
+    database.add_statement_hook(full_for_the_unlucky)
+    results = await hold_then(database, {1: insert(1), 2: unlucky, 3: insert(3)})
+    assert results[1] == 1 and results[3] == 3
+    error = results[2]
+    assert isinstance(error, StoreError)
+    assert error.code == "disk_full"
+    assert error.details["path"] == str(database.path)
+    assert await rows(database) == [0, 1, 3]
+
+
+async def test_a_retried_write_runs_its_closure_again_from_the_start(
+    database: Database,
+) -> None:
+    """A group sent back runs each closure again: a closure's own state resets each run."""
+    runs: list[int] = []
+
+    def counted(tx: Transaction) -> int:
+        runs.append(1)
+        tx.execute("INSERT INTO t (n, by) VALUES (3, 'counted')")
+        return len(runs)
+
+    def explode(tx: Transaction) -> None:
+        raise RuntimeError("boom")
+
+    results = await hold_then(database, {1: counted, 2: explode})
+    assert isinstance(results[2], RuntimeError)
+    assert results[1] == 2  # once in the group, once alone
+    assert await rows(database) == [0, 3]
+
+
+async def test_a_cancelled_caller_waits_until_its_write_ended(database: Database) -> None:
+    holder = Holder()
+    seen: dict[str, Any] = {}
+    async with anyio.create_task_group() as group:
+        group.start_soon(database.write, holder.work)
+        while not holder.started.is_set():
+            await anyio.sleep(0.001)
+
+        async def cancelled_writer() -> None:
+            with anyio.CancelScope() as scope:
+                seen["scope"] = scope
+                await database.write(insert(5))
+            # Past the write: it ended (committed) before the cancellation took effect.
+            seen["rows_after"] = await rows(database)
+
+        group.start_soon(cancelled_writer)
+        for _ in range(10):
+            await anyio.lowlevel.checkpoint()
+        seen["scope"].cancel()
+        await anyio.sleep(0.05)
+        assert "rows_after" not in seen  # still waiting for the held writer
+        holder.release()
+    assert seen["rows_after"] == [0, 5]
+
+
+async def test_a_read_does_not_wait_for_a_write(database: Database) -> None:
+    holder = Holder()
+    async with anyio.create_task_group() as group:
+        group.start_soon(database.write, holder.work)
+        while not holder.started.is_set():
+            await anyio.sleep(0.001)
+        with anyio.fail_after(5):
+            assert await rows(database) == []  # the held write is not committed yet
+        holder.release()
+    assert await rows(database) == [0]
+
+
+async def test_readers_cannot_write(database: Database) -> None:
+    with pytest.raises(StoreError) as raised:
+        await database.read(insert(1))
+    assert raised.value.code == "store_failed"
+    assert "readonly" in raised.value.message
+
+
+async def test_close_finishes_queued_writes_and_refuses_later_ones(tmp_path: Path) -> None:
+    database = await Database.open(tmp_path / "journal.db")
+    await database.write(lambda tx: tx.execute("CREATE TABLE t (n INTEGER PRIMARY KEY)"))
+    done: list[int] = []
+
+    async def write(n: int) -> None:
+        await database.write(lambda tx: tx.execute("INSERT INTO t VALUES (?)", (n,)))
+        done.append(n)
+
+    async with anyio.create_task_group() as group:
+        for n in range(20):
+            group.start_soon(write, n)
+        await anyio.lowlevel.checkpoint()
+        group.start_soon(database.close)
+    assert sorted(done) == list(range(20))
+    for call in (database.write, database.read):
+        with pytest.raises(StoreError) as raised:
+            await call(lambda tx: tx.scalar("SELECT 1"))
+        assert raised.value.code == "store_failed"
+        assert "is closed" in raised.value.message
+    with sqlite3.connect(tmp_path / "journal.db") as raw:
+        assert raw.execute("SELECT COUNT(*) FROM t").fetchone()[0] == 20
