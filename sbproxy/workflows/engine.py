@@ -367,6 +367,7 @@ class WorkflowEngine:
             kinds=self.registry.kinds(),
         )
         if claimed is not None:
+            self.executions["own"] += 1
             finished = await self._execute(claimed)
             if finished.terminal or finished.status == JobStatus.PARKED:
                 return finished
