@@ -8,6 +8,9 @@
 * one frame per journal event, ``id: <seq>`` and ``data: <event JSON>`` (the event's
   ``type`` is inside the JSON). ``seq`` is durable and strictly increasing across restarts,
   so ``Last-Event-ID: <seq>`` resumes after that event even against a restarted server;
+  a browser's ``EventSource`` cannot set that header on its first request, so the query
+  parameter ``?after=<seq>`` does the same (the header wins when both are sent: it is what
+  ``EventSource`` sends on each reconnection);
 * when the job is terminal (or parked), a last snapshot frame, then the stream closes.
 
 Unlike the reference (which waits forever on an unknown id), a malformed id is a 400 and an
@@ -18,10 +21,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import Request, Router, get, post
-from litestar.params import FromPath
+from litestar.params import FromPath, Parameter
 from litestar.response import Stream
 from ulid import ULID
 
@@ -94,10 +97,14 @@ def jobs_router(
         return body
 
     @get("/{job_id:str}/stream")
-    async def stream_job(job_id: FromPath[str], request: Request[Any, Any, Any]) -> Stream:
+    async def stream_job(
+        job_id: FromPath[str],
+        request: Request[Any, Any, Any],
+        after_query: Annotated[str | None, Parameter(query="after")] = None,
+    ) -> Stream:
         """Follow a job's events as SSE (see the module docstring)."""
         job = await engine.get(check_job_id(job_id))
-        raw = request.headers.get("last-event-id")
+        raw = request.headers.get("last-event-id", after_query)
         after: int | None = None
         if raw is not None:
             if not raw.strip().isdigit():
