@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any
+from typing import Any
 
 from litestar import Request, Router, get, post
-from litestar.params import FromPath, Parameter
+from litestar.params import FromPath, FromQuery
 from litestar.response import Stream
 from ulid import ULID
 
@@ -100,25 +100,25 @@ def jobs_router(
     async def stream_job(
         job_id: FromPath[str],
         request: Request[Any, Any, Any],
-        after_query: Annotated[str | None, Parameter(query="after")] = None,
+        after: FromQuery[str | None] = None,
     ) -> Stream:
         """Follow a job's events as SSE (see the module docstring)."""
         job = await engine.get(check_job_id(job_id))
-        raw = request.headers.get("last-event-id", after_query)
-        after: int | None = None
+        raw = request.headers.get("last-event-id", after)
+        after_seq: int | None = None
         if raw is not None:
             if not raw.strip().isdigit():
                 raise InvalidLastEventId(
                     "Last-Event-ID must be the integer id of an event frame",
                     details={"last_event_id": raw[:64]},
                 )
-            after = int(raw.strip())
+            after_seq = int(raw.strip())
 
         async def frames() -> AsyncIterator[bytes]:
             yield b": connected\n\n"
-            if after is None:
+            if after_seq is None:
                 yield _frame({"type": "job", **_job(job)})
-            async for event in engine.follow(job.id, after_seq=after or 0):
+            async for event in engine.follow(job.id, after_seq=after_seq or 0):
                 yield _frame(event.to_dict(), seq=event.seq)
             final = await engine.get(job.id)
             yield _frame({"type": "job", **_job(final)})

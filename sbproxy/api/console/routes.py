@@ -25,13 +25,13 @@ import anyio.to_thread
 from jinja2 import Environment, FileSystemLoader
 from litestar import Litestar, Request, Response, Router, get, post
 from litestar.handlers import HTTPRouteHandler
-from litestar.params import FromPath, Parameter
+from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.response import Redirect, Template
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 
-from sbproxy.api.activity import SAMPLE_INTERVAL_S, Activity
+from sbproxy.api.activity import REQUESTS_KEPT, SAMPLE_INTERVAL_S, Activity
 from sbproxy.api.console.views import (
     Series,
     chart_svg,
@@ -211,8 +211,8 @@ def _job_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
 
     @get("/jobs")
     async def jobs(
-        status: Annotated[str | None, Parameter(query="status")] = None,
-        kind: Annotated[str | None, Parameter(query="kind")] = None,
+        status: FromQuery[str | None] = None,
+        kind: FromQuery[str | None] = None,
     ) -> Template:
         """Jobs, newest first, filtered by status and kind."""
         statuses = (JobStatus(status),) if status in set(JobStatus) else ()
@@ -262,9 +262,10 @@ def _activity_routes(activity: Activity) -> list[HTTPRouteHandler]:
 
     @get("/activity")
     async def activity_page(
-        limit: Annotated[int, Parameter(query="n", ge=1, le=500)] = 100,
+        n: Annotated[int, QueryParameter(ge=1, le=REQUESTS_KEPT)] = 100,
     ) -> Template:
         """The last requests, and charts of tokens/s and queue depth (ten minutes)."""
+        limit = n
         recent = activity.recent(limit)
         end = int(time.time() * 1000)
         start = end - CHART_WINDOW_MS
@@ -309,8 +310,8 @@ def _log_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
 
     @get("/logs")
     async def logs(
-        deployment: Annotated[str | None, Parameter(query="deployment")] = None,
-        generation: Annotated[int | None, Parameter(query="generation", ge=0)] = None,
+        deployment: FromQuery[str | None] = None,
+        generation: Annotated[int | None, QueryParameter(ge=0)] = None,
     ) -> Template:
         """The bounded, redacted tail of each deployment's engine log."""
         found = await anyio.to_thread.run_sync(log_files, logs_dir)
