@@ -147,7 +147,9 @@ def chart_svg(
         f'<line x1="{pad_left}" y1="{pad_top}" x2="{pad_left}" y2="{pad_top + inner_h}" '
         'class="axis"/>',
         f'<text x="{pad_left - 4}" y="{pad_top + 4}" class="tick" text-anchor="end">'
-        f"{top:.3g}</text>",
+        f"{top:.0f}</text>"
+        if top >= 100
+        else f"{top:.3g}</text>",
         f'<text x="{pad_left - 4}" y="{pad_top + inner_h}" class="tick" text-anchor="end">0</text>',
         f'<text x="{width - pad_right}" y="{height - 4}" class="tick" text-anchor="end">now</text>',
         f'<text x="{pad_left}" y="{height - 4}" class="tick">-{span // 60000} min</text>',
