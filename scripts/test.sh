@@ -6,6 +6,8 @@ source "$(dirname "$0")/_venv.sh"
 cd "$repo_root"
 ensure_venv dev
 ensure_debian_packages faketime
+# The console's browser tests (tests/ui) drive Debian's chromium through Playwright.
+ensure_debian_packages chromium
 
 echo "== ruff" >&2
 ruff check .

@@ -28,7 +28,11 @@ Only requests that reach a gateway route are logged (Litestar runs middleware af
 routing): an unknown path's 404 has no line.
 
 The route fills in an :class:`AccessNote` found with :func:`access_note`. With the logger
-below INFO the middleware only tests one flag per request.
+below INFO and no activity ring the middleware only tests one flag per request.
+
+With an :class:`~sbproxy.api.activity.Activity` ring, every request routed to a deployment
+also ends as one :class:`~sbproxy.api.activity.RequestRecord` there (key name, status,
+usage tokens, time to first token, duration: never prompt text), whatever the log level.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from typing import Any, Final
 
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from sbproxy.api.activity import Activity, RequestRecord
 
 __all__ = ["CLIENT_CLOSED", "CLIENT_DISCONNECTED", "AccessNote", "access_log", "access_note"]
 
@@ -63,11 +69,19 @@ class AccessNote:
         status: Overrides the status sent (``499`` when the client went away).
         outcome: Reason code of an abnormal end (a refusal's code, ``engine_timeout``,
             ``upstream_unavailable``, ``client_disconnected``).
+        key_name: The caller's key name (for the activity ring; never the key itself).
+        prompt_tokens: The answer's ``usage.prompt_tokens``.
+        completion_tokens: The answer's ``usage.completion_tokens``.
+        first_token_at: ``time.perf_counter()`` when a stream's first event was relayed.
     """
 
     deployment: str | None = None
     status: int | None = None
     outcome: str | None = None
+    key_name: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    first_token_at: float | None = None
 
 
 def access_note(scope: Scope) -> AccessNote | None:
@@ -79,12 +93,38 @@ def access_note(scope: Scope) -> AccessNote | None:
     return note
 
 
-def access_log() -> Callable[[ASGIApp], ASGIApp]:
-    """A middleware factory logging every HTTP request (see the module docstring)."""
+def _record(
+    activity: Activity, scope: Scope, note: AccessNote, status: int, started: float
+) -> None:
+    if note.deployment is None:
+        return  # not an inference request (``/v1/models``, a refusal before routing)
+    now = time.perf_counter()
+    first = note.first_token_at
+    activity.record(
+        RequestRecord(
+            ended_at_ms=int(time.time() * 1000),
+            deployment=note.deployment,
+            key_name=note.key_name,
+            path=scope["path"],
+            status=status,
+            outcome=note.outcome,
+            prompt_tokens=note.prompt_tokens,
+            completion_tokens=note.completion_tokens,
+            first_token_ms=(first - started) * 1000 if first is not None else None,
+            duration_ms=(now - started) * 1000,
+        )
+    )
+
+
+def access_log(activity: Activity | None = None) -> Callable[[ASGIApp], ASGIApp]:
+    """A middleware factory logging every HTTP request (see the module docstring), and
+    keeping each routed one in ``activity`` when given."""
 
     def middleware(app: ASGIApp) -> ASGIApp:
         async def logged(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != ScopeType.HTTP or not logger.isEnabledFor(logging.INFO):
+            if scope["type"] != ScopeType.HTTP or (
+                activity is None and not logger.isEnabledFor(logging.INFO)
+            ):
                 await app(scope, receive, send)
                 return
             started = time.perf_counter()
@@ -102,6 +142,8 @@ def access_log() -> Callable[[ASGIApp], ASGIApp]:
                 await app(scope, receive, observed)
             finally:
                 status = note.status or sent
+                if activity is not None:
+                    _record(activity, scope, note, status, started)
                 level = logging.INFO if note.outcome or status >= 400 else logging.DEBUG
                 if logger.isEnabledFor(level):
                     logger.log(

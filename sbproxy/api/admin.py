@@ -50,11 +50,19 @@ from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from sbproxy.api.activity import Activity
 from sbproxy.api.config_state import ConfigState
+from sbproxy.api.console import console_router, console_sampler, console_templates
 from sbproxy.api.desired import desired_handlers
-from sbproxy.api.errors import InvalidBody, Unauthorized, admin_exception_handlers
+from sbproxy.api.errors import (
+    CrossSiteRequest,
+    InvalidBody,
+    Unauthorized,
+    admin_exception_handlers,
+)
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Disconnects, Rejections, build_registry
+from sbproxy.api.protection import protection, resident_digests
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger, usage_handlers
 from sbproxy.catalog import Catalog
@@ -96,6 +104,8 @@ class Admin:
         allowlist: Client networks allowed (``proxy.admin.ip_allowlist``); empty: any.
         usage: The gateway's token usage (``GET /admin/model-host/usage``, ``/metrics``).
         disconnects: Client disconnects counted by the gateway (for ``/metrics``).
+        config: The configuration file's state (default: from ``manager``).
+        activity: The gateway's recent requests (the console's Activity page).
     """
 
     manager: RuntimeManager
@@ -107,6 +117,7 @@ class Admin:
     usage: UsageLedger | None = None
     disconnects: Disconnects | None = None
     config: ConfigState | None = None
+    activity: Activity = field(default_factory=Activity)
 
     def __post_init__(self) -> None:
         if self.config is None:
@@ -157,6 +168,33 @@ class Admin:
     def spawn(self, work: Callable[[], Awaitable[object]]) -> None:
         """Run ``work`` in the background; the manager's shutdown waits for it to settle."""
         self.manager.background(work)
+
+
+_SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def same_site(connection: ASGIConnection[Any, Any, Any, Any]) -> None:
+    """Refuse a state-changing request a browser sent from another origin.
+
+    A browser that holds cached Basic credentials for the admin origin (the console) sends
+    them with any request to it, including a form posted by another site. Browsers mark
+    those: ``Sec-Fetch-Site`` other than ``same-origin``/``none``, or an ``Origin`` that is
+    not this listener's. Clients that are not browsers send neither and pass.
+
+    Raises:
+        CrossSiteRequest: ``cross_site_request``.
+    """
+    if connection.scope.get("method", "GET") in _SAFE_METHODS:
+        return
+    site = connection.headers.get("sec-fetch-site")
+    if site is not None and site not in ("same-origin", "none"):
+        raise CrossSiteRequest(f"cross-site admin request refused (Sec-Fetch-Site: {site[:32]})")
+    origin = connection.headers.get("origin")
+    if origin is not None:
+        host = connection.headers.get("host", "")
+        expected = f"{connection.url.scheme}://{host}"
+        if origin.rstrip("/").lower() != expected.lower():
+            raise CrossSiteRequest("cross-origin admin request refused (Origin does not match)")
 
 
 def deployment_of(body: bytes) -> str:
@@ -235,36 +273,6 @@ def catalog_document(catalog: Catalog) -> dict[str, object]:
         "catalog_revision": catalog.catalog_revision,
         "models": models,
     }
-
-
-def resident_digests(manager: RuntimeManager) -> set[str]:
-    """Artifact digests of ready deployments."""
-    return {
-        slot.artifact.digest
-        for slot in manager.slots.values()
-        if slot.routable() and slot.artifact is not None
-    }
-
-
-def protection(manager: RuntimeManager) -> dict[str, str]:
-    """Digests removal and collection must not touch, with the reason (resident wins).
-
-    Configured: every deployment's artifact (the one its slot resolved, else resolved now
-    against the catalog; a deployment that does not resolve protects nothing). Resident:
-    the artifact of a ready deployment.
-    """
-    protected: dict[str, str] = {}
-    for slot in manager.slots.values():
-        digest = slot.artifact.digest if slot.artifact is not None else None
-        if digest is None:
-            try:
-                digest = manager.resolve_config(slot.config, manager.catalog).digest
-            except SbproxyError:
-                continue
-        protected[digest] = "configured"
-    for digest in resident_digests(manager):
-        protected[digest] = "resident"
-    return protected
 
 
 def _blocked(digest: str, reason: str, job_id: str | None = None) -> SbproxyError:
@@ -387,6 +395,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
     def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         admin.allowed(connection.client.host if connection.client else None)
         admin.check(connection.headers.get("authorization"))
+        same_site(connection)
 
     config = admin.config
     assert config is not None  # noqa: S101 - set in __post_init__
@@ -452,6 +461,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             *desired_handlers(manager, config),
             jobs_router(manager.engine, admin.spawn),
             *usage_handlers(admin.usage),
+            console_router(manager, admin.activity),
         ],
     )
     return Litestar(
@@ -460,6 +470,8 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
         middleware=[server_spans("admin")],
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(title="sbproxy admin", version="1"),
+        template_config=console_templates(),
+        lifespan=[console_sampler(manager, admin.activity)],
         debug=debug,
         # Logging is configured once by the process (sbproxy serve / run), not per app.
         logging_config=None,

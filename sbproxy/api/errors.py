@@ -41,6 +41,7 @@ from sbproxy.errors import JsonScalar, SbproxyError
 __all__ = [
     "ApiError",
     "BodyTooLarge",
+    "CrossSiteRequest",
     "InvalidBody",
     "InvalidJobId",
     "ShuttingDown",
@@ -84,6 +85,14 @@ class Unauthorized(ApiError):
     default_code = "unauthorized"
 
 
+class CrossSiteRequest(ApiError):
+    """A state-changing admin request a browser sent from another site, or a console action
+    without the console's own header (``cross_site_request``): a page elsewhere must not
+    spend the admin credentials a browser has cached for this origin."""
+
+    default_code = "cross_site_request"
+
+
 class UnknownModel(ApiError):
     """The request names a model no route of its origin serves (``model_not_found``)."""
 
@@ -121,6 +130,7 @@ _STATUS: Final[dict[str, int]] = {
     "invalid_last_event_id": 400,
     "invalid_artifact_digest": 400,
     "unauthorized": 401,
+    "cross_site_request": 403,
     "model_not_found": 404,
     "unknown_origin": 404,
     "unknown_deployment": 404,

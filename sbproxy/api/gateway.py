@@ -63,6 +63,7 @@ from sbproxy.api.access import (
     access_log,
     access_note,
 )
+from sbproxy.api.activity import Activity
 from sbproxy.api.bodies import ChatNotSupported, Head, check_body, decode_head, with_fields
 from sbproxy.api.errors import (
     InvalidBody,
@@ -192,6 +193,7 @@ class Gateway:
     rejections: Rejections = field(default_factory=Rejections)
     disconnects: Disconnects = field(default_factory=Disconnects)
     session: aiohttp.ClientSession | None = None
+    activity: Activity = field(default_factory=Activity)
     usage: UsageLedger = field(init=False)
 
     def __post_init__(self) -> None:
@@ -294,6 +296,7 @@ class Gateway:
         note = access_note(request.scope)
         if note is not None:
             note.deployment = deployment
+            note.key_name = caller.name
         span = trace.get_current_span() if enabled() else None
         if span is not None:
             span.set_attribute(ATTR_DEPLOYMENT, deployment)
@@ -319,7 +322,7 @@ class Gateway:
             if response.content_type == "application/json":
                 data, usage = rewrite_answer(data, route.public_model)
                 if usage is not None:
-                    self.count(caller, usage, span)
+                    self.count(caller, usage, span, note)
             return Response(
                 data,
                 status_code=response.status,
@@ -332,8 +335,10 @@ class Gateway:
                 self.disconnects.record(deployment)
                 if note is not None:
                     note.status = CLIENT_CLOSED
-            if note is not None and outcome is not None:
-                note.outcome = outcome
+            if note is not None:
+                note.first_token_at = relay.first_event_at
+                if outcome is not None:
+                    note.outcome = outcome
 
         relay = StreamRelay(
             response,
@@ -341,7 +346,7 @@ class Gateway:
             route.public_model,
             started=answer.started,
             strip_usage=strip_usage,
-            on_usage=lambda usage: self.count(caller, usage, span),
+            on_usage=lambda usage: self.count(caller, usage, span, note),
             on_end=ended,
         )
         return Stream(
@@ -431,9 +436,18 @@ class Gateway:
             note.outcome = CLIENT_DISCONNECTED
         return Response(b"", status_code=CLIENT_CLOSED, media_type="application/json")
 
-    def count(self, caller: Caller, usage: Usage, span: trace.Span | None) -> None:
-        """Count one answer's ``usage`` for ``caller`` (and note it on the request span)."""
+    def count(
+        self,
+        caller: Caller,
+        usage: Usage,
+        span: trace.Span | None,
+        note: AccessNote | None = None,
+    ) -> None:
+        """Count one answer's ``usage`` for ``caller`` (and note it on the request span and
+        for the activity ring)."""
         self.usage.record(caller.name, prompt_tokens=usage[0], completion_tokens=usage[1])
+        if note is not None:
+            note.prompt_tokens, note.completion_tokens = usage[0], usage[1]
         if span is not None:
             span.set_attribute(ATTR_INPUT_TOKENS, usage[0])
             span.set_attribute(ATTR_OUTPUT_TOKENS, usage[1])
@@ -507,7 +521,7 @@ def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:
         exception_handlers=gateway_exception_handlers(),
         on_startup=[gateway.open],
         on_shutdown=[gateway.close],
-        middleware=[access_log(), server_spans("gateway")],
+        middleware=[access_log(gateway.activity), server_spans("gateway")],
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None,
         debug=debug,

@@ -8,6 +8,9 @@
 * one frame per journal event, ``id: <seq>`` and ``data: <event JSON>`` (the event's
   ``type`` is inside the JSON). ``seq`` is durable and strictly increasing across restarts,
   so ``Last-Event-ID: <seq>`` resumes after that event even against a restarted server;
+  a browser's ``EventSource`` cannot set that header on its first request, so the query
+  parameter ``?after=<seq>`` does the same (the header wins when both are sent: it is what
+  ``EventSource`` sends on each reconnection);
 * when the job is terminal (or parked), a last snapshot frame, then the stream closes.
 
 Unlike the reference (which waits forever on an unknown id), a malformed id is a 400 and an
@@ -21,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from litestar import Request, Router, get, post
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 from litestar.response import Stream
 from ulid import ULID
 
@@ -94,24 +97,28 @@ def jobs_router(
         return body
 
     @get("/{job_id:str}/stream")
-    async def stream_job(job_id: FromPath[str], request: Request[Any, Any, Any]) -> Stream:
+    async def stream_job(
+        job_id: FromPath[str],
+        request: Request[Any, Any, Any],
+        after: FromQuery[str | None] = None,
+    ) -> Stream:
         """Follow a job's events as SSE (see the module docstring)."""
         job = await engine.get(check_job_id(job_id))
-        raw = request.headers.get("last-event-id")
-        after: int | None = None
+        raw = request.headers.get("last-event-id", after)
+        after_seq: int | None = None
         if raw is not None:
             if not raw.strip().isdigit():
                 raise InvalidLastEventId(
                     "Last-Event-ID must be the integer id of an event frame",
                     details={"last_event_id": raw[:64]},
                 )
-            after = int(raw.strip())
+            after_seq = int(raw.strip())
 
         async def frames() -> AsyncIterator[bytes]:
             yield b": connected\n\n"
-            if after is None:
+            if after_seq is None:
                 yield _frame({"type": "job", **_job(job)})
-            async for event in engine.follow(job.id, after_seq=after or 0):
+            async for event in engine.follow(job.id, after_seq=after_seq or 0):
                 yield _frame(event.to_dict(), seq=event.seq)
             final = await engine.get(job.id)
             yield _frame({"type": "job", **_job(final)})

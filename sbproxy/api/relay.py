@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Final
 
@@ -196,6 +197,8 @@ class StreamRelay:
         self.on_end = on_end
         self.usage: Usage | None = None
         self.relayed_events = 0
+        # time.perf_counter() when the first event went to the client (time to first token).
+        self.first_event_at: float | None = None
         self.finished = False
         self.closed = False
         self.cut = False
@@ -248,6 +251,8 @@ class StreamRelay:
                     continue  # no complete event yet: the event deadline stands
                 out = b"".join(self._event(event, separator) for event, separator in complete)
                 if out:
+                    if self.first_event_at is None:
+                        self.first_event_at = time.perf_counter()
                     deadlines.paused()  # a slow client is not a stalled engine
                     yield out
                 deadlines.waiting()

@@ -192,6 +192,7 @@ def build_servers(
             usage=gateway.usage,
             disconnects=disconnects,
             config=host.config,
+            activity=gateway.activity,
         )
         tls = settings.tls
         servers.append(

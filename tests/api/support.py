@@ -70,6 +70,7 @@ async def served(
             rejections=gateway.rejections,
             usage=gateway.usage,
             disconnects=gateway.disconnects,
+            activity=gateway.activity,
         )
         servers = [
             Listener(

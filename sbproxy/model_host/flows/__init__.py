@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from sbproxy.model_host.flows.collect import (
     GcInput,
+    GcPreview,
     GcReport,
     PruneReport,
     RemoveInput,
     RemoveOutput,
     artifact_subject,
+    gc_preview,
     gc_workflow,
     prune_preview,
     prune_workflow,
@@ -35,6 +37,7 @@ registry.defer("engine_fetch", "sbproxy.model_host.engines.llama_release")
 
 __all__ = [
     "GcInput",
+    "GcPreview",
     "GcReport",
     "PruneReport",
     "PullInput",
@@ -43,6 +46,7 @@ __all__ = [
     "RemoveInput",
     "RemoveOutput",
     "artifact_subject",
+    "gc_preview",
     "gc_workflow",
     "network_files",
     "prune_preview",

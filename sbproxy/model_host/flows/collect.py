@@ -38,6 +38,7 @@ from sbproxy.workflows import StepContext, WorkflowContext, step
 
 __all__ = [
     "GcInput",
+    "GcPreview",
     "GcReport",
     "PruneReport",
     "RemoveInput",
@@ -45,6 +46,7 @@ __all__ = [
     "active_pull_state",
     "artifact_subject",
     "cache_bytes",
+    "gc_preview",
     "gc_workflow",
     "prune_workflow",
     "remove_workflow",
@@ -210,14 +212,25 @@ async def orphans_step(ctx: StepContext, _: GcInput) -> PruneReport:
     )
 
 
-@step("plan")
-async def gc_plan(ctx: StepContext, request: GcInput) -> GcPlan:
-    """Choose victims, least recently used first, until the budget would hold.
+class GcPreview(BaseModel):
+    """What a collection would delete now (a dry run): nothing is changed.
 
-    Idempotency: reads only.
+    ``reclaim_bytes`` counts a shared blob once, when its last referencing victim goes.
+    The real ``gc`` deletes abandoned partials and orphan blobs first (:func:`prune_preview`
+    says how much), so its plan can need fewer victims than this one.
     """
-    cache = ctx.resource(ArtifactCache)
-    store = ctx.resource(JobStore)
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget_bytes: int
+    before_bytes: int
+    victims: tuple[str, ...]
+    skipped: dict[str, str]
+    reclaim_bytes: int
+
+
+async def _plan(cache: ArtifactCache, store: JobJournal, request: GcInput) -> tuple[GcPlan, int]:
+    """The plan of a collection and the bytes its victims free (reads only)."""
     before = cache_bytes(cache)
     excess = before - request.budget_bytes
     victims: list[str] = []
@@ -227,6 +240,7 @@ async def gc_plan(ctx: StepContext, request: GcInput) -> GcPlan:
     for metadata in by_age:
         for item in metadata.files:
             referenced_by[item.sha256] = referenced_by.get(item.sha256, 0) + 1
+    freed = 0
     for metadata in by_age:
         if excess <= 0:
             break
@@ -241,7 +255,31 @@ async def gc_plan(ctx: StepContext, request: GcInput) -> GcPlan:
             referenced_by[item.sha256] -= 1
             if referenced_by[item.sha256] == 0:  # a shared blob frees its bytes only once
                 excess -= item.size_bytes
-    return GcPlan(before_bytes=before, victims=tuple(victims), skipped=skipped)
+                freed += item.size_bytes
+    return GcPlan(before_bytes=before, victims=tuple(victims), skipped=skipped), freed
+
+
+async def gc_preview(cache: ArtifactCache, store: JobJournal, request: GcInput) -> GcPreview:
+    """What ``gc`` to ``request.budget_bytes`` would delete now (``--dry-run``, the console's
+    cache page): the same plan as the job's ``plan`` step, nothing changed."""
+    plan, freed = await _plan(cache, store, request)
+    return GcPreview(
+        budget_bytes=request.budget_bytes,
+        before_bytes=plan.before_bytes,
+        victims=plan.victims,
+        skipped=plan.skipped,
+        reclaim_bytes=freed,
+    )
+
+
+@step("plan")
+async def gc_plan(ctx: StepContext, request: GcInput) -> GcPlan:
+    """Choose victims, least recently used first, until the budget would hold.
+
+    Idempotency: reads only.
+    """
+    plan, _ = await _plan(ctx.resource(ArtifactCache), ctx.resource(JobStore), request)
+    return plan
 
 
 @step("delete")

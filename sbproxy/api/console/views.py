@@ -1,0 +1,173 @@
+"""Pure helpers of the console's pages: log tails, SVG charts, display formats.
+
+Nothing here does network or runtime I/O; :func:`read_tail` reads one file.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from markupsafe import Markup, escape
+
+from sbproxy.redact import redact
+
+__all__ = [
+    "TAIL_BYTES",
+    "TAIL_LINES",
+    "Series",
+    "chart_svg",
+    "format_bytes",
+    "format_ms",
+    "log_files",
+    "read_tail",
+]
+
+# The engine-output page shows at most the last 64 KiB, and of those the last 200 lines.
+TAIL_BYTES: Final = 64 * 1024
+TAIL_LINES: Final = 200
+_LOG_NAME = re.compile(r"(?P<deployment>.+)-g(?P<generation>\d+)\.log")
+
+
+def format_bytes(value: int | None) -> str:
+    """``1536`` -> ``1.5 KiB`` (binary units); ``None`` -> ``-``."""
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"  # pragma: no cover - the loop returns at GiB
+
+
+def format_ms(value: int | None) -> str:
+    """Epoch milliseconds as ``YYYY-MM-DD HH:MM:SS`` UTC; ``None`` -> ``-``."""
+    if value is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(value / 1000))
+
+
+def log_files(logs_dir: Path) -> dict[str, list[int]]:
+    """Engine logs under ``logs_dir`` (``<deployment>-g<generation>.log``): the generations
+    of each deployment, newest first."""
+    found: dict[str, list[int]] = {}
+    try:
+        names = [entry.name for entry in logs_dir.iterdir() if entry.is_file()]
+    except FileNotFoundError:
+        return found
+    for name in names:
+        match = _LOG_NAME.fullmatch(name)
+        if match is not None:
+            found.setdefault(match["deployment"], []).append(int(match["generation"]))
+    for generations in found.values():
+        generations.sort(reverse=True)
+    return found
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The end of one log: ``text`` (redacted, not yet HTML-escaped), whether older output
+    was left out, and the file's size."""
+
+    text: str
+    truncated: bool
+    size_bytes: int
+
+
+def read_tail(path: Path, *, max_bytes: int = TAIL_BYTES, max_lines: int = TAIL_LINES) -> Tail:
+    """The last ``max_lines`` lines within the last ``max_bytes`` of ``path``, with secrets
+    redacted (:func:`sbproxy.redact.redact`). A missing file is an empty tail.
+
+    A cut that falls inside a line drops that partial line; undecodable bytes become U+FFFD.
+    """
+    try:
+        with path.open("rb") as handle:
+            size = handle.seek(0, 2)
+            start = max(0, size - max_bytes)
+            handle.seek(start)
+            data = handle.read(max_bytes)
+    except FileNotFoundError:
+        return Tail(text="", truncated=False, size_bytes=0)
+    truncated = start > 0
+    if truncated:
+        data = data.partition(b"\n")[2]
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    if len(lines) > max_lines:
+        lines = lines[-max_lines:]
+        truncated = True
+    return Tail(text=redact("\n".join(lines)), truncated=truncated, size_bytes=size)
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line of a chart: ``points`` are ``(epoch ms, value)``, oldest first."""
+
+    name: str
+    points: Sequence[tuple[int, float]]
+    css_class: str
+
+
+def chart_svg(
+    series: Sequence[Series],
+    *,
+    start_ms: int,
+    end_ms: int,
+    title: str,
+    unit: str,
+    width: int = 560,
+    height: int = 140,
+) -> Markup:
+    """An inline SVG line chart of ``series`` over ``[start_ms, end_ms]``; the y axis runs
+    from 0 to the largest value shown (at least 1). Points outside the window are left out.
+    """
+    pad_left, pad_right, pad_top, pad_bottom = 44, 8, 18, 18
+    inner_w = width - pad_left - pad_right
+    inner_h = height - pad_top - pad_bottom
+    span = max(1, end_ms - start_ms)
+    shown = [[(t, v) for t, v in s.points if start_ms <= t <= end_ms] for s in series]
+    top = max([1.0, *(v for points in shown for _, v in points)])
+
+    def x(t: int) -> float:
+        return pad_left + (t - start_ms) / span * inner_w
+
+    def y(v: float) -> float:
+        return pad_top + inner_h - v / top * inner_h
+
+    parts = [
+        f'<svg class="chart" role="img" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}" aria-label="{escape(title)}">',
+        f'<text x="{pad_left}" y="12" class="chart-title">{escape(title)}</text>',
+        f'<line x1="{pad_left}" y1="{pad_top + inner_h}" x2="{width - pad_right}" '
+        f'y2="{pad_top + inner_h}" class="axis"/>',
+        f'<line x1="{pad_left}" y1="{pad_top}" x2="{pad_left}" y2="{pad_top + inner_h}" '
+        'class="axis"/>',
+        f'<text x="{pad_left - 4}" y="{pad_top + 4}" class="tick" text-anchor="end">'
+        f"{top:.0f}</text>"
+        if top >= 100
+        else f"{top:.3g}</text>",
+        f'<text x="{pad_left - 4}" y="{pad_top + inner_h}" class="tick" text-anchor="end">0</text>',
+        f'<text x="{width - pad_right}" y="{height - 4}" class="tick" text-anchor="end">now</text>',
+        f'<text x="{pad_left}" y="{height - 4}" class="tick">-{span // 60000} min</text>',
+        f'<text x="{width // 2}" y="{height - 4}" class="tick" text-anchor="middle">'
+        f"{escape(unit)}</text>",
+    ]
+    for entry, points in zip(series, shown, strict=True):
+        if not points:
+            continue
+        coords = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in points)
+        css = escape(entry.css_class)
+        parts.append(
+            f'<polyline class="series {css}" points="{coords}" fill="none">'
+            f"<title>{escape(entry.name)}</title></polyline>"
+        )
+        parts.extend(
+            f'<circle class="series {css}" cx="{x(t):.1f}" cy="{y(v):.1f}" r="2"/>'
+            for t, v in points[-60:]
+        )
+    parts.append("</svg>")
+    return Markup("".join(parts))  # noqa: S704 - every interpolated text is escaped above
