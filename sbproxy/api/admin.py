@@ -392,6 +392,9 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
     """The admin app (see the module docstring)."""
     manager = admin.manager
 
+    def allowlisted(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        admin.allowed(connection.client.host if connection.client else None)
+
     def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         admin.allowed(connection.client.host if connection.client else None)
         admin.check(connection.headers.get("authorization"))
@@ -469,7 +472,15 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
         exception_handlers=admin_exception_handlers(),
         middleware=[server_spans("admin")],
         request_max_body_size=MAX_BODY_BYTES,
-        openapi_config=OpenAPIConfig(title="sbproxy admin", version="1"),
+        # The API description is open like /metrics (no secret in it), but only to clients
+        # the listener's ip_allowlist admits.
+        openapi_config=OpenAPIConfig(
+            title="sbproxy admin",
+            version="1",
+            openapi_router=Router(
+                path="/schema", guards=[allowlisted], route_handlers=[], include_in_schema=False
+            ),
+        ),
         template_config=console_templates(),
         lifespan=[console_sampler(manager, admin.activity)],
         debug=debug,

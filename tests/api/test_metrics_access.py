@@ -39,6 +39,7 @@ async def test_metrics_need_the_allowlist_not_the_credentials(tmp_path: Path) ->
             assert (await inside.get("/admin/model-host/status")).status_code == 401
             status = await inside.get("/admin/model-host/status", auth=ADMIN)
             assert status.status_code == 200
+            assert (await inside.get("/schema/openapi.json")).status_code == 200
         async with _client(admin, "192.0.2.7") as outside:
             refused = await outside.get("/metrics")
             assert refused.status_code == 401
@@ -46,3 +47,5 @@ async def test_metrics_need_the_allowlist_not_the_credentials(tmp_path: Path) ->
             assert "sbproxy_model_host" not in refused.text
             with_credentials = await outside.get("/admin/model-host/status", auth=ADMIN)
             assert with_credentials.status_code == 401
+            # The API description is behind the allowlist too.
+            assert (await outside.get("/schema/openapi.json")).status_code == 401
