@@ -34,7 +34,7 @@ from sbproxy.catalog import (
 )
 from sbproxy.cli._host import HostChoice, choose_host, run_host
 from sbproxy.cli._job_text import size_text
-from sbproxy.cli._lazy import LazyGroup, resume_collection
+from sbproxy.cli._lazy import LazyCommand, LazyGroup, resume_collection
 from sbproxy.cli._options import cache_dir_option, catalog_file_option, config_option
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
@@ -82,20 +82,57 @@ class _CacheView:
 
 
 # The cache verbs are imported when they run (`models pull` needs neither the admin client
-# nor the cache-report code).
+# nor the cache-report code), and `sbproxy models --help` imports none of them.
 _VERBS = {
-    "pull": "sbproxy.cli.models_pull_cmd:pull_command",
-    "import": "sbproxy.cli.models_pull_cmd:import_command",
-    "remove": "sbproxy.cli.models_cache_cmd:remove_command",
-    "prune": "sbproxy.cli.models_cache_cmd:prune_command",
-    "gc": "sbproxy.cli.models_cache_cmd:gc_command",
-    "verify": "sbproxy.cli.models_cache_cmd:verify_command",
-    "partials": "sbproxy.cli.models_cache_cmd:partials_command",
-    "ps": "sbproxy.cli.models_admin_cmd:ps_command",
-    "load": "sbproxy.cli.models_admin_cmd:load_command",
-    "stop": "sbproxy.cli.models_admin_cmd:stop_command",
-    "lock": "sbproxy.cli.models_lock_cmd:lock_command",
-    "verify-lock": "sbproxy.cli.models_lock_cmd:verify_lock_command",
+    "pull": LazyCommand(
+        "sbproxy.cli.models_pull_cmd:pull_command",
+        "Download and verify exact catalog artifacts into the cache.",
+    ),
+    "import": LazyCommand(
+        "sbproxy.cli.models_pull_cmd:import_command",
+        "Import local files as a catalog artifact, verified like a download.",
+    ),
+    "remove": LazyCommand(
+        "sbproxy.cli.models_cache_cmd:remove_command",
+        "Remove one cached artifact (idempotent: removing what is not cached succeeds).",
+    ),
+    "prune": LazyCommand(
+        "sbproxy.cli.models_cache_cmd:prune_command",
+        "Delete blobs no published artifact references, and abandoned partial downloads.",
+    ),
+    "gc": LazyCommand(
+        "sbproxy.cli.models_cache_cmd:gc_command",
+        "Bring the cache under its budget: unreferenced blobs first, then least recently used "
+        "artifacts, keeping protected ones (configured via -f, leased, locked, being pulled).",
+    ),
+    "verify": LazyCommand(
+        "sbproxy.cli.models_cache_cmd:verify_command",
+        "Re-verify published artifacts (all, or MODEL's) against their recorded digests.",
+    ),
+    "partials": LazyCommand(
+        "sbproxy.cli.models_cache_cmd:partials_command",
+        "List unfinished downloads: their bytes, the pull job that owns each, and its state.",
+    ),
+    "ps": LazyCommand(
+        "sbproxy.cli.models_admin_cmd:ps_command",
+        "Show running deployments: state, port, active and queued requests, reason.",
+    ),
+    "load": LazyCommand(
+        "sbproxy.cli.models_admin_cmd:load_command",
+        "Prepare and warm DEPLOYMENT in the running server (pull, engine, launch).",
+    ),
+    "stop": LazyCommand(
+        "sbproxy.cli.models_admin_cmd:stop_command",
+        "Drain DEPLOYMENT and stop its engine (the artifact stays cached).",
+    ),
+    "lock": LazyCommand(
+        "sbproxy.cli.models_lock_cmd:lock_command",
+        "Write the exact artifact every configured deployment resolves to on this machine.",
+    ),
+    "verify-lock": LazyCommand(
+        "sbproxy.cli.models_lock_cmd:verify_lock_command",
+        "Check a lockfile against the config, the catalog and the cache.",
+    ),
 }
 
 
