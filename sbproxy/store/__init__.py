@@ -10,15 +10,10 @@ from __future__ import annotations
 from sbproxy.store.database import Database, StoreError, Synchronous
 from sbproxy.store.jobs import (
     RECOVERY_EXHAUSTED,
-    ErrorInfo,
-    EventRecord,
-    JobRecord,
     JobStore,
     Recovered,
-    StepRecord,
     StepRefusal,
     SubmitOutcome,
-    wall_clock_ms,
 )
 from sbproxy.store.leaseclock import (
     UNKNOWN_BOOT,
@@ -36,6 +31,7 @@ from sbproxy.store.lifecycle import (
     StepStatus,
 )
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
+from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
 from sbproxy.store.runtime import CommittedRevision, RuntimeStore
 from sbproxy.store.usage import HOUR_MS, UsageDelta, UsageStore, UsageTotals
 

@@ -15,7 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sbproxy.store.database import Database
-from sbproxy.store.jobs import wall_clock_ms
+from sbproxy.store.records import wall_clock_ms
 
 __all__ = ["HOUR_MS", "UsageDelta", "UsageStore", "UsageTotals"]
 
