@@ -7,14 +7,9 @@ records.
 
 from __future__ import annotations
 
-from sbproxy.store.database import Database, StoreError, Synchronous
-from sbproxy.store.jobs import (
-    RECOVERY_EXHAUSTED,
-    JobStore,
-    Recovered,
-    StepRefusal,
-    SubmitOutcome,
-)
+from typing import TYPE_CHECKING
+
+from sbproxy._lazy_exports import lazy_exports
 from sbproxy.store.leaseclock import (
     UNKNOWN_BOOT,
     LeaseClock,
@@ -32,8 +27,34 @@ from sbproxy.store.lifecycle import (
 )
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
 from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
-from sbproxy.store.runtime import CommittedRevision, RuntimeStore
-from sbproxy.store.usage import HOUR_MS, UsageDelta, UsageStore, UsageTotals
+
+# The repositories and the database behind them import SQLAlchemy (0.12-0.17 s): they load
+# when first used, so a process that only reads records (``store.readonly``) never pays for it.
+_LAZY = {
+    "sbproxy.store.database": ("Database", "StoreError", "Synchronous"),
+    "sbproxy.store.jobs": (
+        "RECOVERY_EXHAUSTED",
+        "JobStore",
+        "Recovered",
+        "StepRefusal",
+        "SubmitOutcome",
+    ),
+    "sbproxy.store.runtime": ("CommittedRevision", "RuntimeStore"),
+    "sbproxy.store.usage": ("HOUR_MS", "UsageDelta", "UsageStore", "UsageTotals"),
+}
+if TYPE_CHECKING:
+    from sbproxy.store.database import Database, StoreError, Synchronous
+    from sbproxy.store.jobs import (
+        RECOVERY_EXHAUSTED,
+        JobStore,
+        Recovered,
+        StepRefusal,
+        SubmitOutcome,
+    )
+    from sbproxy.store.runtime import CommittedRevision, RuntimeStore
+    from sbproxy.store.usage import HOUR_MS, UsageDelta, UsageStore, UsageTotals
+else:
+    __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "ACTIVE_JOB_STATUSES",
