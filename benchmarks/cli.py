@@ -13,10 +13,10 @@ every command alike (each round runs every command once, in a rotated order):
 
 ``sbproxy`` is the virtual environment's console script (``<venv>/bin/sbproxy``, beside the
 running interpreter), as an installed CLI is run. Every run uses one prepared cache root
-(``SBPROXY_CACHE_DIR``, a temporary directory) whose journal holds a few jobs: succeeded,
-failed, queued, and one running under an owner that is gone (stale, so ``jobs list`` judges
-staleness and reads its steps). The package's bytecode is compiled once before the runs, as
-installing a wheel does.
+(``SBPROXY_CACHE_DIR``, a temporary directory) whose journal holds ten jobs in every state
+(``tests.support.journals``), two of them stale, so ``jobs list`` judges staleness and reads
+their steps. The package's bytecode is compiled once before the runs, as installing a wheel
+does.
 
 Prints ONE JSON object on stdout: per command the median, p10/p90, min/max and every run in
 seconds, its ratio to ``import click`` (median over median), its goal and whether it meets
@@ -24,7 +24,7 @@ it; then the environment. On the shared 2-core machines, use many runs (``--runs
 compare ratios within one run.
 
 Usage: ``python benchmarks/cli.py [--runs 20]``, from the repository root with the project's
-virtual environment.
+virtual environment (``python -m benchmarks.cli`` works too).
 """
 
 from __future__ import annotations
@@ -41,15 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
-
-from sbproxy.store import Database, ErrorInfo, JobStatus, JobStore
-
 ROOT = Path(__file__).resolve().parents[1]
 SBPROXY = Path(sys.executable).parent / "sbproxy"
 CONFIG = ROOT / "examples" / "model-host-managed" / "sb.yml"
-# A lease owner on this boot whose pid cannot exist (above pid_max): certainly gone.
-GONE_OWNER_PID = 4_194_305
 
 # Command name -> (argv, goal as a ratio to `import click`, or None for reference rows).
 COMMANDS: dict[str, tuple[list[str], float | None]] = {
@@ -61,60 +55,19 @@ COMMANDS: dict[str, tuple[list[str], float | None]] = {
     "config_validate": ([str(SBPROXY), "config", "validate", "-f", str(CONFIG)], 5.0),
 }
 BASELINE = "import_click"
-
-
-async def _fill_journal(journal: Path) -> None:
-    """A few jobs in every state ``jobs list`` shows, one of them stale."""
-    from sbproxy.store import boot_id
-
-    database = await Database.open(journal)
-    store = JobStore(database)
-    try:
-        for index, outcome in enumerate(
-            (JobStatus.SUCCEEDED, JobStatus.SUCCEEDED, JobStatus.FAILED, None, "stale")
-        ):
-            submitted = await store.submit(
-                kind="pull",
-                workflow_version=1,
-                input_json=json.dumps({"n": index}),
-                idempotency_key=f"bench-{index}",
-                subject=f"artifact:sha256:{index:064x}",
-            )
-            if outcome is None:
-                continue  # stays queued
-            job_id = submitted.job.id
-            owner = f"{boot_id()}/{GONE_OWNER_PID}/1/bench" if outcome == "stale" else "bench-owner"
-            claimed = await store.claim(owner=owner, lease_ms=60_000, job_id=job_id)
-            assert claimed is not None
-            await store.begin_step(job_id, owner=owner, attempt=claimed.attempt, seq=0, name="plan")
-            await store.end_step(
-                job_id, owner=owner, attempt=claimed.attempt, seq=0, name="plan", output_json="1"
-            )
-            await store.report_progress(
-                job_id,
-                owner=owner,
-                attempt=claimed.attempt,
-                progress={"done": 5, "total": 10, "unit": "bytes"},
-                event=True,
-            )
-            if isinstance(outcome, JobStatus):
-                failed = outcome == JobStatus.FAILED
-                error = ErrorInfo("bench_failure", "failed on purpose") if failed else None
-                await store.finish(
-                    job_id,
-                    owner=owner,
-                    attempt=claimed.attempt,
-                    status=outcome,
-                    output_json=None if error else "{}",
-                    error=error,
-                )
-    finally:
-        await database.close()
+# Run from the repository root, where `tests` is importable.
+_FILL = (
+    "import sys, anyio, pathlib\n"
+    "from tests.support.journals import fill_varied_journal\n"
+    "anyio.run(fill_varied_journal, pathlib.Path(sys.argv[1]))\n"
+)
 
 
 def prepare(cache: Path) -> dict[str, str]:
     """The cache root's journal, and the environment every command runs with."""
-    anyio.run(_fill_journal, cache / "jobs" / "journal.db")
+    subprocess.run(  # noqa: S603 - our own fixed argv
+        [sys.executable, "-c", _FILL, str(cache / "jobs" / "journal.db")], cwd=ROOT, check=True
+    )
     dropped = {"SB_CONFIG_FILE", "SBPROXY_CACHE_DIR", "SBPROXY_FAULT_POINTS"}
     env = {key: value for key, value in os.environ.items() if key not in dropped}
     env["SBPROXY_CACHE_DIR"] = str(cache)
@@ -184,7 +137,7 @@ def main() -> None:
         "runs_each": args.runs,
         "sbproxy": f"{SBPROXY} (the virtual environment's console script)",
         "bytecode": "sbproxy compiled before the runs (compileall), as a wheel install does",
-        "journal": "5 jobs: 2 succeeded, 1 failed, 1 queued, 1 running under a gone owner",
+        "journal": "10 jobs in every state, 2 of them stale (tests.support.journals)",
         "commands": commands,
         "all_goals_met": all(c["meets_goal"] is not False for c in commands.values()),
         "environment": {

@@ -2,7 +2,8 @@
 
 :class:`Database` opens the file (WAL, ``synchronous=FULL``, ``BEGIN IMMEDIATE`` writes,
 migrations); :class:`JobStore` is the repository of jobs, steps and events, returning frozen
-records.
+records. :class:`JournalReader` reads jobs and steps through the stdlib ``sqlite3`` alone, for
+the CLI's listings.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sbproxy.store.lifecycle import (
     StepStatus,
 )
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
+from sbproxy.store.readonly import JournalReader, ReaderDeclined
 from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
 
 # The repositories and the database behind them import SQLAlchemy (0.12-0.17 s): they load
@@ -73,9 +75,11 @@ __all__ = [
     "JobRecord",
     "JobStatus",
     "JobStore",
+    "JournalReader",
     "LeaseClock",
     "LeaseStamp",
     "LeaseTime",
+    "ReaderDeclined",
     "Recovered",
     "RuntimeStore",
     "StepRecord",

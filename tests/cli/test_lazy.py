@@ -88,14 +88,19 @@ def test_bare_models_group_resumes_before_listing(
     assert seen == [True]
 
 
+GROUPS = ["sbproxy", "sbproxy models", "sbproxy jobs"]
+
+
 def _lazy_groups() -> list[tuple[str, LazyGroup]]:
+    from sbproxy.cli.jobs_cmd import jobs_group
     from sbproxy.cli.models_cmd import models_group
 
-    assert isinstance(cli, LazyGroup) and isinstance(models_group, LazyGroup)
-    return [("sbproxy", cli), ("sbproxy models", models_group)]
+    groups = [("sbproxy", cli), ("sbproxy models", models_group), ("sbproxy jobs", jobs_group)]
+    assert all(isinstance(group, LazyGroup) for _, group in groups)
+    return groups
 
 
-@pytest.mark.parametrize("path", ["sbproxy", "sbproxy models"])
+@pytest.mark.parametrize("path", GROUPS)
 def test_each_listed_short_help_is_the_commands_own(path: str) -> None:
     (group,) = [group for name, group in _lazy_groups() if name == path]
     ctx = click.Context(group)
@@ -107,7 +112,7 @@ def test_each_listed_short_help_is_the_commands_own(path: str) -> None:
 
 
 @pytest.mark.parametrize("width", [40, 80, 120])
-@pytest.mark.parametrize("path", ["sbproxy", "sbproxy models"])
+@pytest.mark.parametrize("path", GROUPS)
 def test_help_lists_verbs_as_if_each_were_imported(path: str, width: int) -> None:
     (group,) = [group for name, group in _lazy_groups() if name == path]
     unloaded = LazyGroup(name=group.name, lazy_commands=group.lazy_commands)

@@ -13,7 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
+
+from tests.support.journals import fill_varied_journal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,3 +83,27 @@ def test_models_help_imports_none_of_the_verbs_it_lists() -> None:
     assert code == 0
     verbs = {name for name in modules if name.startswith("sbproxy.cli.models_")}
     assert verbs == {"sbproxy.cli.models_cmd"}
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A cache root whose journal holds jobs in every state, stale ones included."""
+    root = tmp_path_factory.mktemp("startup-cache")
+    anyio.run(fill_varied_journal, root / "jobs" / "journal.db")
+    return {**_clean_env(), "SBPROXY_CACHE_DIR": str(root)}
+
+
+@pytest.mark.parametrize("output", ["text", "json"])
+def test_jobs_list_reads_the_journal_without_the_database_layer(
+    cache_env: dict[str, str], output: str
+) -> None:
+    code, modules = imported("jobs", "list", "--format", output, env=cache_env)
+    assert code == 0
+    assert "sbproxy.store.readonly" in modules
+    assert not _roots(modules) & {"pydantic", "pydantic_core", "yaml", "ulid", *HEAVY}
+    assert not {name for name in modules if name.startswith("sbproxy.store.")} & {
+        "sbproxy.store.database",
+        "sbproxy.store.jobs",
+        "sbproxy.store.migrations",
+    }
+    assert "sbproxy.cli.jobs_control_cmd" not in modules
