@@ -11,7 +11,12 @@ import sys
 
 import pytest
 
-LAZY_PACKAGES = ("sbproxy.store", "sbproxy.workflows", "sbproxy.model_host.artifacts")
+LAZY_PACKAGES = (
+    "sbproxy.store",
+    "sbproxy.workflows",
+    "sbproxy.model_host.artifacts",
+    "sbproxy.model_host.runtime",
+)
 
 
 def _type_checking_imports(package: str) -> dict[str, tuple[str, ...]]:

@@ -32,14 +32,14 @@ from sbproxy.catalog import (
     resolve_artifact,
     variant_digest,
 )
-from sbproxy.cli._host import HostChoice, choose_host, run_host
+from sbproxy.cli._host import HostChoice, choose_host, exit_code_for
 from sbproxy.cli._job_text import size_text
 from sbproxy.cli._lazy import LazyCommand, LazyGroup, resume_collection
 from sbproxy.cli._options import cache_dir_option, catalog_file_option, config_option
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
+from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.runtime import probe_worker
-from sbproxy.model_host.service import open_service
 
 __all__ = ["models_group"]
 
@@ -267,23 +267,27 @@ def _host(
 
 def _cache_view(command: str, host: HostChoice, catalog: Catalog, output_format: str) -> _CacheView:
     """What the cache holds. A root without a journal has never had a pull: nothing is
-    cached, and nothing is created there just to say so."""
+    cached, and nothing is created there just to say so.
+
+    The cache is prepared as ``open_service`` prepares it (directories created, the root
+    found writable: the same ``invalid_cache_dir`` errors) but the journal is not opened:
+    what is cached is the ready markers and snapshots, not the jobs.
+    """
     if not host.layout.journal.is_file():
         return _CacheView()
-
-    async def read() -> _CacheView:
-        async with open_service(
-            host.layout, config=host.config, catalog_file=host.catalog_file
-        ) as service:
-            snapshots = {
-                metadata.artifact_digest: str(service.cache.snapshot(metadata.artifact_digest))
-                for metadata in service.cached()
-                if service.cache.snapshot(metadata.artifact_digest).is_dir()
-            }
-            statuses = {model_id: service.status_of(model_id) for model_id in catalog.models}
-        return _CacheView(statuses=statuses, snapshots=snapshots)
-
-    return run_host(command, output_format, read)
+    try:
+        cache = ArtifactCache.open(host.layout)
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format, exit_code=exit_code_for(exc))
+    published = [
+        metadata
+        for metadata in cache.published()
+        if cache.snapshot(metadata.artifact_digest).is_dir()
+    ]
+    snapshots = {m.artifact_digest: str(cache.snapshot(m.artifact_digest)) for m in published}
+    # ``ModelHostService.status_of``: cached when some published artifact is a variant of it.
+    statuses = {m.logical_model: "cached" for m in published if m.logical_model in catalog.models}
+    return _CacheView(statuses=statuses, snapshots=snapshots)
 
 
 def _prepare(

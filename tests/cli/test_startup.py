@@ -107,3 +107,20 @@ def test_jobs_list_reads_the_journal_without_the_database_layer(
         "sbproxy.store.migrations",
     }
     assert "sbproxy.cli.jobs_control_cmd" not in modules
+
+
+@pytest.mark.parametrize("output", ["text", "json"])
+def test_models_list_reads_the_cache_without_the_journal_or_yaml(
+    cache_env: dict[str, str], output: str
+) -> None:
+    code, modules = imported("models", "list", "--format", output, env=cache_env)
+    assert code == 0
+    assert "sbproxy.model_host.artifacts.cache" in modules  # the cache status was read
+    assert not _roots(modules) & {"yaml", "sqlalchemy", "aiosqlite", "sqlmodel", "litestar"}
+    assert not _roots(modules) & {"uvicorn", "httpx"}
+    assert not modules & {
+        "sbproxy.model_host.service",
+        "sbproxy.model_host.flows",
+        "sbproxy.workflows.engine",
+        "sbproxy.model_host.artifacts.download",
+    }
