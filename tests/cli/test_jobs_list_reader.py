@@ -121,3 +121,16 @@ def test_an_older_journal_is_listed_by_the_store_which_migrates_it(tmp_path: Pat
     with sqlite3.connect(journal) as raw:
         version = raw.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0]
     assert version == SCHEMA_VERSION
+
+
+def test_a_damaged_journal_is_reported_by_the_store(tmp_path: Path) -> None:
+    journal = tmp_path / "cache" / "jobs" / "journal.db"
+    journal.parent.mkdir(parents=True)
+    journal.write_bytes(b"this is not a database\n" * 100)
+    result = CliRunner().invoke(
+        cli, ["jobs", "list", "--cache-dir", str(tmp_path / "cache"), "--format", "json"]
+    )
+    assert result.exit_code == 1
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "store_failed"
+    assert f"cannot open the journal {journal}" in error["error"]
