@@ -14,16 +14,18 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
 from sbproxy.cli._options import check_catalog_choice, load_cli_config, resolve_layout
 from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, fail, interrupted
-from sbproxy.config import CompiledConfig
 from sbproxy.errors import CatalogError, ConfigError, ResolutionError, SbproxyError, sole_error
 from sbproxy.model_host.artifacts import CacheLayout
-from sbproxy.model_host.service import ModelHostService, open_service
+
+if TYPE_CHECKING:
+    from sbproxy.config import CompiledConfig
+    from sbproxy.model_host.service import ModelHostService
 
 __all__ = [
     "INVALID_INPUT_CODES",
@@ -130,6 +132,9 @@ def run_with_service(
     work: Callable[[ModelHostService], Awaitable[T]],
 ) -> T:
     """Open the service ``host`` selects (creating the cache root), run ``work`` with it."""
+    # The service (the workflow engine, the flows, the journal's database layer) loads with
+    # the verbs that open it; `models list` reads the cache without it.
+    from sbproxy.model_host.service import open_service
 
     async def main() -> T:
         async with open_service(

@@ -15,16 +15,18 @@ Problems with any of them are bad input: exit status 2.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import SupportsFloat, SupportsIndex, get_args
+from typing import TYPE_CHECKING, Any, SupportsFloat, SupportsIndex, TypeVar, get_args
 
 import click
 
-from sbproxy.catalog import EngineChoice
 from sbproxy.cli._output import fail
-from sbproxy.config import CompiledConfig, load_config
 from sbproxy.errors import ConfigError, SbproxyError
 from sbproxy.model_host.artifacts import CacheLayout, resolve_cache_root
+
+if TYPE_CHECKING:
+    from sbproxy.config import CompiledConfig
 
 __all__ = [
     "FiniteFloatRange",
@@ -63,13 +65,23 @@ catalog_file_option = click.option(
     help="Catalog YAML that replaces the built-in catalog entirely.",
 )
 
-engine_option = click.option(
-    "--engine",
-    type=click.Choice(list(get_args(EngineChoice))),
-    default="auto",
-    show_default=True,
-    help="Engine the artifact must suit; auto takes the variant's first engine.",
-)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def engine_option(fn: F) -> F:
+    """``--engine``: the engine the artifact must suit (a choice of ``EngineChoice``)."""
+    # The catalog (pydantic models) is imported by the verbs that take this option, not by
+    # every verb that reads these shared options (`jobs list` needs no catalog).
+    from sbproxy.catalog import EngineChoice
+
+    option = click.option(
+        "--engine",
+        type=click.Choice(list(get_args(EngineChoice))),
+        default="auto",
+        show_default=True,
+        help="Engine the artifact must suit; auto takes the variant's first engine.",
+    )
+    return option(fn)
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -98,6 +110,9 @@ def load_cli_config(
     """The configuration ``-f`` names, or ``None`` without one (exit 2 when invalid)."""
     if config_path is None:
         return None
+    # The config models load only when a verb is given a config file.
+    from sbproxy.config import load_config
+
     try:
         return load_config(config_path)
     except ConfigError as exc:

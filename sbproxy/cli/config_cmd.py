@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from sbproxy.catalog import Catalog, load_catalog
-from sbproxy.cli._lazy import LazyGroup
+from sbproxy.cli._lazy import LazyCommand, LazyGroup
 from sbproxy.cli._output import EXIT_INVALID, emit_json, format_option
 from sbproxy.config import (
     CompiledConfig,
@@ -27,7 +27,13 @@ __all__ = ["config_group"]
 @click.group(
     "config",
     cls=LazyGroup,
-    lazy_commands={"status": "sbproxy.cli.config_status_cmd:status_command"},
+    lazy_commands={
+        "status": LazyCommand(
+            "sbproxy.cli.config_status_cmd:status_command",
+            "Show the running server's active config (path, SHA-256, revision) and its last "
+            "reload (result, time, job, reason code and error).",
+        )
+    },
 )
 def config_group() -> None:
     """Check and describe configuration files; show the one a running server serves."""

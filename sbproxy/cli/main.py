@@ -7,22 +7,46 @@ import sys
 import click
 
 from sbproxy import __version__
-from sbproxy.cli._lazy import LazyGroup, defer_collection
+from sbproxy.cli._lazy import LazyCommand, LazyGroup, defer_collection
 from sbproxy.cli._output import emit_json
 
 __all__ = ["cli", "main"]
 
 # Each verb group is imported only when it runs: `sbproxy models pull` starts without the
-# server stack, the engine builders or the admin client.
+# server stack, the engine builders or the admin client, and `sbproxy --help` imports none of
+# them (each line is the verb's own short help; tests/cli/test_lazy.py holds them equal).
 _COMMANDS = {
-    "apply": "sbproxy.cli.apply_cmd:apply_command",
-    "config": "sbproxy.cli.config_cmd:config_group",
-    "doctor": "sbproxy.cli.doctor_cmd:doctor_command",
-    "engines": "sbproxy.cli.engines_cmd:engines_group",
-    "jobs": "sbproxy.cli.jobs_cmd:jobs_group",
-    "models": "sbproxy.cli.models_cmd:models_group",
-    "serve": "sbproxy.cli.serve_cmd:serve_command",
-    "run": "sbproxy.cli.run_cmd:run_command",
+    "apply": LazyCommand(
+        "sbproxy.cli.apply_cmd:apply_command",
+        "Validate sb.yml, then reload it in the running server (POST /admin/reload).",
+    ),
+    "config": LazyCommand(
+        "sbproxy.cli.config_cmd:config_group",
+        "Check and describe configuration files; show the one a running server serves.",
+    ),
+    "doctor": LazyCommand(
+        "sbproxy.cli.doctor_cmd:doctor_command",
+        "Report the host (CPU, memory, devices), engines, cache and each configured deployment.",
+    ),
+    "engines": LazyCommand(
+        "sbproxy.cli.engines_cmd:engines_group", "Inspect and provision inference engines."
+    ),
+    "jobs": LazyCommand(
+        "sbproxy.cli.jobs_cmd:jobs_group",
+        "Inspect and control durable jobs (pull, verify, prepare, warm, drain ...).",
+    ),
+    "models": LazyCommand(
+        "sbproxy.cli.models_cmd:models_group",
+        "List, inspect, pull and manage catalog models (bare `sbproxy models` lists them).",
+    ),
+    "serve": LazyCommand(
+        "sbproxy.cli.serve_cmd:serve_command",
+        "Serve the OpenAI-compatible gateway and the admin API until SIGTERM or SIGINT.",
+    ),
+    "run": LazyCommand(
+        "sbproxy.cli.run_cmd:run_command",
+        "Serve one certified catalog MODEL on this machine with the canonical runtime.",
+    ),
 }
 
 

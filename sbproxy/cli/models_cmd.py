@@ -32,14 +32,14 @@ from sbproxy.catalog import (
     resolve_artifact,
     variant_digest,
 )
-from sbproxy.cli._host import HostChoice, choose_host, run_host
+from sbproxy.cli._host import HostChoice, choose_host, exit_code_for
 from sbproxy.cli._job_text import size_text
-from sbproxy.cli._lazy import LazyGroup, resume_collection
+from sbproxy.cli._lazy import LazyCommand, LazyGroup, resume_collection
 from sbproxy.cli._options import cache_dir_option, catalog_file_option, config_option
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
+from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.runtime import probe_worker
-from sbproxy.model_host.service import open_service
 
 __all__ = ["models_group"]
 
@@ -82,20 +82,57 @@ class _CacheView:
 
 
 # The cache verbs are imported when they run (`models pull` needs neither the admin client
-# nor the cache-report code).
+# nor the cache-report code), and `sbproxy models --help` imports none of them.
 _VERBS = {
-    "pull": "sbproxy.cli.models_pull_cmd:pull_command",
-    "import": "sbproxy.cli.models_pull_cmd:import_command",
-    "remove": "sbproxy.cli.models_cache_cmd:remove_command",
-    "prune": "sbproxy.cli.models_cache_cmd:prune_command",
-    "gc": "sbproxy.cli.models_cache_cmd:gc_command",
-    "verify": "sbproxy.cli.models_cache_cmd:verify_command",
-    "partials": "sbproxy.cli.models_cache_cmd:partials_command",
-    "ps": "sbproxy.cli.models_admin_cmd:ps_command",
-    "load": "sbproxy.cli.models_admin_cmd:load_command",
-    "stop": "sbproxy.cli.models_admin_cmd:stop_command",
-    "lock": "sbproxy.cli.models_lock_cmd:lock_command",
-    "verify-lock": "sbproxy.cli.models_lock_cmd:verify_lock_command",
+    "pull": LazyCommand(
+        "sbproxy.cli.models_pull_cmd:pull_command",
+        "Download and verify exact catalog artifacts into the cache.",
+    ),
+    "import": LazyCommand(
+        "sbproxy.cli.models_pull_cmd:import_command",
+        "Import local files as a catalog artifact, verified like a download.",
+    ),
+    "remove": LazyCommand(
+        "sbproxy.cli.models_cache_cmd:remove_command",
+        "Remove one cached artifact (idempotent: removing what is not cached succeeds).",
+    ),
+    "prune": LazyCommand(
+        "sbproxy.cli.models_cache_cmd:prune_command",
+        "Delete blobs no published artifact references, and abandoned partial downloads.",
+    ),
+    "gc": LazyCommand(
+        "sbproxy.cli.models_cache_cmd:gc_command",
+        "Bring the cache under its budget: unreferenced blobs first, then least recently used "
+        "artifacts, keeping protected ones (configured via -f, leased, locked, being pulled).",
+    ),
+    "verify": LazyCommand(
+        "sbproxy.cli.models_cache_cmd:verify_command",
+        "Re-verify published artifacts (all, or MODEL's) against their recorded digests.",
+    ),
+    "partials": LazyCommand(
+        "sbproxy.cli.models_cache_cmd:partials_command",
+        "List unfinished downloads: their bytes, the pull job that owns each, and its state.",
+    ),
+    "ps": LazyCommand(
+        "sbproxy.cli.models_admin_cmd:ps_command",
+        "Show running deployments: state, port, active and queued requests, reason.",
+    ),
+    "load": LazyCommand(
+        "sbproxy.cli.models_admin_cmd:load_command",
+        "Prepare and warm DEPLOYMENT in the running server (pull, engine, launch).",
+    ),
+    "stop": LazyCommand(
+        "sbproxy.cli.models_admin_cmd:stop_command",
+        "Drain DEPLOYMENT and stop its engine (the artifact stays cached).",
+    ),
+    "lock": LazyCommand(
+        "sbproxy.cli.models_lock_cmd:lock_command",
+        "Write the exact artifact every configured deployment resolves to on this machine.",
+    ),
+    "verify-lock": LazyCommand(
+        "sbproxy.cli.models_lock_cmd:verify_lock_command",
+        "Check a lockfile against the config, the catalog and the cache.",
+    ),
 }
 
 
@@ -230,23 +267,27 @@ def _host(
 
 def _cache_view(command: str, host: HostChoice, catalog: Catalog, output_format: str) -> _CacheView:
     """What the cache holds. A root without a journal has never had a pull: nothing is
-    cached, and nothing is created there just to say so."""
+    cached, and nothing is created there just to say so.
+
+    The cache is prepared as ``open_service`` prepares it (directories created, the root
+    found writable: the same ``invalid_cache_dir`` errors) but the journal is not opened:
+    what is cached is the ready markers and snapshots, not the jobs.
+    """
     if not host.layout.journal.is_file():
         return _CacheView()
-
-    async def read() -> _CacheView:
-        async with open_service(
-            host.layout, config=host.config, catalog_file=host.catalog_file
-        ) as service:
-            snapshots = {
-                metadata.artifact_digest: str(service.cache.snapshot(metadata.artifact_digest))
-                for metadata in service.cached()
-                if service.cache.snapshot(metadata.artifact_digest).is_dir()
-            }
-            statuses = {model_id: service.status_of(model_id) for model_id in catalog.models}
-        return _CacheView(statuses=statuses, snapshots=snapshots)
-
-    return run_host(command, output_format, read)
+    try:
+        cache = ArtifactCache.open(host.layout)
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format, exit_code=exit_code_for(exc))
+    published = [
+        metadata
+        for metadata in cache.published()
+        if cache.snapshot(metadata.artifact_digest).is_dir()
+    ]
+    snapshots = {m.artifact_digest: str(cache.snapshot(m.artifact_digest)) for m in published}
+    # ``ModelHostService.status_of``: cached when some published artifact is a variant of it.
+    statuses = {m.logical_model: "cached" for m in published if m.logical_model in catalog.models}
+    return _CacheView(statuses=statuses, snapshots=snapshots)
 
 
 def _prepare(

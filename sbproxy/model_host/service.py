@@ -37,8 +37,6 @@ from sbproxy.model_host.artifacts import (
     CachedMetadata,
     CacheLayout,
     PartialDownload,
-    check_cache_writable,
-    unusable_cache_dir,
 )
 from sbproxy.model_host.artifacts.errors import CacheCorrupt, OfflineArtifactMissing
 from sbproxy.model_host.flows import (
@@ -473,12 +471,7 @@ async def open_service(
     host = config.model_host if config else None
     chosen = catalog_file or (Path(host.catalog_file) if host and host.catalog_file else None)
     catalog = load_catalog(chosen)
-    cache = ArtifactCache(layout)
-    try:
-        cache.ensure_dirs()
-    except OSError as exc:
-        raise unusable_cache_dir(layout.root, exc) from exc
-    check_cache_writable(layout)
+    cache = ArtifactCache.open(layout)
     engine = await WorkflowEngine.open(layout.journal, registry, resources=[cache])
     service = ModelHostService(layout=layout, catalog=catalog, engine=engine, config=config)
     try:

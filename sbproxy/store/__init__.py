@@ -1,28 +1,18 @@
 """The job journal: the only package that touches the database (sqlite3, sqlmodel).
 
-:class:`JobJournal` is what the workflow engine needs of a journal; :func:`open_journal`
-opens one. :class:`Database` opens the SQLite file (WAL, ``synchronous=FULL``, one writer
-thread with ``BEGIN IMMEDIATE`` transactions and group commit, reader threads,
-migrations); :class:`JobStore` is the SQLite repository of jobs, steps and events, returning
-frozen records.
+``JobJournal`` is what the workflow engine needs of a journal; ``open_journal`` opens one.
+:class:`Database` opens the SQLite file (WAL, ``synchronous=FULL``, one writer thread with
+``BEGIN IMMEDIATE`` transactions and group commit, reader threads, migrations);
+:class:`JobStore` is the SQLite repository of jobs, steps and events, returning frozen
+records. :class:`JournalReader` reads jobs and steps through the stdlib ``sqlite3`` alone, for
+the CLI's listings.
 """
 
 from __future__ import annotations
 
-from sbproxy.store.database import Database, StoreError, Synchronous, Transaction
-from sbproxy.store.jobs import (
-    RECOVERY_EXHAUSTED,
-    ErrorInfo,
-    EventRecord,
-    JobRecord,
-    JobStore,
-    Recovered,
-    StepRecord,
-    StepRefusal,
-    SubmitOutcome,
-    wall_clock_ms,
-)
-from sbproxy.store.journal import JobJournal, open_journal
+from typing import TYPE_CHECKING
+
+from sbproxy._lazy_exports import lazy_exports
 from sbproxy.store.leaseclock import (
     UNKNOWN_BOOT,
     LeaseClock,
@@ -39,8 +29,38 @@ from sbproxy.store.lifecycle import (
     StepStatus,
 )
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
-from sbproxy.store.runtime import CommittedRevision, RuntimeStore
-from sbproxy.store.usage import HOUR_MS, UsageDelta, UsageStore, UsageTotals
+from sbproxy.store.readonly import JournalReader, ReaderDeclined
+from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
+
+# The repositories and the database behind them import SQLAlchemy (0.12-0.17 s): they load
+# when first used, so a process that only reads records (``store.readonly``) never pays for it.
+_LAZY = {
+    "sbproxy.store.database": ("Database", "StoreError", "Synchronous", "Transaction"),
+    "sbproxy.store.journal": ("JobJournal", "open_journal"),
+    "sbproxy.store.jobs": (
+        "RECOVERY_EXHAUSTED",
+        "JobStore",
+        "Recovered",
+        "StepRefusal",
+        "SubmitOutcome",
+    ),
+    "sbproxy.store.runtime": ("CommittedRevision", "RuntimeStore"),
+    "sbproxy.store.usage": ("HOUR_MS", "UsageDelta", "UsageStore", "UsageTotals"),
+}
+if TYPE_CHECKING:
+    from sbproxy.store.database import Database, StoreError, Synchronous, Transaction
+    from sbproxy.store.jobs import (
+        RECOVERY_EXHAUSTED,
+        JobStore,
+        Recovered,
+        StepRefusal,
+        SubmitOutcome,
+    )
+    from sbproxy.store.journal import JobJournal, open_journal
+    from sbproxy.store.runtime import CommittedRevision, RuntimeStore
+    from sbproxy.store.usage import HOUR_MS, UsageDelta, UsageStore, UsageTotals
+else:
+    __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "ACTIVE_JOB_STATUSES",
@@ -60,9 +80,11 @@ __all__ = [
     "JobRecord",
     "JobStatus",
     "JobStore",
+    "JournalReader",
     "LeaseClock",
     "LeaseStamp",
     "LeaseTime",
+    "ReaderDeclined",
     "Recovered",
     "RuntimeStore",
     "StepRecord",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -33,7 +32,7 @@ from ulid import ULID
 
 from sbproxy.redact import redact
 from sbproxy.store.database import Database, Transaction
-from sbproxy.store.leaseclock import LeaseClock, LeaseStamp, system_lease_time
+from sbproxy.store.leaseclock import LeaseClock, system_lease_time
 from sbproxy.store.lifecycle import (
     ACTIVE_JOB_STATUSES,
     TERMINAL_JOB_STATUSES,
@@ -41,6 +40,9 @@ from sbproxy.store.lifecycle import (
     StepStatus,
 )
 from sbproxy.store.outcomes import JobOutcomes
+from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
+from sbproxy.store.records import job_from_row as _job
+from sbproxy.store.records import step_from_row as _step
 
 __all__ = [
     "RECOVERY_EXHAUSTED",
@@ -60,11 +62,6 @@ MAX_EVENT_BYTES = 16 * 1024
 
 # Reason code of a job that recovery failed instead of re-queueing it once more.
 RECOVERY_EXHAUSTED = "recovery_exhausted"
-
-
-def wall_clock_ms() -> int:
-    """Milliseconds since the Unix epoch."""
-    return time.time_ns() // 1_000_000
 
 
 # Clears a lease. ``lease_expires_at_ms`` held the wall-clock leases of schemas 1-3; it stays
@@ -111,149 +108,6 @@ def _in(statuses: Iterable[JobStatus]) -> str:
 
 
 @dataclass(frozen=True)
-class ErrorInfo:
-    """A recorded failure: stable reason code and a bounded, redacted message."""
-
-    code: str
-    message: str
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """A job as stored (never an ORM row).
-
-    Attributes:
-        id: ULID text.
-        kind: Workflow name.
-        workflow_version: Version of the workflow code that created it.
-        subject: What the job acts on (``artifact:sha256:<digest>``, ``deployment:<id>``).
-        input: The workflow input as a JSON object.
-        idempotency_key: Key that deduplicates submissions while the job is unfinished.
-        status: Lifecycle state.
-        attempt: How many times a worker has claimed it.
-        lease_owner: Worker holding it while running.
-        lease: That worker's lease, on the lease clock (``None`` when not running, or for
-            a lease an sbproxy before schema 4 wrote, which counts as lapsed).
-        cancel_requested: An operator asked for cancellation.
-        progress: Latest progress report (``{"done", "total", "unit", "current"}``).
-        output: Workflow result (JSON) once succeeded.
-        error: Failure, for failed and parked jobs.
-        trace_context: W3C trace context of the request that created it.
-        recoveries: How many times recovery took the job from a dead or lapsed runner since a
-            step last completed (0 after a completed step or an operator's retry).
-    """
-
-    id: str
-    kind: str
-    workflow_version: int
-    subject: str | None
-    input: Mapping[str, Any]
-    idempotency_key: str | None
-    status: JobStatus
-    attempt: int
-    lease_owner: str | None
-    lease: LeaseStamp | None
-    cancel_requested: bool
-    progress: Mapping[str, Any] | None
-    output: Any
-    error: ErrorInfo | None
-    trace_context: Mapping[str, str] | None
-    created_at_ms: int
-    updated_at_ms: int
-    started_at_ms: int | None
-    ended_at_ms: int | None
-    recoveries: int = 0
-
-    @property
-    def terminal(self) -> bool:
-        """Whether the job has finished (succeeded, failed or cancelled)."""
-        return self.status in TERMINAL_JOB_STATUSES
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready view (the shape of ``jobs show`` and the admin API).
-
-        The lease is three fields: ``lease_clock`` (boot id), ``lease_deadline_ms`` (ms on
-        that boot's ``CLOCK_MONOTONIC``, not an epoch time) and ``lease_ms`` (its length);
-        all ``None`` when no lease is held.
-        """
-        return {
-            "id": self.id,
-            "kind": self.kind,
-            "workflow_version": self.workflow_version,
-            "subject": self.subject,
-            "status": self.status.value,
-            "attempt": self.attempt,
-            "recoveries": self.recoveries,
-            "idempotency_key": self.idempotency_key,
-            "cancel_requested": self.cancel_requested,
-            "progress": dict(self.progress) if self.progress else None,
-            "output": self.output,
-            "error": {"code": self.error.code, "message": self.error.message}
-            if self.error
-            else None,
-            "lease_owner": self.lease_owner,
-            "lease_clock": self.lease.clock if self.lease else None,
-            "lease_deadline_ms": self.lease.deadline_ms if self.lease else None,
-            "lease_ms": self.lease.duration_ms if self.lease else None,
-            "created_at_ms": self.created_at_ms,
-            "updated_at_ms": self.updated_at_ms,
-            "started_at_ms": self.started_at_ms,
-            "ended_at_ms": self.ended_at_ms,
-        }
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One journal entry."""
-
-    job_id: str
-    seq: int
-    name: str
-    status: StepStatus
-    attempts: int
-    output_json: str | None
-    error: ErrorInfo | None
-    started_at_ms: int
-    ended_at_ms: int | None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready view."""
-        return {
-            "seq": self.seq,
-            "name": self.name,
-            "status": self.status.value,
-            "attempts": self.attempts,
-            "output": json.loads(self.output_json) if self.output_json else None,
-            "error": {"code": self.error.code, "message": self.error.message}
-            if self.error
-            else None,
-            "started_at_ms": self.started_at_ms,
-            "ended_at_ms": self.ended_at_ms,
-        }
-
-
-@dataclass(frozen=True)
-class EventRecord:
-    """One job event. ``seq`` is global and strictly increasing across restarts."""
-
-    seq: int
-    job_id: str
-    at_ms: int
-    type: str
-    data: Mapping[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready view."""
-        return {
-            "seq": self.seq,
-            "job_id": self.job_id,
-            "at_ms": self.at_ms,
-            "type": self.type,
-            **self.data,
-        }
-
-
-@dataclass(frozen=True)
 class SubmitOutcome:
     """Result of :meth:`JobStore.submit`: the job, and whether this call created it."""
 
@@ -285,58 +139,6 @@ class StepRefusal(StrEnum):
 
     CANCELLED = "cancelled"
     LEASE_LOST = "lease_lost"
-
-
-def _error(code: str | None, message: str | None) -> ErrorInfo | None:
-    if code is None:
-        return None
-    return ErrorInfo(code=code, message=message or "")
-
-
-def _lease(row: sqlite3.Row) -> LeaseStamp | None:
-    clock, deadline, duration = row["lease_clock"], row["lease_deadline_ms"], row["lease_ms"]
-    if clock is None or deadline is None or duration is None:
-        return None
-    return LeaseStamp(clock=clock, deadline_ms=deadline, duration_ms=duration)
-
-
-def _job(row: sqlite3.Row) -> JobRecord:
-    return JobRecord(
-        id=row["id"],
-        kind=row["kind"],
-        workflow_version=row["workflow_version"],
-        subject=row["subject"],
-        input=json.loads(row["input_json"]),
-        idempotency_key=row["idempotency_key"],
-        status=JobStatus(row["status"]),
-        attempt=row["attempt"],
-        lease_owner=row["lease_owner"],
-        lease=_lease(row),
-        cancel_requested=bool(row["cancel_requested"]),
-        progress=json.loads(row["progress_json"]) if row["progress_json"] else None,
-        output=json.loads(row["output_json"]) if row["output_json"] is not None else None,
-        error=_error(row["error_code"], row["error_message"]),
-        trace_context=json.loads(row["trace_context"]) if row["trace_context"] else None,
-        created_at_ms=row["created_at_ms"],
-        updated_at_ms=row["updated_at_ms"],
-        started_at_ms=row["started_at_ms"],
-        ended_at_ms=row["ended_at_ms"],
-        recoveries=row["recoveries"],
-    )
-
-
-def _step(row: sqlite3.Row) -> StepRecord:
-    return StepRecord(
-        job_id=row["job_id"],
-        seq=row["seq"],
-        name=row["name"],
-        status=StepStatus(row["status"]),
-        attempts=row["attempts"],
-        output_json=row["output_json"],
-        error=_error(row["error_code"], row["error_message"]),
-        started_at_ms=row["started_at_ms"],
-        ended_at_ms=row["ended_at_ms"],
-    )
 
 
 def _redact_tree(value: Any) -> Any:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sbproxy.store.database import Database, Transaction
-from sbproxy.store.jobs import wall_clock_ms
+from sbproxy.store.records import wall_clock_ms
 
 __all__ = ["CommittedRevision", "RuntimeStore"]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sbproxy.store.database import Database, Transaction
-from sbproxy.store.jobs import wall_clock_ms
+from sbproxy.store.records import wall_clock_ms
 
 __all__ = ["HOUR_MS", "UsageDelta", "UsageStore", "UsageTotals"]
 

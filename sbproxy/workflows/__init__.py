@@ -22,9 +22,9 @@ Typical use::
 
 from __future__ import annotations
 
-from sbproxy.workflows.context import StepContext, WorkflowContext
-from sbproxy.workflows.declare import Registry, RetryPolicy, StepDef, WorkflowDef, step
-from sbproxy.workflows.engine import DEFAULT_MAX_RECOVERIES, WorkflowEngine
+from typing import TYPE_CHECKING
+
+from sbproxy._lazy_exports import lazy_exports
 from sbproxy.workflows.errors import (
     JobCancelled,
     JobNotFound,
@@ -33,10 +33,26 @@ from sbproxy.workflows.errors import (
     StepFailed,
     WorkflowError,
 )
-from sbproxy.workflows.executor import LeaseSettings
 from sbproxy.workflows.faults import arm, disarm_all, fault_point
 from sbproxy.workflows.identity import WorkerIdentity, owner_is_gone, process_start_ticks
 from sbproxy.workflows.stale import Staleness, StaleReason, stale_reason, staleness
+
+# The engine and what runs steps import the journal's database layer, pydantic, anyio and
+# OpenTelemetry: they load when first used, so judging a job's staleness (``jobs list``) or
+# arming a fault point costs none of them.
+_LAZY = {
+    "sbproxy.workflows.context": ("StepContext", "WorkflowContext"),
+    "sbproxy.workflows.declare": ("Registry", "RetryPolicy", "StepDef", "WorkflowDef", "step"),
+    "sbproxy.workflows.engine": ("DEFAULT_MAX_RECOVERIES", "WorkflowEngine"),
+    "sbproxy.workflows.executor": ("LeaseSettings",),
+}
+if TYPE_CHECKING:
+    from sbproxy.workflows.context import StepContext, WorkflowContext
+    from sbproxy.workflows.declare import Registry, RetryPolicy, StepDef, WorkflowDef, step
+    from sbproxy.workflows.engine import DEFAULT_MAX_RECOVERIES, WorkflowEngine
+    from sbproxy.workflows.executor import LeaseSettings
+else:
+    __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "DEFAULT_MAX_RECOVERIES",

@@ -18,8 +18,10 @@ from sbproxy.catalog import (
     load_builtin_catalog,
     load_catalog,
     load_catalog_file,
+    parse_catalog,
     resolve_artifact,
 )
+from sbproxy.catalog.loader import builtin_catalog_json
 from sbproxy.errors import CatalogError
 from tests.catalog.builders import document, dump, entry, variant, write
 
@@ -113,6 +115,21 @@ def test_builtin_gemma_270m_resolves_on_a_cpu_worker_to_its_digest_pinned_file()
     assert artifact.context_length == 32768
     assert artifact.stability is Stability.PREVIEW
     assert re.fullmatch(r"[0-9a-f]{64}", artifact.digest)
+
+
+def _data(name: str) -> str:
+    return resources.files("sbproxy.catalog").joinpath("data", name).read_text(encoding="utf-8")
+
+
+def test_builtin_json_is_the_yaml_document_rewritten() -> None:
+    # After editing builtin-catalog.yaml: .venv/bin/python scripts/write_builtin_catalog_json.py
+    assert _data("builtin-catalog.json") == builtin_catalog_json(_data("builtin-catalog.yaml"))
+
+
+def test_builtin_catalog_loaded_from_json_equals_the_validated_yaml() -> None:
+    from_yaml = parse_catalog(_data("builtin-catalog.yaml"), source="builtin-catalog.yaml")
+    assert load_builtin_catalog() == from_yaml
+    assert load_builtin_catalog().model_dump() == from_yaml.model_dump()
 
 
 def test_builtin_data_file_explains_the_unpinned_gemma_revision() -> None:

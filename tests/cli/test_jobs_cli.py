@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner, Result
 from ulid import ULID
 
-from sbproxy.cli import jobs_cmd
+from sbproxy.cli import jobs_control_cmd
 from sbproxy.cli.main import cli
 from tests.cli import jobflows
 
@@ -424,7 +424,7 @@ def test_retry_runs_a_workflow_this_process_knows_and_exits_with_its_outcome(
     cache: Cache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job_id = cache.run("flaky")
-    monkeypatch.setattr(jobs_cmd, "registry", jobflows.registry)
+    monkeypatch.setattr(jobs_control_cmd, "registry", jobflows.registry)
     result = cache.invoke("retry", job_id)
     assert result.exit_code == 0, result.stderr
     assert result.stdout.startswith(f"{job_id}: succeeded")
@@ -439,7 +439,7 @@ def test_retry_detach_only_queues_even_a_known_workflow(
     cache: Cache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job_id = cache.run("flaky")
-    monkeypatch.setattr(jobs_cmd, "registry", jobflows.registry)
+    monkeypatch.setattr(jobs_control_cmd, "registry", jobflows.registry)
     result = cache.invoke("retry", job_id, "--detach")
     assert result.exit_code == 0, result.stderr
     assert result.stdout.startswith(f"{job_id}: queued; a running `sbproxy serve` worker")

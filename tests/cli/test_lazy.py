@@ -86,3 +86,50 @@ def test_bare_models_group_resumes_before_listing(
     )
     cli.main(["models"], standalone_mode=False)
     assert seen == [True]
+
+
+GROUPS = ["sbproxy", "sbproxy models", "sbproxy jobs"]
+
+
+def _lazy_groups() -> list[tuple[str, LazyGroup]]:
+    from sbproxy.cli.jobs_cmd import jobs_group
+    from sbproxy.cli.models_cmd import models_group
+
+    groups = [("sbproxy", cli), ("sbproxy models", models_group), ("sbproxy jobs", jobs_group)]
+    assert all(isinstance(group, LazyGroup) for _, group in groups)
+    return groups
+
+
+@pytest.mark.parametrize("path", GROUPS)
+def test_each_listed_short_help_is_the_commands_own(path: str) -> None:
+    (group,) = [group for name, group in _lazy_groups() if name == path]
+    ctx = click.Context(group)
+    for name, lazy in group.lazy_commands.items():
+        command = group.get_command(ctx, name)
+        assert command is not None, name
+        # Unshortened: the first sentence of the command's help, which click shortens.
+        assert lazy.short_help == command.get_short_help_str(limit=10_000), name
+
+
+@pytest.mark.parametrize("width", [40, 80, 120])
+@pytest.mark.parametrize("path", GROUPS)
+def test_help_lists_verbs_as_if_each_were_imported(path: str, width: int) -> None:
+    (group,) = [group for name, group in _lazy_groups() if name == path]
+    unloaded = LazyGroup(name=group.name, lazy_commands=group.lazy_commands)
+    eager = click.Group(name=group.name)
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        assert command is not None
+        eager.add_command(command, name)
+        if name not in group.lazy_commands:  # defined in the group's own module
+            unloaded.add_command(command, name)
+
+    def commands_section(of: click.Group) -> str:
+        formatter = click.HelpFormatter(width=width)
+        of.format_commands(click.Context(of), formatter)
+        return formatter.getvalue()
+
+    listed = commands_section(unloaded)
+    assert listed == commands_section(eager)
+    assert set(unloaded.commands) == set(group.commands) - set(group.lazy_commands)

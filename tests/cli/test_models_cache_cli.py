@@ -824,6 +824,42 @@ def test_list_and_show_report_cache_status(host: Host) -> None:
     assert next(line for line in table if line.startswith("tiny ")).split()[-1] == "cached"
 
 
+def test_list_reads_the_cache_as_the_service_does_without_opening_the_journal(
+    host: Host,
+) -> None:
+    import anyio
+
+    from sbproxy.catalog import load_catalog
+    from sbproxy.cli import models_cmd
+    from sbproxy.cli._host import HostChoice
+    from sbproxy.model_host.artifacts import resolve_cache_root
+    from sbproxy.model_host.service import open_service
+
+    gone = pulled(host, "small")
+    pulled(host, "tiny")
+    # A ready marker whose snapshot went away is not cached, for either reader.
+    shutil.rmtree(gone["snapshot_path"])
+    layout = resolve_cache_root(host.cache)
+    catalog = load_catalog(host.catalog)
+    choice = HostChoice(layout=layout, config=None, catalog_file=host.catalog)
+    view = models_cmd._cache_view("models.list", choice, catalog, "json")
+
+    async def through_the_service() -> tuple[dict[str, str], dict[str, str]]:
+        async with open_service(layout, catalog_file=host.catalog) as service:
+            statuses = {model_id: service.status_of(model_id) for model_id in catalog.models}
+            snapshots = {
+                m.artifact_digest: str(service.cache.snapshot(m.artifact_digest))
+                for m in service.cached()
+                if service.cache.snapshot(m.artifact_digest).is_dir()
+            }
+        return statuses, snapshots
+
+    statuses, snapshots = anyio.run(through_the_service)
+    assert {model_id: view.status(model_id) for model_id in catalog.models} == statuses
+    assert statuses["tiny"] == "cached" and statuses["small"] == "not-pulled"
+    assert view.snapshots == snapshots and len(snapshots) == 1
+
+
 def test_list_reads_the_cache_directory_from_the_config(host: Host) -> None:
     pulled(host, "small")
     config = host.config("")

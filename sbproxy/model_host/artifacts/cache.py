@@ -32,9 +32,12 @@ from blake3 import blake3
 from pydantic import BaseModel, ConfigDict, Field
 
 from sbproxy.catalog import ResolvedArtifact
-from sbproxy.model_host.artifacts.download import hash_file
 from sbproxy.model_host.artifacts.errors import CacheCorrupt
-from sbproxy.model_host.artifacts.layout import CacheLayout
+from sbproxy.model_host.artifacts.layout import (
+    CacheLayout,
+    check_cache_writable,
+    unusable_cache_dir,
+)
 from sbproxy.model_host.artifacts.locks import DigestLease, hold
 from sbproxy.model_host.artifacts.space import disk_full_errors
 
@@ -180,6 +183,23 @@ class ArtifactCache:
     def __init__(self, layout: CacheLayout) -> None:
         self.layout = layout
 
+    @classmethod
+    def open(cls, layout: CacheLayout) -> ArtifactCache:
+        """The cache at ``layout``, its directories created and its root found writable.
+
+        Raises:
+            SbproxyError: ``invalid_cache_dir`` naming the root and the OS reason when the
+                root cannot be created or written (a read-only file system, no permission,
+                a file in the way).
+        """
+        cache = cls(layout)
+        try:
+            cache.ensure_dirs()
+        except OSError as exc:
+            raise unusable_cache_dir(layout.root, exc) from exc
+        check_cache_writable(layout)
+        return cache
+
     # -- paths -----------------------------------------------------------------------------
 
     def blob(self, sha256: str) -> Path:
@@ -285,6 +305,9 @@ class ArtifactCache:
             if size != item.size_bytes:
                 raise CacheCorrupt(f"{path} has {size} bytes, expected {item.size_bytes}")
             if full:
+                # The download stack (http.client, ssl, anyio) loads only for a full check.
+                from sbproxy.model_host.artifacts.download import hash_file
+
                 sha, _ = hash_file(path)
                 if sha.hexdigest() != item.sha256:
                     raise CacheCorrupt(f"{path} no longer matches its SHA-256")
