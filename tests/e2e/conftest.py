@@ -75,43 +75,31 @@ def llama_server(real_inputs: RealInputs, engine_cache: Path) -> Path:
     return executable
 
 
-@pytest.fixture
-def gemma_cache(real_inputs: RealInputs, tmp_path: Path) -> Path:
-    """A fresh cache root holding the real Gemma artifact, imported and verified."""
-    cache = tmp_path / "cache"
+def imported(gguf: Path, *, model: str, variant: str, cache: Path) -> Path:
+    """``cache``, a fresh cache root holding ``gguf`` imported as ``model:variant`` (verified
+    against the catalog's pin by `sbproxy models import`)."""
     done = sbproxy(
-        "models",
-        "import",
-        str(real_inputs.gguf),
-        "--model",
-        "gemma-3-270m",
-        "--variant",
-        "q4_k_m",
-        "--cache-dir",
-        str(cache),
-        "--format",
-        "json",
-    )
+        "models", "import", str(gguf), "--model", model, "--variant", variant,
+        "--cache-dir", str(cache), "--format", "json",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     return cache
+
+
+@pytest.fixture
+def gemma_cache(real_inputs: RealInputs, tmp_path: Path) -> Path:
+    """A fresh cache root holding the real Gemma artifact (a base model)."""
+    return imported(
+        real_inputs.gguf, model="gemma-3-270m", variant="q4_k_m", cache=tmp_path / "cache"
+    )
 
 
 @pytest.fixture
 def smol_cache(real_inputs: RealInputs, tmp_path: Path) -> Path:
-    """A fresh cache root holding the real SmolLM2 chat artifact, imported and verified."""
-    cache = tmp_path / "smol-cache"
-    done = sbproxy(
-        "models",
-        "import",
-        str(real_inputs.smol),
-        "--model",
-        "smollm2-135m-instruct",
-        "--variant",
-        "q4_1",
-        "--cache-dir",
-        str(cache),
-        "--format",
-        "json",
+    """A fresh cache root holding the real SmolLM2 chat artifact."""
+    return imported(
+        real_inputs.smol,
+        model="smollm2-135m-instruct",
+        variant="q4_1",
+        cache=tmp_path / "smol-cache",
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return cache
