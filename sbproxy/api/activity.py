@@ -101,10 +101,3 @@ class Activity:
     def samples(self) -> list[LoadSample]:
         """Every kept load sample, oldest first."""
         return list(self._samples)
-
-    def last_end_ms(self, deployment: str) -> int | None:
-        """When the newest kept request of ``deployment`` ended (epoch ms), if any."""
-        for entry in reversed(self._requests):
-            if entry.deployment == deployment:
-                return entry.ended_at_ms
-        return None

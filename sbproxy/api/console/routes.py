@@ -48,7 +48,7 @@ from sbproxy.model_host.flows import GcInput, gc_preview, prune_preview
 from sbproxy.model_host.flows.collect import cache_bytes
 from sbproxy.model_host.runtime import probe_devices
 from sbproxy.model_host.runtime.manager import RuntimeManager
-from sbproxy.store import JobRecord, JobStatus
+from sbproxy.store import JobRecord, JobStatus, wall_clock_ms
 
 __all__ = ["CONSOLE_HEADER", "console_router", "console_sampler", "console_templates"]
 
@@ -133,16 +133,9 @@ def _deployment_routes(manager: RuntimeManager, activity: Activity) -> list[HTTP
         for entry in manager.status():
             keep_alive = manager.slot(entry.deployment).config.keep_alive_secs
             memory = (entry.memory or {}).get("total_bytes")
-            last_end = activity.last_end_ms(entry.deployment)
-            idle = entry.active_requests == 0 and entry.queued_requests == 0
-            expires = (
-                last_end + keep_alive * 1000
-                if keep_alive is not None
-                and last_end is not None
-                and idle
-                and entry.state.value == "ready"
-                else None
-            )
+            # From the runtime's own clock: the gate's last release plus keep_alive_secs.
+            left_s = entry.extra.get("keep_alive_expires_in_s")
+            expires = wall_clock_ms() + int(left_s * 1000) if left_s is not None else None
             rows.append(
                 {
                     **entry.to_dict(),

@@ -267,8 +267,23 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
             reason_code=slot.reason_code,
             job_id=slot.job_id,
             last_error=slot.last_error,
-            extra={"engine_pid": slot.process.pid if slot.routable() and slot.process else None},
+            extra={
+                "engine_pid": slot.process.pid if slot.routable() and slot.process else None,
+                "keep_alive_expires_in_s": self._keep_alive_left_s(slot),
+            },
         )
+
+    def _keep_alive_left_s(self, slot: Slot) -> float | None:
+        """Seconds until an idle ready deployment's keep-alive stops it (on the manager's
+        clock); ``None`` while it is busy, not ready, or has no keep-alive."""
+        keep_alive = slot.config.keep_alive_secs
+        gate = slot.gate
+        released = gate.last_released_at
+        if keep_alive is None or released is None or not slot.routable():
+            return None
+        if gate.active or gate.queued:
+            return None
+        return round(max(0.0, keep_alive - (self.clock.now() - released)), 1)
 
     def status(self) -> list[DeploymentStatus]:
         """Every deployment's status (a frozen snapshot), sorted by id."""

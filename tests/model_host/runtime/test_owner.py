@@ -295,8 +295,11 @@ async def test_keep_alive_expires_on_the_injected_clock(tmp_path: Path) -> None:
         clock.advance(3600)  # active work pauses expiry
         await manager.tick()
         assert manager.slot("tiny").routable()
+        assert manager.snapshot("tiny").extra["keep_alive_expires_in_s"] is None  # busy
         upstream.release()
-        clock.advance(59)
+        clock.advance(20)
+        assert manager.snapshot("tiny").extra["keep_alive_expires_in_s"] == 40
+        clock.advance(39)
         await manager.tick()
         assert manager.slot("tiny").routable()
         clock.advance(1)
