@@ -35,6 +35,7 @@ import os
 import queue
 import sqlite3
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -178,7 +179,7 @@ def _connect(path: Path, synchronous: Synchronous, *, writer: bool) -> sqlite3.C
         connection.row_factory = sqlite3.Row
         connection.execute("PRAGMA schema_version").fetchall()
         if writer:
-            connection.execute("PRAGMA journal_mode=WAL").fetchall()
+            _use_wal(connection)
         connection.execute(f"PRAGMA synchronous={synchronous}")
         connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         connection.execute("PRAGMA foreign_keys=ON")
@@ -188,6 +189,25 @@ def _connect(path: Path, synchronous: Synchronous, *, writer: bool) -> sqlite3.C
         connection.close()
         raise
     return connection
+
+
+def _use_wal(connection: sqlite3.Connection) -> None:
+    """Switch the file to WAL unless it is already. The switch needs the file to itself,
+    and SQLite answers "database is locked" at once -- without waiting out the busy timeout
+    -- when another process opens the same new journal at that moment, so it is retried
+    (within the busy timeout) until one of them has switched it."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        mode = connection.execute("PRAGMA journal_mode").fetchone()[0]
+        if str(mode).lower() == "wal":
+            return
+        try:
+            connection.execute("PRAGMA journal_mode=WAL").fetchall()
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
 
 
 class Database:
