@@ -32,13 +32,16 @@ ensure_venv() {
   export PATH="$venv/bin:$PATH"
 }
 
-# Debian packages some tests drive (libfaketime steps a process's wall clock). Installed
-# when missing and this user may install; without them those tests say why they skip.
+# Debian packages some tests drive (libfaketime steps a process's wall clock, chromium runs
+# the console's browser tests). Installed when missing and this user may install; without
+# them those tests say why they skip -- except with SBPROXY_REQUIRE_TOOLS=1 (CI, .ci/run),
+# where a package that cannot be installed stops the run.
 ensure_debian_packages() {
   local missing=()
   local pkg
   for pkg in "$@"; do
-    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    # "install ok installed" only: a removed package keeps its record ("deinstall ... config-files").
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
   done
   [ "${#missing[@]}" -eq 0 ] && return 0
   local sudo=""
@@ -47,6 +50,7 @@ ensure_debian_packages() {
       sudo="sudo -n"
     else
       echo "note: ${missing[*]} not installed (needs root); the tests that drive them skip" >&2
+      [ "${SBPROXY_REQUIRE_TOOLS:-}" != 1 ] || { echo "error: CI needs ${missing[*]}" >&2; return 1; }
       return 0
     fi
   fi
@@ -54,6 +58,10 @@ ensure_debian_packages() {
     $sudo apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 ||
       { $sudo apt-get update -qq >/dev/null 2>&1 &&
         $sudo apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1; } ||
-      echo "note: could not install ${missing[*]}; the tests that drive them skip" >&2
+      { echo "note: could not install ${missing[*]}; the tests that drive them skip" >&2
+        [ "${SBPROXY_REQUIRE_TOOLS:-}" != 1 ] || { echo "error: CI needs ${missing[*]}" >&2; return 1; }; }
+  elif [ "${SBPROXY_REQUIRE_TOOLS:-}" = 1 ]; then
+    echo "error: CI needs ${missing[*]} and this machine has no apt-get" >&2
+    return 1
   fi
 }

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.api.support import ADMIN, Served, served
+from tests.support.tools import without_tool
 
 pytestmark = [pytest.mark.anyio, pytest.mark.ui]
 
@@ -38,10 +39,9 @@ ARGS = [
 TIMEOUT_MS = 20_000
 
 if not CHROMIUM.exists():
-    pytest.skip(
+    without_tool(
         "the console's browser tests need Debian's chromium at /usr/bin/chromium "
-        "(apt-get install chromium; scripts/test.sh installs it when it runs as root)",
-        allow_module_level=True,
+        "(apt-get install chromium; scripts/test.sh installs it when it runs as root)"
     )
 
 _api = pytest.importorskip("playwright.async_api")

@@ -33,6 +33,7 @@ from sbproxy.workflows import (
     WorkflowEngine,
     step,
 )
+from tests.support.tools import tools_required
 from tests.workflows import leaseflow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,6 +181,8 @@ async def test_a_wall_clock_step_still_recovers_a_dead_owners_job(
 # --- real processes, wall clock stepped by faketime ------------------------------------------
 
 FAKETIME = shutil.which("faketime")
+if FAKETIME is None and tools_required():
+    raise RuntimeError("SBPROXY_REQUIRE_TOOLS=1 but faketime(1) is not installed")
 needs_faketime = pytest.mark.skipif(
     FAKETIME is None,
     reason="faketime(1) is not installed (apt-get install faketime); the injected-clock "
