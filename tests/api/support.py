@@ -112,9 +112,3 @@ async def served(
                 while len(finished) < len(servers):
                     await anyio.sleep(0.05)
             group.cancel_scope.cancel()
-
-
-async def until(predicate: Any, timeout_s: float = 15) -> None:
-    with anyio.fail_after(timeout_s):
-        while not predicate():
-            await anyio.sleep(0.02)

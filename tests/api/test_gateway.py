@@ -16,7 +16,8 @@ from pydantic import SecretStr
 
 from sbproxy.config import ApiKeyRecord, PriorityClass
 from sbproxy.model_host.runtime.state import DeploymentState
-from tests.api.support import served, until
+from tests.api.support import served
+from tests.model_host.runtime.support import until
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from sbproxy.model_host.runtime.state import DeploymentState
-from tests.api.support import TINY, served, until
+from tests.api.support import TINY, served
+from tests.model_host.runtime.support import until
 
 pytestmark = pytest.mark.anyio
 

@@ -49,6 +49,12 @@ def config_status(admin_port: int) -> dict[str, Any]:
     return body
 
 
+def last_tried(admin_port: int) -> str | None:
+    """The content hash the newest recorded reload tried (``None`` before one ends)."""
+    last = config_of(admin_port)["last_reload"]
+    return None if last is None else last["content_sha256"]
+
+
 def changed(text: str, change: Any) -> str:
     document = yaml.safe_load(text)
     change(document)
@@ -118,6 +124,8 @@ def test_a_renamed_or_edited_file_is_reloaded_and_a_touch_is_not(tmp_path: Path)
         staged.write_text(second)
         staged.replace(config)
         wait_for(lambda: "second" in deployments(admin_port))
+        # The routes swap inside the reload job; its result is recorded when the job ends.
+        wait_for(lambda: last_tried(admin_port) == sha(second))
         active = config_of(admin_port)
         assert active["content_sha256"] == sha(second)
         assert active["last_reload"]["source"] == "watch"
@@ -131,6 +139,7 @@ def test_a_renamed_or_edited_file_is_reloaded_and_a_touch_is_not(tmp_path: Path)
             file.truncate()
         assert config.stat().st_ino == inode
         wait_for(lambda: "second" not in deployments(admin_port))
+        wait_for(lambda: last_tried(admin_port) == sha(third))
         assert config_of(admin_port)["content_sha256"] == sha(third)
         assert status(admin_port)["runtime_revision"] == revision + 2
 

@@ -25,7 +25,8 @@ from sbproxy.api.supervision import Limit, StreamDeadlines
 from sbproxy.config import PriorityClass
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.state import DeploymentState
-from tests.api.support import ADMIN, TINY, Served, served, until
+from tests.api.support import ADMIN, TINY, Served, served
+from tests.model_host.runtime.support import until
 
 pytestmark = pytest.mark.anyio
 

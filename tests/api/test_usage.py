@@ -17,7 +17,8 @@ from pydantic import SecretStr
 from sbproxy.api.usage import KEYLESS_ACCOUNT, TokenBudgetExceeded, UsageLedger, period_window
 from sbproxy.config import ApiKeyRecord, BudgetPeriod, TokenBudget
 from sbproxy.store import HOUR_MS, Database, StoreError, UsageDelta, UsageStore
-from tests.api.support import ADMIN, served, until
+from tests.api.support import ADMIN, served
+from tests.model_host.runtime.support import until
 
 pytestmark = pytest.mark.anyio
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -35,15 +34,6 @@ class WallClock:
 
     def __call__(self) -> int:
         return wall_clock_ms() + self.offset_ms
-
-
-@pytest.fixture
-async def database(tmp_path: Path) -> AsyncIterator[Database]:
-    database = await Database.open(tmp_path / "journal.db")
-    try:
-        yield database
-    finally:
-        await database.close()
 
 
 async def submit(store: JobStore) -> str:

@@ -3,9 +3,6 @@ with its run time; a job cancelled before it ran is counted but not timed."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
 
 from sbproxy.store import DURATION_BUCKETS_S, Database, ErrorInfo, JobStatus, JobStore
@@ -19,15 +16,6 @@ class Clock:
 
     def __call__(self) -> int:
         return self.now_ms
-
-
-@pytest.fixture
-async def database(tmp_path: Path) -> AsyncIterator[Database]:
-    database = await Database.open(tmp_path / "journal.db")
-    try:
-        yield database
-    finally:
-        await database.close()
 
 
 async def test_terminal_transitions_are_counted_once_with_durations(database: Database) -> None:

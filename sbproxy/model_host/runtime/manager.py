@@ -574,9 +574,7 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
 
     def _refuse_failed(self, slot: Slot) -> None:
         """After a wake-up: refuse when the load this request waited for failed."""
-        if slot.crash is not None:
-            self._refuse_now(slot)
-        if slot.state == DeploymentState.DRAINING:
+        if slot.crash is not None or slot.state == DeploymentState.DRAINING:
             self._refuse_now(slot)
         if slot.state != DeploymentState.FAILED:
             return
