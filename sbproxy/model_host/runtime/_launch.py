@@ -251,13 +251,13 @@ class LaunchMixin:
         """The busy or transient (preparing, draining) generations whose eviction would make
         ``key`` fit once they settle (empty: it would not fit even then -- pinned, or too
         large -- and waiting cannot help)."""
-        self._ignore_busy = True
         try:
-            plan = self.residency.plan(ReservationRequest(key=key, estimate=estimate, devices=(0,)))
+            plan = self.residency.plan(
+                ReservationRequest(key=key, estimate=estimate, devices=(0,)),
+                is_protected=lambda other: self._protected(other, transient=False),
+            )
         except AdmissionRejected:
             return []
-        finally:
-            self._ignore_busy = False
         blockers = []
         for victim in plan.victims:
             found = self.slots.get(victim.key.deployment)

@@ -183,7 +183,6 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
         self._background = 0
         self._group: anyio.abc.TaskGroup | None = None
         self._capacity = anyio.Event()
-        self._ignore_busy = False
         self._closing_at: float | None = None
         self.slots: dict[str, Slot] = {}
         for deployment_id, deployment in compiled.deployments.items():
@@ -234,7 +233,9 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
         self._capacity.set()
         self._capacity = anyio.Event()
 
-    def _protected(self, key: ResidencyKey) -> bool:
+    def _protected(self, key: ResidencyKey, *, transient: bool = True) -> bool:
+        """Whether ``key``'s generation may not be evicted now: staged, pinned, or (with
+        ``transient``, the normal rule) busy, preparing or draining."""
         if self.protect_all:
             return True
         slot = self.slots.get(key.deployment)
@@ -247,8 +248,8 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
         # A held gate admits nobody new: its queue waits for the swap, so only the requests
         # already running keep it resident. Requests waiting for it to become ready count.
         busy = gate.active > 0 or (gate.queued > 0 and not gate.held) or slot.waiting > 0
-        transient = busy or slot.state in (DeploymentState.PREPARING, DeploymentState.DRAINING)
-        return slot.config.pinned or (transient and not self._ignore_busy)
+        settling = busy or slot.state in (DeploymentState.PREPARING, DeploymentState.DRAINING)
+        return slot.config.pinned or (transient and settling)
 
     def _status_of(self, slot: Slot) -> DeploymentStatus:
         return DeploymentStatus(

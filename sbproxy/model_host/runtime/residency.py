@@ -176,16 +176,26 @@ class Residency:
         """Unreserved bytes on ``device`` (0 for an unknown device)."""
         return max(0, self._capacities.get(device, 0) - self.used_bytes(device))
 
-    def is_protected(self, reservation: Reservation) -> bool:
-        """Whether ``reservation`` may not be evicted now."""
+    def is_protected(
+        self, reservation: Reservation, *, by: Callable[[ResidencyKey], bool] | None = None
+    ) -> bool:
+        """Whether ``reservation`` may not be evicted now (``by`` replaces the protection
+        callback for one question, e.g. "if the busy ones were idle")."""
         if reservation.protected:
             return True
-        return self._is_protected is not None and self._is_protected(reservation.key)
+        check = by or self._is_protected
+        return check is not None and check(reservation.key)
 
     # -- planning ----------------------------------------------------------------------
 
-    def plan(self, request: ReservationRequest) -> EvictionPlan:
-        """Decide whether ``request`` fits and which idle generations it displaces.
+    def plan(
+        self,
+        request: ReservationRequest,
+        *,
+        is_protected: Callable[[ResidencyKey], bool] | None = None,
+    ) -> EvictionPlan:
+        """Decide whether ``request`` fits and which idle generations it displaces
+        (``is_protected``: another protection rule for this plan only).
 
         Greedy LRU (reference 7.5): compute the bytes short on each selected device
         (``total - free``) and the count overflow (``reservations + 1 - max``); walk the
@@ -221,7 +231,7 @@ class Residency:
             )
 
         victims: list[Reservation] = []
-        for candidate in self._candidates():
+        for candidate in self._candidates(is_protected):
             if not any(short.values()) and overflow == 0:
                 break
             frees_short_device = any(short.get(device, 0) > 0 for device in candidate.devices)
@@ -398,8 +408,12 @@ class Residency:
             return 0
         return max(0, count - self.max_resident_models)
 
-    def _candidates(self) -> list[Reservation]:
-        unprotected = [r for r in self._reservations.values() if not self.is_protected(r)]
+    def _candidates(
+        self, is_protected: Callable[[ResidencyKey], bool] | None = None
+    ) -> list[Reservation]:
+        unprotected = [
+            r for r in self._reservations.values() if not self.is_protected(r, by=is_protected)
+        ]
         return sorted(unprotected, key=lambda r: (r.last_used, r.key.deployment, r.key.generation))
 
 
