@@ -348,6 +348,15 @@ async def serve(
                 watch_config=watch_config,
                 lockfile=lockfile,
             )
+            if not stop.requested:
+                # Only a stop signal (or ``stop_self``) ends a healthy host; anything else
+                # is a fault, and the process must not exit 0 as if it had been asked to.
+                raise SbproxyError(
+                    "the host stopped without a stop signal (a task it runs was cancelled "
+                    "from outside; see the log above)",
+                    code="host_stopped",
+                    remediation="Report the log lines above; restart the server.",
+                )
         except* SbproxyError as failures:
             # Raised below as itself: the CLI reports an SbproxyError by its code, and the
             # host's task groups may have wrapped it (an engine that survived SIGKILL).

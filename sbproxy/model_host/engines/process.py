@@ -25,9 +25,9 @@ import contextlib
 import ctypes
 import functools
 import json
+import logging
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 import anyio.to_thread
@@ -45,12 +46,17 @@ from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.redact import redact
 from sbproxy.workflows import WorkerIdentity, owner_is_gone, process_start_ticks
 
+if TYPE_CHECKING:
+    from psutil._ntuples import pconn, sconn
+
 __all__ = [
     "BASELINE_ENV",
     "EngineProcess",
+    "PortHolder",
     "ReapReport",
     "kill_owned",
     "minimal_env",
+    "port_is_listening",
     "reap_orphans",
     "spawn_engine",
 ]
@@ -72,7 +78,13 @@ BASELINE_ENV = (
 )
 RING_BYTES = 64 * 1024
 TAIL_LINES = 40
+# How long an exited engine's log reader may take to reach end-of-file, seconds.
+SETTLE_S = 2.0
 _PR_SET_PDEATHSIG = 1
+
+PortHolder = Literal["ours", "foreign", "none"]
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -166,12 +178,21 @@ class EngineProcess:
                 sockets = member.net_connections(kind="inet")
             except psutil.Error:
                 continue
-            if any(
-                sock.status == psutil.CONN_LISTEN and sock.laddr and sock.laddr.port == port
-                for sock in sockets
-            ):
+            if any(_listening_on(sock, port) for sock in sockets):
                 return True
         return False
+
+    def port_holder(self, port: int) -> PortHolder:
+        """Who holds the listening socket on ``port``: ``ours`` (this engine or a process it
+        started), ``foreign`` (another process) or ``none``. Nothing is sent to the port --
+        not even a TCP connection -- so a foreign listener never hears from us. Blocking
+        (reads ``/proc``)."""
+        if self.listens_on(port):
+            return "ours"
+        if not port_is_listening(port):
+            return "none"
+        # The engine may have bound the port between the two looks: ask again.
+        return "ours" if self.listens_on(port) else "foreign"
 
     async def _pump(self) -> None:
         stream = self._process.stdout
@@ -203,12 +224,13 @@ class EngineProcess:
     async def wait_ready(
         self, url: str, *, timeout_s: float, port: int | None = None, poll_s: float = 0.1
     ) -> None:
-        """Poll ``url`` until it answers 200 -- from this engine: with ``port``, the
-        listening socket must belong to this process (or one it started).
+        """Poll ``url`` until it answers 200 -- from this engine: with ``port``, ``url`` is
+        asked only once the listening socket on ``port`` belongs to this process (or one it
+        started), so a foreign process on the port never receives a request.
 
         Raises:
             EngineError: ``engine_port_lost`` (retryable) when another process holds
-                ``port`` (the engine exited on a bind failure, or something else answers
+                ``port`` (the engine exited on a bind failure, or something else listens
                 there), having stopped the engine; ``engine_early_exit`` (retryable) if the
                 process exits first; ``engine_readiness_timeout`` (retryable) after
                 ``timeout_s``, having killed the process.
@@ -218,20 +240,23 @@ class EngineProcess:
             while True:
                 if not self.alive():
                     await self._settle()
-                    if port is not None and await anyio.to_thread.run_sync(_answers, port):
+                    if port is not None and await anyio.to_thread.run_sync(port_is_listening, port):
                         raise self._port_lost(port)
                     raise self._error(
                         "engine_early_exit",
                         f"the engine exited with status {self.returncode} before it was ready",
                         retryable=True,
                     )
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(url)).status_code == 200:
-                        if port is None or await anyio.to_thread.run_sync(self.listens_on, port):
+                holder = "ours"
+                if port is not None:
+                    holder = await anyio.to_thread.run_sync(self.port_holder, port)
+                if holder == "foreign" and self.alive():
+                    await self.shutdown(grace_s=1.0)
+                    raise self._port_lost(port or 0)
+                if holder == "ours":
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await client.get(url)).status_code == 200:
                             return
-                        if self.alive():  # answered by someone else while ours still runs
-                            await self.shutdown(grace_s=1.0)
-                            raise self._port_lost(port)
                 if time.monotonic() >= deadline:
                     await self.shutdown(grace_s=1.0)
                     raise self._error(
@@ -261,8 +286,27 @@ class EngineProcess:
         return "ready" if response.status_code == 200 else "unhealthy"
 
     async def _settle(self) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._reader, timeout=2.0)
+        """After the exit: let the log reader drain what the engine wrote, drop the
+        ownership record. Safe to call any number of times.
+
+        The reader ends at end-of-file, which a process the engine left behind can hold off
+        for good (it inherited the pipe). After :data:`SETTLE_S` the reader is cancelled and
+        the pipe closed; it is never awaited again, since awaiting a cancelled task raises
+        ``CancelledError`` into the caller -- which, on a task group, reads as the group's
+        own cancellation and ended the whole host once.
+        """
+        if not self._reader.done():
+            await asyncio.wait({self._reader}, timeout=SETTLE_S)
+        if not self._reader.done():
+            logger.warning(
+                "engine pid %d exited but its output pipe is still held open (by a process "
+                "it left behind); no longer reading it",
+                self.pid,
+            )
+            self._reader.cancel()
+            pipe = self._process._transport.get_pipe_transport(1)  # type: ignore[attr-defined]
+            if pipe is not None:
+                pipe.close()
         self.record_path.unlink(missing_ok=True)
 
     def kill(self) -> None:
@@ -345,11 +389,18 @@ async def spawn_engine(
     return EngineProcess(process, record=record, record_path=record_path, log_path=log_path)
 
 
-def _answers(port: int) -> bool:
-    """Whether something accepts TCP connections on loopback ``port`` (blocking)."""
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-        return True
-    return False
+def _listening_on(sock: sconn | pconn, port: int) -> bool:
+    return bool(sock.status == psutil.CONN_LISTEN and sock.laddr and sock.laddr.port == port)
+
+
+def port_is_listening(port: int) -> bool:
+    """Whether any process on this host listens on TCP ``port`` (from the kernel's socket
+    tables through psutil; nothing is sent to the port). Blocking."""
+    try:
+        sockets = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(_listening_on(sock, port) for sock in sockets)
 
 
 @dataclass(frozen=True)

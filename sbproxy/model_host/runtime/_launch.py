@@ -361,8 +361,6 @@ class LaunchMixin:
         self: RuntimeManager, slot: Slot, process: EngineProcess, generation: int
     ) -> None:
         """Stop routing the moment the child exits (not at the next health probe)."""
-        if self._group is None:
-            return
 
         async def watch() -> None:
             status = await process.wait_exit()
@@ -373,7 +371,7 @@ class LaunchMixin:
                     f"the engine exited with status {status}: {process.stderr_tail(15)}",
                 )
 
-        self._group.start_soon(watch)
+        self.start_contained(watch, what=f"the exit watcher of {slot.deployment}")
 
     async def _engine_lost(self: RuntimeManager, slot: Slot, generation: int, message: str) -> None:
         """A ready generation died or stopped answering: fail it, free what it held, and

@@ -35,8 +35,10 @@ this module writes a slot: callers send commands (:meth:`RuntimeManager.load`,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -113,6 +115,25 @@ HEALTH_MISSES = 3
 # Job kinds the manager runs itself, in its deployments' command order; the worker loop
 # leaves them alone (``run_worker(exclude=...)``).
 RUNTIME_JOB_KINDS = ("load", "drain", "reset")
+
+
+async def contained(work: Callable[[], Awaitable[object]], *, what: str) -> None:
+    """Run one background task of the host so that its end never ends the host.
+
+    A task on the host's task group that raises takes the whole group down; one that ends
+    with a cancellation that is not the group's own (a ``CancelledError`` re-raised from
+    a cancelled inner task) cancels the group *silently*, and the server once exited with
+    status 0 that way. Here the group's own cancellation passes through; any other is
+    logged and swallowed, and so is an error (logged with its traceback: it is a bug).
+    """
+    try:
+        await work()
+    except anyio.get_cancelled_exc_class():
+        if anyio.current_effective_deadline() == -math.inf:
+            raise  # the host is stopping: this task's cancellation is the group's own
+        logger.error("%s ended with a stray cancellation; the host stays up", what)
+    except Exception:
+        logger.exception("%s failed; the host stays up", what)
 
 
 class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
@@ -416,8 +437,12 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
             if slot.config.warm:
                 self.request_load(slot.deployment, reason="warm")
             elif str(slot.config.pull) == "on_boot":
-                group.start_soon(self._verify_on_boot, slot.deployment)
-        group.start_soon(self._maintenance)
+                deployment = slot.deployment
+                self.start_contained(
+                    functools.partial(self._verify_on_boot, deployment),
+                    what=f"the on_boot verification of {deployment}",
+                )
+        self.start_contained(self._maintenance, what="the maintenance loop")
 
     @property
     def owned_dir(self) -> Path:
@@ -433,11 +458,17 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
 
         async def run() -> None:
             try:
-                await work()
+                await contained(work, what="a runtime task")
             finally:
                 self._background -= 1
 
         self._group.start_soon(run)
+
+    def start_contained(self, work: Callable[[], Awaitable[object]], *, what: str) -> None:
+        """Run ``work`` on the manager's task group, not counted by :meth:`shutdown` (a
+        watcher that ends with the host), contained as :func:`contained` says."""
+        if self._group is not None:
+            self._group.start_soon(lambda: contained(work, what=what))
 
     async def _verify_on_boot(self, deployment: str) -> None:
         from sbproxy.model_host.runtime.jobs import pull_for
