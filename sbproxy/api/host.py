@@ -31,6 +31,7 @@ from sbproxy.catalog import Catalog, WorkerProfile, load_catalog, resolve_artifa
 from sbproxy.config import CompiledConfig
 from sbproxy.errors import ConfigError, ConfigIssue, SbproxyError, sole_error
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
+from sbproxy.model_host.artifacts.locks import HostLock
 from sbproxy.model_host.engines import kill_owned
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime import probe_worker
@@ -80,7 +81,8 @@ async def open_host(
     (:func:`~sbproxy.model_host.runtime.reload.admin_desired`).
 
     Raises:
-        SbproxyError: ``invalid_cache_dir``, ``invalid_catalog``, ``store_failed``,
+        SbproxyError: ``invalid_cache_dir``, ``cache_in_use`` (another host serves this
+            cache), ``invalid_catalog``, ``store_failed``,
             ``invalid_desired``, ``invalid_config`` (a deployment that does not resolve on
             this worker) or a device probe failure, before anything starts.
     """
@@ -95,7 +97,13 @@ async def open_host(
     _check_resolvable(compiled, catalog, worker)
     cache = ArtifactCache(layout)
     cache.ensure_dirs()
-    journal = await open_journal(layout.journal)
+    # One serving host per cache: its journal's runtime jobs and its engines have one owner.
+    host_lock = HostLock.acquire(layout.locks / "host.lock", cache_root=layout.root)
+    try:
+        journal = await open_journal(layout.journal)
+    except BaseException:
+        host_lock.release()
+        raise
     engine = WorkflowEngine(journal, registry, resources=[cache])
     try:
         manager = RuntimeManager(
@@ -129,6 +137,7 @@ async def open_host(
     finally:
         with anyio.CancelScope(shield=True):
             await engine.close()
+        host_lock.release()
 
 
 async def _shutdown_runtime(manager: RuntimeManager, *, budget_s: float | None) -> None:

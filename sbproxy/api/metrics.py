@@ -28,7 +28,13 @@ Gateway and job metrics (this project's own names, outside the reference's table
 * ``sbproxy_jobs_total{workflow,status}`` (counter): jobs this process brought to a terminal
   status (``succeeded``, ``failed``, ``cancelled``);
 * ``sbproxy_job_duration_seconds{workflow}`` (histogram): seconds from a job's first start
-  to its end, for jobs that ran.
+  to its end, for jobs that ran;
+* ``sbproxy_journal_write_wait_seconds`` (histogram): how long each journal write of this
+  process waited before its transaction began -- behind this process's other writes, then
+  for another process's write lock -- and ``sbproxy_journal_commit_seconds`` (each
+  ``COMMIT``, the fsync: the disk's share) with ``sbproxy_journal_write_group_size`` (writes
+  per commit). A wait that grows while commits stay short is a busy journal (another
+  process, a burst of jobs); commits that grow are a slow disk.
 
 Job tallies are kept by the job store as each terminal write commits
 (:class:`~sbproxy.store.JobOutcomes`), so a scrape reads memory, never the journal.
@@ -253,6 +259,38 @@ class _JobCollector(Collector):
         yield durations
 
 
+class _JournalCollector(Collector):
+    """The journal writer's contention: a busy host shows in the wait, a slow disk in the
+    commit, and how many writes shared each commit in the group size."""
+
+    def __init__(self, manager: RuntimeManager) -> None:
+        self.tallies = manager.engine.store.write_tallies
+
+    def collect(self) -> Iterator[Metric]:
+        waits, commits, groups = self.tallies.snapshot()
+        for name, text, histogram in (
+            (
+                "sbproxy_journal_write_wait_seconds",
+                "Seconds a journal write waited before its transaction began (queued behind "
+                "this process's other writes, then for another process's lock).",
+                waits,
+            ),
+            (
+                "sbproxy_journal_commit_seconds",
+                "Seconds each journal COMMIT took (the fsync under synchronous=FULL).",
+                commits,
+            ),
+            (
+                "sbproxy_journal_write_group_size",
+                "Journal writes made durable by one COMMIT (group commit).",
+                groups,
+            ),
+        ):
+            family = HistogramMetricFamily(name, text)
+            family.add_metric([], buckets=histogram.cumulative(), sum_value=histogram.total_s)
+            yield family
+
+
 def build_registry(
     manager: RuntimeManager,
     rejections: Rejections,
@@ -266,6 +304,7 @@ def build_registry(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_HostCollector(manager, rejections, devices))
     registry.register(_JobCollector(manager))
+    registry.register(_JournalCollector(manager))
     registry.register(_RuntimeCollector(manager))
     if usage is not None:
         registry.register(_UsageCollector(usage))

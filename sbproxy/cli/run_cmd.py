@@ -288,7 +288,12 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
             run_served(lambda: serve(compiled, watch=watch, listener_fields=fields))
     except SbproxyError as exc:
         click.echo(f"sbproxy run: {exc}", err=True)
-        refused = exc.code in ("port_in_use", "port_not_permitted", "bind_address_unavailable")
+        refused = exc.code in (
+            "port_in_use",
+            "port_not_permitted",
+            "bind_address_unavailable",
+            "cache_in_use",
+        )
         return EXIT_INVALID if refused else EXIT_RUNTIME
     if failure:
         click.echo(f"sbproxy run: {failure[0]}", err=True)

@@ -107,7 +107,13 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool, locked
 
 # Bad input found before anything starts: exit 2.
 START_REFUSALS = frozenset(
-    {"invalid_config", "port_in_use", "port_not_permitted", "bind_address_unavailable"}
+    {
+        "invalid_config",
+        "port_in_use",
+        "port_not_permitted",
+        "bind_address_unavailable",
+        "cache_in_use",
+    }
 )
 
 

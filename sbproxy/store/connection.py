@@ -43,6 +43,8 @@ from typing import Any, Generic, TypeVar
 import anyio
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
+from sbproxy.store.outcomes import WriteTallies
+
 __all__ = [
     "LOCK_RETRY_ATTEMPTS",
     "MAX_GROUP",
@@ -126,9 +128,10 @@ class Transaction:
 
 
 class _Request(Generic[T]):
-    """A closure to run on a connection thread, and where its outcome goes."""
+    """A closure to run on a connection thread, and where its outcome goes (``queued_at``:
+    when it was handed over, ``time.perf_counter()``)."""
 
-    __slots__ = ("future", "loop", "work")
+    __slots__ = ("future", "loop", "queued_at", "work")
 
     def __init__(
         self,
@@ -139,6 +142,7 @@ class _Request(Generic[T]):
         self.work = work
         self.loop = loop
         self.future = future
+        self.queued_at = time.perf_counter()
 
     def settle(self, value: Any, error: BaseException | None) -> None:
         """Hand the outcome to the requesting event loop (from the connection thread)."""
@@ -292,10 +296,30 @@ class WriterThread(ConnectionThread):
         writes: Write requests committed so far.
         commits: ``COMMIT`` statements that succeeded so far (fewer than ``writes`` when
             groups formed).
+        tallies: Each write's wait before its transaction began, each commit's duration
+            and group size (``sbproxy_journal_write_wait_seconds`` and friends).
     """
 
     writes = 0
     commits = 0
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tallies = WriteTallies()
+
+    def _begin(self, connection: sqlite3.Connection, group: Sequence[_Request[Any]]) -> None:
+        """``BEGIN IMMEDIATE`` (waiting out another process's lock up to the busy timeout),
+        counting how long each write of ``group`` waited for it."""
+        connection.execute("BEGIN IMMEDIATE")
+        began = time.perf_counter()
+        self.tallies.began([began - request.queued_at for request in group])
+
+    def _commit(self, connection: sqlite3.Connection, writes: int) -> None:
+        started = time.perf_counter()
+        connection.execute("COMMIT")
+        self.tallies.committed(seconds=time.perf_counter() - started, writes=writes)
+        self.commits += 1
+        self.writes += writes
 
     def _serve(self, connection: sqlite3.Connection) -> None:
         transaction = Transaction(connection, self._hooks)
@@ -331,12 +355,10 @@ class WriterThread(ConnectionThread):
         assert work is not None  # noqa: S101 - the close request never gets here
 
         def attempt() -> Any:
-            connection.execute("BEGIN IMMEDIATE")
+            self._begin(connection, (request,))
             try:
                 value = work(transaction)
-                connection.execute("COMMIT")
-                self.commits += 1
-                self.writes += 1
+                self._commit(connection, 1)
             except BaseException:
                 if connection.in_transaction:
                     connection.execute("ROLLBACK")
@@ -374,7 +396,7 @@ class WriterThread(ConnectionThread):
         constraint one savepoint undid, the whole group runs again one request at a time."""
         outcomes: list[tuple[Any, BaseException | None]] = []
         try:
-            connection.execute("BEGIN IMMEDIATE")
+            self._begin(connection, group)
             for request in group:
                 work = request.work
                 assert work is not None  # noqa: S101 - the close request never gets here
@@ -390,9 +412,7 @@ class WriterThread(ConnectionThread):
                     continue
                 connection.execute("RELEASE grouped")
                 outcomes.append((value, None))
-            connection.execute("COMMIT")
-            self.commits += 1
-            self.writes += len(group)
+            self._commit(connection, len(group))
         except BaseException:  # noqa: BLE001 - each request is rerun alone to meet its own
             if connection.in_transaction:
                 connection.execute("ROLLBACK")

@@ -53,6 +53,7 @@ from sbproxy.store.connection import (
     WriterThread,
     is_locked,
 )
+from sbproxy.store.outcomes import WriteTallies
 
 __all__ = ["Database", "StoreError", "Synchronous", "Transaction", "journal_error"]
 
@@ -304,6 +305,11 @@ class Database:
         succeeded, and the ``COMMIT`` statements (one fsync each under ``FULL``) they took;
         fewer commits than writes means group commits formed."""
         return self._writer.writes, self._writer.commits
+
+    @property
+    def write_tallies(self) -> WriteTallies:
+        """How this process's writes waited, committed and grouped (for metrics)."""
+        return self._writer.tallies
 
     def add_statement_hook(self, hook: StatementHook) -> None:
         """Call ``hook`` with the SQL of every statement a transaction runs from now on, on

@@ -39,7 +39,7 @@ from sbproxy.store.lifecycle import (
     JobStatus,
     StepStatus,
 )
-from sbproxy.store.outcomes import JobOutcomes
+from sbproxy.store.outcomes import JobOutcomes, WriteTallies
 from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
 from sbproxy.store.records import job_from_row as _job
 from sbproxy.store.records import step_from_row as _step
@@ -208,6 +208,11 @@ class JobStore:
         self.clock = clock
         self.lease_clock = lease_clock
         self.outcomes = JobOutcomes()
+
+    @property
+    def write_tallies(self) -> WriteTallies:
+        """How this process's journal writes waited, committed and grouped (metrics)."""
+        return self.database.write_tallies
 
     async def close(self) -> None:
         """Close the journal database (its connections and their threads)."""

@@ -44,7 +44,7 @@ from sbproxy.store.jobs import (
 )
 from sbproxy.store.leaseclock import LeaseClock
 from sbproxy.store.lifecycle import JobStatus
-from sbproxy.store.outcomes import JobOutcomes
+from sbproxy.store.outcomes import JobOutcomes, WriteTallies
 
 __all__ = ["JobJournal", "open_journal"]
 
@@ -59,11 +59,18 @@ class JobJournal(Protocol):
         clock: "Now" in epoch milliseconds, for the timestamps people read.
         lease_clock: The clock leases are stamped on and judged by.
         outcomes: Tallies of the jobs this process finished (metrics).
+        write_tallies: How this process's journal writes waited, committed and grouped
+            (metrics).
     """
 
     clock: Callable[[], int]
     lease_clock: LeaseClock
     outcomes: JobOutcomes
+
+    @property
+    def write_tallies(self) -> WriteTallies:
+        """How this process's journal writes waited, committed and grouped (metrics)."""
+        ...
 
     async def close(self) -> None:
         """Release the backend's connections; the journal is unusable afterwards."""

@@ -52,6 +52,7 @@ async def served(
     mode: str | None = None,
     keys: Sequence[ApiKeyRecord] = (),
     model_host: dict[str, Any] | None = None,
+    routes: Sequence[Route] = ROUTES,
 ) -> AsyncIterator[Served]:
     async with (
         runtime_host(
@@ -62,7 +63,9 @@ async def served(
         ) as host,
         anyio.create_task_group() as group,
     ):
-        gateway = Gateway(manager=host.manager, routing=Routing(ROUTES), keys=KeyPlane(list(keys)))
+        gateway = Gateway(
+            manager=host.manager, routing=Routing(tuple(routes)), keys=KeyPlane(list(keys))
+        )
         admin = Admin(
             manager=host.manager,
             username=ADMIN[0],

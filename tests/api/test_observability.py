@@ -53,6 +53,20 @@ async def test_metrics_count_jobs_by_workflow_and_status(tmp_path: Path) -> None
     assert "# TYPE sbproxy_job_duration_seconds histogram" in text
     assert 'sbproxy_job_duration_seconds_count{workflow="load"} 1.0' in text
     assert 'sbproxy_job_duration_seconds_bucket{le="+Inf",workflow="load"} 1.0' in text
+    # The journal writer's contention: every write above counted once, with its commit.
+    for name in ("journal_write_wait_seconds", "journal_commit_seconds"):
+        assert f"# TYPE sbproxy_{name} histogram" in text
+    committed = _sample(text, "sbproxy_journal_write_group_size_sum")  # writes made durable
+    assert committed > 0
+    assert _sample(text, "sbproxy_journal_write_wait_seconds_count") >= committed
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of the unlabelled sample ``name`` in a Prometheus text page."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not on the page")
 
 
 def named(spans: InMemorySpanExporter, name: str) -> list[ReadableSpan]:

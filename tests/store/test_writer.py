@@ -235,3 +235,40 @@ async def test_close_finishes_queued_writes_and_refuses_later_ones(tmp_path: Pat
         assert "is closed" in raised.value.message
     with sqlite3.connect(tmp_path / "journal.db") as raw:
         assert raw.execute("SELECT COUNT(*) FROM t").fetchone()[0] == 20
+
+
+async def test_write_tallies_show_the_wait_behind_another_connection_lock(
+    tmp_path: Path, database: Database
+) -> None:
+    """Another connection (as another process would) holds the write lock for 0.3 s: the
+    next write's wait is counted at that length, its commit apart from it."""
+    waits_before, commits_before, _ = database.write_tallies.snapshot()
+    other = sqlite3.connect(
+        tmp_path / "journal.db", isolation_level=None, timeout=10, check_same_thread=False
+    )
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        holding = threading.Timer(0.3, lambda: other.execute("COMMIT"))
+        holding.start()
+        assert await database.write(insert(1)) == 1
+        holding.join()
+    finally:
+        other.close()
+    waits, commits, _ = database.write_tallies.snapshot()
+    assert waits.count == waits_before.count + 1
+    assert waits.total_s - waits_before.total_s >= 0.25
+    # Counted in a bucket above 0.25 s (cumulative counts: the 0.25 s bucket did not grow).
+    by_bound = dict(waits.cumulative())
+    before = dict(waits_before.cumulative())
+    assert by_bound["0.25"] == before["0.25"]
+    assert by_bound["+Inf"] == before["+Inf"] + 1
+    assert commits.count == commits_before.count + 1
+    assert commits.total_s - commits_before.total_s < 0.25  # the wait is not the commit's
+
+
+async def test_write_tallies_count_group_sizes(database: Database) -> None:
+    _, _, groups_before = database.write_tallies.snapshot()
+    await hold_then(database, {n: insert(n) for n in range(1, 9)})
+    _, _, groups = database.write_tallies.snapshot()
+    assert groups.count == groups_before.count + 2  # the holder alone, then eight together
+    assert groups.total_s == groups_before.total_s + 9

@@ -7,6 +7,7 @@ from sbproxy.errors import SbproxyError
 __all__ = [
     "ArtifactError",
     "CacheCorrupt",
+    "CacheInUse",
     "DigestMismatch",
     "DiskFull",
     "HttpStatusError",
@@ -63,6 +64,13 @@ class CacheCorrupt(ArtifactError):
     repaired silently."""
 
     default_code = "cache_corrupt"
+
+
+class CacheInUse(ArtifactError):
+    """Another serving host already holds this cache (``cache_in_use``): one host owns one
+    cache's engines and runtime jobs."""
+
+    default_code = "cache_in_use"
 
 
 class ManualArtifactMissing(ArtifactError):

@@ -5,7 +5,11 @@
 * ``cache-mutation.lock`` -- shared by promote/publish, exclusive for gc, prune and removal,
   so that collection never deletes a blob a publish is about to link;
 * ``lease-<digest>.lock`` -- shared by every live runtime that serves the artifact; removal
-  and collection try it exclusively and refuse (``leased``) when they cannot get it.
+  and collection try it exclusively and refuse (``leased``) when they cannot get it;
+* ``host.lock`` -- exclusive for the life of the one serving host (``sbproxy serve`` or
+  ``run``) of the cache: a second host on the same cache is refused (``cache_in_use``), so
+  the runtime jobs and engines recorded in the cache have one owner. The file names its
+  holder (pid, start ticks, start time) for that refusal.
 
 All are ``flock(2)`` locks on the standard library's ``fcntl``: the kernel releases them when
 the holder dies, so a crashed process never leaves a stale lock, and one primitive gives
@@ -17,13 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
 
-__all__ = ["DigestLease", "hold", "try_hold"]
+from sbproxy.model_host.artifacts.errors import CacheInUse
+from sbproxy.workflows import process_start_ticks
+
+__all__ = ["DigestLease", "HostLock", "hold", "try_hold"]
 
 _POLL_S = 0.05
 
@@ -102,3 +111,54 @@ class DigestLease:
 
     def __exit__(self, *_: object) -> None:
         self.release()
+
+
+class HostLock:
+    """The serving host's exclusive hold on its cache (``<root>/locks/host.lock``), taken at
+    start and kept until :meth:`release` (or the process's death: the kernel drops a
+    ``flock`` with its holder, so a crashed host never blocks the next start).
+
+    Raises (from :meth:`acquire`):
+        CacheInUse: ``cache_in_use`` when another live process holds it; the message names
+            that process's pid and the cache.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, path: Path, *, cache_root: Path) -> HostLock:
+        """Take the lock on ``path`` without waiting and record this process in it."""
+        fd = _open(path)
+        if not _try(fd, exclusive=True):
+            os.close(fd)
+            holder = _read_holder(path)
+            raise CacheInUse(
+                f"the cache {cache_root} is already served by sbproxy pid {holder}",
+                remediation="Stop that host first, or give this one its own cache "
+                "(proxy.model_host.cache.directory or --cache-dir).",
+                details={"cache": str(cache_root), "pid": holder},
+            )
+        pid = os.getpid()
+        record = {"pid": pid, "start_ticks": process_start_ticks(pid), "started_at": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Let the next host start (idempotent)."""
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read_holder(path: Path) -> int | str:
+    """The pid recorded in a held host lock (``"unknown"`` while it is being written)."""
+    try:
+        pid = json.loads(path.read_text() or "{}").get("pid")
+    except (OSError, ValueError, AttributeError):
+        return "unknown"
+    return pid if isinstance(pid, int) else "unknown"

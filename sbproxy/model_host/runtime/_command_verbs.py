@@ -21,10 +21,14 @@ from sbproxy.model_host.runtime.commands import Command, CommandKind, CommandQue
 from sbproxy.model_host.runtime.slot import pulse
 from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.store import JobRecord, JobStatus
+from sbproxy.workflows import owner_is_gone
 from sbproxy.workflows.errors import JobCancelled
 
 if TYPE_CHECKING:
     from sbproxy.model_host.runtime.manager import RuntimeManager
+
+# How often a running host looks for runtime jobs it does not hold yet, seconds.
+ADOPT_POLL_S = 0.5
 
 logger = logging.getLogger("sbproxy.model_host.runtime.manager")
 
@@ -40,15 +44,45 @@ _COMMAND_OF_KIND = {
 class CommandsMixin:
     """Command verbs of the runtime manager (see the module docstring)."""
 
-    async def _adopt_unfinished_jobs(self: RuntimeManager) -> None:
+    async def adopt_runtime_jobs(self: RuntimeManager) -> list[str]:
+        """Run every unfinished ``load``, ``drain`` and ``reset`` job that no command lane
+        of this host holds, in its deployment's command order, oldest first; the ids taken.
+
+        Called at start (the jobs of a host that died) and every :data:`ADOPT_POLL_S`
+        seconds after (a job ``sbproxy jobs retry`` queued, or one the journal's recovery
+        returned to the queue), so a queued runtime job never waits for a restart.
+
+        Never taken: a job running under another live process (pid and start time: only a
+        dead owner's work is adopted). Never run: a job of a deployment this host's
+        configuration does not declare, or whose definition changed since the job was
+        submitted (``config_digest`` of its input) -- those are ended ``cancelled`` with a
+        ``superseded`` event that says why, since running them would start an engine no
+        configuration asks for.
+        """
+        started, in_flight = self._submits_started, self._submits_in_flight
         active = (JobStatus.QUEUED, JobStatus.RUNNING)
         jobs = await self.engine.store.list_jobs(statuses=active, limit=-1)
+        if in_flight or self._submits_in_flight or started != self._submits_started:
+            return []  # a command was submitting: its job may not be in its lane yet
+        taken = []
         for job in sorted(jobs, key=lambda j: (j.created_at_ms, j.id)):
             kind = _COMMAND_OF_KIND.get(job.kind)
             subject = job.subject or ""
-            if kind is None or not subject.startswith("deployment:"):
+            if kind is None or not subject.startswith("deployment:") or self._in_a_lane(job.id):
                 continue
+            owner = job.lease_owner
+            if (
+                job.status == JobStatus.RUNNING
+                and owner is not None
+                and owner != self.identity.owner
+                and not owner_is_gone(owner)
+            ):
+                continue  # a live process runs it: never taken from a live owner
             deployment = subject.removeprefix("deployment:")
+            why = self._not_runnable_here(job, deployment)
+            if why is not None:
+                await self._end_unrunnable(job, why)
+                continue
             queue = self.queue(deployment)
             command, _ = queue.submit(kind, reason="recovered", join=False)
             if job.cancel_requested:
@@ -56,6 +90,41 @@ class CommandsMixin:
             command.assign(job.id)
             logger.info("adopted unfinished %s job %s of %s", job.kind, job.id, deployment)
             self._spawn_command(queue, command, None)
+            taken.append(job.id)
+        return taken
+
+    def _in_a_lane(self: RuntimeManager, job_id: str) -> bool:
+        return any(queue.find(job_id) is not None for queue in self.commands.values())
+
+    def _not_runnable_here(self: RuntimeManager, job: JobRecord, deployment: str) -> str | None:
+        """Why this host must not run ``job`` (``None``: it may)."""
+        from sbproxy.model_host.runtime.manager import deployment_digest
+
+        slot = self.slots.get(deployment)
+        if slot is None:
+            return (
+                f"deployment {deployment!r} is not declared in this host's configuration; "
+                f"the {job.kind} job came from another configuration"
+            )
+        recorded = job.input.get("config_digest")
+        if recorded is not None and recorded != deployment_digest(slot.config):
+            return (
+                f"the definition of {deployment} changed since this {job.kind} job was "
+                "submitted; the current configuration decides what runs"
+            )
+        return None
+
+    async def _end_unrunnable(self: RuntimeManager, job: JobRecord, why: str) -> None:
+        """End a job this host will not run: a ``superseded`` event saying why, then a
+        durable cancellation (immediate for a queued job; a dead owner's running job is
+        returned to the queue by recovery first and ends at the next pass)."""
+        if job.cancel_requested and job.status == JobStatus.RUNNING:
+            return  # already asked; recovery re-queues it and the cancellation ends it
+        logger.warning("not running %s job %s: %s", job.kind, job.id, why)
+        await self.engine.store.record_event(
+            job.id, kind="superseded", data={"reason": "not_declared", "message": why}
+        )
+        await self._cancel_job(job.id)
 
     # -- commands --------------------------------------------------------------------------
 
@@ -171,7 +240,12 @@ class CommandsMixin:
         """Submit the command's job now, run it in the command's turn, settle the slot."""
         try:
             if command.job_id is None and submit is not None:
-                command.assign((await submit()).id)
+                self._submits_started += 1
+                self._submits_in_flight += 1
+                try:
+                    command.assign((await submit()).id)
+                finally:
+                    self._submits_in_flight -= 1
             async with queue.turn(command):
                 if command.job_id is None:
                     return

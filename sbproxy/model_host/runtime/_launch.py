@@ -152,6 +152,7 @@ class LaunchMixin:
         try:
             await self._reserve(slot, key, estimate)
         except AdmissionRejected as exc:
+            slot.capacity_retryable = exc.retryable
             await self._set_state(
                 slot, DeploymentState.FAILED, reason_code=exc.code, error=exc.message
             )
@@ -207,6 +208,8 @@ class LaunchMixin:
                     blockers = self._busy_blockers(key, estimate)
                     left = timeout_s - (self.clock.now() - started)
                     if not blockers or left <= 0:
+                        # With blockers it would fit once they idle: retryable, and
+                        # Retry-After says when to look again (one queue timeout).
                         raise reject(
                             AdmissionReason.INSUFFICIENT_CAPACITY,
                             exc.message
@@ -218,6 +221,7 @@ class LaunchMixin:
                             ),
                             deployment=slot.deployment,
                             retry_after_ms=max(1000, round(timeout_s * 1000)),
+                            retryable=bool(blockers),
                         ) from None
                     for blocker in blockers:
                         # Hold only a generation that is serving: a starting one must let
@@ -448,22 +452,27 @@ class LaunchMixin:
             "timed_out": report.timed_out,
         }
 
-    async def reset_slot(self: RuntimeManager, slot: Slot, *, job_id: str | None = None) -> None:
-        """Clear a retained failure so the deployment may launch again (backoff too).
+    async def reset_slot(self: RuntimeManager, slot: Slot, *, job_id: str | None = None) -> bool:
+        """Clear a retained failure so the deployment may launch again (backoff too);
+        whether there was one to clear. A deployment that has not failed (ready, stopped,
+        configured) has nothing to reset: that is a no-op, not an error.
 
         Raises:
-            SbproxyError: ``prepare_failed`` unless the deployment has failed; ``draining``
-                while it is preparing or draining.
+            SbproxyError: ``draining`` while it is preparing or draining (wait for that to
+                finish, then reset if it failed).
         """
         if slot.state in (DeploymentState.PREPARING, DeploymentState.DRAINING):
-            raise SbproxyError(f"{slot.deployment} is {slot.state.value}", code="draining")
-        if slot.state != DeploymentState.FAILED:
             raise SbproxyError(
-                f"reset requires a retained failure; {slot.deployment} is {slot.state.value}",
-                code="prepare_failed",
+                f"{slot.deployment} is {slot.state.value}; reset it once that has finished "
+                "(if it failed)",
+                code="draining",
             )
+        if slot.state != DeploymentState.FAILED:
+            logger.info("%s: reset: nothing to clear (%s)", slot.deployment, slot.state.value)
+            return False
         slot.crash = None
         slot.failures = 0
         slot.not_before = 0.0
         await self._set_state(slot, DeploymentState.CONFIGURED, job_id=job_id)
         slot.gate.resume()
+        return True

@@ -115,6 +115,9 @@ class AdmissionRejected(SbproxyError):
         detail: What happened, in one sentence; cut to :data:`MAX_DETAIL_CHARS`.
         deployment: The deployment id, if the refusal concerns one.
         retry_after_ms: A hint for ``Retry-After``, in milliseconds.
+        retryable: Overrides the reason's default: an ``insufficient_capacity`` that came
+            from waiting out busy resident models (a swap) is retryable, one that can never
+            fit is not.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class AdmissionRejected(SbproxyError):
         *,
         deployment: str | None = None,
         retry_after_ms: int | None = None,
+        retryable: bool | None = None,
     ) -> None:
         if len(detail) > MAX_DETAIL_CHARS:
             detail = detail[: MAX_DETAIL_CHARS - 1] + "\N{HORIZONTAL ELLIPSIS}"
@@ -135,7 +139,7 @@ class AdmissionRejected(SbproxyError):
         super().__init__(
             detail,
             code=reason.value,
-            retryable=_RETRYABLE[reason],
+            retryable=_RETRYABLE[reason] if retryable is None else retryable,
             remediation=REMEDIATIONS[reason],
             details=details,
         )
@@ -150,6 +154,7 @@ def reject(
     *,
     deployment: str | None = None,
     retry_after_ms: int | None = None,
+    retryable: bool | None = None,
 ) -> AdmissionRejected:
     """Build the rejection for ``reason`` (e.g. ``engine_unhealthy``, ``crash_loop``).
 
@@ -160,7 +165,11 @@ def reject(
         ValueError: ``reason`` is not an :class:`AdmissionReason` value.
     """
     return AdmissionRejected(
-        AdmissionReason(reason), detail, deployment=deployment, retry_after_ms=retry_after_ms
+        AdmissionReason(reason),
+        detail,
+        deployment=deployment,
+        retry_after_ms=retry_after_ms,
+        retryable=retryable,
     )
 
 

@@ -26,7 +26,7 @@ from sbproxy.model_host.engines import provision_llama_cpp
 from sbproxy.model_host.flows.pull import PullInput, PullIntent, PullOutput, pull_workflow
 from sbproxy.model_host.registry import registry
 from sbproxy.model_host.runtime.commands import CommandKind
-from sbproxy.model_host.runtime.manager import RuntimeManager, Slot
+from sbproxy.model_host.runtime.manager import RuntimeManager, Slot, deployment_digest
 from sbproxy.store import JobRecord, JobStatus
 from sbproxy.workflows import StepContext, WorkflowContext, step
 
@@ -47,6 +47,9 @@ class DeploymentInput(BaseModel):
 
     deployment: str
     reason: str | None = None
+    # A load's deployment definition when it was submitted (``deployment_digest``): a host
+    # whose configuration defines the deployment otherwise does not run the job.
+    config_digest: str | None = None
 
 
 class PullStepInput(BaseModel):
@@ -238,22 +241,33 @@ async def drain_workflow(ctx: WorkflowContext, request: DeploymentInput) -> dict
     return await ctx.step(drain_step, request)
 
 
+class ResetOutput(BaseModel):
+    """What a reset did: ``cleared`` a retained failure, or found none (a no-op)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    deployment: str
+    cleared: bool
+    state: str
+
+
 @step("reset")
-async def reset_step(ctx: StepContext, request: DeploymentInput) -> str:
+async def reset_step(ctx: StepContext, request: DeploymentInput) -> ResetOutput:
     """Clear a retained failure.
 
-    Idempotency: a deployment that was reset already is ``configured``; a second reset is
-    refused with ``prepare_failed`` and changes nothing.
+    Idempotency: a deployment that was reset already is ``configured``, and resetting a
+    deployment that has not failed changes nothing (``cleared: false``, the job succeeds).
     """
     manager, slot = _slot(ctx, request.deployment)
     async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.RESET):
-        await manager.reset_slot(slot, job_id=ctx.job_id)
-    return slot.state.value
+        cleared = await manager.reset_slot(slot, job_id=ctx.job_id)
+    return ResetOutput(deployment=slot.deployment, cleared=cleared, state=slot.state.value)
 
 
 @registry.workflow("reset", version=1)
-async def reset_workflow(ctx: WorkflowContext, request: DeploymentInput) -> str:
-    """Clear a failed deployment's retained error so it can launch again."""
+async def reset_workflow(ctx: WorkflowContext, request: DeploymentInput) -> ResetOutput:
+    """Clear a failed deployment's retained error so it can launch again (a no-op that
+    succeeds when there is none)."""
     return await ctx.step(reset_step, request)
 
 
@@ -265,7 +279,10 @@ async def submit_load(
     key and runs the job in order; this only writes the journal."""
     submitted = await manager.engine.submit(
         load_workflow,
-        DeploymentInput(deployment=deployment),
+        DeploymentInput(
+            deployment=deployment,
+            config_digest=deployment_digest(manager.slot(deployment).config),
+        ),
         idempotency_key=idempotency_key or f"load:{deployment}",
         subject=f"deployment:{deployment}",
     )

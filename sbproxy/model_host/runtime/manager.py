@@ -101,6 +101,7 @@ __all__ = [
     "UnknownDeployment",
     "Upstream",
     "artifact_request",
+    "deployment_digest",
     "desired_digest",
     "desired_of",
     "new_slot",
@@ -202,6 +203,10 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
         )
         self._tick = 0
         self._background = 0
+        # Command submissions under way (``adopt_runtime_jobs`` skips a pass that overlaps
+        # one: the submitted job is in the journal before it is in its command's lane).
+        self._submits_started = 0
+        self._submits_in_flight = 0
         self._group: anyio.abc.TaskGroup | None = None
         self._capacity = anyio.Event()
         self._closing_at: float | None = None
@@ -420,7 +425,8 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
         """Reap orphan engines, commit the desired revision, start converging to it.
 
         Unfinished ``load``, ``drain`` and ``reset`` jobs a crashed host left behind are
-        adopted as commands in their original order and finish under their ids; then
+        adopted as commands in their original order and finish under their ids (and later
+        ones -- a ``jobs retry`` -- within :data:`ADOPT_POLL_S`); then
         ``warm: true`` deployments get a ``load`` (joining an adopted one) and ``pull:
         on_boot`` deployments get their artifact verified. The maintenance loop starts.
         """
@@ -432,7 +438,10 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
         self.revision = await self.runtime_store.commit_revision(
             content_digest=desired_digest(desired), desired=desired
         )
-        await self._adopt_unfinished_jobs()
+        # A dead host's running jobs go back to the queue first, so the adoption below sees
+        # them as they are (and ends those no deployment here declares at once).
+        await self.engine.recover()
+        await self.adopt_runtime_jobs()
         for slot in self.slots.values():
             if slot.config.warm:
                 self.request_load(slot.deployment, reason="warm")
@@ -443,6 +452,7 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
                     what=f"the on_boot verification of {deployment}",
                 )
         self.start_contained(self._maintenance, what="the maintenance loop")
+        self.start_contained(self._adoption, what="the runtime job adoption loop")
 
     @property
     def owned_dir(self) -> Path:
@@ -564,9 +574,10 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
                 raise reject(
                     AdmissionReason.INSUFFICIENT_CAPACITY,
                     f"{deployment} waited {timeout_s:g} s for a busy resident model to go "
-                    "idle so that it could be swapped in",
+                    "idle so that it could be swapped in; retry later",
                     deployment=deployment,
                     retry_after_ms=max(1000, slot.config.queue_timeout_ms),
+                    retryable=True,  # busy, not too big: the swap fits once that model idles
                 )
             raise reject(
                 AdmissionReason.QUEUE_TIMEOUT,
@@ -616,6 +627,7 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
                 slot.last_error or "the deployment does not fit",
                 deployment=slot.deployment,
                 retry_after_ms=max(1000, slot.config.queue_timeout_ms),
+                retryable=slot.capacity_retryable,
             )
         raise reject(
             AdmissionReason.ENGINE_UNHEALTHY,
@@ -666,6 +678,17 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
             slot.restarting = False
 
     # -- maintenance -----------------------------------------------------------------------
+
+    async def _adoption(self) -> None:
+        """Take queued runtime jobs this host does not hold yet (``adopt_runtime_jobs``)."""
+        from sbproxy.model_host.runtime._command_verbs import ADOPT_POLL_S
+
+        while True:
+            await anyio.sleep(ADOPT_POLL_S)
+            try:
+                await self.adopt_runtime_jobs()
+            except SbproxyError as exc:  # a journal that cannot be read now: next pass
+                logger.warning("runtime job adoption skipped: %s [%s]", exc, exc.code)
 
     async def _maintenance(self) -> None:
         while True:
@@ -772,6 +795,12 @@ def artifact_request(config: DeploymentConfig) -> ArtifactRequest:
 def desired_of(compiled: CompiledConfig) -> dict[str, Any]:
     """The desired deployments of ``compiled`` as JSON objects by id."""
     return {k: v.model_dump(mode="json") for k, v in compiled.deployments.items()}
+
+
+def deployment_digest(config: DeploymentConfig) -> str:
+    """SHA-256 hex of one deployment's definition (RFC 8785 canonical JSON): what a
+    ``load`` job records, so that a host never runs a load its configuration changed."""
+    return desired_digest({"deployment": config.model_dump(mode="json")})
 
 
 def desired_digest(desired: Mapping[str, object]) -> str:

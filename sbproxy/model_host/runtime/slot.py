@@ -96,6 +96,9 @@ class Slot:
     not_before: float = 0.0
     restarting: bool = False
     swap_waiting: bool = False
+    # Whether a retained insufficient_capacity came from waiting out busy models (a swap
+    # that fits once they idle: retryable) rather than from a load that can never fit.
+    capacity_retryable: bool = False
     waiting: int = 0
     ready: anyio.Event = field(default_factory=anyio.Event)
     launching: anyio.Lock = field(default_factory=anyio.Lock)

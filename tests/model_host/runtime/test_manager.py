@@ -127,17 +127,28 @@ async def test_crash_loop_is_retained_until_reset(tmp_path: Path) -> None:
         upstream.release()
 
 
-async def test_reset_requires_a_retained_failure(tmp_path: Path) -> None:
-    async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+async def test_a_reset_without_a_retained_failure_is_a_no_op_that_succeeds(
+    tmp_path: Path,
+) -> None:
+    async with runtime_host(tmp_path, deployments={"tiny": TINY, "idle": TINY}) as host:
         upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
         upstream.release()
         slot = host.manager.slot("tiny")
-        port = slot.port
+        port, generation = slot.port, slot.generation
         job = await host.engine.join((await submit_reset(host.manager, "tiny")).id)
-        assert job.status == JobStatus.FAILED
-        assert job.error is not None
-        assert job.error.code == "prepare_failed"
-        assert (slot.state, slot.port) == (DeploymentState.READY, port)
+        assert job.status == JobStatus.SUCCEEDED
+        assert job.error is None
+        assert job.output == {"deployment": "tiny", "cleared": False, "state": "ready"}
+        assert (slot.state, slot.port, slot.generation) == (DeploymentState.READY, port, generation)
+        # A deployment that never started (configured) and a stopped one: the same no-op.
+        idle = await host.engine.join((await submit_reset(host.manager, "idle")).id)
+        assert (idle.status, idle.output["state"]) == (JobStatus.SUCCEEDED, "configured")
+        stop = await host.manager.stop("tiny")
+        await host.engine.join(stop.id)
+        stopped = await host.engine.join((await host.manager.reset("tiny")).id)
+        assert stopped.status == JobStatus.SUCCEEDED
+        assert stopped.output["cleared"] is False
+        assert host.manager.slot("tiny").state == DeploymentState.STOPPED
 
 
 async def test_drain_waits_for_active_requests_then_stops(tmp_path: Path) -> None:

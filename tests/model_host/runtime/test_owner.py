@@ -363,6 +363,7 @@ async def test_a_swap_that_waits_too_long_is_insufficient_capacity_with_retry_af
             await manager.acquire("b", priority=STANDARD)
         assert refused.value.code == "insufficient_capacity"
         assert refused.value.retry_after_ms is not None
+        assert refused.value.retryable  # busy, not too big: it fits once "a" idles
         await until(lambda: not manager.slot("a").gate.held)
         assert manager.slot("a").routable()  # the busy one kept serving
         busy.release()
