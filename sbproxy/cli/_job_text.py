@@ -16,6 +16,7 @@ from sbproxy.store import JobRecord, JobStatus, LeaseTime, StepRecord
 from sbproxy.workflows import Staleness
 
 __all__ = [
+    "RUNTIME_KINDS",
     "age_text",
     "align",
     "duration_text",
@@ -48,8 +49,9 @@ _RESUMED_BY = {
     "engine_build": "the next `sbproxy engines build` of this source",
     "engine_fetch": "the next load that needs this engine",
 }
-# Deployment jobs are never run by the worker loop: the runtime manager adopts them at start.
-_RUNTIME_KINDS = frozenset({"load", "drain", "reset", "reload"})
+# Deployment jobs run only in the `sbproxy serve` of their cache: its runtime manager takes
+# them (at start, and a queued one within a second) and the CLI cannot run them.
+RUNTIME_KINDS = frozenset({"load", "drain", "reset", "reload"})
 
 
 def size_text(value: int | float) -> str:
@@ -154,8 +156,8 @@ def align(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def resume_hint(kind: str) -> str:
     """How a stale job of ``kind`` gets resumed: ``resumed by <who>``."""
-    if kind in _RUNTIME_KINDS:
-        return "resumed when `sbproxy serve` starts again on this cache (it adopts the job)"
+    if kind in RUNTIME_KINDS:
+        return "resumed by the `sbproxy serve` of this cache (at once, or when it starts)"
     by = _RESUMED_BY.get(kind)
     return f"resumed by {by} or by {_SERVER}" if by else f"resumed by {_SERVER}"
 

@@ -19,6 +19,7 @@ from ulid import ULID
 
 from sbproxy.cli._event_view import open_view
 from sbproxy.cli._job_text import (
+    RUNTIME_KINDS,
     job_outcome_line,
     last_error,
     resume_hint,
@@ -36,6 +37,8 @@ from sbproxy.cli._output import (
 )
 from sbproxy.cli.jobs_cmd import INVALID_INPUT_CODES, job_json, journal_options, journal_path
 from sbproxy.errors import SbproxyError
+from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
+from sbproxy.model_host.artifacts.locks import serving_host
 from sbproxy.model_host.flows import registry
 from sbproxy.store import JobRecord, JobStatus, StepRecord, StepStatus, wall_clock_ms
 from sbproxy.workflows import Staleness, WorkflowEngine
@@ -86,7 +89,11 @@ def _require_journal(journal: Path) -> None:
 
 @asynccontextmanager
 async def _engine(journal: Path) -> AsyncIterator[WorkflowEngine]:
-    engine = await WorkflowEngine.open(journal, registry)
+    """The workflow engine over ``journal`` with what this process's workflows need: the
+    artifact cache the journal belongs to (``<cache>/jobs/journal.db``), as ``models pull``
+    has it, so that a retried pull (or import, remove, gc) runs here."""
+    cache = ArtifactCache(CacheLayout(root=journal.parent.parent))
+    engine = await WorkflowEngine.open(journal, registry, resources=[cache])
     try:
         yield engine
     finally:
@@ -310,8 +317,11 @@ def retry_command(
 
     When this process knows the job's workflow (and without --detach) the job runs here,
     with progress on stderr, and the exit status is its outcome as for `jobs watch`.
-    Otherwise it waits in the queue for a running `sbproxy serve` worker. Exit status 2 if
-    the job is not failed or parked.
+    Otherwise it waits in the queue for the `sbproxy serve` of this cache, which takes it at
+    once (a deployment's load, drain or reset always runs there: its engines are that
+    host's). A job that is still queued or running is not an error: it is run here (or
+    followed), or with --detach its state is printed. Exit status 2 if the job finished
+    (succeeded or cancelled).
     """
     command = "jobs.retry"
     journal = journal_path(command, cache_dir, config_path, output_format)
@@ -322,23 +332,49 @@ def retry_command(
         async with _engine(journal) as engine:
             # Only what the new run writes is streamed; the history is `jobs show`'s job.
             after_seq = await engine.store.last_event_seq(wanted)
-            job = await _requeue(engine, wanted)
+            job = await engine.get(wanted)
+            unfinished = job.status in (JobStatus.QUEUED, JobStatus.RUNNING)
+            if not unfinished:
+                job = await _requeue(engine, wanted)
             if detach or engine.registry.get(job.kind) is None:
-                steps = await engine.steps(wanted)
-                done = _completed_prefix(steps)
+                where = await _who_runs_it(engine, job, journal)
                 if output_format == "json":
-                    emit_json(command, {"job": job.to_dict(), "ran_here": False})
+                    emit_json(command, {"job": job.to_dict(), "ran_here": False, **where})
                 else:
-                    resume = f"after step {steps[done - 1].name}" if done else "from its start"
-                    click.echo(
-                        f"{job.id}: queued; a running `sbproxy serve` worker resumes it {resume} "
-                        f"(`sbproxy jobs watch {job.id}` follows it)"
-                    )
+                    click.echo(str(where["text"]))
                 return 0
+            # Unfinished already: run it here if it waits (or its owner died), else follow it.
             final = await run_followed(engine, job.id, after_seq=after_seq)
         return _report_outcome(command, final, output_format, ran_here=True)
 
     _run(command, output_format, work)
+
+
+async def _who_runs_it(engine: WorkflowEngine, job: JobRecord, journal: Path) -> dict[str, object]:
+    """Where a job left in the journal (queued or running) is run from, for ``jobs retry``
+    that does not run it here: ``{"text": one line, "serving_pid": pid or None}``."""
+    steps = await engine.steps(job.id)
+    done = _completed_prefix(steps)
+    resume = f"after step {steps[done - 1].name}" if done else "from its start"
+    watch = f"`sbproxy jobs watch {job.id}` follows it"
+    pid = serving_host(journal.parent.parent / "locks" / "host.lock")
+    if job.status == JobStatus.RUNNING:
+        stale = await engine.staleness(job)
+        if stale is None:
+            return {"text": f"{job.id}: already running ({watch})", "serving_pid": pid}
+        state = f"running but stale ({stale_text(stale)})"
+    else:
+        state = "queued"
+    if pid is not None:
+        runner = f"the `sbproxy serve` of this cache (pid {pid}) resumes it {resume} now"
+    elif job.kind in RUNTIME_KINDS:
+        runner = f"no `sbproxy serve` runs on this cache: it resumes {resume} when one starts"
+    else:
+        runner = (
+            f"no `sbproxy serve` runs on this cache: one resumes it {resume}, or run "
+            f"`sbproxy jobs retry {job.id}` without --detach"
+        )
+    return {"text": f"{job.id}: {state}; {runner} ({watch})", "serving_pid": pid}
 
 
 async def _requeue(engine: WorkflowEngine, job_id: str) -> JobRecord:

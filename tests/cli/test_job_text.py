@@ -223,7 +223,7 @@ def test_a_stale_job_says_how_long_it_was_silent_why_where_who_held_it_and_what_
             "resumed by the next `sbproxy models remove` of this artifact or by a running "
             "`sbproxy serve` on this cache",
         ),
-        ("load", "resumed when `sbproxy serve` starts again on this cache (it adopts the job)"),
+        ("load", "resumed by the `sbproxy serve` of this cache (at once, or when it starts)"),
         ("something-else", "resumed by a running `sbproxy serve` on this cache"),
     ],
 )

@@ -442,21 +442,27 @@ def test_retry_detach_only_queues_even_a_known_workflow(
     monkeypatch.setattr(jobs_control_cmd, "registry", jobflows.registry)
     result = cache.invoke("retry", job_id, "--detach")
     assert result.exit_code == 0, result.stderr
-    assert result.stdout.startswith(f"{job_id}: queued; a running `sbproxy serve` worker")
+    assert result.stdout.startswith(f"{job_id}: queued; no `sbproxy serve` runs on this cache")
     assert "after step prepare" in result.stdout
     assert cache.effects() == Counter({"prepare": 1, "flaky": 1})
 
 
-def test_retry_refuses_a_job_that_is_not_failed_or_parked(
+def test_retry_refuses_a_finished_job_and_answers_the_state_of_an_unfinished_one(
     history: tuple[Cache, dict[str, str]],
 ) -> None:
     shared, ids = history
     refused = shared.jobs("retry", ids["succeeded"])
     assert refused.returncode == 2
     assert f"job {ids['succeeded']} is succeeded; only failed or parked" in refused.stderr
-    queued = shared.invoke("retry", ids["queued"], "--format", "json")
-    assert queued.exit_code == 2
-    assert envelope(queued.stdout, "jobs.retry")["error"]["code"] == "job_not_retryable"
+    # Already queued: not an error; the job is left as it is and its state said.
+    for flags in ((), ("--detach",)):
+        queued = shared.invoke("retry", ids["queued"], *flags, "--format", "json")
+        assert queued.exit_code == 0, queued.stderr
+        payload = envelope(queued.stdout, "jobs.retry")
+        assert (payload["job"]["status"], payload["ran_here"]) == ("queued", False)
+        assert payload["serving_pid"] is None
+        text = shared.invoke("retry", ids["queued"], *flags)
+        assert text.stdout.startswith(f"{ids['queued']}: queued; no `sbproxy serve` runs")
 
 
 def test_retry_names_the_newer_job_that_holds_the_idempotency_key(cache: Cache) -> None:

@@ -32,7 +32,7 @@ import anyio
 from sbproxy.model_host.artifacts.errors import CacheInUse
 from sbproxy.workflows import process_start_ticks
 
-__all__ = ["DigestLease", "HostLock", "hold", "try_hold"]
+__all__ = ["DigestLease", "HostLock", "hold", "serving_host", "try_hold"]
 
 _POLL_S = 0.05
 
@@ -162,3 +162,19 @@ def _read_holder(path: Path) -> int | str:
     except (OSError, ValueError, AttributeError):
         return "unknown"
     return pid if isinstance(pid, int) else "unknown"
+
+
+def serving_host(path: Path) -> int | None:
+    """The pid of the live host that serves the cache whose host lock is ``path``, or
+    ``None`` when none does. Reads the holder's record only (never takes the lock, which
+    would refuse a host starting at that moment): a record whose process is gone or whose
+    pid now belongs to another process (start ticks) names no host."""
+    try:
+        record = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return None
+    pid = record.get("pid") if isinstance(record, dict) else None
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    ticks = record.get("start_ticks")
+    return pid if ticks is not None and process_start_ticks(pid) == ticks else None
