@@ -11,8 +11,8 @@ Checked, and never forwarded to the engine when wrong (both codes are 400s of Op
   * everywhere: ``model`` is a string, ``stream`` a boolean, ``stream_options`` an object
     (each may be null or left out); ``max_tokens``, ``max_completion_tokens`` and
     ``n_predict``, when set (not null), are integers from 1 to 2^31 - 1 (not ``true``, not
-    ``5.0``); no value anywhere is a number too large to hold (an integer of more than
-    4300 digits, a float beyond 1.8e308);
+    ``5.0``); no value anywhere is a number too large for msgspec to hold (an integer of
+    more than 4300 digits, a float beyond 1.8e308);
   * ``/v1/chat/completions``: ``messages`` is a non-empty list of objects, each with a
     ``role`` among :data:`ROLES`;
   * ``/v1/completions``: ``prompt``, and ``/v1/embeddings``: ``input``, is a string, or a
@@ -20,7 +20,8 @@ Checked, and never forwarded to the engine when wrong (both codes are 400s of Op
     kind per list); a token id is an integer from 0 to 2^31 - 1 (llama.cpp's
     ``llama_token`` is an ``int32_t``).
 
-Fields are read as the last of duplicate keys, as the engine reads them.
+Of duplicate keys the last counts, as for the engine (nlohmann/json, llama-server's parser,
+keeps the last value: nlohmann/json#375).
 
 The checks stay cheap: one decode of the whole body by msgspec into Python objects (no
 slower than the typed decode of the read fields alone it replaced: that one decoded
@@ -106,7 +107,7 @@ _LIST_SHAPES: Final[dict[type, Any]] = {
     list: list[Annotated[list[_TokenId], msgspec.Meta(min_length=1)]],
 }
 _DIGITS: Final = re.compile(rb"-?[0-9]+")
-# A \\uXXXX escape of a UTF-16 surrogate, after a run of backslashes (an odd run escapes the
+# A \uXXXX escape of a UTF-16 surrogate, after a run of backslashes (an odd run escapes the
 # ``u``; an even one is escaped backslashes, then a plain ``u``).
 _SURROGATE: Final = re.compile(rb"(\\+)u([dD][89a-fA-F][0-9a-fA-F]{2})")
 

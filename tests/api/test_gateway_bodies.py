@@ -119,7 +119,7 @@ async def test_malformed_bodies_are_400s_naming_the_field_and_never_reach_the_en
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    seen: list[tuple[int, str, str]] = []
+    seen: list[tuple[int, str | None, str]] = []
     async with (
         served(tmp_path, mode=f"requests_log={log}") as host,
         httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http,
@@ -128,8 +128,8 @@ async def test_malformed_bodies_are_400s_naming_the_field_and_never_reach_the_en
             refused = await http.post(
                 path, content=body, headers={"Content-Type": "application/json"}
             )
-            error = refused.json()["error"]
-            seen.append((refused.status_code, error["code"], error["message"]))
+            error = refused.json().get("error") or {}  # a forwarded body gets an answer
+            seen.append((refused.status_code, error.get("code"), str(error.get("message"))))
     wrong = [
         (body[:60], status, got_code, message)
         for (_, body, code, named), (status, got_code, message) in zip(MALFORMED, seen, strict=True)

@@ -6,9 +6,12 @@ the engine receives fits the documented contract.
 The bodies are written as JSON *text* so that they can hold what a JSON library would not
 write: bytes that are not UTF-8 in keys and values, raw NULs and control characters, half
 surrogate pairs, integers of thousands of digits, 1e999, duplicate keys, deep nesting, and
-top levels that are not objects. Each field the gateway reads is in turn valid, absent or
-odd (including the near misses: ``[null]`` prompts, ``true`` limits, ``5.0`` limits).
-Hypothesis runs derandomized, so a run is the same every time.
+top levels that are not objects. A body is a request of valid fields (``stream`` true,
+false or null: streamed and not) with one kind of fault: none (it reaches the engine), a
+read field of the wrong type or shape (the near misses too: ``[null]`` prompts, ``true`` and
+``5.0`` limits, a list as a role), a dirty leaf (mostly in a field the gateway does not
+read, which it used to let through), or not an object at all. Hypothesis runs derandomized
+(the same 300 bodies every run, no deadline, no example database).
 """
 
 from __future__ import annotations
@@ -107,31 +110,32 @@ def _json(leaves: st.SearchStrategy[bytes], keys: st.SearchStrategy[bytes]) -> A
 
 
 _clean_leaves = st.one_of(literals, clean_numbers, clean_strings, shallow)
+dirty_leaves = st.one_of(dirty_strings, dirty_numbers, deep)
+# Odd in type or shape only: these reach the checks of the read fields, past the decode.
 clean_values: st.SearchStrategy[bytes] = _json(_clean_leaves, clean_keys)
-# mostly clean leaves (one in eight dirty): one dirty leaf spoils a whole body
-values: st.SearchStrategy[bytes] = _json(
-    st.one_of(*[_clean_leaves] * 7, st.one_of(dirty_strings, dirty_numbers, deep)), keys
-)
+# One leaf in eight dirty (one dirty leaf spoils a whole body).
+values: st.SearchStrategy[bytes] = _json(st.one_of(*[_clean_leaves] * 7, dirty_leaves), keys)
 strings = st.one_of(clean_strings, dirty_strings)
 numbers = st.one_of(clean_numbers, dirty_numbers)
+odd = st.one_of(clean_values, clean_values, values)
 
 # Near misses of each field the gateway reads, beside any odd value.
 _ints_alike = st.one_of(literals, numbers, strings, st.sampled_from([b"[1]", b"{}", b'"5"']))
 _messages_alike = st.one_of(
-    values,
-    st.tuples(values, values).map(lambda rc: b'[{"role":' + rc[0] + b',"content":' + rc[1] + b"}]"),
-    st.tuples(st.sampled_from(sorted(ROLES)), values).map(
+    odd,
+    st.tuples(odd, odd).map(lambda rc: b'[{"role":' + rc[0] + b',"content":' + rc[1] + b"}]"),
+    st.tuples(st.sampled_from(sorted(ROLES)), odd).map(
         lambda rc: b'[{"role":' + _quote(rc[0]) + b',"content":' + rc[1] + b"}]"
     ),
-    values.map(lambda item: b'[{"role":"user","content":"hi"},' + item + b"]"),
+    odd.map(lambda item: b'[{"role":"user","content":"hi"},' + item + b"]"),
 )
 _prompts_alike = st.one_of(
-    values,
-    values.map(lambda item: b"[" + item + b"]"),
-    values.map(lambda item: b"[[" + item + b"]]"),
-    values.map(lambda item: b"[1," + item + b"]"),
-    values.map(lambda item: b'["a",' + item + b"]"),
-    values.map(lambda item: b"[[1],[" + item + b"]]"),
+    odd,
+    odd.map(lambda item: b"[" + item + b"]"),
+    odd.map(lambda item: b"[[" + item + b"]]"),
+    odd.map(lambda item: b"[1," + item + b"]"),
+    odd.map(lambda item: b'["a",' + item + b"]"),
+    odd.map(lambda item: b"[[1],[" + item + b"]]"),
     st.sampled_from([b"[]", b"[[]]", b"[null]", b'[{"a":1}]', b'[[1,"a"]]', b"[true]", b"[-1]"]),
 )
 _valid_prompts = st.sampled_from(
@@ -151,9 +155,9 @@ VALID: dict[str, st.SearchStrategy[bytes]] = {
     },
 }
 ODD: dict[str, st.SearchStrategy[bytes]] = {
-    "model": st.one_of(values, strings),
-    "stream": values,
-    "stream_options": values,
+    "model": st.one_of(odd, strings),
+    "stream": odd,
+    "stream_options": odd,
     "messages": _messages_alike,
     "prompt": _prompts_alike,
     "input": _prompts_alike,
@@ -167,33 +171,55 @@ FIELDS = {
 }
 
 
-# How often a field is valid, odd or absent: the route's own field (True) is there more
-# often; the others are odd seldom enough that a good part of the bodies reach the engine.
-CHOICES = {True: ["valid"] * 3 + ["odd"], False: ["valid"] * 3 + ["absent"] * 3 + ["odd"]}
+# A value with a dirty leaf in it, at the top or one level down.
+dirty_values = st.one_of(
+    dirty_leaves,
+    dirty_leaves.map(lambda leaf: b"[1," + leaf + b"]"),
+    st.tuples(clean_keys, dirty_leaves).map(lambda kv: b"{" + kv[0] + b":" + kv[1] + b"}"),
+)
+# What is wrong with a body: nothing (it reaches the engine), the type or shape of a read
+# field, a dirty leaf (in a read field, another field, or a key), or the whole text.
+FAULTS = ["none", "none", "type", "type", "type", "dirty", "dirty", "text"]
 
 
 @st.composite
 def requests(draw: st.DrawFn) -> tuple[str, bytes]:
-    """A route and a body for it: mostly a request object with some fields odd, absent or
-    repeated; sometimes any JSON text, or bytes."""
+    """A route and a body for it: a request object of valid fields (the route's own, some
+    others, a few it does not read) with one kind of fault, keys maybe repeated (the last
+    counts); or any JSON text, or bytes."""
     path = draw(st.sampled_from([CHAT, COMPLETIONS, EMBEDDINGS]))
-    kind = draw(st.sampled_from(["request"] * 8 + ["value", "bytes"]))
-    if kind == "bytes":
-        return path, draw(st.binary(max_size=40))
-    if kind == "value":
-        return path, draw(values)
-    pairs: list[tuple[bytes, bytes]] = []
-    for name in FIELDS[path]:
-        choice = draw(st.sampled_from(CHOICES[name == FIELDS[path][0]]))
-        if choice != "absent":
-            pairs.append((_quote(name), draw(VALID[name] if choice == "valid" else ODD[name])))
-    pairs += draw(
-        st.lists(st.tuples(keys, values) | st.tuples(clean_keys, clean_values), max_size=3)
-    )
+    fault = draw(st.sampled_from(FAULTS))
+    if fault == "text":
+        return path, draw(values | st.binary(max_size=40))
+    fields = FIELDS[path]
+    # the route's own field, and each other one time in three
+    pairs = [
+        (_quote(name), draw(VALID[name]))
+        for name in fields
+        if name == fields[0] or draw(st.integers(0, 2)) == 0
+    ]
+    pairs += draw(st.lists(st.tuples(clean_keys, clean_values), max_size=3))
+    if fault == "type":  # the route's own field as often as all the others
+        for name in draw(
+            st.lists(
+                st.sampled_from([fields[0]] * len(fields) + list(fields)), min_size=1, max_size=2
+            )
+        ):
+            pairs = [pair for pair in pairs if pair[0] != _quote(name)]
+            pairs.append((_quote(name), draw(ODD[name])))
+    elif fault == "dirty":  # most often in a field the gateway does not read
+        where = draw(st.sampled_from(["unread", "unread", "read", "key"]))
+        if where == "key":
+            pairs.append((draw(dirty_strings), draw(clean_values)))
+        else:
+            names = fields if where == "read" else ("user", "temperature", "deployment")
+            key = _quote(draw(st.sampled_from(names)))
+            pairs = [pair for pair in pairs if pair[0] != key]
+            pairs.append((key, draw(dirty_values)))
     duplicate = draw(st.booleans())
-    if pairs and duplicate:  # a duplicate key: the last one counts
+    if duplicate:
         key, _ = draw(st.sampled_from(pairs))
-        pairs.append((key, draw(clean_values | values)))
+        pairs.append((key, draw(clean_values)))
     return path, _object(draw(st.permutations(pairs)))
 
 
