@@ -277,7 +277,7 @@ class Gateway:
             fields, strip_usage = ask_for_usage(head)
         if path != "/v1/embeddings" and not head.sets_a_limit:
             fields["max_tokens"] = self.manager.output_limit(deployment)
-        return (with_fields(body, fields) if fields else body), strip_usage
+        return (with_fields(head, fields) if fields else body), strip_usage
 
     async def forward(self, request: Request[Any, Any, Any], path: str) -> Response[Any]:
         """Relay one OpenAI request to its engine (see the module docstring).

@@ -62,6 +62,102 @@ async def test_a_bad_body_is_a_400_and_never_reaches_the_engine(
     assert forwarded(log) == []
 
 
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+CHAT_HI = b'"messages": [{"role": "user", "content": "hi"}]'
+
+# Bodies outside testers sent (issue 22): each was a 500 with a traceback, reached the engine
+# or was refused under the wrong code. Raw bytes: several are not what json.dumps writes.
+MALFORMED: list[tuple[str, bytes, str, str]] = [
+    (
+        CHAT,
+        b"{" + CHAT_HI + b', "max_tokens": ' + b"7" * 5001 + b"}",
+        "invalid_request",
+        "`max_tokens` must be a positive integer below 2^31, got a 5001-digit number",
+    ),
+    (CHAT, b"{" + CHAT_HI + b', "temperature": 1e999}', "invalid_request", "`temperature`"),
+    (COMPLETIONS, b'{"prompt": "hi", "seed": -' + b"7" * 4400 + b"}", "invalid_request", "`seed`"),
+    (
+        CHAT,
+        b'{"messages": [{"role": [], "content": "hi"}]}',
+        "invalid_request",
+        "`messages[0].role`",
+    ),
+    (CHAT, b'{"messages": [{"role": {"a": 1}}]}', "invalid_request", "`messages[0].role`"),
+    (CHAT, b"{" + CHAT_HI + b', "deployment": "dep\xbe"}', "invalid_body", "`deployment`"),
+    (COMPLETIONS, b'{"prompt": "hi", "user": "\xed\xa0\x80"}', "invalid_body", "`user`"),
+    (EMBEDDINGS, b'{"input": "hi", "user": "x\xff"}', "invalid_body", "`user`"),
+    (EMBEDDINGS, b'{"input": "hi", "us\xc0\xafer": 1}', "invalid_body", "byte 0xc0 at offset 19"),
+    (CHAT, b"{" + CHAT_HI + b', "max_tokens": true}', "invalid_request", "`max_tokens`"),
+    (CHAT, b"{" + CHAT_HI + b', "max_tokens": 5.0}', "invalid_request", "`max_tokens`"),
+    (CHAT, b"{" + CHAT_HI + b', "max_tokens": 2147483648}', "invalid_request", "`max_tokens`"),
+    (CHAT, b"{" + CHAT_HI + b', "stream": "yes"}', "invalid_request", "`stream`"),
+    (CHAT, b"{" + CHAT_HI + b', "stream_options": []}', "invalid_request", "`stream_options`"),
+    (CHAT, b'{"model": 3, ' + CHAT_HI + b"}", "invalid_request", "`model`"),
+    (COMPLETIONS, b'{"prompt": "hi", "user": "\\ud800"}', "invalid_body", "\\ud800 at offset 26"),
+    (COMPLETIONS, b'[{"prompt": "hi"}]', "invalid_body", "must be a JSON object"),
+    (COMPLETIONS, b'{"prompt": [null]}', "invalid_request", "`prompt[0]`"),
+    (COMPLETIONS, b'{"prompt": [{"a": 1}]}', "invalid_request", "`prompt[0]`"),
+    (COMPLETIONS, b'{"prompt": [[1, "a"]]}', "invalid_request", "`prompt[0][1]`"),
+    (COMPLETIONS, b'{"prompt": [[1], []]}', "invalid_request", "`prompt[1]`"),
+    (COMPLETIONS, b'{"prompt": [[1], 2]}', "invalid_request", "`prompt[1]`"),
+    (COMPLETIONS, b'{"prompt": ["a", 1]}', "invalid_request", "`prompt[1]`"),
+    (COMPLETIONS, b'{"prompt": [1, true]}', "invalid_request", "`prompt[1]`"),
+    (COMPLETIONS, b'{"prompt": [true]}', "invalid_request", "`prompt[0]`"),
+    (COMPLETIONS, b'{"prompt": [3, -1]}', "invalid_request", "`prompt[1]`"),
+    (COMPLETIONS, b'{"prompt": [1.5]}', "invalid_request", "`prompt[0]`"),
+    (COMPLETIONS, b'{"prompt": [2147483648]}', "invalid_request", "`prompt[0]`"),
+    (EMBEDDINGS, b'{"input": []}', "invalid_request", "`input`"),
+    (EMBEDDINGS, b'{"input": [null]}', "invalid_request", "`input[0]`"),
+    (EMBEDDINGS, b'{"input": [[]]}', "invalid_request", "`input[0]`"),
+    (EMBEDDINGS, b'{"input": [[1, "a"]]}', "invalid_request", "`input[0][1]`"),
+    (EMBEDDINGS, b'{"input": ["a", ["b"]]}', "invalid_request", "`input[1]`"),
+    (EMBEDDINGS, b'{"input": [[0, false]]}', "invalid_request", "`input[0][1]`"),
+]
+
+
+async def test_malformed_bodies_are_400s_naming_the_field_and_never_reach_the_engine(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    seen: list[tuple[int, str | None, str]] = []
+    async with (
+        served(tmp_path, mode=f"requests_log={log}") as host,
+        httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http,
+    ):
+        for path, body, _, _ in MALFORMED:
+            refused = await http.post(
+                path, content=body, headers={"Content-Type": "application/json"}
+            )
+            error = refused.json().get("error") or {}  # a forwarded body gets an answer
+            seen.append((refused.status_code, error.get("code"), str(error.get("message"))))
+    wrong = [
+        (body[:60], status, got_code, message)
+        for (_, body, code, named), (status, got_code, message) in zip(MALFORMED, seen, strict=True)
+        if (status, got_code) != (400, code) or named not in message
+    ]
+    assert wrong == []
+    assert forwarded(log) == []
+
+
+async def test_prompt_and_input_of_every_documented_shape_are_forwarded(tmp_path: Path) -> None:
+    log = tmp_path / "requests.jsonl"
+    shapes: list[Any] = ["hi", ["hi", ""], [0, 2147483647], [[1, 2], [3]]]
+    async with (
+        served(tmp_path, mode=f"requests_log={log}") as host,
+        httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http,
+    ):
+        answers = [
+            await http.post(path, json={field: shape, "max_tokens": None, "stream": None})
+            for path, field in ((COMPLETIONS, "prompt"), (EMBEDDINGS, "input"))
+            for shape in shapes
+        ]
+    assert [answer.status_code for answer in answers] == [200] * 8
+    bodies = forwarded(log)
+    assert [body.get("prompt", body.get("input")) for body in bodies] == shapes * 2
+    # null is no limit: a completion still gets the deployment's default
+    assert [body["max_tokens"] for body in bodies[:4]] == [512] * 4
+
+
 async def test_a_request_without_a_limit_gets_max_output_tokens_and_one_with_keeps_its_bytes(
     tmp_path: Path,
 ) -> None:
