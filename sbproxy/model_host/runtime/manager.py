@@ -706,22 +706,26 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
             process, generation, port = slot.process, slot.generation, slot.port
             if slot.state != DeploymentState.READY or process is None or port is None:
                 continue
-            health = await process.probe(f"http://127.0.0.1:{port}/health")
-            owned = health == "ready" and await anyio.to_thread.run_sync(process.listens_on, port)
+            # Ownership first: /health goes only to a socket our child holds, never to a
+            # process that took the port.
+            holder = await anyio.to_thread.run_sync(process.port_holder, port)
+            health = "stopped" if not process.alive() else "unhealthy"
+            if holder == "ours":
+                health = await process.probe(f"http://127.0.0.1:{port}/health")
             if slot.process is not process or slot.generation != generation:
                 continue  # changed while probing
             if health == "stopped":
                 await self._engine_lost(
                     slot, generation, f"the engine exited: {process.stderr_tail(15)}"
                 )
-            elif owned:
+            elif health == "ready":
                 slot.health_misses = 0
             else:
                 slot.health_misses += 1
                 if slot.health_misses >= HEALTH_MISSES:
                     why = (
                         f"port {port} is held by another process"
-                        if health == "ready"
+                        if holder == "foreign"
                         else "the engine stopped answering /health"
                     )
                     await self._engine_lost(slot, generation, why)
