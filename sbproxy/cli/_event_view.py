@@ -5,6 +5,11 @@ view. Events written before the watch began (the backlog) are replayed so the re
 the job got where it is, but their progress reports are collapsed to the latest one per step:
 a long download would otherwise replay thousands of lines. Nothing here writes to stdout, so
 JSON output there stays clean whichever view is used.
+
+One failure is told once: a step's retries are one short line each (the error the first time,
+``same error`` after), a step's failure names its error without the advice, and a failed
+job's status line gives only its code, since every verb that follows a job ends with the
+job's outcome -- the error with its advice -- on the line after.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ if TYPE_CHECKING:
 __all__ = ["EventView", "LineView", "RichView", "open_view"]
 
 
-def _error_text(data: Mapping[str, Any]) -> str:
+def _error_text(data: Mapping[str, Any], *, code_only: bool = False) -> str:
     error = data.get("error")
-    if isinstance(error, Mapping):
-        return f": {error.get('code', 'error')}: {error.get('message', '')}"
-    return ""
+    if not isinstance(error, Mapping):
+        return ""
+    if code_only:
+        return f": {error.get('code', 'error')}"
+    return f": {error.get('code', 'error')}: {error.get('message', '')}"
 
 
 class EventView(ABC):
@@ -46,6 +53,8 @@ class EventView(ABC):
         self._live_from_ms = live_from_ms
         self._step_names: dict[int, str] = {}
         self._pending: dict[str, EventRecord] = {}
+        # Step name -> (the attempt its last retry announced, the error that retry quoted).
+        self._retries: dict[str, tuple[object, str]] = {}
 
     def show(self, event: EventRecord) -> None:
         """Render one event (backlog progress is held until something else happens)."""
@@ -80,9 +89,17 @@ class EventView(ABC):
             status = str(data.get("status", "?"))
             reason = data.get("reason")
             detail = f" ({reason})" if reason else ""
-            return f"{self.job_id}: {status}{detail}{_error_text(data)}"
+            # The job's error (with its advice) is the outcome line every verb ends with.
+            return f"{self.job_id}: {status}{detail}{_error_text(data, code_only=True)}"
         if event.type == "cancel_requested":
             return f"{self.job_id}: cancellation requested; stopping at the next check"
+        if event.type == "retry":
+            return self.retry_line(data)
+        if event.type == "discarded":
+            return (
+                f"{self.job_id}: discarded: its owner {data.get('owner', '?')} is gone; "
+                f"cancelled by the removal job {data.get('by_job', '?')}"
+            )
         extra = " ".join(f"{key}={value}" for key, value in sorted(data.items()))
         return f"{self.job_id}: {event.type} {extra}".rstrip()
 
@@ -95,7 +112,28 @@ class EventView(ABC):
         label = self._step_names.get(seq, f"#{seq}")
         status = str(data.get("status", "?"))
         verb = "started" if status == "running" else status
-        return f"{self.job_id}: step {label} {verb}{_error_text(data)}"
+        error = _error_text(data)
+        retried = self._retries.pop(label, None) if status != "running" else None
+        if retried is not None and error:
+            attempts, quoted = retried
+            verb += f" after {attempts} attempts"
+            # The retry lines quoted this error already (a retry quotes a bounded prefix).
+            if error.removeprefix(": ").startswith(quoted):
+                error = ": same error"
+        return f"{self.job_id}: step {label} {verb}{error}"
+
+    def retry_line(self, data: Mapping[str, Any]) -> str:
+        """``<id>: step fetch:x retry 2/6 in 0.4 s: transport: cannot reach …``; a retry
+        for the same error as the step's previous one says ``same error``."""
+        step_name = str(data.get("step", "?"))
+        said = _error_text(data).removeprefix(": ") or "error"
+        before = self._retries.get(step_name)
+        why = "same error" if before is not None and before[1] == said else said
+        self._retries[step_name] = (data.get("attempt", "?"), said)
+        delay = data.get("delay_s")
+        when = f" in {delay:.1f} s" if isinstance(delay, int | float) else ""
+        attempt = f"{data.get('attempt', '?')}/{data.get('max_attempts', '?')}"
+        return f"{self.job_id}: step {step_name} retry {attempt}{when}: {why}"
 
     def progress_line(self, data: Mapping[str, Any]) -> str:
         """``<id>: running step <name> 120.0 MiB / 241.4 MiB (49%)``."""

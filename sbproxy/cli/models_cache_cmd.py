@@ -4,10 +4,12 @@ budget.
 ``remove``, ``prune`` and ``gc`` are durable jobs like pulls (``sbproxy jobs list`` shows
 them) and fail closed: an artifact that a configured deployment (``-f``), a live runtime's
 lease, an artifact lock or an unfinished pull protects is never deleted; ``remove`` says why
-and exits 2, ``gc`` skips it and reports the reason. Their byte counts include partial
-downloads. ``verify`` only reads: it re-hashes published snapshots (size + BLAKE3, or
-SHA-256 with ``--full``) and never repairs one. ``partials`` only reads: it lists unfinished
-downloads with their bytes and the pull job that owns them.
+and exits 2, ``gc`` skips it and reports the reason. ``remove --stale`` also takes a pull
+that a dead process left ``running`` (stale): its job cancels that pull durably, then
+deletes the partial download; a pull whose process may be alive still refuses. Their byte
+counts include partial downloads. ``verify`` only reads: it re-hashes published snapshots
+(size + BLAKE3, or SHA-256 with ``--full``) and never repairs one. ``partials`` only reads:
+it lists unfinished downloads with their bytes and the pull job that owns them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from sbproxy.model_host.flows import GcReport, PruneReport, RemoveOutput
 from sbproxy.model_host.flows.collect import cache_bytes
 from sbproxy.model_host.service import ModelHostService, PartialReport, Selection
 from sbproxy.store import JobRecord, JobStatus
+from sbproxy.workflows import Staleness
 
 __all__ = [
     "gc_command",
@@ -58,8 +61,58 @@ def _job_failure(job: JobRecord) -> SbproxyError:
     )
 
 
-def _blocked(service: ModelHostService, digest: str, reason: str, job: JobRecord) -> SbproxyError:
-    """``removal_blocked``; for ``configured``, naming the deployments and the config file."""
+_PULL_STATES = frozenset({"queued", "running", "parked"})
+
+
+def _pull_hint(
+    selection: Selection, pull: tuple[JobRecord, Staleness | None], *, stale_asked: bool
+) -> tuple[str, str]:
+    """What holds a removal that an unfinished pull blocks, and what to do: (the message's
+    tail, the remediation)."""
+    job, stale = pull
+    again = f"sbproxy models remove {selection.artifact.logical_model} --variant "
+    again += selection.artifact.variant_id
+    pull_cmd = again.replace("models remove", "models pull", 1)
+    if job.status != JobStatus.RUNNING:
+        return (
+            f"its pull job {job.id} is {job.status.value}",
+            f"Finish it with `{pull_cmd}`, or cancel it with `sbproxy jobs cancel {job.id}` and "
+            "remove the artifact again.",
+        )
+    owner = job.lease_owner or "(none)"
+    pid = owner.split("/")[1] if owner.count("/") == 3 else owner
+    if stale is not None and stale.reason == "owner_gone":
+        return (
+            f"its pull job {job.id} was left running by process {pid}, which is gone (stale)",
+            f"`{pull_cmd}` resumes it; `{again} --stale` cancels it and deletes its partial "
+            "download.",
+        )
+    if stale is not None:
+        return (
+            f"the lease of its pull job {job.id} lapsed, but its owner (process {pid}, {owner}) "
+            "cannot be proven gone",
+            "It may still be running (stopped, or on another machine): end that process, or "
+            f"let `{pull_cmd}` take the job over.",
+        )
+    refused = "; --stale takes only a pull whose process is gone" if stale_asked else ""
+    return (
+        f"its pull job {job.id} is running in the live process {pid}{refused}",
+        f"Wait for it to finish, or cancel it with `sbproxy jobs cancel {job.id}` and remove "
+        "the artifact once it has stopped.",
+    )
+
+
+def _blocked(
+    service: ModelHostService,
+    digest: str,
+    reason: str,
+    job: JobRecord,
+    *,
+    pull: tuple[str, str] | None = None,
+) -> SbproxyError:
+    """``removal_blocked``; for ``configured``, naming the deployments and the config file;
+    for an unfinished pull, naming its job and whether its process lives (``pull``: the
+    message's tail and the remediation, from :func:`_pull_hint`)."""
     details: dict[str, str | int | float | bool | None] = {
         "reason": reason,
         "artifact_digest": digest,
@@ -67,6 +120,9 @@ def _blocked(service: ModelHostService, digest: str, reason: str, job: JobRecord
     }
     message = f"artifact '{digest}' {_BLOCKED_MARKER}{reason}"
     remediation = None
+    if pull is not None:
+        message += f" ({pull[0]})"
+        remediation = pull[1]
     if reason == "configured":
         names = sorted(
             s.deployment
@@ -87,6 +143,13 @@ def _blocked(service: ModelHostService, digest: str, reason: str, job: JobRecord
 @click.command("remove")
 @click.argument("model", metavar="MODEL")
 @click.option("--variant", default=None, help="Exact variant id (default: this machine's pick).")
+@click.option(
+    "--stale",
+    is_flag=True,
+    help="Also take a pull of it left running by a process that is gone (a stale job): the "
+    "removal cancels that job for good, then deletes its partial download. A pull whose "
+    "process may be alive is still refused.",
+)
 @engine_option
 @config_option
 @catalog_file_option
@@ -96,6 +159,7 @@ def remove_command(
     *,
     model: str,
     variant: str | None,
+    stale: bool,
     engine: str,
     config_path: Path | None,
     catalog_file: Path | None,
@@ -106,7 +170,17 @@ def remove_command(
 
     Refused, with the reason, while the artifact is protected: configured (a deployment of
     the -f config resolves to it), leased (a running engine uses it), locked, or while a
-    pull of it is queued, running or parked.
+    pull of it is queued, running or parked. The partial download of a pull that failed or
+    was cancelled is removed with it.
+
+    --stale: a pull left running by a process that was killed (or died with the machine)
+    is shown stale by `sbproxy jobs list` and `sbproxy models partials`; without --stale it
+    refuses the removal like a live one (the next `sbproxy models pull` resumes it from its
+    partial). With --stale the removal job cancels that pull first -- cancelled is final:
+    no later pull, server or `jobs retry` resumes it, and the next pull of the artifact is
+    a new job that downloads from byte 0 -- then deletes the partial. Only a pull whose
+    owner process is certainly gone is taken; one whose process lives (or cannot be proven
+    gone: a lapsed lease on another machine) is refused.
 
     Exit status: 0 removed or not cached; 1 the removal failed; 2 bad input or refused.
     """
@@ -124,11 +198,13 @@ def remove_command(
     ) -> tuple[Selection, RemoveOutput, JobRecord | None]:
         selection = service.select(model, variant=variant, engine=engine)
         digest = selection.artifact.digest
-        output, job = await service.remove(selection)
+        output, job = await service.remove(selection, stale=stale)
         if job is not None and job.status != JobStatus.SUCCEEDED:
             if job.error is not None and job.error.code == "removal_blocked":
                 reason = job.error.message.rpartition(_BLOCKED_MARKER)[2].strip() or "protected"
-                raise _blocked(service, digest, reason, job)
+                pull = await service.unfinished_pull(digest) if reason in _PULL_STATES else None
+                hint = _pull_hint(selection, pull, stale_asked=stale) if pull else None
+                raise _blocked(service, digest, reason, job, pull=hint)
             raise _job_failure(job)
         return selection, output, job
 
@@ -142,13 +218,18 @@ def remove_command(
                 "artifact_digest": output.artifact_digest,
                 "removed": output.removed,
                 "reclaimed_bytes": output.reclaimed_bytes,
+                "cancelled_pulls": list(output.cancelled_pulls),
                 "job_id": job.id if job is not None else None,
             },
         )
-    elif output.removed:
+    elif output.removed or output.reclaimed_bytes or output.cancelled_pulls:
+        what = label(selection) if output.removed else f"the partial download of {label(selection)}"
+        cancelled = "".join(
+            f"; cancelled the stale pull job {job_id}" for job_id in output.cancelled_pulls
+        )
         click.echo(
-            f"removed {label(selection)} (sha256:{output.artifact_digest}); reclaimed "
-            f"{size_text(output.reclaimed_bytes)}"
+            f"removed {what} (sha256:{output.artifact_digest}); reclaimed "
+            f"{size_text(output.reclaimed_bytes)}{cancelled}"
         )
     else:
         click.echo(f"{model} is not cached")
@@ -374,7 +455,13 @@ def _owner_text(report: PartialReport) -> str:
             "artifact resumes from it)"
         )
     if report.owner_alive is False:
-        return f"job {job.id} {state}, its process is gone (the next pull resumes it)"
+        discard = (
+            f"; `sbproxy models remove {report.model} --variant {report.variant} --stale` "
+            "cancels it and deletes this partial"
+            if report.model and report.variant
+            else ""
+        )
+        return f"job {job.id} {state}, its process is gone (the next pull resumes it){discard}"
     return f"job {job.id} {state}"
 
 

@@ -59,7 +59,7 @@ from sbproxy.model_host.flows import (
 )
 from sbproxy.model_host.runtime import probe_worker
 from sbproxy.store import ACTIVE_JOB_STATUSES, TERMINAL_JOB_STATUSES, JobRecord, JobStatus
-from sbproxy.workflows import WorkflowEngine, owner_is_gone
+from sbproxy.workflows import Staleness, WorkflowEngine, owner_is_gone
 
 __all__ = ["ArtifactJob", "ModelHostService", "PartialReport", "Selection", "open_service"]
 
@@ -306,9 +306,16 @@ class ModelHostService:
         )
         return ArtifactJob(selection=selection, job=final, output=output)
 
-    async def remove(self, selection: Selection) -> tuple[RemoveOutput, JobRecord | None]:
+    async def remove(
+        self, selection: Selection, *, stale: bool = False
+    ) -> tuple[RemoveOutput, JobRecord | None]:
         """Remove one artifact; no job when it is not cached and no removal of it was left
         unfinished (idempotent).
+
+        With ``stale``, the removal job first cancels the artifact's stale pull -- one left
+        ``running`` by an owner process that is gone -- so that its partial download is
+        deleted and nothing resumes it (``release_stale_pulls``); a pull whose owner may be
+        alive still refuses the removal (``removal_blocked``, ``running``).
 
         A stale removal of the artifact (a ``models remove`` killed mid-job) is resumed first
         and, when it succeeded and the artifact is gone, is the result: its job and output
@@ -326,7 +333,7 @@ class ModelHostService:
             return RemoveOutput(artifact_digest=digest, removed=False, reclaimed_bytes=0), None
         submitted = await self.engine.submit(
             remove_workflow,
-            RemoveInput(digest=digest, protected=self.protected()),
+            RemoveInput(digest=digest, protected=self.protected(), stale=stale),
             idempotency_key=f"remove:{digest}",
             subject=subject,
         )
@@ -338,6 +345,18 @@ class ModelHostService:
         if job.status == JobStatus.SUCCEEDED:
             return RemoveOutput.model_validate(job.output), job
         return RemoveOutput(artifact_digest=digest, removed=False, reclaimed_bytes=0), job
+
+    async def unfinished_pull(self, digest: str) -> tuple[JobRecord, Staleness | None] | None:
+        """The newest queued, running or parked pull job of ``digest`` and, when it is
+        stale, why (what a refused removal tells the operator)."""
+        jobs = await self.engine.store.list_jobs(
+            statuses=tuple(ACTIVE_JOB_STATUSES),
+            kind=pull_workflow.kind,
+            subject=artifact_subject(digest),
+        )
+        if not jobs:
+            return None
+        return jobs[0], await self.engine.staleness(jobs[0])
 
     async def gc(self, *, budget_bytes: int) -> tuple[GcReport | None, JobRecord]:
         """Collect the cache down to ``budget_bytes`` (protected artifacts stay).

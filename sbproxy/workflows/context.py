@@ -8,7 +8,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from opentelemetry import trace
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
 
 from sbproxy.errors import SbproxyError
 from sbproxy.store import ErrorInfo, JobJournal, JobRecord, StepRecord, StepRefusal, StepStatus
@@ -35,6 +41,9 @@ T = TypeVar("T")
 # durable commit (~0.2-0.4 ms with the SQLite journal's synchronous=FULL here,
 # benchmarks/journal.py), so a few per second per job is cheap.
 PROGRESS_INTERVAL_S = 0.25
+# A retry event quotes the error that caused it; the whole message is the step's error if the
+# last attempt fails too, so the event keeps only enough to say what went wrong.
+RETRY_MESSAGE_CHARS = 300
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -279,7 +288,9 @@ class WorkflowContext:
                 raise
             except SbproxyError as exc:
                 span.set_status(trace.StatusCode.ERROR, exc.code)
-                await self._end(seq, step_name, error=ErrorInfo(exc.code, str(exc)))
+                # The step's record says what happened; the advice (remediation) goes with
+                # the job's error only, so a reader following the job meets it once.
+                await self._end(seq, step_name, error=ErrorInfo(exc.code, exc.message))
                 raise StepFailed(
                     f"step {step_name} failed: {exc}", code=exc.code, retryable=False
                 ) from exc
@@ -326,10 +337,15 @@ class WorkflowContext:
 
     async def _run(self, definition: StepDef[A, R], context: StepContext, arg: A) -> R:
         policy = definition.retry
+
+        async def announce(state: RetryCallState) -> None:
+            await self._announce_retry(context, state, max_attempts=policy.max_attempts)
+
         retrying = AsyncRetrying(
             retry=retry_if_exception(_is_retryable),
             stop=stop_after_attempt(policy.max_attempts),
             wait=wait_random_exponential(multiplier=policy.initial_delay_s, max=policy.max_delay_s),
+            before_sleep=announce,
             reraise=True,
         )
         async for attempt in retrying:
@@ -337,3 +353,43 @@ class WorkflowContext:
                 context.check_cancelled()
                 return await definition.fn(context, arg)
         raise AssertionError("unreachable")  # pragma: no cover - tenacity reraises
+
+    async def _announce_retry(
+        self, context: StepContext, state: RetryCallState, *, max_attempts: int
+    ) -> None:
+        """Journal a ``retry`` event before the step's next attempt, so that a reader of the
+        job sees the step is retrying, and why, instead of a silent wait.
+
+        The event: ``{"step", "attempt"`` (the attempt about to run, from 2)``,
+        "max_attempts", "delay_s"`` (seconds until it starts)``, "error": {"code",
+        "message"}}``; the message is the failed attempt's, without its advice and cut to
+        :data:`RETRY_MESSAGE_CHARS`. Not fenced: a note, never a decision.
+        """
+        failure = state.outcome.exception() if state.outcome is not None else None
+        if not isinstance(failure, SbproxyError):
+            return
+        delay_s = round(state.upcoming_sleep, 3)
+        attempt = state.attempt_number + 1
+        logger.info(
+            "job %s: step %s failed (%s); attempt %d/%d in %.1f s",
+            self.job_id,
+            context.step_name,
+            failure.code,
+            attempt,
+            max_attempts,
+            delay_s,
+        )
+        await self._store.record_event(
+            self.job_id,
+            kind="retry",
+            data={
+                "step": context.step_name,
+                "attempt": attempt,
+                "max_attempts": max_attempts,
+                "delay_s": delay_s,
+                "error": {
+                    "code": failure.code,
+                    "message": failure.message[:RETRY_MESSAGE_CHARS],
+                },
+            },
+        )

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from sbproxy.api.activity import Activity, RequestRecord
-from sbproxy.api.console.views import Series, chart_svg, read_tail
+from sbproxy.api.console.views import Series, chart_svg, read_tail, subject_label
 from tests.api.support import ADMIN, served
 from tests.api.test_admin import admin_client, wait_job
 
@@ -153,3 +153,15 @@ def test_chart_escapes_its_labels() -> None:
     )
     assert "<script>" not in svg
     assert "polyline" in svg
+
+
+def test_an_artifact_subject_is_named_by_model_and_variant() -> None:
+    digest = "ab" * 32
+    subject = f"artifact:sha256:{digest}"
+    pull_input = {"artifact": {"digest": digest, "logical_model": "m", "variant_id": "q4"}}
+    assert subject_label(subject, pull_input, {}) == "m:q4"
+    # A remove or gc job names only the digest: the cache or another pull names it.
+    assert subject_label(subject, {"digest": digest}, {digest: "m:q8"}) == "m:q8"
+    assert subject_label(subject, {}, {}) == f"sha256:{digest[:12]}…"
+    assert subject_label("deployment:tiny", {}, {}) == "deployment:tiny"
+    assert subject_label(None, {}, {}) == "-"

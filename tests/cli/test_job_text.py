@@ -105,7 +105,40 @@ def test_backlog_progress_collapses_to_the_latest_report_while_live_progress_str
         f"{JOB}: running step download:a 8 / 9 files (88%)",
         f"{JOB}: running step download:a 9 / 9 files (100%)",
         f"{JOB}: step download:a failed: x: boom",
-        f"{JOB}: failed: x: boom",
+        f"{JOB}: failed: x",  # the error comes with the outcome the verb prints next
+    ]
+
+
+def test_retries_are_one_line_each_and_quote_an_error_once() -> None:
+    out = io.StringIO()
+    view = LineView(JOB, live_from_ms=0, stream=out)
+    refused = {"code": "transport", "message": "cannot reach h:1 (the connection was refused)"}
+    records = [
+        event(1, 1, "step", seq=1, name="fetch:a", status="running"),
+        event(2, 2, "retry", step="fetch:a", attempt=2, max_attempts=3, delay_s=0.52,
+              error=refused),
+        event(3, 3, "retry", step="fetch:a", attempt=3, max_attempts=3, delay_s=1.04,
+              error=refused),
+        event(4, 4, "step", seq=1, status="failed",
+              error={**refused, "message": refused["message"] + " for GET http://h:1/a"}),
+        event(5, 5, "step", seq=2, name="fetch:b", status="running"),
+        event(6, 6, "retry", step="fetch:b", attempt=2, max_attempts=3, delay_s=0.5,
+              error={"code": "http_status", "message": "GET b answered HTTP 503"}),
+        event(7, 7, "step", seq=2, status="failed", error=refused),
+    ]  # fmt: skip
+    for record in records:
+        view.show(record)
+    view.close()
+    assert out.getvalue().splitlines() == [
+        f"{JOB}: step fetch:a started",
+        f"{JOB}: step fetch:a retry 2/3 in 0.5 s: transport: cannot reach h:1 (the connection "
+        "was refused)",
+        f"{JOB}: step fetch:a retry 3/3 in 1.0 s: same error",
+        f"{JOB}: step fetch:a failed after 3 attempts: same error",
+        f"{JOB}: step fetch:b started",
+        f"{JOB}: step fetch:b retry 2/3 in 0.5 s: http_status: GET b answered HTTP 503",
+        f"{JOB}: step fetch:b failed after 2 attempts: transport: cannot reach h:1 (the "
+        "connection was refused)",
     ]
 
 

@@ -570,6 +570,7 @@ def test_remove_is_idempotent(host: Host) -> None:
         "artifact_digest": row["artifact_digest"],
         "removed": True,
         "reclaimed_bytes": len(TINY),
+        "cancelled_pulls": [],
         "job_id": removed["job_id"],
     }
     assert removed["job_id"]

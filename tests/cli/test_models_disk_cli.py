@@ -306,6 +306,71 @@ def test_a_killed_pull_is_listed_counted_and_resumed_from_its_length(
     assert site.run("partials").stdout.strip() == f"no partial downloads in {site.cache}"
 
 
+def test_remove_stale_takes_a_killed_pulls_partial_and_refuses_a_live_one(
+    tmp_path: Path, hub: HfMirror
+) -> None:
+    """A real pull process: alive, ``models remove --stale`` refuses it; SIGKILLed, its
+    stale job is cancelled for good and its partial deleted; the next pull starts afresh."""
+    site = Site(tmp_path, hub)
+    hub.entry(REPO, COMMIT, "big.gguf").throttle_bps = MIB  # 16 s for the whole file
+    live = subprocess.Popen(
+        site.argv("pull", "big", "--format", "json"),
+        cwd=ROOT,
+        env=site.env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(p.stat().st_size > 0 for p in site.cache.glob("partials/*/big.gguf.part")):
+            assert live.poll() is None and time.monotonic() < deadline, "no download"
+            time.sleep(0.02)
+        (job_id,) = [job for job, status, _ in site.jobs() if status == "running"]
+
+        refused = site.json("remove", "big", "--stale", code=2)["error"]
+        assert (refused["code"], refused["reason"]) == ("removal_blocked", "running")
+        assert (
+            f"its pull job {job_id} is running in the live process {live.pid}" in (refused["error"])
+        )
+        assert "--stale takes only a pull whose process is gone" in refused["error"]
+        assert live.poll() is None  # untouched: still downloading
+        assert site.partial_dir().is_dir()
+    finally:
+        live.kill()  # SIGKILL: no cleanup, the job stays running under a dead owner
+        live.wait()
+    assert live.returncode == -signal.SIGKILL
+    directory = site.partial_dir()
+    held = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    assert held > 0
+    assert (job_id, "running", None) in site.jobs()
+
+    # Without --stale the removal still refuses, and says what --stale would do.
+    plain = site.json("remove", "big", code=2)["error"]
+    assert plain["reason"] == "running"
+    assert f"was left running by process {live.pid}, which is gone (stale)" in plain["error"]
+    assert "sbproxy models remove big --variant q8_0 --stale" in plain["remediation"]
+    listed = site.run("partials").stdout
+    assert "`sbproxy models remove big --variant q8_0 --stale` cancels it" in listed
+
+    removed = site.json("remove", "big", "--stale")
+    assert removed["cancelled_pulls"] == [job_id]
+    assert (removed["removed"], removed["reclaimed_bytes"]) == (False, held)
+    assert not directory.exists()
+    assert (job_id, "cancelled", None) in site.jobs()
+    assert site.json("partials")["partials"] == []
+    text = site.run("remove", "big", "--stale").stdout.strip()
+    assert text == "big is not cached"  # idempotent
+
+    # Cancelled is final: the next pull is a new job, from byte 0, and completes.
+    hub.entry(REPO, COMMIT, "big.gguf").throttle_bps = None
+    hub.clear()
+    (row,) = site.json("pull", "big")["artifacts"]
+    assert row["error"] is None and row["job_id"] != job_id
+    assert site.gets("big.gguf") == [(200, None)]
+    assert Path(row["snapshot_path"], "big.gguf").read_bytes() == BIG
+    assert (job_id, "cancelled", None) in site.jobs()
+
+
 def test_an_abandoned_partial_is_listed_without_an_owner_and_pruned(
     tmp_path: Path, hub: HfMirror, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,7 +17,18 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sbproxy.catalog import (
+    Accelerator,
+    ArtifactRequest,
+    WorkerProfile,
+    load_builtin_catalog,
+    resolve_artifact,
+)
+from sbproxy.model_host.flows import PullInput, pull_workflow
+from sbproxy.model_host.flows.collect import artifact_subject
+from sbproxy.store import JobRecord, JobStatus
 from tests.api.support import ADMIN, Served, served
+from tests.support.hf_server import HfMirror
 from tests.support.tools import without_tool
 
 pytestmark = [pytest.mark.anyio, pytest.mark.ui]
@@ -184,3 +195,67 @@ async def test_console_pages_follow_jobs_live_and_stop_reaches_stopped(tmp_path:
         assert await page.locator("#jobs tr[data-job-id]").count() == 1
         await page.goto(f"{host.admin_url}/admin/ui/jobs")
         await shot(page, "jobs")
+
+
+# Bound on a jobs-list row: two lines of error text plus padding (a row without the clamp,
+# its error column squeezed to two characters, was ~1,100 px tall with a real pull error).
+ROW_MAX_PX = 72
+ERROR_MIN_PX = 200
+
+
+async def failed_pull(host: Served) -> JobRecord:
+    """A real pull job of the built-in smollm2 artifact, run by the host's engine against a
+    real HTTP mirror that does not have the file: it fails with ``http_status`` and a long
+    message (the URL, then the advice)."""
+    worker = WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=64 * 2**30)
+    request = ArtifactRequest(model="smollm2-135m-instruct", variant="q4_1")
+    artifact = resolve_artifact(load_builtin_catalog(), request, worker).artifact
+    engine = host.host.engine
+    submitted = await engine.submit(
+        pull_workflow,
+        PullInput(artifact=artifact),
+        idempotency_key=artifact.digest,
+        subject=artifact_subject(artifact.digest),
+    )
+    job = await engine.join(submitted.job.id)
+    assert job.status == JobStatus.FAILED and job.error is not None, job
+    return job
+
+
+async def test_jobs_page_bounds_a_long_error_and_names_the_artifact_by_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with HfMirror() as mirror:
+        monkeypatch.setenv("HF_ENDPOINT", mirror.url)
+        async with served(tmp_path) as host, browser(tmp_path) as context:
+            job = await failed_pull(host)
+            assert job.error is not None
+            error = f"{job.error.code}: {job.error.message}"
+            assert len(error) > 200, error
+            page = context.pages[0] if context.pages else await context.new_page()  # type: ignore[attr-defined]
+            page.set_default_timeout(TIMEOUT_MS)
+
+            await page.goto(f"{host.admin_url}/admin/ui/jobs")
+            row = page.locator(f"#jobs tr[data-job-id='{job.id}']")
+            shown = await shot(page, "jobs-long-error")
+            assert shown.is_file()
+            row_box = await row.bounding_box()
+            cell_box = await row.locator("td.error").bounding_box()
+            assert row_box is not None and cell_box is not None
+            assert row_box["height"] <= ROW_MAX_PX, row_box
+            assert cell_box["width"] >= ERROR_MIN_PX, cell_box
+            # The whole error is one hover away, and on the job's page.
+            clip = row.locator("td.error .clip")
+            assert await clip.get_attribute("title") == error
+            subject = row.locator("td.subject")
+            assert await subject.text_content() == "smollm2-135m-instruct:q4_1"
+            assert await subject.get_attribute("title") == job.subject
+
+            await row.locator("a").first.click()
+            await page.wait_for_selector(f"section.job[data-job-id='{job.id}']")
+            detail = await page.locator("[data-field=error]").text_content()
+            assert detail == error
+            named = await page.locator("[data-field=subject]").text_content() or ""
+            assert named.startswith("smollm2-135m-instruct:q4_1")
+            assert str(job.subject) in named
+            await shot(page, "job-long-error")

@@ -15,7 +15,7 @@ cross-site ``fetch`` carrying one needs a CORS preflight this listener never gra
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, Final
@@ -34,11 +34,13 @@ from litestar.template.config import TemplateConfig
 from sbproxy.api.activity import REQUESTS_KEPT, SAMPLE_INTERVAL_S, Activity
 from sbproxy.api.console.views import (
     Series,
+    artifact_name,
     chart_svg,
     format_bytes,
     format_ms,
     log_files,
     read_tail,
+    subject_label,
 )
 from sbproxy.api.errors import CrossSiteRequest, InvalidBody
 from sbproxy.api.jobs import check_job_id
@@ -121,8 +123,27 @@ def _capacity_bytes() -> int | None:
     return sum(d.total_bytes for d in devices) or None
 
 
-def _job_row(job: JobRecord) -> dict[str, Any]:
-    return {**job.to_dict(), "terminal": job.terminal}
+def _job_row(job: JobRecord, names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A job for the templates: its record, ``terminal``, and ``subject_label`` (the
+    ``model:variant`` of an artifact subject, see :func:`subject_label`)."""
+    return {
+        **job.to_dict(),
+        "terminal": job.terminal,
+        "subject_label": subject_label(job.subject, job.input, names or {}),
+    }
+
+
+def _artifact_names(manager: RuntimeManager, jobs: Sequence[JobRecord]) -> dict[str, str]:
+    """Artifact digest -> ``model:variant``, from the published cache and the pulls in
+    ``jobs`` (a remove or gc job's input names only the digest). Blocking: reads the cache."""
+    names = {
+        m.artifact_digest: f"{m.logical_model}:{m.variant_id}" for m in manager.cache.published()
+    }
+    for job in jobs:
+        named = artifact_name(job.input)
+        if named is not None:
+            names.setdefault(*named)
+    return names
 
 
 def _deployment_routes(manager: RuntimeManager, activity: Activity) -> list[HTTPRouteHandler]:
@@ -211,11 +232,12 @@ def _job_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
         statuses = (JobStatus(status),) if status in set(JobStatus) else ()
         chosen_kind = kind.strip() if kind and kind.strip() else None
         listed = await engine.store.list_jobs(statuses=statuses, kind=chosen_kind, limit=JOBS_SHOWN)
+        names = await anyio.to_thread.run_sync(_artifact_names, manager, listed)
         return Template(
             "jobs.html",
             context={
                 "page": "jobs",
-                "jobs": [_job_row(j) for j in listed],
+                "jobs": [_job_row(j, names) for j in listed],
                 "statuses": [s.value for s in JobStatus],
                 "status": status if statuses else "",
                 "kind": chosen_kind or "",
@@ -235,12 +257,18 @@ def _job_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
             if not page:
                 break
             last_seq = page[-1].seq
-            events = [*events, *(e.to_dict() for e in page)][-EVENTS_SHOWN:]
+            # The event's own sequence number apart: a step event's data has a "seq" too
+            # (the step's position), which wins in to_dict().
+            shown = (
+                {"id": e.seq, "at_ms": e.at_ms, "type": e.type, "data": e.to_dict()} for e in page
+            )
+            events = [*events, *shown][-EVENTS_SHOWN:]
+        names = await anyio.to_thread.run_sync(_artifact_names, manager, [job])
         return Template(
             "job.html",
             context={
                 "page": "jobs",
-                "job": _job_row(job),
+                "job": _job_row(job, names),
                 "steps": [s.to_dict() for s in steps],
                 "events": events,
                 "last_seq": last_seq,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from markupsafe import Markup, escape
 
@@ -25,12 +25,54 @@ __all__ = [
     "format_ms",
     "log_files",
     "read_tail",
+    "subject_label",
 ]
 
 # The engine-output page shows at most the last 64 KiB, and of those the last 200 lines.
 TAIL_BYTES: Final = 64 * 1024
 TAIL_LINES: Final = 200
 _LOG_NAME = re.compile(r"(?P<deployment>.+)-g(?P<generation>\d+)\.log")
+
+
+ARTIFACT_SUBJECT: Final = "artifact:sha256:"
+DIGEST_SHOWN: Final = 12
+
+
+def artifact_name(job_input: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(digest, "model:variant")`` from a pull job's input (its ``artifact``), else
+    ``None``."""
+    artifact = job_input.get("artifact")
+    if not isinstance(artifact, Mapping):
+        return None
+    digest, model, variant = (
+        artifact.get("digest"),
+        artifact.get("logical_model"),
+        artifact.get("variant_id"),
+    )
+    if not all(isinstance(v, str) and v for v in (digest, model, variant)):
+        return None
+    return str(digest), f"{model}:{variant}"
+
+
+def subject_label(
+    subject: str | None, job_input: Mapping[str, Any], names: Mapping[str, str]
+) -> str:
+    """What a job acts on, as an operator names it.
+
+    ``artifact:sha256:<digest>`` becomes the artifact's ``model:variant`` (from the job's own
+    input, else ``names``: digest -> ``model:variant`` from the cache and other pulls), or
+    ``sha256:<first 12 hex>…`` when nothing names it; any other subject is shown as it is.
+    The page keeps the whole subject in the cell's ``title`` and on the job's page.
+    """
+    if subject is None:
+        return "-"
+    if not subject.startswith(ARTIFACT_SUBJECT):
+        return subject
+    digest = subject.removeprefix(ARTIFACT_SUBJECT)
+    own = artifact_name(job_input)
+    if own is not None and own[0] == digest:
+        return own[1]
+    return names.get(digest) or f"sha256:{digest[:DIGEST_SHOWN]}…"
 
 
 def format_bytes(value: int | None) -> str:

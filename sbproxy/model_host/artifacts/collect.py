@@ -84,6 +84,20 @@ def _unlink_blobs(cache: ArtifactCache, candidates: set[str], keep: set[str]) ->
     return freed
 
 
+def _delete_partial(cache: ArtifactCache, digest: str) -> int:
+    """Delete ``partials/<digest>/`` and the blobs that only its manifest referenced; the
+    bytes freed. The caller holds the mutation lock and has checked that no unfinished pull
+    owns the partial."""
+    directory = cache.layout.partials / digest
+    if not directory.is_dir():
+        return 0
+    others = cache.pending_blobs(excluding={digest})
+    mine = cache.pending_blobs() - others
+    size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    shutil.rmtree(directory, ignore_errors=True)
+    return size + _unlink_blobs(cache, mine, cache.referenced_blobs() | others)
+
+
 def delete_artifact(
     cache: ArtifactCache, digest: str, *, blocked: Mapping[str, str]
 ) -> Deletion | str:
@@ -110,8 +124,9 @@ def delete_artifact(
             metadata = cache.read_metadata(digest)
             snapshot = cache.snapshot(digest)
             if metadata is None and not snapshot.exists():
-                shutil.rmtree(cache.layout.partials / digest, ignore_errors=True)
-                return Deletion(removed=False, reclaimed_bytes=0)
+                # Never published: at most a partial download, and the blobs only its
+                # manifest still references (a multi-file pull promotes them one by one).
+                return Deletion(removed=False, reclaimed_bytes=_delete_partial(cache, digest))
             used = {item.sha256 for item in metadata.files} if metadata else set()
             cache.metadata_path(digest).unlink(missing_ok=True)
             if snapshot.exists():

@@ -1,6 +1,10 @@
 """The ``remove``, ``gc`` and ``prune`` workflows.
 
-``remove`` deletes one exact artifact (idempotency key ``remove:<digest>``); ``gc`` brings
+``remove`` deletes one exact artifact (idempotency key ``remove:<digest>``); with ``stale`` it
+first cancels the artifact's stale pull -- a pull job still ``running`` under an owner process
+that is certainly gone (SIGKILLed, or from a previous boot) -- so that its partial download
+can go and nothing resumes the job afterwards (a later pull is a new job that starts from
+byte 0). A pull whose owner may be alive is never touched: the delete refuses it. ``gc`` brings
 the cache under ``cache.budget_gib``, least recently used first, skipping protected
 artifacts (key ``gc``); ``prune`` deletes blobs no artifact references (key ``prune``).
 
@@ -34,7 +38,7 @@ from sbproxy.model_host.artifacts.errors import RemovalBlocked
 from sbproxy.model_host.artifacts.locks import hold
 from sbproxy.model_host.registry import registry
 from sbproxy.store import JobJournal, JobStatus, JobStore
-from sbproxy.workflows import StepContext, WorkflowContext, step
+from sbproxy.workflows import StepContext, WorkflowContext, owner_is_gone, step
 
 __all__ = [
     "GcInput",
@@ -72,22 +76,39 @@ async def active_pull_state(store: JobJournal, digest: str) -> str | None:
 
 
 class RemoveInput(BaseModel):
-    """Remove one artifact; ``protected`` maps digests to reasons decided by the caller."""
+    """Remove one artifact; ``protected`` maps digests to reasons decided by the caller;
+    ``stale`` also cancels a stale pull of it whose owner process is gone (see the module
+    docstring)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     digest: str
     protected: dict[str, str] = Field(default_factory=dict)
+    stale: bool = False
 
 
 class RemoveOutput(BaseModel):
-    """Result of a removal."""
+    """Result of a removal.
+
+    ``removed`` says whether a published artifact was deleted; ``reclaimed_bytes`` counts
+    what was freed, a partial download included; ``cancelled_pulls`` are the stale pull jobs
+    a ``stale`` removal cancelled.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     artifact_digest: str
     removed: bool
     reclaimed_bytes: int
+    cancelled_pulls: tuple[str, ...] = ()
+
+
+class Released(BaseModel):
+    """Output of ``release``: the stale pull jobs it cancelled."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cancelled: tuple[str, ...] = ()
 
 
 async def _delete(ctx: StepContext, digest: str, protected: dict[str, str]) -> Deletion | str:
@@ -122,10 +143,56 @@ async def delete_step(ctx: StepContext, request: RemoveInput) -> RemoveOutput:
     )
 
 
+@step("release")
+async def release_stale_pulls(ctx: StepContext, request: RemoveInput) -> Released:
+    """Cancel the artifact's pull jobs left ``running`` by an owner process that is gone.
+
+    Each is marked first (a ``cancel_requested`` event, and a ``discarded`` event naming
+    this removal), taken from its dead owner as recovery would (``queued``), then cancelled
+    while queued: ``cancelled`` is terminal, so no later pull, server or ``jobs retry``
+    resumes it. Should another process recover it in between, its run sees the cancellation
+    at its next check and stops, and the delete step refuses while it still runs. A pull
+    whose owner may be alive (a live pid, or a lapsed lease of an owner that cannot be proven
+    dead) is left for the delete step to refuse.
+
+    Idempotency: a pull already cancelled no longer runs; a rerun cancels nothing more (and
+    its output lists only what it cancelled itself).
+    """
+    store = ctx.resource(JobStore)
+    running = await store.list_jobs(
+        statuses=(JobStatus.RUNNING,),
+        kind="pull",
+        subject=artifact_subject(request.digest),
+        limit=-1,
+    )
+    cancelled = []
+    for job in running:
+        owner = job.lease_owner
+        if owner is None or not owner_is_gone(owner):
+            continue
+        await store.request_cancel(job.id)  # whoever runs it next stops at once
+        await store.record_event(
+            job.id,
+            kind="discarded",
+            data={"reason": "owner_gone", "owner": owner, "by_job": ctx.job_id},
+        )
+        if await store.recover_from(job.id, owner=owner, reason="owner_gone", max_recoveries=None):
+            await store.request_cancel(job.id)  # queued now: cancelled at once
+        final = await store.get(job.id)
+        if final is not None and final.status == JobStatus.CANCELLED:
+            cancelled.append(job.id)
+    return Released(cancelled=tuple(cancelled))
+
+
 @registry.workflow("remove", version=1)
 async def remove_workflow(ctx: WorkflowContext, request: RemoveInput) -> RemoveOutput:
-    """Remove one exact artifact (fails closed with ``removal_blocked``)."""
-    return await ctx.step(delete_step, request)
+    """Remove one exact artifact (fails closed with ``removal_blocked``); a ``stale``
+    removal first releases the artifact's stale pull (``release``)."""
+    if not request.stale:
+        return await ctx.step(delete_step, request)
+    released = await ctx.step(release_stale_pulls, request)
+    output = await ctx.step(delete_step, request)
+    return output.model_copy(update={"cancelled_pulls": released.cancelled})
 
 
 class GcInput(BaseModel):

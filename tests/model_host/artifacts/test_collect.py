@@ -69,6 +69,7 @@ async def test_remove_is_exact_and_idempotent(tmp_path: Path) -> None:
             "artifact_digest": artifact.digest,
             "removed": True,
             "reclaimed_bytes": 10_000,
+            "cancelled_pulls": [],
         }
         assert cache.lookup(artifact).kind == "missing"
         assert cache.blob_bytes() == 0

@@ -13,7 +13,8 @@ function when(ms) {
   return ms ? new Date(ms).toISOString().replace("T", " ").slice(0, 19) : "-";
 }
 
-// Follow one job's SSE stream; onJob gets each snapshot, onEvent each journal event.
+// Follow one job's SSE stream; onJob gets each snapshot, onEvent each journal event and its
+// sequence number (the SSE id: a step event's own "seq" field is the step's position).
 // EventSource resends Last-Event-ID itself when it reconnects (a server restart included).
 function followJob(jobId, { after, onJob, onEvent }) {
   let url = `/admin/model-host/jobs/${encodeURIComponent(jobId)}/stream`;
@@ -25,7 +26,7 @@ function followJob(jobId, { after, onJob, onEvent }) {
       onJob(data.job);
       if (TERMINAL.has(data.job.status)) source.close();
     } else {
-      onEvent(data);
+      onEvent(data, message.lastEventId);
     }
   };
   return source;
@@ -135,11 +136,11 @@ function setUpJob(section) {
       text(field("ended"), when(job.ended_at_ms));
       if (TERMINAL.has(job.status)) text(field("live"), "");
     },
-    onEvent: (event) => {
-      section.dataset.lastSeq = event.seq;
+    onEvent: (event, id) => {
+      section.dataset.lastSeq = id;
       const item = document.createElement("li");
-      item.dataset.seq = event.seq;
-      item.textContent = `${event.seq} ${when(event.at_ms)} ${event.type} ${JSON.stringify(event)}`;
+      item.dataset.seq = id;
+      item.textContent = `${id} ${when(event.at_ms)} ${event.type} ${JSON.stringify(event)}`;
       events.append(item);
       if (event.type === "status") setStatus(event.status);
       if (event.type === "progress") text(field("progress"), JSON.stringify(event));
