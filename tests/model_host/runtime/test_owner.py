@@ -354,7 +354,8 @@ async def test_a_swap_waits_for_the_busy_resident_model_and_holds_its_gate(
 async def test_a_swap_that_waits_too_long_is_insufficient_capacity_with_retry_after(
     tmp_path: Path,
 ) -> None:
-    deployments = {"a": SWAP, "b": {**SWAP, "queue_timeout_ms": 400}}
+    # Long enough that the launch of "b" reaches its swap wait first on a loaded machine.
+    deployments = {"a": SWAP, "b": {**SWAP, "queue_timeout_ms": 2000}}
     limit = {"cache": {"directory": str(tmp_path / "cache"), "max_resident_models": 1}}
     async with runtime_host(tmp_path, deployments=deployments, host=limit) as host:
         manager = host.manager
