@@ -229,7 +229,8 @@ async def test_a_foreign_listener_on_the_chosen_port_never_gets_traffic(
 async def test_a_launch_that_never_gets_ready_fails_with_start_timeout_and_is_retried(
     tmp_path: Path,
 ) -> None:
-    slow = {**TINY, "start_timeout_ms": 300}
+    # Short, yet long enough for the fixed stand-in to start on a loaded machine.
+    slow = {**TINY, "start_timeout_ms": 3000}
     async with runtime_host(tmp_path, deployments={"tiny": slow}, mode="hang") as host:
         manager = host.manager
         with pytest.raises(AdmissionRejected) as first:
