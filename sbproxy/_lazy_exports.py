@@ -2,8 +2,9 @@
 
 A package's ``__init__`` names its public surface in ``__all__``; importing every module
 behind it up front makes each user pay for all of them. ``sbproxy jobs list`` needs the job
-records of :mod:`sbproxy.store`, not SQLAlchemy (0.12-0.17 s to import on this project's
-machines), and ``sbproxy models list`` needs the cache layout, not the download stack. Such
+records of :mod:`sbproxy.store`, not the write path behind the repositories (the writer
+thread, migrations, tenacity's retry machinery), and ``sbproxy models list`` needs the cache
+layout, not the download stack. Such
 a package imports its light modules as usual and declares the heavy ones here::
 
     _LAZY = {"sbproxy.store.database": ("Database", "StoreError")}

@@ -26,9 +26,9 @@ from typing import Any, TypeVar
 
 import click
 
-from sbproxy.cli._job_text import job_table, stale_dict
+from sbproxy.cli._job_text import job_table
+from sbproxy.cli._jobs_common import job_json, journal_options, journal_path
 from sbproxy.cli._lazy import LazyCommand, LazyGroup
-from sbproxy.cli._options import cache_dir_option, config_option, load_cli_config, resolve_layout
 from sbproxy.cli._output import emit_json, format_option
 from sbproxy.store import (
     JobRecord,
@@ -45,19 +45,6 @@ __all__ = ["jobs_group"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_LIST_LIMIT = 50
-
-# Codes that mean the request itself was wrong (exit 2); anything else is a runtime failure.
-INVALID_INPUT_CODES = frozenset(
-    {
-        "invalid_config",
-        "invalid_cache_dir",
-        "invalid_job_id",
-        "job_not_found",
-        "no_job_journal",
-        "job_not_retryable",
-        "idempotency_key_taken",
-    }
-)
 
 # The verbs that open the workflow engine are imported when they run (`jobs list` needs none
 # of it), and `sbproxy jobs --help` imports none of them.
@@ -81,35 +68,9 @@ _VERBS = {
 }
 
 
-def journal_options(fn: F) -> F:
-    """``--cache-dir`` and ``-f/--config``: which journal the verb reads."""
-    return config_option(cache_dir_option(fn))
-
-
 @click.group("jobs", cls=LazyGroup, lazy_commands=_VERBS)
 def jobs_group() -> None:
     """Inspect and control durable jobs (pull, verify, prepare, warm, drain ...)."""
-
-
-# --- shared steps ---------------------------------------------------------------------------
-
-
-def journal_path(
-    command: str, cache_dir: Path | None, config_path: Path | None, output_format: str
-) -> Path:
-    """The journal file the options select (exit 2 on an invalid config or cache root)."""
-    # The config matters only for its cache directory, so it is not read under --cache-dir.
-    config = (
-        load_cli_config(command, config_path, output_format=output_format)
-        if cache_dir is None
-        else None
-    )
-    return resolve_layout(command, cache_dir, config, output_format=output_format).journal
-
-
-def job_json(job: JobRecord, stale: Staleness | None) -> dict[str, Any]:
-    """A job in JSON output: the record, plus ``stale`` (see ``stale_dict``)."""
-    return {**job.to_dict(), "stale": stale_dict(job, stale)}
 
 
 def _read_listing(

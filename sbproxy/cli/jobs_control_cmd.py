@@ -26,6 +26,7 @@ from sbproxy.cli._job_text import (
     show_lines,
     stale_text,
 )
+from sbproxy.cli._jobs_common import INVALID_INPUT_CODES, job_json, journal_options, journal_path
 from sbproxy.cli._live import follow, run_followed
 from sbproxy.cli._output import (
     EXIT_INVALID,
@@ -35,7 +36,6 @@ from sbproxy.cli._output import (
     format_option,
     interrupted,
 )
-from sbproxy.cli.jobs_cmd import INVALID_INPUT_CODES, job_json, journal_options, journal_path
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.artifacts.locks import serving_host

@@ -32,8 +32,9 @@ from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOut
 from sbproxy.store.readonly import JournalReader, ReaderDeclined
 from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
 
-# The repositories and the database behind them import SQLAlchemy (0.12-0.17 s): they load
-# when first used, so a process that only reads records (``store.readonly``) never pays for it.
+# The repositories and the database behind them (the write path: the writer thread,
+# migrations, tenacity) load when first used, so a process that only reads records
+# (``store.readonly``) never pays for them.
 _LAZY = {
     "sbproxy.store.database": ("Database", "StoreError", "Synchronous", "Transaction"),
     "sbproxy.store.journal": ("JobJournal", "open_journal"),

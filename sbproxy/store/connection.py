@@ -1,13 +1,14 @@
 """Connection threads: each owns one stdlib ``sqlite3`` connection and runs transactions on it.
 
-Why threads and not an async driver (profiled with ``benchmarks/journal.py``): through
-SQLAlchemy's asyncio layer and aiosqlite, every statement, fetch and cursor close was its own
-round trip from the event loop to the driver's thread and back -- about 40 per journaled step
--- so a trivial step cost 2.2-2.7 ms with ``synchronous=FULL`` and 1.7-2.5 ms with
-``NORMAL`` here, while one fsynced commit costs ~0.2 ms: the traffic was the cost, not the
-fsyncs. Here a whole transaction is one closure: the event loop hands it to the connection's
-thread, the thread runs every statement of it against SQLite (which releases the GIL while it
-steps and fsyncs) and hands back one result, one round trip (~30 us) per transaction.
+Why threads and not an async driver (profiled with ``benchmarks/journal.py``): when the
+journal ran on SQLAlchemy's asyncio layer and aiosqlite, every statement, fetch and cursor
+close was its own round trip from the event loop to the driver's thread and back -- about 40
+per journaled step -- so a trivial step cost 2.2-2.7 ms with ``synchronous=FULL`` and
+1.7-2.5 ms with ``NORMAL`` here, while one fsynced commit costs ~0.2 ms: the traffic was the
+cost, not the fsyncs. Here a whole transaction is one closure: the event loop hands it to the
+connection's thread, the thread runs every statement of it against SQLite (which releases the
+GIL while it steps and fsyncs) and hands back one result, one round trip (~30 us) per
+transaction.
 
 The writer (:class:`WriterThread`, one per :class:`~sbproxy.store.Database`) is the only
 connection of this process that writes. Each transaction is ``BEGIN IMMEDIATE`` ... ``COMMIT``

@@ -40,7 +40,14 @@ from sbproxy.store.lifecycle import (
     StepStatus,
 )
 from sbproxy.store.outcomes import JobOutcomes, WriteTallies
-from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
+from sbproxy.store.records import (
+    ErrorInfo,
+    EventRecord,
+    JobRecord,
+    StepRecord,
+    list_jobs_query,
+    wall_clock_ms,
+)
 from sbproxy.store.records import job_from_row as _job
 from sbproxy.store.records import step_from_row as _step
 
@@ -255,18 +262,7 @@ class JobStore:
         ``limit`` caps the count; ``-1`` returns every match (SQLite reads a negative
         ``LIMIT`` as none).
         """
-        clauses = []
-        params: dict[str, Any] = {"limit": limit}
-        if statuses:
-            clauses.append(f"status IN {_in(statuses)}")
-        if kind is not None:
-            clauses.append("kind = :kind")
-            params["kind"] = kind
-        if subject is not None:
-            clauses.append("subject = :subject")
-            params["subject"] = subject
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        query = f"SELECT * FROM jobs {where} ORDER BY created_at_ms DESC, id DESC LIMIT :limit"  # noqa: S608 - clauses are fixed text
+        query, params = list_jobs_query(statuses=statuses, kind=kind, subject=subject, limit=limit)
         rows = await self.database.read(lambda tx: tx.all(query, params))
         return [_job(row) for row in rows]
 

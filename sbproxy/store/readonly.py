@@ -1,8 +1,8 @@
 """Reading the journal without the write path: stdlib ``sqlite3``, no migrations, no writes.
 
 ``sbproxy jobs list`` answers from a few ``SELECT`` statements; opening the journal through
-:class:`~sbproxy.store.Database` would first import SQLAlchemy and aiosqlite (0.12-0.17 s on
-this project's machines, most of the verb's run time) and run the migration transaction.
+:class:`~sbproxy.store.Database` would first load the write path (the repositories, the
+writer thread, tenacity) and run the migration transaction, a write.
 :class:`JournalReader` reads the same tables into the same records (``records.py``'s
 decoders), ordered and filtered as :meth:`JobStore.list_jobs <sbproxy.store.JobStore.list_jobs>`
 and :meth:`JobStore.steps <sbproxy.store.JobStore.steps>` do; a test holds their answers equal
@@ -31,7 +31,13 @@ from types import TracebackType
 
 from sbproxy.errors import SbproxyError
 from sbproxy.store.lifecycle import JobStatus
-from sbproxy.store.records import JobRecord, StepRecord, job_from_row, step_from_row
+from sbproxy.store.records import (
+    JobRecord,
+    StepRecord,
+    job_from_row,
+    list_jobs_query,
+    step_from_row,
+)
 
 __all__ = ["SCHEMA_VERSION", "JournalReader", "ReaderDeclined"]
 
@@ -139,20 +145,8 @@ class JournalReader:
         Raises:
             ReaderDeclined: SQLite failed to read.
         """
-        clauses = []
-        params: list[object] = []
-        if statuses:
-            clauses.append(f"status IN ({', '.join('?' for _ in statuses)})")
-            params.extend(status.value for status in statuses)
-        if kind is not None:
-            clauses.append("kind = ?")
-            params.append(kind)
-        if subject is not None:
-            clauses.append("subject = ?")
-            params.append(subject)
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        query = f"SELECT * FROM jobs {where} ORDER BY created_at_ms DESC, id DESC LIMIT ?"  # noqa: S608 - clauses are fixed text
-        return [job_from_row(row) for row in self._rows(query, [*params, limit])]
+        query, params = list_jobs_query(statuses=statuses, kind=kind, subject=subject, limit=limit)
+        return [job_from_row(row) for row in self._rows(query, params)]
 
     def steps(self, job_id: str) -> list[StepRecord]:
         """The journal of ``job_id`` in step order.

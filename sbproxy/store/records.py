@@ -1,16 +1,15 @@
 """The records the journal returns: jobs, steps and events as frozen values, never rows.
 
 They and their row decoders live apart from the repositories (``jobs.py``) so that a reader
-that only needs records -- ``store.readonly``, the CLI's job tables -- imports neither
-SQLAlchemy nor the write path. A row is anything read by column name: SQLAlchemy's
-``RowMapping`` or a ``sqlite3.Row``.
+that only needs records -- ``store.readonly``, the CLI's job tables -- imports nothing of
+the write path. A row is anything read by column name (a ``sqlite3.Row``).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +24,7 @@ __all__ = [
     "StepRecord",
     "error_info",
     "job_from_row",
+    "list_jobs_query",
     "step_from_row",
     "wall_clock_ms",
 ]
@@ -34,6 +34,32 @@ class Row(Protocol):
     """One database row read by column name (``RowMapping``, ``sqlite3.Row``, a dict)."""
 
     def __getitem__(self, key: str, /) -> Any: ...
+
+
+def list_jobs_query(
+    *,
+    statuses: Sequence[JobStatus] = (),
+    kind: str | None = None,
+    subject: str | None = None,
+    limit: int = 100,
+) -> tuple[str, list[object]]:
+    """The one ``SELECT`` behind every job listing (the store's and the read-only reader's):
+    jobs newest first, filtered by status, kind and subject, ``limit`` of them (``-1``:
+    every match; SQLite reads a negative ``LIMIT`` as none). ``(sql, positional params)``."""
+    clauses = []
+    params: list[object] = []
+    if statuses:
+        clauses.append(f"status IN ({', '.join('?' for _ in statuses)})")
+        params.extend(status.value for status in statuses)
+    if kind is not None:
+        clauses.append("kind = ?")
+        params.append(kind)
+    if subject is not None:
+        clauses.append("subject = ?")
+        params.append(subject)
+    where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+    query = f"SELECT * FROM jobs {where} ORDER BY created_at_ms DESC, id DESC LIMIT ?"  # noqa: S608 - clauses are fixed text
+    return query, [*params, limit]
 
 
 def wall_clock_ms() -> int:

@@ -11,9 +11,11 @@
   the runtime jobs and engines recorded in the cache have one owner. The file names its
   holder (pid, start ticks, start time) for that refusal.
 
-All are ``flock(2)`` locks on the standard library's ``fcntl``: the kernel releases them when
-the holder dies, so a crashed process never leaves a stale lock, and one primitive gives
-both shared and exclusive modes (the ``filelock`` package's ``FileLock`` is exclusive only).
+The admin_managed revision store's ``<store_path>.lock`` uses the same primitive
+(:func:`hold_blocking`): one lock mechanism in the whole package. All are ``flock(2)`` locks
+on the standard library's ``fcntl``: the kernel releases them when the holder dies, so a
+crashed process never leaves a stale lock, and one primitive gives both shared and exclusive
+modes (the ``filelock`` package's ``FileLock`` is exclusive only).
 Waiting polls a non-blocking attempt with ``anyio.sleep``, so the event loop never blocks.
 """
 
@@ -32,7 +34,7 @@ import anyio
 from sbproxy.model_host.artifacts.errors import CacheInUse
 from sbproxy.workflows import process_start_ticks
 
-__all__ = ["DigestLease", "HostLock", "hold", "serving_host", "try_hold"]
+__all__ = ["DigestLease", "HostLock", "hold", "hold_blocking", "serving_host", "try_hold"]
 
 _POLL_S = 0.05
 
@@ -64,6 +66,30 @@ async def hold(
         with anyio.fail_after(timeout_s):
             while not _try(fd, exclusive=exclusive):
                 await anyio.sleep(_POLL_S)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def hold_blocking(path: Path, *, timeout_s: float) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` from synchronous code, waiting up to ``timeout_s``
+    (polling a non-blocking attempt with ``time.sleep``: run it off the event loop, or only
+    where the holders are quick).
+
+    Raises:
+        TimeoutError: the lock stayed unavailable for ``timeout_s``.
+    """
+    fd = _open(path)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _try(fd, exclusive=True):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{path} stayed locked for {timeout_s:g} s")
+            time.sleep(_POLL_S)
         try:
             yield
         finally:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 # How often a running host looks for runtime jobs it does not hold yet, seconds.
 ADOPT_POLL_S = 0.5
 
-logger = logging.getLogger("sbproxy.model_host.runtime.manager")
+logger = logging.getLogger(__name__)
 
 __all__ = ["CommandsMixin"]
 

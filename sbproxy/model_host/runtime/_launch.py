@@ -36,7 +36,7 @@ from sbproxy.workflows import process_start_ticks
 if TYPE_CHECKING:
     from sbproxy.model_host.runtime.manager import RuntimeManager
 
-logger = logging.getLogger("sbproxy.model_host.runtime.manager")
+logger = logging.getLogger(__name__)
 
 __all__ = ["LaunchMixin"]
 

@@ -26,7 +26,7 @@ from sbproxy.model_host.runtime.state import DeploymentState
 if TYPE_CHECKING:
     from sbproxy.model_host.runtime.manager import RuntimeManager
 
-logger = logging.getLogger("sbproxy.model_host.runtime.manager")
+logger = logging.getLogger(__name__)
 
 __all__ = ["StagingMixin"]
 

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import rfc8785
-from filelock import FileLock, Timeout
 
 from sbproxy.errors import SbproxyError
+from sbproxy.model_host.artifacts.locks import hold_blocking
 
 __all__ = [
     "MAX_REVISION",
@@ -104,7 +104,7 @@ class RevisionStore:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lock = FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S)
+        self._lock_path = path.with_name(path.name + ".lock")
 
     def load(self) -> DeploymentRevision | None:
         """The current revision, or ``None`` for an empty (absent) store.
@@ -155,7 +155,7 @@ class RevisionStore:
                 ``counter_overflow`` past 2^53 - 1).
         """
         try:
-            with self._lock:
+            with hold_blocking(self._lock_path, timeout_s=LOCK_TIMEOUT_S):
                 current = self.load()
                 actual = current.revision if current else None
                 if actual != expected_revision:
@@ -181,7 +181,7 @@ class RevisionStore:
                 )
                 self._write(written)
                 return written
-        except Timeout as exc:
+        except TimeoutError as exc:
             raise _store_error(self.path, "its lock is held by another process") from exc
 
     def _write(self, revision: DeploymentRevision) -> None:
