@@ -17,13 +17,15 @@ deployment's ``request_timeout_ms``, a stream also by ``first_token_timeout_ms``
 ``stall_timeout_ms``. A limit that runs out closes the upstream connection, frees the permit
 at once and answers 504 ``engine_timeout`` -- or, once a stream's headers went out, ends the
 stream with that error as an SSE event. A client that disconnects while its request waits
-(for admission, or for a plain answer) is noticed on the ASGI ``receive`` channel: the wait
+(for admission, or for a plain answer) is noticed on the ASGI ``receive`` channel (watched
+once the request has waited 50 ms: :class:`~sbproxy.api.supervision.ExchangeBound`): the wait
 is cancelled, the upstream connection closed and the permit freed at once; a stream's
 disconnect is noticed by Litestar's streaming response. Each admitted request reports its
 end to the runtime once (:meth:`Upstream.report`; ``timed_out`` only for a supervision
 limit), then releases its permit. A request whose client went away is counted in
 ``sbproxy_gateway_client_disconnects_total`` and logged with status 499
-(:mod:`sbproxy.api.access`).
+(:mod:`sbproxy.api.access`); a stream's client that closes once it has the stream's end
+(``[DONE]``, or the usage event before it) did not go away (:mod:`sbproxy.api.relay`).
 
 Usage and budgets (:mod:`sbproxy.api.usage`): a key over its token budget is refused with
 429 ``token_budget_exceeded`` before admission, so the engine never sees the request. Each
