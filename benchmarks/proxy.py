@@ -26,12 +26,25 @@ with whether they were met.
 
 Usage: ``python benchmarks/proxy.py [--duration 5] [--loader auto|wrk|python]`` from the
 repository root with the project's virtual environment.
+
+With ``--baseline-commit REV`` (repeatable) it compares this checkout's gateway with older
+commits instead, in one run: each commit's ``sbproxy`` package is extracted (``git
+archive``) into a temporary directory and served by the same interpreter and virtual
+environment (``PYTHONPATH``), against the same upstream and configuration; ``--pairs``
+rounds (default 5) each serve every contender once, in an order that rotates from round to
+round, and measure the gateway at 1 and 16 connections (``chat`` and ``chat_stream``). It
+prints ONE JSON object: every round's figures, and per baseline the per-round ratios of the
+current figures over the baseline's with their median and range -- above 1 for requests/s
+is faster, below 1 for p50 is faster -- and whether the median requests/s ratio at 16
+connections reaches ``--min-ratio`` (default 0.99).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import os
 import platform
@@ -41,8 +54,10 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -237,7 +252,12 @@ def write_config(root: Path, gateway_port: int, admin_port: int) -> Path:
 
     from tests.model_host.runtime.host import config_text, write_catalog
 
-    write_catalog(root)
+    catalog = write_catalog(root)
+    # Only ``tiny`` is served; the completion-only ``tiny-base`` beside it uses catalog
+    # fields (``chat_template``) that older commits refuse, so a baseline could not start.
+    entries = yaml.safe_load(catalog.read_text())
+    entries["models"].pop("tiny-base", None)
+    catalog.write_text(yaml.safe_dump(entries))
     document = yaml.safe_load(
         config_text(
             root,
@@ -431,6 +451,16 @@ def python_run(
     return asyncio.run(_python_load(url, body, clients, duration, first_byte=first_byte))
 
 
+def load(
+    wrk: str | None, url: str, body: dict[str, Any], clients: int, duration: float, tmp: Path
+) -> dict[str, Any]:
+    """One measurement of ``url`` (wrk after a one-second warm-up, else aiohttp)."""
+    if wrk is not None:
+        wrk_run(wrk, url, body, clients, 1, tmp)  # warm-up, not kept
+        return wrk_run(wrk, url, body, clients, duration, tmp)
+    return python_run(url, body, clients, duration)
+
+
 def compare(direct: dict[str, Any], proxied: dict[str, Any]) -> dict[str, Any]:
     return {
         "direct": direct,
@@ -438,6 +468,197 @@ def compare(direct: dict[str, Any], proxied: dict[str, Any]) -> dict[str, Any]:
         "added_p50_ms": round(proxied["p50_ms"] - direct["p50_ms"], 3),
         "added_p99_ms": round(proxied["p99_ms"] - direct["p99_ms"], 3),
         "proxy_over_direct_rps": round(proxied["requests_per_s"] / direct["requests_per_s"], 3),
+    }
+
+
+# --------------------------------------------------------------------------- baselines
+
+COMPARED = (("chat", CHAT_BODY), ("chat_stream", STREAM_BODY))
+RATIO_FIELDS = ("requests_per_s", "p50_ms")
+
+
+def git(*args: str) -> str:
+    return subprocess.run(  # noqa: S603 - git on PATH, our arguments
+        ["git", "-C", str(ROOT), *args],  # noqa: S607
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def extract(rev: str, directory: Path) -> Path:
+    """``rev``'s ``sbproxy`` package, extracted into ``directory`` (which is returned)."""
+    archive = subprocess.run(  # noqa: S603 - git on PATH, our arguments
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "sbproxy"],  # noqa: S607
+        capture_output=True,
+        check=True,
+    ).stdout
+    directory.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(directory, filter="data")
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sbproxy.cli.main, sbproxy.api.gateway"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(directory)},
+        cwd=directory,
+        check=False,
+    )
+    if probe.returncode != 0:
+        raise SystemExit(
+            f"commit {rev} cannot be imported with this environment ({sys.executable}); "
+            "install what it needs beside the current dependencies (an older commit may use "
+            f"packages since dropped):\n{probe.stderr[-2000:]}"
+        )
+    return directory
+
+
+def _kill_leftover_upstream(engine_port: int) -> None:
+    """SIGKILL the upstream of ``engine_port`` if its server left it behind (a server
+    killed after a shutdown that hung: engines run in their own session)."""
+    me = str(Path(__file__).resolve()).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if me in argv and b"upstream" in argv and str(engine_port).encode() in argv:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def serving(tree: Path | None, tmp: Path) -> Iterator[tuple[str, int]]:
+    """``sbproxy serve`` of ``tree`` (an extracted package; ``None``: this checkout) with
+    the benchmark's deployment, ready: the gateway's chat URL and the engine's port."""
+    gateway_port, admin_port = free_port(), free_port()
+    root = Path(tempfile.mkdtemp(prefix="serve-", dir=tmp))
+    config = write_config(root, gateway_port, admin_port)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    with (root / "serve.log").open("wb") as log:
+        process = subprocess.Popen(  # noqa: S603 - this interpreter, our arguments
+            [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tree or ROOT,  # `-m` puts the working directory first on sys.path
+        )
+        engine_port = 0
+        try:
+            engine_port = wait_ready(admin_port, process)
+            yield f"http://127.0.0.1:{gateway_port}/v1/chat/completions", engine_port
+            if process.poll() is not None:
+                raise SystemExit(f"sbproxy serve died during the run: {process.returncode}")
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:  # some older commits hang in their shutdown
+                process.kill()
+                process.wait()
+                if engine_port:
+                    _kill_leftover_upstream(engine_port)
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {
+        "per_pair": [round(v, 3) for v in values],
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
+
+
+def compare_commits(args: argparse.Namespace, wrk: str | None) -> dict[str, Any]:
+    """The ``--baseline-commit`` comparison (see the module docstring)."""
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    baselines = {git("rev-parse", "--short", rev): rev for rev in args.baseline_commit}
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="sbproxy-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        trees: dict[str, Path | None] = {"current": None}
+        for short in baselines:
+            trees[short] = extract(short, tmp / "trees" / short)
+        names = list(trees)
+        for index in range(args.pairs):
+            order = names[index % len(names) :] + names[: index % len(names)]
+            figures: dict[str, Any] = {"order": order}
+            for name in order:
+                with serving(trees[name], tmp) as (url, _):
+                    figures[name] = {
+                        scenario: {
+                            f"clients_{clients}": load(wrk, url, body, clients, args.duration, tmp)
+                            for clients in CONCURRENCY
+                        }
+                        for scenario, body in COMPARED
+                    }
+            rounds.append(figures)
+            print(f"round {index + 1}/{args.pairs} done", file=sys.stderr, flush=True)
+    against: dict[str, Any] = {}
+    for short, rev in baselines.items():
+        ratios: dict[str, Any] = {}
+        for scenario, _ in COMPARED:
+            for clients in CONCURRENCY:
+                key = f"clients_{clients}"
+                for field in RATIO_FIELDS:
+                    values = [
+                        r["current"][scenario][key][field] / r[short][scenario][key][field]
+                        for r in rounds
+                    ]
+                    ratios[f"{scenario}.{key}.{field}"] = _spread(values)
+        checks = {
+            metric: {
+                "target": f">= {args.min_ratio}",
+                "median": ratios[metric]["median"],
+                "met": ratios[metric]["median"] >= args.min_ratio,
+            }
+            for metric in (
+                "chat.clients_16.requests_per_s",
+                "chat_stream.clients_16.requests_per_s",
+            )
+        }
+        against[short] = {
+            "rev": rev,
+            "current_over_baseline": ratios,
+            "checks": checks,
+            "met": all(c["met"] for c in checks.values()),
+        }
+    medians = {
+        name: {
+            f"{scenario}.clients_{clients}.{field}": statistics.median(
+                r[name][scenario][f"clients_{clients}"][field] for r in rounds
+            )
+            for scenario, _ in COMPARED
+            for clients in CONCURRENCY
+            for field in RATIO_FIELDS
+        }
+        for name in trees
+    }
+    return {
+        "benchmark": "proxy",
+        "mode": "baseline comparison",
+        "current": f"{head}{' + uncommitted changes' if dirty else ''}",
+        "loader": "wrk -t1" if wrk is not None else "python aiohttp",
+        "duration_s_each": args.duration,
+        "pairs": args.pairs,
+        "ratio_meaning": (
+            "current over baseline, per round: requests_per_s above 1 is faster, "
+            "p50_ms below 1 is faster"
+        ),
+        "against": against,
+        "medians": medians,
+        "rounds": rounds,
+        "environment": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "load_average": os.getloadavg(),
+        },
     }
 
 
@@ -451,10 +672,24 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--loader", choices=("auto", "wrk", "python"), default="auto")
+    parser.add_argument(
+        "--baseline-commit",
+        action="append",
+        default=[],
+        metavar="REV",
+        help="compare with the gateway of this commit (repeatable); see the module docstring",
+    )
+    parser.add_argument("--pairs", type=int, default=5, help="rounds of the comparison")
+    parser.add_argument(
+        "--min-ratio", type=float, default=0.99, help="required median requests/s ratio"
+    )
     args = parser.parse_args()
     wrk = shutil.which("wrk") if args.loader in ("auto", "wrk") else None
     if args.loader == "wrk" and wrk is None:
         raise SystemExit("wrk is not installed")
+    if args.baseline_commit:
+        print(json.dumps(compare_commits(args, wrk), indent=2))
+        return
 
     with tempfile.TemporaryDirectory(prefix="sbproxy-bench-") as tmp_name:
         tmp = Path(tmp_name)

@@ -14,8 +14,10 @@ and, when the request did not end in a relayed answer, its reason code (an admis
 refusal such as ``queue_timeout``, ``engine_timeout``, ``upstream_unavailable``,
 ``client_disconnected``). Status ``499`` (nginx's "client closed request") is a client that
 went away before its answer ended; a stream whose headers already went out is logged with
-499 too, although 200 went out on the wire. A stream cut by the gateway (``engine_timeout``,
-``upstream_unavailable``) keeps the status it was sent with and names the reason.
+499 too, although 200 went out on the wire -- unless the stream's end (``[DONE]``, or its
+usage event) had gone out: a client that closes then completed its request. A stream cut
+by the gateway (``engine_timeout``, ``upstream_unavailable``) keeps the status it was sent
+with and names the reason.
 
 Levels: a request that did not end in a plain answer (an outcome, a status >= 400 -- 499
 included) is logged at INFO, so a server logs every refusal, timeout and disconnect; a

@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Final
 
+import msgspec
+
 __all__ = ["REQUESTS_KEPT", "SAMPLE_INTERVAL_S", "Activity", "LoadSample", "RequestRecord"]
 
 REQUESTS_KEPT: Final = 500
@@ -26,9 +28,11 @@ SAMPLE_INTERVAL_S: Final = 2.0
 SAMPLES_KEPT: Final = 300
 
 
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
-    """One finished gateway request.
+class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One finished gateway request (immutable).
+
+    A msgspec struct rather than a frozen dataclass: one is built for every request, and a
+    frozen dataclass sets each of its ten fields through ``object.__setattr__``.
 
     Attributes:
         ended_at_ms: Wall-clock end, milliseconds since the epoch.

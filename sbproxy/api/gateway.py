@@ -17,13 +17,15 @@ deployment's ``request_timeout_ms``, a stream also by ``first_token_timeout_ms``
 ``stall_timeout_ms``. A limit that runs out closes the upstream connection, frees the permit
 at once and answers 504 ``engine_timeout`` -- or, once a stream's headers went out, ends the
 stream with that error as an SSE event. A client that disconnects while its request waits
-(for admission, or for a plain answer) is noticed on the ASGI ``receive`` channel: the wait
+(for admission, or for a plain answer) is noticed on the ASGI ``receive`` channel (watched
+once the request has waited 50 ms: :class:`~sbproxy.api.supervision.ExchangeBound`): the wait
 is cancelled, the upstream connection closed and the permit freed at once; a stream's
 disconnect is noticed by Litestar's streaming response. Each admitted request reports its
 end to the runtime once (:meth:`Upstream.report`; ``timed_out`` only for a supervision
 limit), then releases its permit. A request whose client went away is counted in
 ``sbproxy_gateway_client_disconnects_total`` and logged with status 499
-(:mod:`sbproxy.api.access`).
+(:mod:`sbproxy.api.access`); a stream's client that closes once it has the stream's end
+(``[DONE]``, or the usage event before it) did not go away (:mod:`sbproxy.api.relay`).
 
 Usage and budgets (:mod:`sbproxy.api.usage`): a key over its token budget is refused with
 429 ``token_budget_exceeded`` before admission, so the engine never sees the request. Each
@@ -46,14 +48,16 @@ Anything else is a 404 ``unknown_origin``.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
-import anyio
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, get, post
 from litestar.background_tasks import BackgroundTask
-from litestar.response import Stream
+from litestar.response.base import ASGIResponse
+from litestar.response.streaming import ASGIStreamingResponse
+from litestar.types import ASGIApp
 from opentelemetry import trace
 
 from sbproxy.api.access import (
@@ -74,7 +78,7 @@ from sbproxy.api.errors import (
 from sbproxy.api.keys import Caller, KeyPlane
 from sbproxy.api.metrics import Disconnects, Rejections
 from sbproxy.api.relay import StreamRelay, UpstreamUnavailable, Usage, rewrite_answer
-from sbproxy.api.supervision import ClientWatch, Limit, engine_timeout
+from sbproxy.api.supervision import ExchangeBound, Limit, engine_timeout
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger
 from sbproxy.config import Route
@@ -279,8 +283,12 @@ class Gateway:
             fields["max_tokens"] = self.manager.output_limit(deployment)
         return (with_fields(head, fields) if fields else body), strip_usage
 
-    async def forward(self, request: Request[Any, Any, Any], path: str) -> Response[Any]:
+    async def forward(self, request: Request[Any, Any, Any], path: str) -> ASGIResponse:
         """Relay one OpenAI request to its engine (see the module docstring).
+
+        The answer is built as Litestar's ASGI response directly, not as a ``Response`` for
+        the route to convert: the route layers add no headers or cookies, and the
+        conversion was a measurable part of the request path (``benchmarks/proxy.py``).
 
         Raises:
             AdmissionRejected: any admission reason.
@@ -323,8 +331,8 @@ class Gateway:
                 data, usage = rewrite_answer(data, route.public_model)
                 if usage is not None:
                     self.count(caller, usage, span, note)
-            return Response(
-                data,
+            return ASGIResponse(
+                body=data,
                 status_code=response.status,
                 media_type=response.content_type or "application/json",
                 headers=headers,
@@ -349,8 +357,8 @@ class Gateway:
             on_usage=lambda usage: self.count(caller, usage, span, note),
             on_end=ended,
         )
-        return Stream(
-            relay.events(),
+        return ASGIStreamingResponse(
+            iterator=relay.events(),
             status_code=response.status,
             media_type="text/event-stream",
             # Proxies in front (nginx) must pass events on as they come, not buffer them.
@@ -381,21 +389,20 @@ class Gateway:
             UpstreamUnavailable: ``upstream_unavailable``.
             EngineTimeout: ``engine_timeout``.
         """
-        # One scope bounds the wait for admission (no deadline: the gate has its own) and
-        # for the engine's answer (the deadline of the first limit); the watch cancels it
-        # when the client goes away.
-        scope = anyio.CancelScope()
-        watch = ClientWatch(request.receive, scope)
+        # One bound covers the wait for admission (no deadline: the gate has its own) and
+        # for the engine's answer (the deadline of the first limit); it ends early when the
+        # client goes away.
+        bound = ExchangeBound(request.receive)
         upstream: Upstream | None = None
         response: aiohttp.ClientResponse | None = None
         limit, limit_s, started = Limit.REQUEST, 0.0, 0.0
         data: bytes | None = None
         try:
-            with scope:
+            async with bound:
                 upstream = await self.admit(route, caller)
-                started = anyio.current_time()
+                started = asyncio.get_running_loop().time()
                 limit, limit_s = _first_limit(upstream, streamed=streamed)
-                scope.deadline = started + limit_s
+                bound.set_deadline(started + limit_s)
                 assert self.session is not None  # noqa: S101 - opened at app startup
                 response = await self.session.post(
                     f"{upstream.base_url}{path}",
@@ -413,10 +420,8 @@ class Gateway:
         except BaseException:
             _end(upstream, response, timed_out=False)
             raise
-        finally:
-            watch.stop()
-        if scope.cancelled_caught:
-            timed_out = upstream is not None and not watch.disconnected
+        if bound.cancelled_caught:
+            timed_out = upstream is not None and not bound.disconnected
             _end(upstream, response, timed_out=timed_out)
             if not timed_out:
                 return None
@@ -427,14 +432,14 @@ class Gateway:
             _end(upstream, None, timed_out=False)
         return _Answer(upstream=upstream, response=response, started=started, data=data)
 
-    def client_gone(self, deployment: str, note: AccessNote | None) -> Response[bytes]:
+    def client_gone(self, deployment: str, note: AccessNote | None) -> ASGIResponse:
         """Count and note a request whose client disconnected before its answer; the
         response (status 499) goes nowhere, the server drops it."""
         self.disconnects.record(deployment)
         if note is not None:
             note.status = CLIENT_CLOSED
             note.outcome = CLIENT_DISCONNECTED
-        return Response(b"", status_code=CLIENT_CLOSED, media_type="application/json")
+        return ASGIResponse(body=b"", status_code=CLIENT_CLOSED, media_type="application/json")
 
     def count(
         self,
@@ -505,15 +510,15 @@ def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:
         return {"object": "list", "data": data}
 
     @post("/v1/chat/completions")
-    async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    async def chat_completions(request: Request[Any, Any, Any]) -> ASGIApp:
         return await gateway.forward(request, "/v1/chat/completions")
 
     @post("/v1/completions")
-    async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    async def completions(request: Request[Any, Any, Any]) -> ASGIApp:
         return await gateway.forward(request, "/v1/completions")
 
     @post("/v1/embeddings")
-    async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
+    async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
         return await gateway.forward(request, "/v1/embeddings")
 
     return Litestar(

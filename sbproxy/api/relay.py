@@ -12,6 +12,14 @@ at once, and the stream ends with an ``engine_timeout`` error event. An engine t
 away mid-stream ends it with an ``upstream_unavailable`` error event. Either way the client
 gets a well-formed end of stream, without ``[DONE]``.
 
+The end of a stream, for the client, is the ``data: [DONE]`` event (or, before it, the
+event that carries ``usage``, which the engine sends last): once it went out the request is
+complete, whatever the client does next. An OpenAI client stops reading at ``[DONE]`` and
+closes its connection -- often before the engine's own end of the chunked body has arrived
+-- and that is no disconnect: the relay stops reading at ``[DONE]``, and a client that
+leaves after either event is logged with the status it got and not counted in
+``sbproxy_gateway_client_disconnects_total``. One that leaves before is.
+
 Usage: llama-server puts ``usage`` in the last event of a streamed *completion* always, but
 in a streamed *chat completion* only when ``stream_options.include_usage`` is true (then as
 an extra last event with ``choices: []``); the gateway asks for it on every streamed chat
@@ -119,15 +127,20 @@ _MODEL_MEMBER = re.compile(rb'("model"\s*:\s*)"(?:[^"\\]|\\.)*"')
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
-def _rewrite_event(event: bytes, public_model: str) -> tuple[bytes, Usage | None, bool]:
+def _rewrite_event(
+    event: bytes, public_model: str, name: bytes | None = None
+) -> tuple[bytes, Usage | None, bool]:
     """One SSE event (without its closing blank line) with its ``model`` renamed, its usage
-    if any, and whether it is a usage-only event (``choices: []`` with ``usage``)."""
+    if any, and whether it is a usage-only event (``choices: []`` with ``usage``).
+
+    ``name`` is ``public_model`` JSON-encoded, when the caller has it already."""
     if b'"model"' not in event and b'"usage"' not in event:
         return event, None, False
     usage: Usage | None = None
     usage_only = False
     out = event
-    name = _ENCODER.encode(public_model)
+    if name is None:
+        name = _ENCODER.encode(public_model)
     for line in event.splitlines():
         if not line.startswith(b"data:"):
             continue
@@ -145,14 +158,19 @@ def _rewrite_event(event: bytes, public_model: str) -> tuple[bytes, Usage | None
             usage = found
             usage_only = document.get("choices") == []
         if isinstance(document.get("model"), str):
-            renamed = _MODEL_MEMBER.sub(lambda m: m.group(1) + name, payload, count=1)
-            out = out.replace(payload, renamed, 1)
+            member = _MODEL_MEMBER.search(payload)
+            if member is not None:
+                renamed = payload[: member.end(1)] + name + payload[member.end() :]
+                out = out.replace(payload, renamed, 1)
     return out, usage, usage_only
 
 
 def split_events(pending: bytes) -> tuple[list[tuple[bytes, bytes]], bytes]:
     """The complete events at the start of ``pending`` as ``(event, separator)`` pairs, and
     the incomplete rest (an event still arriving)."""
+    if b"\r" not in pending:  # LF line endings, as llama-server writes: a plain split
+        *complete, rest = pending.split(b"\n\n")
+        return [(event, b"\n\n") for event in complete], rest
     events: list[tuple[bytes, bytes]] = []
     start = 0
     for boundary in _BOUNDARY.finditer(pending):
@@ -173,9 +191,10 @@ class StreamRelay:
         started: Loop time (seconds) the request was sent upstream.
         strip_usage: Drop the usage-only event (the gateway asked for it, not the client).
         on_usage: Called once with the stream's usage (or its estimate), if any.
-        on_end: Called once when the relay closes, with ``None`` for a stream read to its
-            end, else ``engine_timeout``, ``upstream_unavailable`` or
-            ``client_disconnected`` (the client went away first).
+        on_end: Called once when the relay closes, with ``None`` for a stream whose end
+            went out to the client (see the module docstring), else ``engine_timeout``,
+            ``upstream_unavailable`` or ``client_disconnected`` (the client went away
+            first).
     """
 
     def __init__(
@@ -192,6 +211,7 @@ class StreamRelay:
         self.response = response
         self.upstream = upstream
         self.public_model = public_model
+        self._name = _ENCODER.encode(public_model)
         self.strip_usage = strip_usage
         self.on_usage = on_usage
         self.on_end = on_end
@@ -199,7 +219,13 @@ class StreamRelay:
         self.relayed_events = 0
         # time.perf_counter() when the first event went to the client (time to first token).
         self.first_event_at: float | None = None
+        # The engine's stream was relayed to its end (``[DONE]``, or the end of the body).
         self.finished = False
+        # The client was handed the end of the stream: the usage event or ``[DONE]``.
+        self.delivered = False
+        # The batch being relayed holds the end of the stream / the ``[DONE]`` event.
+        self._ending = False
+        self._done = False
         self.closed = False
         self.cut = False
         self.expired: Limit | None = None
@@ -212,12 +238,15 @@ class StreamRelay:
         )
 
     def _event(self, event: bytes, separator: bytes) -> bytes:
-        rewritten, usage, usage_only = _rewrite_event(event, self.public_model)
+        rewritten, usage, usage_only = _rewrite_event(event, self.public_model, self._name)
         if usage is not None:
             self.usage = usage
             if usage_only and self.strip_usage:
                 return b""
-        if not event.rstrip().endswith(b"[DONE]"):
+            self._ending = True
+        if event.rstrip().endswith(b"[DONE]"):
+            self._ending = self._done = True
+        else:
             self.relayed_events += 1
         return rewritten + separator
 
@@ -245,42 +274,50 @@ class StreamRelay:
         content = self.response.content
         deadlines = self.deadlines
         try:
-            while chunk := await content.readany():
-                complete, pending = split_events(pending + chunk)
+            while True:
+                if chunk := await content.readany():
+                    complete, pending = split_events(pending + chunk)
+                elif pending:  # the body ended inside an event: relay what there is
+                    complete, pending = [(pending, b"")], b""
+                else:
+                    break
                 if not complete:
                     continue  # no complete event yet: the event deadline stands
-                out = b"".join(self._event(event, separator) for event, separator in complete)
+                out = b"".join([self._event(event, separator) for event, separator in complete])
                 if out:
                     if self.first_event_at is None:
                         self.first_event_at = time.perf_counter()
                     deadlines.paused()  # a slow client is not a stalled engine
                     yield out
+                    self.delivered = self._ending
+                    if self._done:
+                        break  # nothing follows [DONE] but the end of the body
                 deadlines.waiting()
-            if pending:
-                out = self._event(pending, b"")
-                if out:
-                    deadlines.paused()
-                    yield out
             self.finished = True
         except aiohttp.ClientError as exc:
-            if self.expired is not None:
-                deployment = self.upstream.deployment
-                error = engine_timeout(deployment, self.expired, self._limit_s(self.expired))
-                logger.warning("gateway stream cut: %s (%s)", error.message, error.code)
-                yield stream_error_event(error)
-            else:
-                # The engine went away mid-stream (stopped by a drain deadline, crashed):
-                # the client gets an OpenAI-style error event and a well-formed end of stream.
-                self.cut = True
-                logger.warning("upstream stream ended early: %s", type(exc).__name__)
-                yield _STREAM_CUT
+            yield self._failed(exc)
         finally:
             await self.close()
 
+    def _failed(self, exc: aiohttp.ClientError) -> bytes:
+        """The last event of a stream whose upstream read failed: a limit ran out (the timer
+        closed the connection), or the engine went away mid-stream (stopped by a drain
+        deadline, crashed); either way the client gets an OpenAI-style error event and a
+        well-formed end of stream."""
+        if self.expired is not None:
+            deployment = self.upstream.deployment
+            error = engine_timeout(deployment, self.expired, self._limit_s(self.expired))
+            logger.warning("gateway stream cut: %s (%s)", error.message, error.code)
+            return stream_error_event(error)
+        self.cut = True
+        logger.warning("upstream stream ended early: %s", type(exc).__name__)
+        return _STREAM_CUT
+
     async def close(self) -> None:
         """Release the permit; close the upstream connection unless it was read to its end
-        (a closed connection is how the engine learns to stop generating); count usage;
-        report how the stream ended (to the runtime, then to ``on_end``)."""
+        (a closed connection is how the engine learns to stop generating; one whose last
+        bytes are still on their way after ``[DONE]`` is closed by the release); count
+        usage; report how the stream ended (to the runtime, then to ``on_end``)."""
         if self.closed:
             return
         self.closed = True
@@ -303,8 +340,8 @@ class StreamRelay:
                 outcome: str | None = "engine_timeout"
             elif self.cut:
                 outcome = "upstream_unavailable"
-            elif self.finished:
-                outcome = None
+            elif self.finished or self.delivered:
+                outcome = None  # the client had the end of the stream
             else:
                 outcome = CLIENT_DISCONNECTED
             self.on_end(outcome)

@@ -28,13 +28,14 @@ prints a traceback.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
 import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 import uvicorn
@@ -84,7 +85,7 @@ class Shutdown:
         self._deadline_s = deadline_s
         self._manager: RuntimeManager | None = None
         self._listeners: list[uvicorn.Server] = []
-        self._in_flight: set[anyio.CancelScope] = set()
+        self._in_flight: set[asyncio.Task[Any]] = set()
         self._requested = anyio.Event()
         self._hurried = anyio.Event()
         self._hurry_actions: list[Callable[[], object]] = []
@@ -168,8 +169,8 @@ class Shutdown:
                 "stopping now" if self.forced else "drain deadline",
                 len(self._in_flight),
             )
-        for scope in list(self._in_flight):
-            scope.cancel()
+        for task in list(self._in_flight):
+            task.cancel()
         if self.forced:
             # After the cancellations, so an ended request answers shutting_down rather
             # than seeing its engine vanish first.
@@ -184,15 +185,20 @@ class Shutdown:
         for action in self._hurry_actions:
             action()
 
-    @contextlib.contextmanager
-    def in_flight(self) -> Iterator[anyio.CancelScope]:
-        """A cancel scope around one request, cancelled at the drain deadline."""
-        with anyio.CancelScope() as scope:
-            self._in_flight.add(scope)
-            try:
-                yield scope
-            finally:
-                self._in_flight.discard(scope)
+    def track(self, task: asyncio.Task[Any]) -> None:
+        """Count ``task`` as a request in flight until :meth:`untrack`: at the drain deadline
+        it is cancelled (a native cancellation, which its guard recognises by
+        :attr:`requested`).
+
+        The task itself, not a cancel scope around the request: this runs for every request,
+        and an anyio cancel scope (or an ``asyncio.timeout``) costs several times as much
+        (``benchmarks/proxy.py``).
+        """
+        self._in_flight.add(task)
+
+    def untrack(self, task: asyncio.Task[Any]) -> None:
+        """The request of ``task`` ended (idempotent)."""
+        self._in_flight.discard(task)
 
     def engine_budget_s(self) -> float | None:
         """Seconds the runtime manager may still spend settling loads, draining and stopping
@@ -238,26 +244,35 @@ class _Guard:
             return
 
         async def tracked(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            kind = message["type"]
+            if kind == "http.response.start":
                 progress.started = True
-                progress.event_stream = any(
-                    name.lower() == b"content-type" and value.startswith(b"text/event-stream")
-                    for name, value in message.get("headers", ())
-                )
+                headers = cast("Iterable[tuple[bytes, bytes]]", message.get("headers", ()))
+                for name, value in headers:
+                    if name.lower() == b"content-type":
+                        progress.event_stream = value.startswith(b"text/event-stream")
+                        break
             await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
+            if kind == "http.response.body" and not message.get("more_body", False):
                 progress.complete = True
 
+        shutdown = self.shutdown
+        task = asyncio.current_task()
+        assert task is not None  # noqa: S101 - an ASGI app runs in a task
+        shutdown.track(task)
         try:
-            with self.shutdown.in_flight() as cancel:
-                await self.app(scope, receive, tracked)
-            ended = cancel.cancelled_caught
-        except anyio.get_cancelled_exc_class():
-            if not self.shutdown.requested:
+            await self.app(scope, receive, tracked)
+            ended = False
+        except asyncio.CancelledError:
+            if not shutdown.requested:
                 raise
-            # uvicorn's graceful timeout (the backstop) cancelled the request task itself:
-            # answer it like the drain deadline does and let the task end normally.
+            # The drain deadline (Shutdown.enforce) or uvicorn's graceful timeout (the
+            # backstop) cancelled the request's task: answer it cleanly and let the task end
+            # normally.
+            task.uncancel()
             ended = True
+        finally:
+            shutdown.untrack(task)
         if ended and not progress.complete:
             await self._end(send, progress)
 

@@ -16,12 +16,17 @@ learns to stop generating), frees the admission permit at once and answers 504
 ``engine_timeout`` (:class:`EngineTimeout`), or, for a stream whose headers already went
 out, ends the stream with an SSE error event.
 
-Costs on the hot path: a plain request runs inside one anyio cancel scope with a deadline,
-and one watcher task (:class:`ClientWatch`) waits on the ASGI ``receive`` channel for
-``http.disconnect``, as Starlette's and Litestar's streaming responses do. A stream's limits
-are one lazily re-armed timer (:class:`StreamDeadlines`): per event the relay stores a
-number, and the timer re-arms itself only when it wakes early -- no task and no timer
-churn per chunk.
+Costs on the hot path (``benchmarks/proxy.py`` against the fast upstream): the wait for
+admission and for an answer's headers runs inside one :class:`ExchangeBound` -- a native
+``asyncio.timeout`` with no deadline, cheaper than an anyio cancel scope -- and one timer.
+Only when the exchange is still waiting :data:`WATCH_AFTER_S` later does that timer arm the
+limit's deadline and start the watcher task (:class:`ClientWatch`) that waits on the ASGI
+``receive`` channel for ``http.disconnect``, as Starlette's and Litestar's streaming
+responses do: most answers of a fast engine come sooner and never pay for a task and a
+second timer, and a client that leaves is noticed at most :data:`WATCH_AFTER_S` late. A
+stream's limits are one lazily re-armed timer (:class:`StreamDeadlines`): per event the
+relay stores a number, and the timer re-arms itself only when it wakes early -- no task and
+no timer churn per chunk.
 """
 
 from __future__ import annotations
@@ -31,15 +36,28 @@ import logging
 import math
 from collections.abc import Callable
 from enum import StrEnum
+from types import TracebackType
+from typing import Final
 
-import anyio
 from litestar.types import Receive
 
 from sbproxy.api.errors import ApiError
 
-__all__ = ["ClientWatch", "EngineTimeout", "Limit", "StreamDeadlines", "engine_timeout"]
+__all__ = [
+    "WATCH_AFTER_S",
+    "ClientWatch",
+    "EngineTimeout",
+    "ExchangeBound",
+    "Limit",
+    "StreamDeadlines",
+    "engine_timeout",
+]
 
 logger = logging.getLogger(__name__)
+
+# Seconds an exchange waits before its client is watched and its deadline armed (see the
+# module docstring): well under what a person notices, well over a fast engine's answer.
+WATCH_AFTER_S: Final = 0.05
 
 
 class Limit(StrEnum):
@@ -98,23 +116,22 @@ async def _until_disconnect(receive: Receive) -> None:
 
 
 class ClientWatch:
-    """Cancels ``scope`` when the client of the current request disconnects.
+    """Calls ``on_disconnect`` when the client of the current request disconnects.
 
     One task waits on ``receive`` for ``http.disconnect`` (read the body first: the watch
     consumes the channel). It is a plain asyncio task, not an anyio task group, so that
-    :meth:`stop` does not wait a loop turn for the watcher to finish. ``disconnected`` tells
-    afterwards why ``scope`` was cancelled.
+    :meth:`stop` does not wait a loop turn for the watcher to finish.
 
     Args:
         receive: The request's ASGI ``receive``.
-        scope: The cancel scope the gateway waits in (admission, the engine's answer).
+        on_disconnect: Called once, from the event loop, when the client went away (never
+            after :meth:`stop`).
     """
 
-    __slots__ = ("_scope", "_task", "disconnected")
+    __slots__ = ("_on_disconnect", "_task")
 
-    def __init__(self, receive: Receive, scope: anyio.CancelScope) -> None:
-        self.disconnected = False
-        self._scope = scope
+    def __init__(self, receive: Receive, on_disconnect: Callable[[], None]) -> None:
+        self._on_disconnect = on_disconnect
         self._task = asyncio.get_running_loop().create_task(_until_disconnect(receive))
         self._task.add_done_callback(self._done)
 
@@ -125,12 +142,108 @@ class ClientWatch:
         if failure is not None:
             logger.debug("disconnect watch failed: %r", failure)
             return
-        self.disconnected = True
-        self._scope.cancel()
+        self._on_disconnect()
 
     def stop(self) -> None:
         """Stop watching (idempotent); the channel is free for the response."""
         self._task.cancel()
+
+
+class ExchangeBound:
+    """Bounds one exchange's wait by a deadline and by its client staying connected.
+
+    Use as ``async with ExchangeBound(receive) as bound:`` around the wait for admission and
+    for the engine's answer (its headers, for a stream), and call :meth:`set_deadline` once
+    the limit is known. When the deadline passes or the client disconnects, the block is
+    cancelled and the exit swallows that cancellation: ``cancelled_caught`` is then true and
+    ``disconnected`` says which of the two it was. A cancellation from outside (a shutdown,
+    the server) passes through unchanged.
+
+    The deadline and the :class:`ClientWatch` are armed only once the block has run for
+    :data:`WATCH_AFTER_S` (or at once for a deadline sooner than that), by one timer; an
+    exchange that ends sooner never creates them (see the module docstring).
+
+    Args:
+        receive: The request's ASGI ``receive`` (its body read already).
+        watch_after_s: When to start watching, in seconds after entering.
+    """
+
+    __slots__ = (
+        "_deadline",
+        "_exited",
+        "_loop",
+        "_receive",
+        "_timeout",
+        "_timer",
+        "_watch",
+        "_watch_after_s",
+        "_watching",
+        "cancelled_caught",
+        "disconnected",
+    )
+
+    def __init__(self, receive: Receive, *, watch_after_s: float = WATCH_AFTER_S) -> None:
+        self._receive = receive
+        self._watch_after_s = watch_after_s
+        self._timeout = asyncio.timeout(None)
+        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._watch: ClientWatch | None = None
+        self._watching = False
+        self._exited = False
+        self.cancelled_caught = False
+        self.disconnected = False
+
+    async def __aenter__(self) -> ExchangeBound:
+        await self._timeout.__aenter__()
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(self._watch_after_s, self._start_watching)
+        return self
+
+    def set_deadline(self, when: float) -> None:
+        """Cancel the block at loop time ``when`` (seconds, :func:`anyio.current_time`)."""
+        self._deadline = when
+        if self._timeout.expired():
+            return  # the client left already; the cancellation is on its way
+        timer = self._timer
+        if self._watching or (timer is not None and when < timer.when()):
+            self._timeout.reschedule(when)
+
+    def _start_watching(self) -> None:
+        self._timer = None
+        if self._timeout.expired():
+            return  # a deadline sooner than the watch ran out first
+        self._watching = True
+        self._watch = ClientWatch(self._receive, self._client_left)
+        if self._deadline is not None:
+            self._timeout.reschedule(self._deadline)
+
+    def _client_left(self) -> None:
+        if self._exited or self._timeout.expired():
+            return  # over already, or the deadline ran out first: why the exchange ended
+        self.disconnected = True
+        self._timeout.reschedule(self._loop.time())
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        self._exited = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._watch is not None:
+            self._watch.stop()
+        try:
+            await self._timeout.__aexit__(exc_type, exc, traceback)
+        except TimeoutError:
+            if not self._timeout.expired():
+                raise  # not ours: the block itself raised it
+            self.cancelled_caught = True
+            return True
+        return False
 
 
 class StreamDeadlines:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.abc
 import httpx
+import openai
 import pytest
 
 from sbproxy.api.supervision import Limit, StreamDeadlines
@@ -362,6 +363,74 @@ async def test_an_abandoned_stream_is_counted_and_logged_as_499(
     (line,) = [line for line in lines if line.startswith("POST")]
     assert line.startswith("POST /v1/chat/completions 499 deployment=tiny ")
     assert line.endswith(" client_disconnected")
+
+
+async def openai_stream(host: Served, *, stop_at_usage: bool) -> list[Any]:
+    """The chunks the ``openai`` client reads of a streamed chat with ``include_usage``:
+    all of them (it stops at ``[DONE]`` and closes the connection), or up to the usage chunk,
+    after which the caller closes the stream (the chunk every client needs is there)."""
+    async with openai.AsyncOpenAI(
+        base_url=f"{host.gateway_url}/v1", api_key="x", max_retries=0
+    ) as client:
+        stream = await client.chat.completions.create(
+            model="tiny-chat",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            if stop_at_usage and chunk.usage is not None:
+                break
+        await stream.close()
+    return chunks
+
+
+@pytest.mark.parametrize(
+    ("mode", "stop_at_usage"),
+    [
+        # The engine's body ends long after [DONE]: the client has closed by then.
+        ("end_delay_s=30", False),
+        # [DONE] comes long after the usage chunk, and the client closes at the usage chunk.
+        ("done_delay_s=30", True),
+    ],
+)
+async def test_a_stream_read_to_its_end_is_no_disconnect(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: str, stop_at_usage: bool
+) -> None:
+    log = tmp_path / "engine.jsonl"
+    async with served(tmp_path, mode=f"{mode},requests_log={log}") as host:
+        outcomes = outcomes_of(host.host.manager)
+        generation = await warm(host)
+        gate = host.host.manager.slot("tiny").gate
+        with access_lines(caplog) as lines:
+            started = time.monotonic()
+            chunks = await openai_stream(host, stop_at_usage=stop_at_usage)
+            await until(lambda: gate.active == 0, timeout_s=2)
+            elapsed = time.monotonic() - started
+            # The engine's connection is closed (not waited on for 30 s).
+            await until(lambda: len(closed_at_engine(log)) == 1, timeout_s=2)
+            await until(lambda: any(line.startswith("POST") for line in lines_now(caplog)))
+            text = await metrics(host)
+        records = host.gateway.activity.recent()
+    assert elapsed < 10, elapsed
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        "fake reply from the stand-in"
+    )
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
+    assert outcomes == [("tiny", generation, False)]
+    assert "sbproxy_gateway_client_disconnects_total{" not in text
+    (line,) = [line for line in lines if line.startswith("POST")]
+    assert line.startswith("POST /v1/chat/completions 200 deployment=tiny "), line
+    assert "client_disconnected" not in line
+    (record,) = records
+    assert (record.status, record.outcome, record.completion_tokens) == (200, None, 5)
+
+
+def lines_now(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "sbproxy.api.access"]
 
 
 async def test_a_refusal_is_logged_with_its_reason(

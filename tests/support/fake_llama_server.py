@@ -29,6 +29,14 @@ that closes is noticed at once and logged as ``closed``):
 * ``stall_after_events=<n>`` -- a stream stops after ``n`` events and then sends nothing
   more, keeping the connection open.
 
+The end of a stream, spread out in time (each wait watches the socket like the faults
+above), so that a client that stops reading at the last event or at ``data: [DONE]`` and
+closes is certain to close before the engine's body has ended:
+
+* ``done_delay_s=<seconds>`` -- wait this long between the last event and ``[DONE]``;
+* ``end_delay_s=<seconds>`` -- wait this long between ``[DONE]`` and the end of the
+  chunked body.
+
 Usage is reported as llama-server does: in every plain answer; in the last event of a
 streamed completion; and in a streamed chat completion only when
 ``stream_options.include_usage`` is true, as an extra last event with ``choices: []``.
@@ -101,6 +109,8 @@ class _State:
         self.log_lock = threading.Lock()
         self.reply_delay_s = 0.0
         self.first_token_delay_s = 0.0
+        self.done_delay_s = 0.0
+        self.end_delay_s = 0.0
         self.stall_after_events: int | None = None
 
     @property
@@ -292,7 +302,13 @@ class _Handler(BaseHTTPRequestHandler):
                         }
                     )
                 )
+            if state.done_delay_s and self._closed_within(state.done_delay_s):
+                self.close_connection = True
+                return
             send("[DONE]")
+            if state.end_delay_s and self._closed_within(state.end_delay_s):
+                self.close_connection = True
+                return
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
@@ -333,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     state.requests_log = modes.get("requests_log") or None
     state.reply_delay_s = float(modes.get("reply_delay_s") or 0)
     state.first_token_delay_s = float(modes.get("first_token_delay_s") or 0)
+    state.done_delay_s = float(modes.get("done_delay_s") or 0)
+    state.end_delay_s = float(modes.get("end_delay_s") or 0)
     if modes.get("stall_after_events"):
         state.stall_after_events = int(modes["stall_after_events"])
     _Handler.state = state

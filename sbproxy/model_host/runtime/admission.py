@@ -327,9 +327,9 @@ class AdmissionGate:
         """
         if self._draining:
             raise self._refusal(AdmissionReason.DRAINING)
-        if self._active < self.max_active and self.queued == 0 and not self._held:
-            self._active += 1
-            return Permit(self)
+        permit = self.try_admit()
+        if permit is not None:
+            return permit
         if self.queued >= self.max_queue:
             raise self._refusal(AdmissionReason.QUEUE_FULL)
 
@@ -356,6 +356,19 @@ class AdmissionGate:
         if waiter.refusal is not None:
             raise waiter.refusal
         return Permit(self)
+
+    def try_admit(self) -> Permit | None:
+        """A permit now, without waiting, when a slot is free and nobody queues (and the
+        gate is neither draining nor held); else ``None`` (then :meth:`admit` queues)."""
+        if (
+            self._active < self.max_active
+            and not self._draining
+            and not self._held
+            and not any(self._queues)
+        ):
+            self._active += 1
+            return Permit(self)
+        return None
 
     def hold(self) -> None:
         """Pause grants: new requests queue (bounded as usual) while active ones finish.
@@ -451,7 +464,7 @@ class AdmissionGate:
 
     def _pass_slot(self) -> None:
         """A permit ended: give its slot to the best waiter, or free it."""
-        if self.queued and not self._held:
+        if not self._held and any(self._queues):
             self._grant_next()
             return
         self._active -= 1

@@ -67,6 +67,7 @@ from sbproxy.model_host.runtime._launch import LaunchMixin
 from sbproxy.model_host.runtime._staging import StagingMixin
 from sbproxy.model_host.runtime.admission import (
     AdmissionReason,
+    Permit,
     keep_alive_expired,
     reject,
 )
@@ -544,6 +545,38 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
                 ``retry_after_ms``).
         """
         slot = self.slot(deployment)
+        self._refuse_now(slot)
+        # The common case -- a ready engine with a free slot and nobody queued -- is
+        # admitted without waiting, so it needs no deadline (a cancel scope and a timer per
+        # request cost more than the rest of admission).
+        permit = slot.gate.try_admit() if slot.routable() else None
+        if permit is None:
+            slot, permit = await self._admit_waiting(deployment, priority)
+        self._tick += 1
+        if slot.generation:
+            self.residency.touch(ResidencyKey(slot.deployment, slot.generation), self._tick)
+        config = slot.config
+        return Upstream(
+            deployment=deployment,
+            generation=slot.generation,
+            base_url=f"http://127.0.0.1:{slot.port}",
+            permit=permit,
+            request_timeout_s=config.request_timeout_ms / 1000,
+            first_token_timeout_s=config.first_token_timeout_ms / 1000,
+            stall_timeout_s=config.stall_timeout_ms / 1000,
+            on_outcome=lambda generation, timed_out: self.record_outcome(
+                deployment, generation, timed_out=timed_out
+            ),
+        )
+
+    async def _admit_waiting(self, deployment: str, priority: PriorityClass) -> tuple[Slot, Permit]:
+        """Admission that may wait (a cold or starting engine, a full gate), within the
+        deployment's ``queue_timeout_ms``; the slot admitted to and its permit.
+
+        Raises:
+            AdmissionRejected: as :meth:`acquire`.
+        """
+        slot = self.slot(deployment)
         timeout_s = slot.config.queue_timeout_ms / 1000
         with anyio.move_on_after(timeout_s) as scope:
             while True:
@@ -584,22 +617,7 @@ class RuntimeManager(CommandsMixin, LaunchMixin, StagingMixin):
                 f"{deployment} did not become ready within {timeout_s:g} s",
                 deployment=deployment,
             )
-        self._tick += 1
-        if slot.generation:
-            self.residency.touch(ResidencyKey(slot.deployment, slot.generation), self._tick)
-        config = slot.config
-        return Upstream(
-            deployment=deployment,
-            generation=slot.generation,
-            base_url=f"http://127.0.0.1:{slot.port}",
-            permit=permit,
-            request_timeout_s=config.request_timeout_ms / 1000,
-            first_token_timeout_s=config.first_token_timeout_ms / 1000,
-            stall_timeout_s=config.stall_timeout_ms / 1000,
-            on_outcome=lambda generation, timed_out: self.record_outcome(
-                deployment, generation, timed_out=timed_out
-            ),
-        )
+        return slot, permit
 
     def _refuse_now(self, slot: Slot) -> None:
         if slot.state == DeploymentState.DRAINING or slot.gate.draining:

@@ -335,8 +335,16 @@ class Residency:
     def touch(self, key: ResidencyKey, tick: int) -> None:
         """Record a use of ``key`` at ``tick`` (ignored for a generation not resident)."""
         current = self._reservations.get(key)
-        if current is not None:
-            self._reservations[key] = replace(current, last_used=max(current.last_used, tick))
+        if current is not None and current.last_used < tick:
+            # Built directly: dataclasses.replace costs more than the rest of an admission,
+            # and this runs for every request.
+            self._reservations[key] = Reservation(
+                key=current.key,
+                estimate=current.estimate,
+                devices=current.devices,
+                protected=current.protected,
+                last_used=tick,
+            )
 
     def set_protected(self, key: ResidencyKey, protected: bool) -> None:
         """Set ``key``'s protection flag (ignored for a generation not resident)."""
