@@ -89,6 +89,10 @@ class DurationHistogram:
         self.total_s += seconds
         self.count += 1
 
+    def copy(self) -> DurationHistogram:
+        """An independent copy (what a scrape reads while observations go on)."""
+        return replace(self, buckets=list(self.buckets))
+
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, cumulative count)`` per bucket, ending with ``("+Inf", count)``."""
         running = 0
@@ -130,9 +134,7 @@ class JobOutcomes:
     def durations(self) -> dict[str, DurationHistogram]:
         """A copy of the duration histograms by workflow."""
         with self._lock:
-            return {
-                kind: replace(h, buckets=list(h.buckets)) for kind, h in self._durations.items()
-            }
+            return {kind: h.copy() for kind, h in self._durations.items()}
 
 
 class WriteTallies:
@@ -166,7 +168,4 @@ class WriteTallies:
     def snapshot(self) -> tuple[DurationHistogram, DurationHistogram, DurationHistogram]:
         """Copies of ``(waits, commits, group sizes)``."""
         with self._lock:
-            return tuple(  # type: ignore[return-value]
-                replace(h, buckets=list(h.buckets))
-                for h in (self._waits, self._commits, self._groups)
-            )
+            return self._waits.copy(), self._commits.copy(), self._groups.copy()

@@ -16,17 +16,7 @@ import yaml
 
 from tests.api.test_serve import PASSWORD, write_config
 from tests.model_host.engines.support import free_port
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sbproxy.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        check=False,
-    )
+from tests.support.cli import run_cli
 
 
 def job_status(admin: str, job_id: str) -> str:
@@ -66,9 +56,9 @@ def test_a_retried_load_is_run_by_the_running_server_at_once(tmp_path: Path) -> 
         ).json()
         job_id = load["job_id"]
         assert until_status(admin, job_id, {"failed"}, 30) == "failed"  # manual: not cached
-        pulled = cli("models", "pull", "-f", str(config))  # the operator pulls it
+        pulled = run_cli("models", "pull", "-f", str(config))  # the operator pulls it
         assert pulled.returncode == 0, pulled.stderr
-        retried = cli("jobs", "retry", job_id, "-f", str(config))
+        retried = run_cli("jobs", "retry", job_id, "-f", str(config))
         assert retried.returncode == 0, retried.stderr
         assert f"(pid {server.pid}) resumes it" in retried.stdout
         # Taken by the server within seconds, not at its next start.

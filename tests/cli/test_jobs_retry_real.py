@@ -4,23 +4,10 @@ here with everything a pull needs (the artifact cache), as ``models pull`` would
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.model_host.runtime.host import write_catalog
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sbproxy.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        check=False,
-    )
+from tests.support.cli import run_cli
 
 
 def test_a_failed_pull_retried_from_the_cli_runs_here_and_succeeds(tmp_path: Path) -> None:
@@ -29,19 +16,19 @@ def test_a_failed_pull_retried_from_the_cli_runs_here_and_succeeds(tmp_path: Pat
     data = source.read_bytes()
     source.unlink()  # the source is unreachable for the first run
     cache = str(tmp_path / "cache")
-    pulled = cli(
+    pulled = run_cli(
         "models", "pull", "tiny", "--variant", "q4_k_m", "--catalog-file", str(catalog),
         "--cache-dir", cache, "--format", "json",
     )  # fmt: skip
     assert pulled.returncode == 1, pulled.stderr
     job_id = json.loads(pulled.stdout)["artifacts"][0]["job_id"]
     source.write_bytes(data)  # the operator fixed the source
-    retried = cli("jobs", "retry", job_id, "--cache-dir", cache, "--format", "json")
+    retried = run_cli("jobs", "retry", job_id, "--cache-dir", cache, "--format", "json")
     assert retried.returncode == 0, retried.stderr
     payload = json.loads(retried.stdout)
     assert (payload["job"]["status"], payload["ran_here"]) == ("succeeded", True)
     assert "missing_resource" not in retried.stderr
-    again = cli(
+    again = run_cli(
         "models", "pull", "tiny", "--variant", "q4_k_m", "--catalog-file", str(catalog),
         "--cache-dir", cache, "--format", "json",
     )  # fmt: skip

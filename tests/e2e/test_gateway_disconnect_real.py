@@ -21,81 +21,33 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from tests.e2e.conftest import E2E_TIMEOUT_S
-from tests.model_host.engines.support import free_port
+from tests.e2e.served import PASSWORD, poll, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(E2E_TIMEOUT_S)]
 
-PASSWORD = "e2e-admin-password-0123456789"
 MAX_TOKENS = 1500  # 20 s of generation at ~70 tokens/s, far more on a busy machine
-
-
-def write_config(root: Path, *, llama_server: Path, cache: Path) -> tuple[Path, int, int]:
-    gateway, admin = free_port(), free_port()
-    document = {
-        "proxy": {
-            "http_bind_port": gateway,
-            "admin": {"enabled": True, "port": admin, "password": PASSWORD},
-            "model_host": {
-                "shutdown_deadline_ms": 5000,
-                "cache": {"directory": str(cache)},
-                "engines": {"llama_cpp": {"path": str(llama_server)}},
-                "deployments": {
-                    "gemma": {
-                        "model": "gemma-3-270m",
-                        "variant": "q4_k_m",
-                        "warm": True,
-                        "max_context": 2048,
-                        "max_concurrency": 1,
-                    }
-                },
-            },
-        },
-        "origins": {
-            "localhost": {
-                "action": {
-                    "type": "ai_proxy",
-                    "providers": [
-                        {
-                            "name": "local",
-                            "provider_type": "managed_model",
-                            "deployment": "gemma",
-                            "models": ["gemma"],
-                            "default_model": "gemma",
-                        }
-                    ],
-                }
-            }
-        },
-    }
-    config = root / "sb.yml"
-    config.write_text(yaml.safe_dump(document))
-    return config, gateway, admin
-
-
-def poll(predicate: Callable[[], bool], *, timeout_s: float, what: str) -> float:
-    """Seconds until ``predicate`` held (checked every 20 ms)."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 def test_a_client_that_leaves_a_plain_completion_stops_the_real_engine(
     tmp_path: Path, llama_server: Path, gemma_cache: Path
 ) -> None:
-    config, gateway, admin = write_config(tmp_path, llama_server=llama_server, cache=gemma_cache)
+    config, gateway, admin = write_config(
+        tmp_path,
+        llama_server=llama_server,
+        cache=gemma_cache,
+        deployment="gemma",
+        model="gemma-3-270m",
+        variant="q4_k_m",
+        max_concurrency=1,
+    )
     log = tmp_path / "serve.log"
     with log.open("w") as stderr:
         process = subprocess.Popen(

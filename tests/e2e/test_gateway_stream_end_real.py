@@ -17,8 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,74 +24,28 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
 from tests.e2e.conftest import E2E_TIMEOUT_S
-from tests.model_host.engines.support import free_port
+from tests.e2e.served import PASSWORD, poll, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(E2E_TIMEOUT_S)]
 
-PASSWORD = "e2e-admin-password-0123456789"
 STREAMS = 20
 MODEL = "smollm2-135m-instruct"
-
-
-def write_config(root: Path, *, llama_server: Path, cache: Path) -> tuple[Path, int, int]:
-    gateway, admin = free_port(), free_port()
-    document = {
-        "proxy": {
-            "http_bind_port": gateway,
-            "admin": {"enabled": True, "port": admin, "password": PASSWORD},
-            "model_host": {
-                "shutdown_deadline_ms": 5000,
-                "cache": {"directory": str(cache)},
-                "engines": {"llama_cpp": {"path": str(llama_server)}},
-                "deployments": {
-                    "smol": {
-                        "model": MODEL,
-                        "variant": "q4_1",
-                        "warm": True,
-                        "max_context": 2048,
-                        "max_concurrency": 2,
-                    }
-                },
-            },
-        },
-        "origins": {
-            "localhost": {
-                "action": {
-                    "type": "ai_proxy",
-                    "providers": [
-                        {
-                            "name": "local",
-                            "provider_type": "managed_model",
-                            "deployment": "smol",
-                            "models": ["smol"],
-                            "default_model": "smol",
-                        }
-                    ],
-                }
-            }
-        },
-    }
-    config = root / "sb.yml"
-    config.write_text(yaml.safe_dump(document))
-    return config, gateway, admin
-
-
-def poll(predicate: Callable[[], bool], *, timeout_s: float, what: str) -> None:
-    """Wait until ``predicate`` holds (checked every 20 ms)."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        time.sleep(0.02)
 
 
 def test_streams_read_to_their_end_are_logged_200_and_never_as_disconnects(
     tmp_path: Path, llama_server: Path, smol_cache: Path
 ) -> None:
-    config, gateway, admin = write_config(tmp_path, llama_server=llama_server, cache=smol_cache)
+    config, gateway, admin = write_config(
+        tmp_path,
+        llama_server=llama_server,
+        cache=smol_cache,
+        deployment="smol",
+        model=MODEL,
+        variant="q4_1",
+        max_concurrency=2,
+    )
     log = tmp_path / "serve.log"
     with log.open("w") as stderr:
         process = subprocess.Popen(

@@ -83,19 +83,15 @@ def hold_blocking(path: Path, *, timeout_s: float) -> Iterator[None]:
     Raises:
         TimeoutError: the lock stayed unavailable for ``timeout_s``.
     """
-    fd = _open(path)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not _try(fd, exclusive=True):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"{path} stayed locked for {timeout_s:g} s")
-            time.sleep(_POLL_S)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with try_hold(path) as taken:
+            if taken:
+                yield
+                return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{path} stayed locked for {timeout_s:g} s")
+        time.sleep(_POLL_S)
 
 
 @contextlib.contextmanager
@@ -159,7 +155,7 @@ class HostLock:
         fd = _open(path)
         if not _try(fd, exclusive=True):
             os.close(fd)
-            holder = _read_holder(path)
+            holder = serving_host(path) or "unknown"  # "unknown": its record is being written
             raise CacheInUse(
                 f"the cache {cache_root} is already served by sbproxy pid {holder}",
                 remediation="Stop that host first, or give this one its own cache "
@@ -179,15 +175,6 @@ class HostLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-
-
-def _read_holder(path: Path) -> int | str:
-    """The pid recorded in a held host lock (``"unknown"`` while it is being written)."""
-    try:
-        pid = json.loads(path.read_text() or "{}").get("pid")
-    except (OSError, ValueError, AttributeError):
-        return "unknown"
-    return pid if isinstance(pid, int) else "unknown"
 
 
 def serving_host(path: Path) -> int | None:

@@ -15,6 +15,7 @@ from tests.model_host.engines.support import FAKE_SERVER
 
 if TYPE_CHECKING:
     from sbproxy.model_host.runtime.manager import RuntimeManager
+    from sbproxy.store import JobRecord
     from tests.model_host.runtime.host import Host
 
 
@@ -94,6 +95,17 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.close()
     return path
+
+
+async def finished(host: Host, job_id: str, timeout_s: float = 20) -> JobRecord:
+    """Poll a job the manager runs until it ends (never run it from the test: that would
+    execute it outside its command's turn)."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            job = await host.engine.get(job_id)
+            if job.terminal:
+                return job
+            await anyio.sleep(0.02)
 
 
 async def until(predicate: Any, timeout_s: float = 15) -> None:

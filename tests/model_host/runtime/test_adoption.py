@@ -8,29 +8,18 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from sbproxy.model_host.runtime.jobs import DeploymentInput, load_workflow, submit_load
 from sbproxy.model_host.runtime.state import DeploymentState
-from sbproxy.store import JobRecord, JobStatus, boot_id
+from sbproxy.store import JobStatus, boot_id
 from sbproxy.workflows import process_start_ticks
-from tests.model_host.runtime.host import Host, runtime_host
-from tests.model_host.runtime.support import converged, live_engines, until
+from tests.model_host.runtime.host import runtime_host
+from tests.model_host.runtime.support import converged, finished, live_engines, until
 
 pytestmark = pytest.mark.anyio
 
 TINY: dict[str, Any] = {"model": "tiny", "variant": "q4_k_m", "max_concurrency": 2}
-
-
-async def ended(host: Host, job_id: str, timeout_s: float = 20) -> JobRecord:
-    """Poll a job the manager runs until it ends (never run it from the test)."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            job = await host.engine.get(job_id)
-            if job.terminal:
-                return job
-            await anyio.sleep(0.05)
 
 
 async def queued_load(root: Path, deployments: dict[str, dict[str, Any]], name: str) -> str:
@@ -44,7 +33,7 @@ async def test_a_load_of_a_deployment_this_host_does_not_declare_is_cancelled(
 ) -> None:
     job_id = await queued_load(tmp_path, {"gone": TINY}, "gone")
     async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
-        job = await ended(host, job_id)
+        job = await finished(host, job_id)
         assert job.status == JobStatus.CANCELLED
         events = await host.engine.store.events(job_id)
         superseded = [e for e in events if e.type == "superseded"]
@@ -58,7 +47,7 @@ async def test_a_load_whose_deployment_definition_changed_is_not_run(tmp_path: P
     job_id = await queued_load(tmp_path, {"tiny": TINY}, "tiny")
     changed = {**TINY, "max_concurrency": 1}  # edited while the host was down
     async with runtime_host(tmp_path, deployments={"tiny": changed}) as host:
-        job = await ended(host, job_id)
+        job = await finished(host, job_id)
         assert job.status == JobStatus.CANCELLED
         events = await host.engine.store.events(job_id)
         assert any("changed since this load job" in str(e.data) for e in events)
@@ -66,7 +55,7 @@ async def test_a_load_whose_deployment_definition_changed_is_not_run(tmp_path: P
         # A load under the current definition runs as usual.
         load = await host.manager.load("tiny")
         assert load.id != job_id
-        assert (await ended(host, load.id)).status == JobStatus.SUCCEEDED
+        assert (await finished(host, load.id)).status == JobStatus.SUCCEEDED
         await converged(host)
 
 
@@ -79,7 +68,7 @@ async def test_a_queued_load_nobody_holds_is_run_by_the_host_at_once(tmp_path: P
             idempotency_key="load:tiny:retried",
             subject="deployment:tiny",
         )
-        job = await ended(host, submitted.job.id, timeout_s=15)
+        job = await finished(host, submitted.job.id, timeout_s=15)
         assert job.status == JobStatus.SUCCEEDED
         assert host.manager.slot("tiny").routable()
         await converged(host)
@@ -101,7 +90,7 @@ async def test_a_load_running_under_a_live_owner_is_never_taken(tmp_path: Path) 
             other.kill()
             other.wait()
             # Its owner is gone: the next adoption pass takes the job and finishes it here.
-            job = await ended(host, job_id)
+            job = await finished(host, job_id)
             assert (job.status, job.attempt) == (JobStatus.SUCCEEDED, 2)
             await until(lambda: host.manager.slot("tiny").routable())
             await converged(host)

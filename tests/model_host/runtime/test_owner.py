@@ -24,11 +24,17 @@ from sbproxy.model_host.runtime import slot as slot_module
 from sbproxy.model_host.runtime.admission import AdmissionRejected
 from sbproxy.model_host.runtime.manager import IllegalTransition
 from sbproxy.model_host.runtime.state import DEPLOYMENT_TRANSITIONS, DeploymentState
-from sbproxy.store import JobRecord, JobStatus, JobStore, Transaction
+from sbproxy.store import JobStatus, JobStore, Transaction
 from sbproxy.workflows import process_start_ticks
 from tests.model_host.engines.support import fake_llama_server
-from tests.model_host.runtime.host import Host, runtime_host
-from tests.model_host.runtime.support import ManualClock, converged, live_engines, until
+from tests.model_host.runtime.host import runtime_host
+from tests.model_host.runtime.support import (
+    ManualClock,
+    converged,
+    finished,
+    live_engines,
+    until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -39,17 +45,6 @@ TINY: dict[str, Any] = {
     "queue_timeout_ms": 15000,
 }
 STANDARD = PriorityClass.STANDARD
-
-
-async def finished(host: Host, job_id: str, timeout_s: float = 20) -> JobRecord:
-    """Poll a job the manager runs until it ends (never run it from here: that would
-    execute it outside its command's turn)."""
-    with anyio.fail_after(timeout_s):
-        while True:
-            job = await host.engine.get(job_id)
-            if job.terminal:
-                return job
-            await anyio.sleep(0.02)
 
 
 async def test_stop_then_load_with_a_request_in_flight_ends_ready_with_one_engine(
