@@ -42,6 +42,7 @@ from sbproxy.cli._options import (
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.config import DeploymentConfig
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
+from sbproxy.model_host.artifacts.proxies import proxy_settings
 from sbproxy.model_host.artifacts.sources import hf_endpoint
 from sbproxy.model_host.service import ModelHostService, Selection
 from sbproxy.store import JobRecord, JobStatus
@@ -237,9 +238,13 @@ def pull_command(
     (less what a partial download already holds); a full disk, there or under the job
     journal, fails with disk_full naming the path, the bytes needed and the bytes free.
 
+    Downloads go through the forward proxy in HTTPS_PROXY or HTTP_PROXY (or ALL_PROXY;
+    http://[user:password@]host:port) unless NO_PROXY lists the host.
+
     Exit status: 0 when every artifact is ready; 1 when a pull failed (its error is in the
     output); 2 for bad input (unknown model or variant, invalid config or catalog, an
-    HF_ENDPOINT with credentials: put the token in HF_TOKEN).
+    HF_ENDPOINT with credentials: put the token in HF_TOKEN; a proxy variable that cannot
+    be used: invalid_proxy).
     """
     command = "models.pull"
     if variant is not None and len(models) != 1:
@@ -248,6 +253,7 @@ def pull_command(
         fail(command, _usage("--all takes no MODEL arguments."), output_format=output_format)
     try:
         hf_endpoint()  # credentials in HF_ENDPOINT: refused before anything is written
+        proxy_settings()  # a proxy variable that cannot be used: refused the same way
     except SbproxyError as exc:
         fail(command, exc, output_format=output_format)
     host = choose_host(

@@ -38,6 +38,7 @@ from sbproxy.cli._output import (
     freeze_startup_heap,
 )
 from sbproxy.errors import SbproxyError
+from sbproxy.model_host.artifacts.proxies import proxy_settings
 from sbproxy.model_host.artifacts.sources import hf_endpoint
 from sbproxy.model_host.runtime import probe_worker
 from sbproxy.model_host.runtime.slot import free_port
@@ -190,6 +191,7 @@ def run_command(
         )
         artifact = resolve_artifact(load_builtin_catalog(), request, probe_worker()).artifact
         hf_endpoint()  # credentials in HF_ENDPOINT: refused before anything is written
+        proxy_settings()  # a proxy variable that cannot be used: refused the same way
     except SbproxyError as exc:
         fail("run", exc, output_format="text", exit_code=EXIT_INVALID)
     public = name or model

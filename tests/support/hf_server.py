@@ -6,7 +6,8 @@ content, as the Hub reports for LFS files), ``Content-Length``, ``Accept-Ranges:
 ``X-Repo-Commit``; ``Range: bytes=N-`` / ``bytes=N-M`` answered with 206 and ``Content-Range``;
 ``If-Range`` with another ETag answered with the full 200; a start at or past the end answered
 with 416 and ``Content-Range: bytes */size``. Anything else is a 404 with a JSON body.
-Connections are HTTP/1.1 keep-alive.
+Connections are HTTP/1.1 keep-alive; with ``tls=`` (a server-side :class:`ssl.SSLContext`,
+e.g. from a ``trustme`` CA) the mirror speaks HTTPS and :attr:`HfMirror.url` is ``https://``.
 
 Each :class:`FileEntry` carries fault knobs (see its docstring) that tests set by keyword in
 :meth:`HfMirror.add_file` or as attributes later; every request is recorded in
@@ -36,6 +37,7 @@ import json
 import re
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -149,6 +151,9 @@ class RecordedRequest:
         range_start: The first byte asked for by ``Range: bytes=N-...``, else ``None``.
         if_range: The ``If-Range`` header, if any.
         authorization: The ``Authorization`` header value, if any.
+        proxy_authorization: The ``Proxy-Authorization`` header value, if any (a proxy's
+            credentials must never reach the origin).
+        host: The ``Host`` header, if any.
         status: The response status (0 until the headers are decided).
         body_bytes: Body bytes handed to the socket so far.
     """
@@ -160,6 +165,8 @@ class RecordedRequest:
     range_start: int | None
     if_range: str | None
     authorization: str | None
+    proxy_authorization: str | None = None
+    host: str | None = None
     status: int = 0
     body_bytes: int = 0
 
@@ -174,10 +181,13 @@ class HfMirror:
 
     Args:
         port: The port to bind (0: any free port).
+        tls: A server-side TLS context: serve HTTPS (the handshake runs on the connection's
+            own thread).
     """
 
-    def __init__(self, *, port: int = 0) -> None:
+    def __init__(self, *, port: int = 0, tls: ssl.SSLContext | None = None) -> None:
         self._port = port
+        self._tls = tls
         self._lock = threading.Lock()
         self._files: dict[tuple[str, str, str], FileEntry] = {}
         self._requests: list[RecordedRequest] = []
@@ -192,7 +202,7 @@ class HfMirror:
         if self._server is not None:
             return self
         self._stopping.clear()
-        server = _Server(("127.0.0.1", self._port), self)
+        server = _Server(("127.0.0.1", self._port), self, tls=self._tls)
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever,
@@ -237,8 +247,9 @@ class HfMirror:
 
     @property
     def url(self) -> str:
-        """The endpoint, e.g. ``http://127.0.0.1:41234`` (what ``HF_ENDPOINT`` is set to)."""
-        return f"http://127.0.0.1:{self.port}"
+        """The endpoint, e.g. ``http://127.0.0.1:41234`` (what ``HF_ENDPOINT`` is set to);
+        ``https://`` with ``tls``."""
+        return f"{'https' if self._tls is not None else 'http'}://127.0.0.1:{self.port}"
 
     # -- files -----------------------------------------------------------------------------
 
@@ -458,11 +469,23 @@ def _sha256_file(path: Path) -> str:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], mirror: HfMirror) -> None:
+    def __init__(
+        self, address: tuple[str, int], mirror: HfMirror, *, tls: ssl.SSLContext | None
+    ) -> None:
         super().__init__(address, _Handler)
         self.mirror = mirror
+        self.tls = tls
         self._open: set[socket.socket] = set()
         self._open_changed = threading.Condition()
+
+    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
+        connection, address = super().get_request()
+        if self.tls is not None:
+            # The handshake waits for the handler's thread: a slow client stalls no accept.
+            connection = self.tls.wrap_socket(
+                connection, server_side=True, do_handshake_on_connect=False
+            )
+        return connection, address
 
     def track(self, connection: socket.socket) -> None:
         with self._open_changed:
@@ -495,6 +518,16 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self._server.track(self.connection)
+        self._handshake_failed = False
+        if isinstance(self.connection, ssl.SSLSocket):
+            try:
+                self.connection.do_handshake()
+            except OSError:  # the client refused the certificate, or went away
+                self._handshake_failed = True
+
+    def handle(self) -> None:
+        if not self._handshake_failed:
+            super().handle()
 
     def finish(self) -> None:
         try:
@@ -527,6 +560,8 @@ class _Handler(BaseHTTPRequestHandler):
             range_start=int(start_match.group(1)) if start_match else None,
             if_range=self.headers.get("If-Range"),
             authorization=self.headers.get("Authorization"),
+            proxy_authorization=self.headers.get("Proxy-Authorization"),
+            host=self.headers.get("Host"),
         )
         mirror._record(record)
         entry = mirror._lookup(route)

@@ -25,6 +25,12 @@ Resume rules (reference section 5, "HTTP resume"):
   (once).
 * Redirects are followed by hand (at most 10); the bearer token is dropped on any hop to
   another origin (HF redirects file bodies to a CDN).
+* Each hop goes through the forward proxy the environment names for its URL (``HTTPS_PROXY``,
+  ``HTTP_PROXY``, ``ALL_PROXY``, unless ``NO_PROXY`` matches its host:
+  :mod:`sbproxy.model_host.artifacts.proxies`): an ``https://`` hop through a ``CONNECT``
+  tunnel (``HTTPSConnection.set_tunnel``; TLS and the certificate check stay end to end), an
+  ``http://`` hop as an absolute-form request. The proxy's credentials go to the proxy only
+  (``Proxy-Authorization``); the bearer token follows the same-origin rule as without one.
 * A full file system is ``disk_full`` naming the partial, the bytes still needed and the
   bytes free; the partial is kept, less the last MiB, which is given back so that the job
   journal (usually on the same file system) can record the failure
@@ -63,6 +69,7 @@ import anyio
 import anyio.to_thread
 from blake3 import blake3
 
+from sbproxy.errors import JsonScalar
 from sbproxy.model_host.artifacts._sink import PartialSink
 from sbproxy.model_host.artifacts.errors import (
     DigestMismatch,
@@ -70,6 +77,13 @@ from sbproxy.model_host.artifacts.errors import (
     HttpStatusError,
     SizeMismatch,
     TransportError,
+)
+from sbproxy.model_host.artifacts.proxies import (
+    Proxy,
+    ProxySettings,
+    proxy_settings,
+    refused,
+    tunnel_status,
 )
 from sbproxy.model_host.artifacts.sources import same_origin
 from sbproxy.model_host.artifacts.space import (
@@ -100,10 +114,11 @@ STATE_SCHEMA_VERSION = 1
 _NETWORK_ERRORS = (OSError, http.client.HTTPException)
 
 
-def unreachable(url: str, exc: BaseException) -> TransportError:
-    """The error for a GET of ``url`` that never got an answer: it names the host, why
-    (the name did not resolve, the connection was refused or timed out) and what to do.
-    Retryable (``transport``): the network may come back."""
+def unreachable(url: str, exc: BaseException, *, proxy: Proxy | None = None) -> TransportError:
+    """The error for a GET of ``url`` that never got an answer: it names the host (and the
+    proxy it went through, never with credentials), why (the name did not resolve, the
+    connection was refused or timed out) and what to do. Retryable (``transport``): the
+    network may come back."""
     host = urlsplit(url).netloc or url
     if isinstance(exc, socket.gaierror):
         why = "its name does not resolve"
@@ -113,11 +128,30 @@ def unreachable(url: str, exc: BaseException) -> TransportError:
         why = "it did not answer in time"
     else:
         why = f"{type(exc).__name__}: {exc}"
+    remediation = (
+        "Check the network or HF_ENDPOINT (a mirror), use --offline with an "
+        "artifact already cached, or put the file in place with `sbproxy models import`."
+    )
+    if proxy is None:
+        return TransportError(
+            f"cannot reach {host} ({why}) for GET {url}",
+            remediation=remediation,
+            details={"host": host},
+        )
+    if isinstance(exc, ssl.SSLError | ssl.CertificateError):
+        host_is = f"{host} through the proxy {proxy.shown} from {proxy.variable}"
+    else:
+        # Only the connection to the proxy itself can be refused, time out or fail to
+        # resolve: for the host, the proxy answers with a status instead.
+        host_is = f"the proxy {proxy.shown} from {proxy.variable}"
+        remediation = (
+            f"Check that the proxy in {proxy.variable} runs and can be reached from here, or "
+            f"add {urlsplit(url).hostname} to NO_PROXY to connect directly."
+        )
     return TransportError(
-        f"cannot reach {host} ({why}) for GET {url}",
-        remediation="Check the network or HF_ENDPOINT (a mirror), use --offline with an "
-        "artifact already cached, or put the file in place with `sbproxy models import`.",
-        details={"host": host},
+        f"cannot reach {host_is} ({why}) for GET {url}",
+        remediation=remediation,
+        details={"host": host, "proxy": proxy.shown, "variable": proxy.variable},
     )
 
 
@@ -253,18 +287,23 @@ def _content_range(header: str | None) -> tuple[int | None, int | None]:
     return start, int(total) if total.isdigit() else None
 
 
-def _status_error(status: int, url: str) -> HttpStatusError:
+def _status_error(status: int, url: str, *, via: Proxy | None = None) -> HttpStatusError:
     retryable = status == 429 or status >= 500
     hint = None
     if status in (401, 403):
         hint = "The repository may be gated: export HF_TOKEN with a token that can read it."
     elif status == 404:
         hint = "Check the catalog's source, revision and file path."
+    details: dict[str, JsonScalar] = {"status": status}
+    through = ""
+    if via is not None:
+        through = f" (through the proxy {via.shown} from {via.variable})"
+        details |= {"proxy": via.shown, "variable": via.variable}
     return HttpStatusError(
-        f"GET {url} answered HTTP {status}",
+        f"GET {url}{through} answered HTTP {status}",
         retryable=retryable,
         remediation=hint,
-        details={"status": status},
+        details=details,
     )
 
 
@@ -280,8 +319,10 @@ class _Transfer:
         check_cancelled: Callable[[], None],
         read_timeout: float,
         connect_timeout: float,
+        proxies: ProxySettings,
     ) -> None:
         self.remote = remote
+        self.proxies = proxies
         self.part = part
         self.token = token
         self.durable = 0  # bytes of the partial on disk and in its resume state
@@ -291,6 +332,7 @@ class _Transfer:
         self.aborted = threading.Event()
         self._lock = threading.Lock()
         self._connection: http.client.HTTPConnection | None = None
+        self._via: Proxy | None = None  # the proxy of the last hop
 
     def abort(self) -> None:
         """Stop the transfer: shut its socket down so that a blocked read returns now."""
@@ -348,20 +390,24 @@ class _Transfer:
             "resumes from them",
         )
 
-    def _connect(self, url: str) -> http.client.HTTPConnection:
+    def _connect(self, url: str, proxy: Proxy | None) -> http.client.HTTPConnection:
+        """A connection for a GET of ``url``: to its host, or to ``proxy`` (tunnelled for
+        ``https``)."""
         parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+        if proxy is not None:
+            host, port = proxy.host, proxy.port
         connection: http.client.HTTPConnection
         if parts.scheme == "https":
             connection = http.client.HTTPSConnection(
-                parts.hostname or "",
-                parts.port,
-                timeout=self.connect_timeout,
-                context=_tls_context(),
+                host, port, timeout=self.connect_timeout, context=_tls_context()
             )
+            if proxy is not None:
+                connection.set_tunnel(
+                    parts.hostname or "", parts.port or 443, headers=proxy.headers()
+                )
         elif parts.scheme == "http":
-            connection = http.client.HTTPConnection(
-                parts.hostname or "", parts.port, timeout=self.connect_timeout
-            )
+            connection = http.client.HTTPConnection(host, port, timeout=self.connect_timeout)
         else:
             raise HttpStatusError(f"GET {url}: unsupported URL scheme {parts.scheme!r}")
         with self._lock:
@@ -381,19 +427,29 @@ class _Transfer:
             if self.token and same_origin(current, url):
                 request_headers["Authorization"] = f"Bearer {self.token}"
             parts = urlsplit(current)
+            proxy = self._via = self.proxies.for_url(current)
             target = parts.path or "/"
             if parts.query:
                 target += f"?{parts.query}"
+            if proxy is not None and parts.scheme == "http":
+                target = current  # absolute-form: the proxy forwards it
+                request_headers.update(proxy.headers())
             try:
-                connection = self._connect(current)
+                connection = self._connect(current, proxy)
                 connection.request("GET", target, headers=request_headers)
                 response = connection.getresponse()
             except _NETWORK_ERRORS as exc:
                 self._close()
-                raise unreachable(current, exc) from exc
+                tunnel = tunnel_status(exc) if proxy is not None else None
+                if proxy is not None and tunnel is not None:
+                    raise refused(proxy, current, *tunnel) from None
+                raise unreachable(current, exc, proxy=proxy) from exc
             except BaseException:
                 self._close()
                 raise
+            if proxy is not None and response.status == 407:
+                self._close()
+                raise refused(proxy, current, response.status, response.reason)
             location = response.getheader("Location")
             if response.status in (301, 302, 303, 307, 308) and location:
                 self._close()
@@ -440,7 +496,7 @@ class _Transfer:
                     f"{remote.size}"
                 )
             return 0, hashlib.sha256(), blake3()
-        raise _status_error(status, remote.url)
+        raise _status_error(status, remote.url, via=self._via)
 
     def _attempt(self) -> DownloadResult:
         remote = self.remote
@@ -567,6 +623,7 @@ async def download_file(
     check_cancelled: Callable[[], None],
     read_timeout: float | None = None,
     connect_timeout: float = CONNECT_TIMEOUT_S,
+    proxies: ProxySettings | None = None,
 ) -> DownloadResult:
     """Download ``remote`` into ``part`` (resuming it when possible) and verify it.
 
@@ -583,14 +640,20 @@ async def download_file(
         check_cancelled: Raises to stop between blocks (called on the transfer thread).
         read_timeout: Seconds without a byte (default :func:`read_timeout_s`).
         connect_timeout: Seconds to connect.
+        proxies: The forward proxies to use (default: read from the environment now,
+            :func:`~sbproxy.model_host.artifacts.proxies.proxy_settings`).
 
     Returns:
         The verified partial's digests (ready to promote into the blob store).
 
     Raises:
+        ProxyError: ``invalid_proxy`` for a proxy variable that cannot be used (before
+            anything is fetched; the message names the variable, never its credentials).
         TransportError: ``transport`` (retryable) on connection errors, timeouts or a cut
-            stream; the partial and its state are kept for the next attempt.
-        HttpStatusError: ``http_status``; retryable for 429 and 5xx.
+            stream, also to or through a proxy (and a proxy's 5xx answer to ``CONNECT``);
+            the partial and its state are kept for the next attempt.
+        HttpStatusError: ``http_status``; retryable for 429 and 5xx; not retryable for a
+            proxy's 407 (credentials) or other 4xx answer to ``CONNECT``.
         SizeMismatch: ``size_mismatch``; the partial is discarded.
         DigestMismatch: ``digest_mismatch``; the partial is discarded.
         DiskFull: ``disk_full`` when the file system is full; the partial is kept.
@@ -603,6 +666,7 @@ async def download_file(
         check_cancelled=check_cancelled,
         read_timeout=read_timeout_s() if read_timeout is None else read_timeout,
         connect_timeout=connect_timeout,
+        proxies=proxy_settings() if proxies is None else proxies,
     )
     finished = threading.Event()
 

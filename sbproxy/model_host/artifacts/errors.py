@@ -15,6 +15,7 @@ __all__ = [
     "OfflineArtifactMissing",
     "PickleRefused",
     "PickleUnsafe",
+    "ProxyError",
     "RemovalBlocked",
     "SizeMismatch",
     "SourceError",
@@ -112,3 +113,10 @@ class DiskFull(ArtifactError):
     """
 
     default_code = "disk_full"
+
+
+class ProxyError(ArtifactError):
+    """A proxy variable (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, ``NO_PROXY``) cannot
+    be used as written (``invalid_proxy``); ``details["variable"]`` names it."""
+
+    default_code = "invalid_proxy"

@@ -13,6 +13,11 @@ Steps (idempotency key ``engine_fetch:<tag>-<infix>``):
 Archives come from ``https://github.com/ggml-org/llama.cpp/releases/download/<tag>/``;
 ``SBPROXY_LLAMA_RELEASE_BASE_URL`` points at a mirror of that directory layout instead
 (air-gapped sites, tests).
+
+The download goes through the forward proxy that ``HTTPS_PROXY``/``HTTP_PROXY``/``ALL_PROXY``
+name for the archive's URL, unless ``NO_PROXY`` matches its host, by the rules of the artifact
+downloads (:mod:`sbproxy.model_host.artifacts.proxies`; the redirects GitHub answers with go
+through the same proxy).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.artifacts.download import read_timeout_s
 from sbproxy.model_host.artifacts.errors import TransportError
+from sbproxy.model_host.artifacts.proxies import proxy_settings, refused
 from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.model_host.engines.llama_build import BuildOutput, published_build, version_of
 from sbproxy.model_host.registry import registry
@@ -80,6 +86,15 @@ async def download_archive(ctx: StepContext, request: FetchInput) -> str:
 
     Idempotency: a verified archive already in staging is kept; otherwise the file is
     rewritten from the start.
+
+    Raises:
+        ProxyError: ``invalid_proxy`` for a proxy variable that cannot be used.
+        TransportError: ``transport`` (retryable) when the host or the proxy cannot be
+            reached, or the proxy answers ``CONNECT`` with a 5xx.
+        HttpStatusError: ``http_status`` when the proxy refuses (407 or another 4xx).
+        EngineError: ``engine_provision_failed`` for a status other than 200 (retryable
+            for 429 and 5xx) or an oversized archive; ``engine_blocked`` for a digest other
+            than the pin.
     """
     layout = ctx.resource(ArtifactCache).layout
     target = _staging_archive(layout, request)
@@ -87,13 +102,18 @@ async def download_archive(ctx: StepContext, request: FetchInput) -> str:
     url = archive_url(request)
     digest = hashlib.sha256()
     received = 0
+    proxy = proxy_settings().for_url(url)
     import aiohttp  # only this step needs it: `models pull` starts without it
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=15.0, sock_read=read_timeout_s())
     try:
         async with (
             aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session,
-            session.get(url) as response,
+            session.get(
+                url,
+                proxy=proxy.shown if proxy is not None else None,
+                proxy_headers=proxy.headers() if proxy is not None else None,
+            ) as response,
         ):
             if response.status != 200:
                 retryable = response.status == 429 or response.status >= 500
@@ -113,8 +133,12 @@ async def download_archive(ctx: StepContext, request: FetchInput) -> str:
                     digest.update(block)
                     sink.write(block)
                     ctx.check_cancelled()
+    except aiohttp.ClientHttpProxyError as exc:
+        assert proxy is not None  # noqa: S101 - only a proxied GET meets a proxy's answer
+        raise refused(proxy, url, exc.status, exc.message) from None
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise TransportError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+        via = f" through the proxy {proxy.shown} (from {proxy.variable})" if proxy else ""
+        raise TransportError(f"GET {url}{via}: {type(exc).__name__}: {exc}") from exc
     if digest.hexdigest() != request.sha256:
         target.unlink(missing_ok=True)
         raise EngineError(
