@@ -72,14 +72,15 @@ class ForwardProxy:
         ]
         if self.basic_auth is not None:
             argv += ["--basic-auth", self.basic_auth]
-        self._process = subprocess.Popen(
-            argv,
-            cwd=self.directory,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=(self.directory / "proxy.stderr").open("wb"),
-            start_new_session=True,  # its workers share its process group, stopped with it
-        )
+        with (self.directory / "proxy.stderr").open("wb") as stderr:
+            self._process = subprocess.Popen(
+                argv,
+                cwd=self.directory,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,  # its workers share its process group, stopped with it
+            )
         deadline = time.monotonic() + _START_S
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
