@@ -112,9 +112,15 @@ async def download_archive(ctx: StepContext, request: FetchInput) -> str:
             session.get(
                 url,
                 proxy=proxy.shown if proxy is not None else None,
+                # aiohttp sends proxy_headers only with a CONNECT (https); a plain http GET
+                # through the proxy carries them itself (aiohttp drops them on a redirect to
+                # another origin, so an authenticating proxy then answers 407).
                 proxy_headers=proxy.headers() if proxy is not None else None,
+                headers=proxy.headers() if proxy is not None and url.startswith("http:") else None,
             ) as response,
         ):
+            if proxy is not None and response.status == 407:
+                raise refused(proxy, url, response.status, response.reason or "")
             if response.status != 200:
                 retryable = response.status == 429 or response.status >= 500
                 raise EngineError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import sys
 import tarfile
 import threading
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -20,6 +22,7 @@ from sbproxy.model_host.engines import EngineError, provision_llama_cpp
 from sbproxy.model_host.flows import registry
 from sbproxy.workflows import WorkflowEngine
 from tests.model_host.engines.support import FAKE_SERVER
+from tests.support.forward_proxy import ForwardProxy
 
 pytestmark = pytest.mark.anyio
 
@@ -105,6 +108,32 @@ async def test_a_release_not_matching_its_pin_installs_nothing(
         await provision(root, EngineConfig(version=TAG, sha256="0" * 64))
     assert info.value.code == "engine_blocked"
     assert not (root / "engines" / "llama.cpp").exists()
+
+
+async def test_a_release_is_fetched_through_the_proxy_in_http_proxy(
+    tmp_path: Path, mirror: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The archive download honours the proxy variables like the artifact downloads: a real
+    proxy (``proxy.py``) that wants a password forwards it; a wrong password fails the job
+    with the proxy's 407, and the password shows in no error."""
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    digest = release_archive(mirror)
+    password = "Rel3ase-Proxy-Pw"
+    with ForwardProxy(tmp_path / "proxy", basic_auth=f"ops:{password}") as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url_with("ops:Wrong-Pw-123"))
+        with pytest.raises(EngineError) as refused:
+            await provision(tmp_path / "cache", EngineConfig(version=TAG, sha256=digest))
+        assert refused.value.code == "http_status", refused.value.message
+        assert f"the proxy {proxy.url} from HTTP_PROXY refused GET" in refused.value.message
+        assert "Wrong-Pw-123" not in repr(refused.value.to_dict())
+
+        monkeypatch.setenv("HTTP_PROXY", proxy.url_with(f"ops:{password}"))
+        executable = await provision(  # a fresh cache: the failed job is not joined again
+            tmp_path / "cache-2", EngineConfig(version=TAG, sha256=digest, acceleration="cpu")
+        )
+        assert executable.is_file()
+        served = urlsplit(os.environ["SBPROXY_LLAMA_RELEASE_BASE_URL"]).netloc
+        proxy.wait_seen(f"GET {served}/{TAG}/llama-{TAG}-bin-")
 
 
 async def test_blocked_detection_is_an_error_with_a_remediation(
