@@ -32,12 +32,27 @@ Usage: ``python benchmarks/pull.py [--size-mib 1024 4096] [--runs 3] [--dir PATH
 from the repository root with the project's virtual environment; ``--dir`` picks the file
 system (it should be the disk a cache would live on, not tmpfs). Peak disk use is about
 three times the largest size.
+
+With ``--baseline-commit REV`` (repeatable) it compares this checkout's pull with older
+commits' instead, in one run: each commit's ``sbproxy`` package is extracted (``git
+archive``) into a temporary directory, compiled, and run by the same interpreter and virtual
+environment (``python -m sbproxy.cli models pull`` with ``PYTHONPATH``; this checkout runs the
+same way), against the same server and file. ``--pairs`` rounds (default 5) each run every
+contender once -- ``curl`` first, then the pulls in an order that rotates from round to
+round. ``--through-proxy`` adds ``current_through_proxy``: this checkout's pull with
+``HTTP_PROXY`` pointing at a real forward proxy (``proxy.py``, started for the run), so the
+proxy's own cost is in it. It prints ONE JSON object: every round's figures, and per baseline
+the per-round ratios of the current MiB/s over the baseline's (whole process, in-journal job,
+fetch step) with their median and range, and whether the median fetch ratio reaches
+``--min-ratio`` (default 0.95: within 5%).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import os
 import platform
@@ -45,9 +60,11 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +162,16 @@ def compile_package() -> None:
     )
 
 
+PROXY_VARIABLES = {
+    f"{name}_proxy" if lower else f"{name.upper()}_PROXY"
+    for name in ("http", "https", "all", "no")
+    for lower in (True, False)
+}
+
+
 def child_env(endpoint: str) -> dict[str, str]:
     dropped = {"SB_CONFIG_FILE", "SBPROXY_CACHE_DIR", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"}
+    dropped |= PROXY_VARIABLES  # direct to the loopback server unless a contender says
     env = {key: value for key, value in os.environ.items() if key not in dropped}
     env["HF_ENDPOINT"] = endpoint
     return env
@@ -162,13 +187,29 @@ def run_curl(server: Server, work: Path, size: int) -> dict[str, Any]:
     return {"seconds": elapsed}
 
 
-def run_sbproxy(server: Server, work: Path, size: int, catalog: Path) -> dict[str, Any]:
+def run_sbproxy(
+    server: Server,
+    work: Path,
+    size: int,
+    catalog: Path,
+    *,
+    tree: Path | None = None,
+    module: bool = False,
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One ``models pull`` into a fresh cache: the ``sbproxy`` script of this environment,
+    or with ``module`` (or a ``tree``: an extracted package) ``python -m sbproxy.cli``."""
     cache = work / "sbproxy-cache"
-    env = child_env(server.endpoint)
+    env = child_env(server.endpoint) | (extra_env or {})
+    launcher = [str(SBPROXY)]
+    if module or tree is not None:
+        launcher = [sys.executable, "-m", "sbproxy.cli"]
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
     began = time.perf_counter()
     done = subprocess.run(  # noqa: S603 - our own fixed argv
         [
-            str(SBPROXY),
+            *launcher,
             "models",
             "pull",
             MODEL,
@@ -180,6 +221,7 @@ def run_sbproxy(server: Server, work: Path, size: int, catalog: Path) -> dict[st
             "json",
         ],
         env=env,
+        cwd=tree or ROOT,  # `-m` puts the working directory first on sys.path
         capture_output=True,
         text=True,
         check=False,
@@ -191,7 +233,7 @@ def run_sbproxy(server: Server, work: Path, size: int, catalog: Path) -> dict[st
     assert row["verified_bytes"] == size and row["cache_hit"] is False
     shown = subprocess.run(  # noqa: S603 - our own fixed argv
         [
-            str(SBPROXY),
+            *launcher,
             "jobs",
             "show",
             row["job_id"],
@@ -201,6 +243,7 @@ def run_sbproxy(server: Server, work: Path, size: int, catalog: Path) -> dict[st
             "json",
         ],
         env=env,
+        cwd=tree or ROOT,
         capture_output=True,
         text=True,
         check=True,
@@ -313,6 +356,150 @@ def marginal(small: dict[str, Any], large: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- baselines
+
+
+def git(*args: str) -> str:
+    return subprocess.run(  # noqa: S603 - git on PATH, our arguments
+        ["git", "-C", str(ROOT), *args],  # noqa: S607
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def extract(rev: str, directory: Path) -> Path:
+    """``rev``'s ``sbproxy`` package, extracted into ``directory`` and compiled."""
+    archive = subprocess.run(  # noqa: S603 - git on PATH, our arguments
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "sbproxy"],  # noqa: S607
+        capture_output=True,
+        check=True,
+    ).stdout
+    directory.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(directory, filter="data")
+    subprocess.run(  # noqa: S603 - this interpreter, our arguments
+        [sys.executable, "-m", "compileall", "-q", str(directory / "sbproxy")], check=True
+    )
+    return directory
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {
+        "per_round": [round(v, 3) for v in values],
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
+
+
+def _through_proxy(stack: contextlib.ExitStack, work: Path) -> dict[str, str]:
+    """Start a real forward proxy (``proxy.py``) for the run: the env that uses it."""
+    sys.path.insert(0, str(ROOT))
+    from tests.support.forward_proxy import ForwardProxy
+
+    proxy = stack.enter_context(ForwardProxy(work / "forward-proxy"))
+    return {"HTTP_PROXY": proxy.url}
+
+
+def compare_commits(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--baseline-commit`` comparison (see the module docstring)."""
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    baselines = {git("rev-parse", "--short", rev): rev for rev in args.baseline_commit}
+    (size_mib,) = args.size_mib if len(args.size_mib) == 1 else (min(args.size_mib),)
+    rounds: list[dict[str, Any]] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="sbproxy-pull-bench-", dir=args.dir) as temp,
+        contextlib.ExitStack() as stack,
+    ):
+        work = Path(temp)
+        trees: dict[str, Path | None] = {"current": None}
+        for short in baselines:
+            trees[short] = extract(short, work / "trees" / short)
+        proxied = _through_proxy(stack, work) if args.through_proxy else None
+        source = work / FILENAME
+        sha256 = generate(source, size_mib)
+        size = source.stat().st_size
+        catalog = work / "catalog.yaml"
+        write_catalog(catalog, sha256=sha256, size=size)
+        server = Server(source)
+        stack.callback(server.stop)
+        contenders: dict[str, Callable[[], dict[str, Any]]] = {
+            name: partial(run_sbproxy, server, work, size, catalog, tree=tree, module=True)
+            for name, tree in trees.items()
+        }
+        if proxied is not None:
+            contenders["current_through_proxy"] = partial(
+                run_sbproxy, server, work, size, catalog, module=True, extra_env=proxied
+            )
+        names = list(contenders)
+        for index in range(args.pairs):
+            order = names[index % len(names) :] + names[: index % len(names)]
+            figures: dict[str, Any] = {"order": order, "curl": run_curl(server, work, size)}
+            for name in order:
+                figures[name] = contenders[name]()
+            for run in (figures[name] for name in ["curl", *order]):
+                run["mib_per_s"] = round(size / MIB / run["seconds"], 1)
+                for key in ("job", "fetch"):
+                    if f"{key}_s" in run:
+                        run[f"{key}_mib_per_s"] = round(size / MIB / run[f"{key}_s"], 1)
+            rounds.append(figures)
+            print(f"round {index + 1}/{args.pairs} done", file=sys.stderr, flush=True)
+
+    fields = ("mib_per_s", "job_mib_per_s", "fetch_mib_per_s")
+    against: dict[str, Any] = {}
+    for short, rev in baselines.items():
+        ratios = {
+            field: _spread([r["current"][field] / r[short][field] for r in rounds])
+            for field in fields
+        }
+        of_medians = {
+            field: round(
+                statistics.median(r["current"][field] for r in rounds)
+                / statistics.median(r[short][field] for r in rounds),
+                3,
+            )
+            for field in fields
+        }
+        against[short] = {
+            "rev": rev,
+            "current_over_baseline": ratios,
+            "median_over_median": of_medians,
+            "check": {
+                "metric": "fetch_mib_per_s",
+                "target": f">= {args.min_ratio}",
+                "median": ratios["fetch_mib_per_s"]["median"],
+                "met": ratios["fetch_mib_per_s"]["median"] >= args.min_ratio,
+            },
+        }
+    medians = {
+        name: {field: statistics.median(r[name][field] for r in rounds) for field in fields}
+        for name in names
+    }
+    medians["curl"] = {"mib_per_s": statistics.median(r["curl"]["mib_per_s"] for r in rounds)}
+    return {
+        "benchmark": "pull",
+        "mode": "baseline comparison",
+        "current": f"{head}{' + uncommitted changes' if dirty else ''}",
+        "size_bytes": size,
+        "pairs": args.pairs,
+        "url_shape": "HF resolve on 127.0.0.1 (python -m tests.support.hf_server, sendfile)",
+        "launch": "python -m sbproxy.cli models pull, PYTHONPATH=<extracted package> for a "
+        "baseline; bytecode compiled for both",
+        "ratio_meaning": "current MiB/s over baseline MiB/s, per round: above 1 is faster",
+        "against": against,
+        "medians_mib_per_s": medians,
+        "rounds": rounds,
+        "environment": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -324,9 +511,28 @@ def main() -> None:
     )
     parser.add_argument("--runs", type=int, default=3, help="runs of each contender per size")
     parser.add_argument("--dir", type=Path, default=None, help="where files are written")
+    parser.add_argument(
+        "--baseline-commit",
+        action="append",
+        default=[],
+        metavar="REV",
+        help="compare with the pull of this commit (repeatable); see the module docstring",
+    )
+    parser.add_argument("--pairs", type=int, default=5, help="rounds of the comparison")
+    parser.add_argument(
+        "--min-ratio", type=float, default=0.95, help="required median fetch MiB/s ratio"
+    )
+    parser.add_argument(
+        "--through-proxy",
+        action="store_true",
+        help="with --baseline-commit: also pull through a real forward proxy (proxy.py)",
+    )
     args = parser.parse_args()
 
     compile_package()
+    if args.baseline_commit:
+        print(json.dumps(compare_commits(args), indent=2))
+        return
     with tempfile.TemporaryDirectory(prefix="sbproxy-pull-bench-", dir=args.dir) as temp:
         sizes = [measure(Path(temp), size_mib, args.runs) for size_mib in sorted(args.size_mib)]
 
