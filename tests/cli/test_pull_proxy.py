@@ -114,3 +114,18 @@ def test_a_proxy_variable_that_cannot_be_used_exits_2_naming_it(behind: Behind) 
     assert "invalid_proxy" in done.stderr or "HTTPS_PROXY" in done.stderr
     assert PASSWORD not in done.stdout + done.stderr
     assert not behind.cache.exists() or PASSWORD.encode() not in behind.cache_bytes()
+
+
+def test_sbproxy_run_refuses_a_proxy_variable_that_cannot_be_used(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBPROXY_", "HF_"))}
+    env |= {"SBPROXY_CACHE_DIR": str(tmp_path / "cache"), "NO_PROXY": "localhost,a/b"}
+    env["HTTPS_PROXY"] = f"http://alice:{PASSWORD}@proxy.example:3128"
+    done = subprocess.run(
+        [sys.executable, "-m", "sbproxy.cli", "run", "smollm2-135m-instruct"],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "NO_PROXY entry 'a/b' is not a host name" in done.stderr
+    assert PASSWORD not in done.stdout + done.stderr
+    assert not (tmp_path / "cache").exists()

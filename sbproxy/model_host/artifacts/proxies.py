@@ -174,12 +174,12 @@ def _ip(host: str) -> IpAddress | None:
 
 
 def _hidden(value: str) -> str:
-    """``value`` with the user information of its authority replaced by ``***``."""
-    scheme, sep, rest = value.rpartition("://")
-    authority, slash, tail = rest.partition("/")
-    if "@" in authority:
-        authority = "***@" + authority.rpartition("@")[2]
-    return f"{scheme}{sep}{authority}{slash}{tail}"
+    """``value`` with everything before its last ``@`` (the user information, even with an
+    unencoded ``/`` in it) replaced by ``***``."""
+    scheme, sep, rest = value.partition("://") if "://" in value else ("", "", value)
+    if "@" in rest:
+        rest = "***@" + rest.rpartition("@")[2]
+    return f"{scheme}{sep}{rest}"
 
 
 def _invalid(variable: str, value: str, problem: str) -> ProxyError:
@@ -194,11 +194,13 @@ def _invalid(variable: str, value: str, problem: str) -> ProxyError:
 def _parse_proxy(variable: str, value: str) -> Proxy:
     """The :class:`Proxy` of one variable's value (see :func:`proxy_settings`)."""
     text = value if "://" in value else f"http://{value}"
-    authority = text.partition("://")[2].partition("/")[0]
-    userinfo = authority.rpartition("@")[0] if "@" in authority else ""
+    # A proxy URL has no path, so everything before the last "@" is user information.
+    userinfo = text.partition("://")[2].rpartition("@")[0]
     # Registered before anything can fail, so that no message can carry them.
     register_secret(userinfo)
     register_secret(unquote(userinfo.partition(":")[2]))
+    if any(c in userinfo for c in "/?#"):
+        raise _invalid(variable, value, "its user or password has an unencoded '/', '?' or '#'")
     try:
         parts = urlsplit(text)
         port = parts.port

@@ -140,6 +140,8 @@ def test_no_proxy_matching(no_proxy: str, url: str, bypassed: bool) -> None:
         ("http_proxy", f"http://user:{PASSWORD}@:3128", "names no host"),
         ("HTTP_PROXY", f"http://user:{PASSWORD}@corp:3128/proxy", "no path, query or fragment"),
         ("HTTP_PROXY", "http://user:pa%0Ass-word-1@corp:3128", "line break"),
+        ("HTTPS_PROXY", f"http://user:{PASSWORD}/x@corp:3128", "unencoded '/', '?' or '#'"),
+        ("HTTPS_PROXY", f"http://user:x/{PASSWORD}@corp:port", "unencoded '/', '?' or '#'"),
     ],
 )
 def test_a_proxy_url_that_cannot_be_used_is_invalid_proxy_naming_the_variable(
