@@ -236,7 +236,9 @@ class EngineProcess:
                 ``timeout_s``, having killed the process.
         """
         deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=2.0, verify=_tls_context()) as client:
+        # trust_env=False: an engine is on loopback; HTTP_PROXY (set for downloads) must not
+        # send its probes to a proxy, which would find no engine on its own loopback.
+        async with httpx.AsyncClient(timeout=2.0, verify=_tls_context(), trust_env=False) as client:
             while True:
                 if not self.alive():
                     await self._settle()
@@ -279,7 +281,9 @@ class EngineProcess:
         if not self.alive():
             return "stopped"
         try:
-            async with httpx.AsyncClient(timeout=timeout_s, verify=_tls_context()) as client:
+            async with httpx.AsyncClient(
+                timeout=timeout_s, verify=_tls_context(), trust_env=False
+            ) as client:
                 response = await client.get(url)
         except httpx.HTTPError:
             return "unhealthy" if self.alive() else "stopped"

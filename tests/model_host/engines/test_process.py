@@ -59,6 +59,22 @@ async def test_ready_then_clean_shutdown_leaves_nothing(tmp_path: Path) -> None:
     assert "server is listening" in (tmp_path / "logs" / "engine.log").read_text()
 
 
+async def test_probes_never_go_through_a_proxy_set_for_downloads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proxy variables are for downloads: with them pointing at nothing, an engine on
+    loopback is still probed directly."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.setenv(name, dead)
+    process, health = await start(tmp_path)
+    try:
+        await process.wait_ready(health, timeout_s=20)
+        assert await process.probe(health) == "ready"
+    finally:
+        await process.shutdown(grace_s=5)
+
+
 async def test_early_exit_reports_the_output_tail(tmp_path: Path) -> None:
     process, health = await start(tmp_path, mode="exit_at_start")
     with pytest.raises(EngineError) as info:
