@@ -7,11 +7,16 @@ default ``admin``) and ``--password`` (``SB_ADMIN_PASSWORD``; never printed). Wh
 and environment leave unset comes from a running ``sbproxy run``'s discovery file
 (:mod:`sbproxy.cli._discovery`); without one the URL defaults to ``http://127.0.0.1:9090``
 and a password is required. Connect timeout 3 s, request timeout 30 s.
+
+A loopback admin URL is always called directly: ``HTTP_PROXY``/``HTTPS_PROXY`` (which the
+artifact downloads honour) would otherwise hand the admin password to a forward proxy. Only
+an admin URL on another host follows the proxy variables, as any HTTP client would.
 """
 
 from __future__ import annotations
 
 import functools
+import ipaddress
 import sys
 import time
 import typing
@@ -103,6 +108,16 @@ def admin_options(func: F) -> F:
     return typing.cast("F", wrapped)
 
 
+def _is_loopback(url: str) -> bool:
+    host = httpx.URL(url).host
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def admin_call(
     command: str,
     method: str,
@@ -119,6 +134,7 @@ def admin_call(
             auth=auth,
             json=json_body,
             timeout=httpx.Timeout(30.0, connect=3.0),
+            trust_env=not _is_loopback(url),
         )
     except httpx.HTTPError as exc:
         fail(

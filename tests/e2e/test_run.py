@@ -144,7 +144,7 @@ def test_the_base_model_completes_text_and_refuses_a_chat(
         completed = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": model, "prompt": "The capital of France is"},
-            timeout=120,
+            timeout=300,
         )
         assert completed.status_code == 200
         body = completed.json()
