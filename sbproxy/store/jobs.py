@@ -32,7 +32,7 @@ from ulid import ULID
 
 from sbproxy.redact import redact
 from sbproxy.store.database import Database, Transaction
-from sbproxy.store.leaseclock import LeaseClock, system_lease_time
+from sbproxy.store.leaseclock import LeaseClock
 from sbproxy.store.lifecycle import (
     ACTIVE_JOB_STATUSES,
     TERMINAL_JOB_STATUSES,
@@ -201,7 +201,8 @@ class JobStore:
         clock: Source of "now" in epoch milliseconds for the timestamps people read (tests
             inject their own).
         lease_clock: Source of lease time, the only clock leases, heartbeats and recovery
-            read (tests inject their own).
+            read (tests inject their own); by default the database's
+            (:attr:`Database.lease_clock`).
     """
 
     def __init__(
@@ -209,11 +210,13 @@ class JobStore:
         database: Database,
         *,
         clock: Callable[[], int] = wall_clock_ms,
-        lease_clock: LeaseClock = system_lease_time,
+        lease_clock: LeaseClock | None = None,
     ) -> None:
         self.database = database
         self.clock = clock
-        self.lease_clock = lease_clock
+        # The database's own unless a test injects one: this boot's monotonic clock on
+        # SQLite, the server's clock on PostgreSQL.
+        self.lease_clock = database.lease_clock if lease_clock is None else lease_clock
         self.outcomes = JobOutcomes()
 
     @property
@@ -263,6 +266,8 @@ class JobStore:
         ``LIMIT`` as none).
         """
         query, params = list_jobs_query(statuses=statuses, kind=kind, subject=subject, limit=limit)
+        if limit < 0 and self.database.dialect == "postgresql":
+            params[-1] = None  # PostgreSQL reads LIMIT NULL as none (a negative one fails)
         rows = await self.database.read(lambda tx: tx.all(query, params))
         return [_job(row) for row in rows]
 
@@ -382,9 +387,14 @@ class JobStore:
             f"{kind_clause} ORDER BY created_at_ms, id LIMIT 1"
         )
 
+        # PostgreSQL: hosts claim side by side; each takes the oldest row no other claim
+        # holds locked (SQLite serialises writers, so the plain read is enough there).
+        oldest_pg = f"{oldest} FOR UPDATE SKIP LOCKED"
+
         def work(tx: Transaction) -> JobRecord | None:
             now = self.clock()
-            target = job_id if job_id is not None else tx.scalar(oldest, kind_params)
+            pick = oldest_pg if tx.dialect == "postgresql" else oldest
+            target = job_id if job_id is not None else tx.scalar(pick, kind_params)
             if target is None:
                 return None
             # Read inside the write lock: every lease stamped before is already committed, so
@@ -675,6 +685,9 @@ class JobStore:
 
         def work(tx: Transaction) -> JobRecord | None:
             now = self.clock()
+            # A savepoint around the statement that may meet the key index: PostgreSQL
+            # aborts the whole transaction on a violation unless it is rolled back to one.
+            tx.execute("SAVEPOINT retry_key")
             try:
                 changed = tx.execute(
                     "UPDATE jobs SET status = 'queued', error_code = NULL,"
@@ -684,7 +697,9 @@ class JobStore:
                     {"now": now, "id": job_id},
                 ).rowcount
             except sqlite3.IntegrityError:
+                tx.execute("ROLLBACK TO retry_key")
                 changed = 0
+            tx.execute("RELEASE retry_key")
             if changed == 1:
                 _event(tx, job_id, "status", {"status": "queued", "reason": "retry"}, now)
             row = tx.one(_JOB_BY_ID, {"id": job_id})
@@ -901,7 +916,7 @@ _BEGIN_STEP = (
     " SELECT id, :seq, :name, 'running', 1, :now FROM jobs"
     f" WHERE id = :id AND {_FENCE} AND cancel_requested = 0"
     " ON CONFLICT (job_id, seq) DO UPDATE SET status = 'running',"
-    " attempts = attempts + 1, error_code = NULL, error_message = NULL,"
+    " attempts = steps.attempts + 1, error_code = NULL, error_message = NULL,"
     " ended_at_ms = NULL"
     " RETURNING *"
 )
