@@ -88,7 +88,6 @@ class PostgresServer:
         self.socket_dir.mkdir(parents=True, exist_ok=True)
         if self._as_root:
             entry = pwd.getpwnam(SERVICE_USER)
-            os.chmod(self.root, 0o755)  # noqa: PTH101 - the service user must reach it
             for path in (self.root, self.socket_dir):
                 os.chown(path, entry.pw_uid, entry.pw_gid)
         if not self.data_dir.exists():
