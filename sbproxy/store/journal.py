@@ -177,17 +177,19 @@ class JobJournal(Protocol):
     async def detach_key(self, job_id: str) -> None: ...
 
 
-async def open_journal(path: Path, *, synchronous: Synchronous = "FULL") -> JobStore:
-    """Open the journal at ``path`` (creating it and migrating its schema): the SQLite
-    backend, the only one so far.
+async def open_journal(path: Path | str, *, synchronous: Synchronous = "FULL") -> JobStore:
+    """Open the journal at ``path`` (creating it and migrating its schema).
 
     Args:
-        path: The journal file (``<cache root>/jobs/journal.db``).
+        path: The SQLite journal file (``<cache root>/jobs/journal.db``), or a
+            ``postgresql://`` URL (``proxy.model_host.journal.url``): the same store over
+            PostgreSQL (``postgres.py``).
         synchronous: ``FULL`` (every commit durable on power loss) or ``NORMAL`` (for
             benchmarks).
 
     Raises:
         StoreError: as :meth:`Database.open` (``store_failed``, ``disk_full``,
-            ``invalid_cache_dir``, ``store_version_mismatch``).
+            ``invalid_cache_dir``, ``store_version_mismatch``; on PostgreSQL
+            ``journal_unavailable`` and ``journal_schema_newer``).
     """
     return JobStore(await Database.open(path, synchronous=synchronous))
