@@ -308,10 +308,15 @@ class PgConnection:
         else:
             connection = self._connection or self._live()
         try:
-            with connection.cursor() as cursor:
-                cursor.execute(text, _params(params))
-                rows = cursor.fetchall() if cursor.description is not None else []
-                result = _Cursor(cursor.rowcount, rows)
+            try:
+                result = _run(connection, text, params)
+            except psycopg.OperationalError:
+                # A connection the server dropped while idle says so only when used: a
+                # BEGIN changes nothing, so it is run again on a fresh connection.
+                if not text.startswith("BEGIN") or not connection.broken:
+                    raise
+                connection = self._live()
+                result = _run(connection, text, params)
         except psycopg.IntegrityError as exc:
             raise ConstraintViolation(str(exc)) from exc
         except psycopg.OperationalError as exc:
@@ -348,6 +353,13 @@ class PgConnection:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
+
+
+def _run(connection: psycopg.Connection[Any], text: str, params: Any) -> _Cursor:
+    with connection.cursor() as cursor:
+        cursor.execute(text, _params(params))
+        rows = cursor.fetchall() if cursor.description is not None else []
+        return _Cursor(cursor.rowcount, rows)
 
 
 def _params(params: Any) -> Any:
