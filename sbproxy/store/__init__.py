@@ -37,7 +37,7 @@ from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord,
 # (``store.readonly``) never pays for them.
 _LAZY = {
     "sbproxy.store.database": ("Database", "StoreError", "Synchronous", "Transaction"),
-    "sbproxy.store.journal": ("JobJournal", "open_journal"),
+    "sbproxy.store.journal": ("ENV_JOURNAL_URL", "JobJournal", "journal_location", "open_journal"),
     "sbproxy.store.jobs": (
         "RECOVERY_EXHAUSTED",
         "JobStore",
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
         StepRefusal,
         SubmitOutcome,
     )
-    from sbproxy.store.journal import JobJournal, open_journal
+    from sbproxy.store.journal import ENV_JOURNAL_URL, JobJournal, journal_location, open_journal
     from sbproxy.store.runtime import CommittedRevision, RuntimeStore
     from sbproxy.store.usage import HOUR_MS, UsageDelta, UsageStore, UsageTotals
 else:
@@ -66,6 +66,7 @@ else:
 __all__ = [
     "ACTIVE_JOB_STATUSES",
     "DURATION_BUCKETS_S",
+    "ENV_JOURNAL_URL",
     "HOUR_MS",
     "JOB_TRANSITIONS",
     "RECOVERY_EXHAUSTED",
@@ -99,6 +100,7 @@ __all__ = [
     "UsageStore",
     "UsageTotals",
     "boot_id",
+    "journal_location",
     "open_journal",
     "system_lease_time",
     "wall_clock_ms",

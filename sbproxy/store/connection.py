@@ -131,13 +131,15 @@ class Transaction:
         """
         for hook in self._hooks:
             hook(sql)
-        return self._connection.execute(sql, params)
+        cursor: sqlite3.Cursor = self._connection.execute(sql, params)
+        return cursor
 
     def executemany(self, sql: str, rows: Iterable[Params]) -> sqlite3.Cursor:
         """Run one statement once per parameter set in ``rows``."""
         for hook in self._hooks:
             hook(sql)
-        return self._connection.executemany(sql, rows)
+        cursor: sqlite3.Cursor = self._connection.executemany(sql, rows)
+        return cursor
 
     def all(self, sql: str, params: Params = ()) -> list[sqlite3.Row]:
         """Every row the statement returns (rows index by position and by column name)."""

@@ -367,7 +367,7 @@ class Database:
             raise
         return database
 
-    def _driver_error(self, exc: BaseException) -> StoreError | None:
+    def _driver_error(self, exc: BaseException) -> SbproxyError | None:
         """Our error for a driver error met in a transaction, or ``None`` to let it pass."""
         if self.postgres is not None:
             if isinstance(exc, psycopg.Error):
@@ -473,7 +473,7 @@ def _server_offset_ms(tx: Transaction) -> int:
     return now - time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1_000_000
 
 
-def _pg_error(exc: BaseException, target: PgTarget) -> StoreError:
+def _pg_error(exc: BaseException, target: PgTarget) -> SbproxyError:
     """Our error for a psycopg error on the journal at ``target`` (no secrets in it)."""
     if isinstance(exc, psycopg.OperationalError):
         return target.unavailable(exc)

@@ -176,7 +176,7 @@ class PgRow(tuple[Any, ...]):
 
     _index: Mapping[str, int]
 
-    def __getitem__(self, key: Any) -> Any:  # type: ignore[override]
+    def __getitem__(self, key: Any) -> Any:
         if isinstance(key, str):
             return tuple.__getitem__(self, self._index[key])
         return tuple.__getitem__(self, key)
@@ -286,8 +286,12 @@ class PgConnection:
             sleep=time.sleep,
             reraise=True,
         )(self._connect_now)
-        assert self._connection is not None  # noqa: S101 - _connect_now set it
-        return self._connection
+        return self._opened()
+
+    def _opened(self) -> psycopg.Connection[Any]:
+        connection = self._connection
+        assert connection is not None  # noqa: S101 - _connect_now set it
+        return connection
 
     @property
     def in_transaction(self) -> bool:
