@@ -157,6 +157,15 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "ALTER TABLE jobs ADD COLUMN recoveries INTEGER NOT NULL DEFAULT 0",
         ),
     ),
+    (
+        6,
+        "the node each job belongs to",
+        (
+            # The node (``node.py``) that submitted the job: only it claims the job, and only
+            # it recovers the job from a dead runner. NULL (jobs from before): any node.
+            "ALTER TABLE jobs ADD COLUMN node TEXT",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -43,6 +43,8 @@ class JobRow(SQLModel, table=True):
     # Recoveries since a step last completed (migration 5); reset by a completed step and by
     # an operator's retry.
     recoveries: int = 0
+    # The node that submitted the job (migration 6); NULL: any node.
+    node: str | None = None
 
 
 class StepRow(SQLModel, table=True):
