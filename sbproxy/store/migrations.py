@@ -166,6 +166,21 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "ALTER TABLE jobs ADD COLUMN node TEXT",
         ),
     ),
+    (
+        7,
+        "admin_managed revision documents of hosts sharing the journal",
+        (
+            # One row per revision; the primary key is the compare-and-set (``revisions.py``).
+            # Used on PostgreSQL; on SQLite the revision store stays a file beside sb.yml.
+            """
+            CREATE TABLE desired_revisions (
+                revision INTEGER NOT NULL PRIMARY KEY,
+                document TEXT NOT NULL,
+                committed_at_ms INTEGER NOT NULL
+            )
+            """,
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from sqlmodel import Field, SQLModel
 
-__all__ = ["EventRow", "GenerationRow", "JobRow", "RevisionRow", "StepRow", "UsageRow"]
+__all__ = [
+    "DesiredRevisionRow",
+    "EventRow",
+    "GenerationRow",
+    "JobRow",
+    "RevisionRow",
+    "StepRow",
+    "UsageRow",
+]
 
 
 class JobRow(SQLModel, table=True):
@@ -94,6 +102,16 @@ class RevisionRow(SQLModel, table=True):
     revision: int | None = Field(default=None, primary_key=True)
     content_digest: str
     desired_json: str
+    committed_at_ms: int
+
+
+class DesiredRevisionRow(SQLModel, table=True):
+    """One ``admin_managed`` revision document of hosts sharing a PostgreSQL journal."""
+
+    __tablename__ = "desired_revisions"
+
+    revision: int = Field(primary_key=True)
+    document: str
     committed_at_ms: int
 
 

@@ -18,6 +18,7 @@ from sbproxy.errors import SbproxyError
 from sbproxy.store import Database, ErrorInfo, JobStatus, JobStore, LeaseTime, StoreError
 from sbproxy.store.migrations import SCHEMA_VERSION
 from sbproxy.store.tables import (
+    DesiredRevisionRow,
     EventRow,
     GenerationRow,
     JobRow,
@@ -69,7 +70,15 @@ async def test_migrations_are_idempotent_and_match_the_mappings(tmp_path: Path) 
     with sqlite3.connect(path) as raw:
         applied = raw.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0]
         assert applied == SCHEMA_VERSION
-        for row_type in (JobRow, StepRow, EventRow, GenerationRow, RevisionRow, UsageRow):
+        for row_type in (
+            JobRow,
+            StepRow,
+            EventRow,
+            GenerationRow,
+            RevisionRow,
+            UsageRow,
+            DesiredRevisionRow,
+        ):
             table = SQLModel.metadata.tables[str(row_type.__tablename__)]
             columns = {r[1] for r in raw.execute(f"PRAGMA table_info({table.name})")}
             assert columns == {c.name for c in table.columns}, table.name
@@ -344,7 +353,15 @@ async def test_postgres_schema_matches_the_mappings(
     name = journal_location.rsplit("/", 1)[1]
     applied = postgres_server.psql("SELECT COUNT(*) FROM schema_migrations", name)
     assert int(applied) == SCHEMA_VERSION
-    for row_type in (JobRow, StepRow, EventRow, GenerationRow, RevisionRow, UsageRow):
+    for row_type in (
+        JobRow,
+        StepRow,
+        EventRow,
+        GenerationRow,
+        RevisionRow,
+        UsageRow,
+        DesiredRevisionRow,
+    ):
         table = SQLModel.metadata.tables[str(row_type.__tablename__)]
         listed = postgres_server.psql(
             "SELECT column_name || ':' || data_type FROM information_schema.columns"  # noqa: S608 - a fixed table name
