@@ -28,6 +28,7 @@ from sbproxy.store.lifecycle import (
     JobStatus,
     StepStatus,
 )
+from sbproxy.store.location import ENV_JOURNAL_URL, journal_display, journal_location
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
 from sbproxy.store.readonly import JournalReader, ReaderDeclined
 from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
@@ -37,7 +38,7 @@ from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord,
 # (``store.readonly``) never pays for them.
 _LAZY = {
     "sbproxy.store.database": ("Database", "StoreError", "Synchronous", "Transaction"),
-    "sbproxy.store.journal": ("ENV_JOURNAL_URL", "JobJournal", "journal_location", "open_journal"),
+    "sbproxy.store.journal": ("JobJournal", "open_journal"),
     "sbproxy.store.jobs": (
         "RECOVERY_EXHAUSTED",
         "JobStore",
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
         StepRefusal,
         SubmitOutcome,
     )
-    from sbproxy.store.journal import ENV_JOURNAL_URL, JobJournal, journal_location, open_journal
+    from sbproxy.store.journal import JobJournal, open_journal
     from sbproxy.store.runtime import CommittedRevision, RuntimeStore
     from sbproxy.store.usage import HOUR_MS, UsageDelta, UsageStore, UsageTotals
 else:
@@ -100,6 +101,7 @@ __all__ = [
     "UsageStore",
     "UsageTotals",
     "boot_id",
+    "journal_display",
     "journal_location",
     "open_journal",
     "system_lease_time",

@@ -27,7 +27,6 @@ keep (``docs/durable-jobs.md``):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,20 +46,7 @@ from sbproxy.store.leaseclock import LeaseClock
 from sbproxy.store.lifecycle import JobStatus
 from sbproxy.store.outcomes import JobOutcomes, WriteTallies
 
-__all__ = ["ENV_JOURNAL_URL", "JobJournal", "journal_location", "open_journal"]
-
-# The PostgreSQL journal of the CLI's verbs (``sbproxy models pull``, ``sbproxy engines
-# build`` ...) when no ``proxy.model_host.journal`` is configured.
-ENV_JOURNAL_URL = "SBPROXY_JOURNAL_URL"
-
-
-def journal_location(sqlite_file: Path, configured_url: str | None = None) -> Path | str:
-    """Where this process's journal is: ``configured_url`` (``proxy.model_host.journal.url``),
-    else ``$SBPROXY_JOURNAL_URL``, else the SQLite file in the cache (``sqlite_file``)."""
-    if configured_url:
-        return configured_url
-    from_env = os.environ.get(ENV_JOURNAL_URL, "").strip()
-    return from_env or sqlite_file
+__all__ = ["JobJournal", "open_journal"]
 
 
 class JobJournal(Protocol):

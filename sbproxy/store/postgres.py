@@ -156,8 +156,8 @@ class PgTarget:
             reason = f": {_without_secrets(first, self.conninfo)}"
         return JournalUnavailable(
             f"the job journal's PostgreSQL server {self.address} is unavailable{reason}",
-            remediation="Check that the server runs and is reachable; serving continues, "
-            "and this host reconnects by itself. Retry the request then.",
+            remediation="Check that the server runs and is reachable (`sbproxy doctor` shows "
+            "the journal); a serving host keeps serving and reconnects by itself. Retry then.",
             details={"host": self.host, "port": self.port, "dbname": self.dbname},
         )
 
