@@ -20,7 +20,7 @@ import time
 from sbproxy.store.database import Database, StoreError, Transaction
 from sbproxy.store.postgres import MIGRATION_LOCK_KEY
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "ddl", "migrate"]
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "apply_pending", "ddl", "migrate"]
 
 _AUTO_KEY = re.compile(r"\bINTEGER PRIMARY KEY( AUTOINCREMENT)?(?=\s*[,)]|\s*$)")
 _INTEGER = re.compile(r"\bINTEGER\b")
@@ -231,6 +231,13 @@ def _apply(transaction: Transaction) -> None:
             " VALUES (:v, :d, :t)",
             {"v": version, "d": description, "t": int(time.time() * 1000)},
         )
+
+
+def apply_pending(transaction: Transaction) -> None:
+    """Apply the pending migrations in ``transaction`` (the caller begins and commits it):
+    for a process that needs the schema before it opens the journal (the shared revision
+    store read at start). Raises as :func:`migrate`."""
+    _apply(transaction)
 
 
 async def migrate(database: Database) -> None:

@@ -16,7 +16,9 @@ from typing import Any
 
 import psycopg
 
-from sbproxy.store.postgres import PgTarget
+from sbproxy.store.connection import Transaction
+from sbproxy.store.migrations import apply_pending
+from sbproxy.store.postgres import PgConnection, PgTarget
 
 __all__ = ["SharedRevisions"]
 
@@ -38,6 +40,27 @@ class SharedRevisions:
 
     def __init__(self, url: str) -> None:
         self.target = PgTarget.parse(url)
+        self._migrated = False
+
+    def _ensure_schema(self) -> None:
+        """Run the journal's migrations once (this store is read at start, before the host
+        opens its journal); a no-op on an up-to-date journal.
+
+        Raises:
+            StoreError: ``journal_schema_newer``; JournalUnavailable.
+        """
+        if self._migrated:
+            return
+        connection = PgConnection(self.target, read_only=False)
+        try:
+            connection.execute("BEGIN")
+            apply_pending(Transaction(connection, ()))
+            connection.execute("COMMIT")
+        finally:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            connection.close()
+        self._migrated = True
 
     @property
     def location(self) -> str:
@@ -56,6 +79,7 @@ class SharedRevisions:
         Raises:
             JournalUnavailable: ``journal_unavailable`` when the server cannot be reached.
         """
+        self._ensure_schema()
         try:
             with self._connect() as connection:
                 row = connection.execute(_LATEST).fetchone()
@@ -73,6 +97,7 @@ class SharedRevisions:
         Raises:
             JournalUnavailable: ``journal_unavailable`` when the server cannot be reached.
         """
+        self._ensure_schema()
         try:
             with self._connect() as connection:
                 written = connection.execute(
