@@ -43,21 +43,23 @@ async def test_serving_goes_on_while_the_journal_is_away(
     url = own_server.create_database()
     host = {"journal": {"url": url}, "cache": {"budget_gib": 1}}
     warm = {"tiny": {**TINY, "warm": True}}
-    async with served(tmp_path, deployments=warm, model_host=host) as s:
-        async with httpx.AsyncClient(auth=ADMIN, timeout=30) as admin:
-            assert (await admin.post(f"{s.admin_url}/admin/model-host/gc")).status_code == 200
-            assert (await chat(s.gateway_url)).status_code == 200  # loaded (its load job done)
+    async with (
+        served(tmp_path, deployments=warm, model_host=host) as s,
+        httpx.AsyncClient(auth=ADMIN, timeout=30) as admin,
+    ):
+        assert (await admin.post(f"{s.admin_url}/admin/model-host/gc")).status_code == 200
+        assert (await chat(s.gateway_url)).status_code == 200  # loaded (its load job done)
 
-            own_server.stop_server("fast")
-            refused = await admin.post(f"{s.admin_url}/admin/model-host/gc")
-            assert refused.status_code == 503, refused.text
-            assert refused.json()["code"] == "journal_unavailable"
-            assert f"127.0.0.1:{own_server.port}" in refused.text, refused.text
-            status = await admin.get(f"{s.admin_url}/admin/model-host/status")
-            assert status.status_code == 200
-            answer = await chat(s.gateway_url)
-            assert answer.status_code == 200, answer.text  # the loaded engine still serves
+        own_server.stop_server("fast")
+        refused = await admin.post(f"{s.admin_url}/admin/model-host/gc")
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["code"] == "journal_unavailable"
+        assert f"127.0.0.1:{own_server.port}" in refused.text, refused.text
+        status = await admin.get(f"{s.admin_url}/admin/model-host/status")
+        assert status.status_code == 200
+        answer = await chat(s.gateway_url)
+        assert answer.status_code == 200, answer.text  # the loaded engine still serves
 
-            own_server.start_server()
-            again = await admin.post(f"{s.admin_url}/admin/model-host/gc")
-            assert again.status_code == 200, again.text
+        own_server.start_server()
+        again = await admin.post(f"{s.admin_url}/admin/model-host/gc")
+        assert again.status_code == 200, again.text
