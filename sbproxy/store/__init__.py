@@ -1,11 +1,12 @@
-"""The job journal: the only package that touches the database (sqlite3, sqlmodel).
+"""The job journal: the only package that touches the database (sqlite3, psycopg, sqlmodel).
 
 ``JobJournal`` is what the workflow engine needs of a journal; ``open_journal`` opens one.
 :class:`Database` opens the SQLite file (WAL, ``synchronous=FULL``, one writer thread with
 ``BEGIN IMMEDIATE`` transactions and group commit, reader threads, migrations);
 :class:`JobStore` is the SQLite repository of jobs, steps and events, returning frozen
 records. :class:`JournalReader` reads jobs and steps through the stdlib ``sqlite3`` alone, for
-the CLI's listings.
+the CLI's listings. A ``postgresql://`` location opens the same :class:`Database` and
+:class:`JobStore` on PostgreSQL (``postgres.py``), for several hosts sharing one journal.
 """
 
 from __future__ import annotations
