@@ -179,22 +179,49 @@ class Sbproxy(Contender):
         }
 
 
+class SbproxyPostgres(Sbproxy):
+    """sbproxy's engine on a PostgreSQL journal (same workflow, same path)."""
+
+    def __init__(self, url: str, *, steps: int, directory: Path) -> None:
+        super().__init__("FULL", steps=steps, directory=directory)
+        self.name = "sbproxy_postgresql"
+        self.url = url
+
+    async def open(self) -> None:
+        self.settings = _server_settings(self.url)
+        self.engine = await WorkflowEngine.open(self.url, registry)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "contender": self.name,
+            "engine": "sbproxy.workflows.WorkflowEngine (submit + join), psycopg 3",
+            "journal": {"postgresql": self.settings},
+        }
+
+
 class Dbos(Contender):
     """DBOS Transact: a ``@DBOS.workflow()`` calling ``@DBOS.step()`` functions, on a SQLite
     system database (DBOS is a process-wide singleton: one such contender per run)."""
 
     name = "dbos"
 
-    def __init__(self, journal: str, *, steps: int, directory: Path) -> None:
+    def __init__(
+        self, journal: str, *, steps: int, directory: Path, postgres_url: str | None = None
+    ) -> None:
         super().__init__(steps=steps, directory=directory)
         self.journal = journal
         self.path = directory / "dbos.sqlite"
         self.workflow: Callable[[int], int] | None = None
+        # DBOS's production configuration: its system database on PostgreSQL.
+        self.postgres_url = postgres_url
+        if postgres_url is not None:
+            self.name = "dbos_postgresql"
 
     async def open(self) -> None:
         from dbos import DBOS, DBOSConfig
 
-        if self.journal == "wal":
+        self.settings = _server_settings(self.postgres_url) if self.postgres_url else {}
+        if self.journal == "wal" and self.postgres_url is None:
             # journal_mode is a property of the file: DBOS's connections inherit it.
             with sqlite3.connect(self.path) as connection:
                 connection.execute("PRAGMA journal_mode=WAL")
@@ -214,7 +241,7 @@ class Dbos(Contender):
 
         config: DBOSConfig = {
             "name": "sbproxy-journal-bench",
-            "system_database_url": f"sqlite:///{self.path}",
+            "system_database_url": self.postgres_url or f"sqlite:///{self.path}",
             "run_admin_server": False,
             "log_level": "WARNING",
             "console_log_level": "WARNING",
@@ -235,6 +262,13 @@ class Dbos(Contender):
         DBOS.destroy(destroy_registry=True)
 
     def describe(self) -> dict[str, Any]:
+        if self.postgres_url is not None:
+            return {
+                "contender": self.name,
+                "engine": f"DBOS Transact {importlib.metadata.version('dbos')} "
+                "(sync workflow + steps)",
+                "journal": {"postgresql": self.settings},
+            }
         return {
             "contender": self.name,
             "engine": f"DBOS Transact {importlib.metadata.version('dbos')} (sync workflow + steps)",
@@ -297,6 +331,74 @@ class RawCommits:
         self.connection.close()
 
 
+class RawPgCommits:
+    """The PostgreSQL floor: one-row committed ``INSERT`` s (autocommit, the server's
+    ``synchronous_commit``), measured in every round beside the contenders."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        self.connection = psycopg.connect(url, autocommit=True)
+        self.connection.execute("CREATE TABLE IF NOT EXISTS raw_commits (n BIGINT)")
+        self.timings: list[float] = []
+
+    def run(self, commits: int) -> None:
+        for index in range(commits):
+            started = time.perf_counter()
+            self.connection.execute("INSERT INTO raw_commits VALUES (%s)", (index,))
+            self.timings.append(time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def _server_settings(url: str) -> dict[str, Any]:
+    """The durability settings of the server at ``url`` (and its version)."""
+    import psycopg
+
+    with psycopg.connect(url) as connection:
+        shown = {
+            name: connection.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
+            for name in ("server_version", "fsync", "synchronous_commit", "wal_sync_method")
+        }
+    return shown
+
+
+class PostgresDatabases:
+    """Fresh databases for the PostgreSQL contenders: on a throw-away server started here
+    (``--postgres auto``: Debian's binaries, ``tests/support/postgres.py``), or created
+    through the given URL's server (``--postgres URL``, a role that may CREATE DATABASE)."""
+
+    def __init__(self, choice: str) -> None:
+        self.server: Any = None
+        if choice == "auto":
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from tests.support.postgres import PostgresServer, postgres_bin_dir
+
+            bin_dir = postgres_bin_dir()
+            if bin_dir is None:
+                raise SystemExit("--postgres auto: PostgreSQL's initdb is not installed")
+            self.server = PostgresServer(bin_dir)
+            self.server.start()
+        self.admin_url = choice
+        self.count = 0
+
+    def create(self) -> str:
+        if self.server is not None:
+            return str(self.server.create_database())
+        import psycopg
+
+        self.count += 1
+        name = f"sbproxy_bench_{os.getpid()}_{self.count}"
+        with psycopg.connect(self.admin_url, autocommit=True) as connection:
+            connection.execute(f"CREATE DATABASE {name}")
+        return self.admin_url.rsplit("/", 1)[0] + "/" + name
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
 def _filesystem(path: Path) -> str | None:
     """The type of the file system holding ``path`` (Linux ``/proc/mounts``), if known."""
     try:
@@ -327,7 +429,7 @@ def _split(total: int, parts: int) -> list[int]:
 
 async def _measure(
     contenders: list[Contender],
-    floors: list[RawCommits],
+    floors: list[Any],
     *,
     jobs: int,
     warmup: int,
@@ -374,6 +476,28 @@ def _comparison(sbproxy: dict[str, Any], dbos: dict[str, Any] | None) -> dict[st
     }
 
 
+def _postgres_summary(reports: dict[str, Any], floors: list[Any]) -> dict[str, Any]:
+    """sbproxy on PostgreSQL against DBOS on PostgreSQL and the one-row commit floor."""
+    sb_pg, dbos_pg = reports["sbproxy_postgresql"], reports.get("dbos_postgresql")
+    floor_pg = _summary_ms(floors[2].timings)
+    p50 = sb_pg["step_overhead_ms"]["p50"]
+    over_floor = _ratio(p50, floor_pg["p50"] if floor_pg else None)
+    over_dbos = (
+        _ratio(sb_pg["durable_steps_per_s"], dbos_pg["durable_steps_per_s"]) if dbos_pg else None
+    )
+    return {
+        "raw_commit_ms": floor_pg,
+        "sbproxy_step_p50_over_raw_commit_p50": over_floor,
+        "sbproxy_steps_per_s_over_dbos": over_dbos,
+        "targets": {
+            "steps_per_s_over_dbos_at_least": TARGET_OVER_DBOS,
+            "steps_per_s_over_dbos_met": over_dbos is not None and over_dbos >= TARGET_OVER_DBOS,
+            "step_p50_over_raw_commit_at_most": 2.0,
+            "step_p50_over_raw_commit_met": over_floor is not None and over_floor <= 2.0,
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--jobs", type=int, default=40, help="measured jobs per contender")
@@ -393,6 +517,13 @@ def main() -> None:
         help="DBOS's own SQLite setup (rollback journal), or its file switched to WAL",
     )
     parser.add_argument("--no-dbos", action="store_true", help="leave DBOS out")
+    parser.add_argument(
+        "--postgres",
+        default=None,
+        help="add the PostgreSQL contenders: 'auto' starts a throw-away server from Debian's "
+        "binaries, or a URL whose role may CREATE DATABASE; DBOS then runs on PostgreSQL, its "
+        "production configuration (one DBOS per process: its SQLite run is left out)",
+    )
     args = parser.parse_args()
     if args.jobs < 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("--jobs, --steps and --rounds must be at least 1, --warmup at least 0")
@@ -403,25 +534,40 @@ def main() -> None:
     elif importlib.util.find_spec("dbos") is None:
         dbos_skipped = "the dbos package is not installed (pip install -e '.[dev]')"
 
+    postgres = PostgresDatabases(args.postgres) if args.postgres else None
     with tempfile.TemporaryDirectory(prefix="journal-bench-", dir=args.dir) as tmp:
         root = Path(tmp)
         contenders: list[Contender] = []
         for mode in ("FULL", "NORMAL"):
             (root / mode.lower()).mkdir()
             contenders.append(Sbproxy(mode, steps=args.steps, directory=root / mode.lower()))
+        if postgres is not None:
+            contenders.append(SbproxyPostgres(postgres.create(), steps=args.steps, directory=root))
         if dbos_skipped is None:
             (root / "dbos").mkdir()
-            contenders.append(Dbos(args.dbos_journal, steps=args.steps, directory=root / "dbos"))
-        floors = [RawCommits(mode, directory=root) for mode in ("FULL", "NORMAL")]
+            contenders.append(
+                Dbos(
+                    args.dbos_journal,
+                    steps=args.steps,
+                    directory=root / "dbos",
+                    postgres_url=postgres.create() if postgres is not None else None,
+                )
+            )
+        floors: list[Any] = [RawCommits(mode, directory=root) for mode in ("FULL", "NORMAL")]
+        if postgres is not None:
+            floors.append(RawPgCommits(postgres.create()))
         try:
             anyio.run(_measure_all, contenders, floors, args.jobs, args.warmup, args.rounds)
         finally:
             for floor in floors:
                 floor.close()
+            if postgres is not None:
+                postgres.close()
         reports = {contender.name: contender.report() for contender in contenders}
 
     full, normal = reports["sbproxy"], reports["sbproxy_normal"]
     dbos = reports.get("dbos")
+    on_postgres = _postgres_summary(reports, floors) if postgres is not None else None
     report = {
         "benchmark": "journal",
         "shape": {
@@ -433,7 +579,8 @@ def main() -> None:
         },
         "contenders": reports,
         "dbos_skipped": dbos_skipped,
-        "sbproxy_over_dbos": _comparison(full, dbos),
+        "sbproxy_over_dbos": _comparison(full, dbos) if dbos else _comparison(full, None),
+        "postgresql": on_postgres,
         "full_over_normal": {
             "step_overhead_p50": _ratio(
                 full["step_overhead_ms"]["p50"], normal["step_overhead_ms"]["p50"]
@@ -462,7 +609,7 @@ def main() -> None:
 
 
 async def _measure_all(
-    contenders: list[Contender], floors: list[RawCommits], jobs: int, warmup: int, rounds: int
+    contenders: list[Contender], floors: list[Any], jobs: int, warmup: int, rounds: int
 ) -> None:
     await _measure(contenders, floors, jobs=jobs, warmup=warmup, rounds=rounds)
 

@@ -6,6 +6,9 @@ source "$(dirname "$0")/_venv.sh"
 cd "$repo_root"
 ensure_venv dev
 ensure_debian_packages faketime
+# The journal's PostgreSQL tests start a throw-away cluster from Debian's binaries
+# (tests/support/postgres.py); the system's own cluster is never used.
+ensure_debian_packages postgresql
 # The console's browser tests (tests/ui) drive Debian's chromium through Playwright.
 ensure_debian_packages chromium
 

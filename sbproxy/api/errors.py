@@ -146,6 +146,8 @@ _STATUS: Final[dict[str, int]] = {
     "insufficient_capacity": 503,
     "no_ready_replica": 503,
     "shutting_down": 503,
+    # The journal's PostgreSQL server is unreachable: serving goes on, mutations wait.
+    "journal_unavailable": 503,
     "upstream_unavailable": 502,
     "engine_timeout": 504,
     "job_not_retryable": 409,

@@ -41,7 +41,7 @@ from sbproxy.model_host.runtime.manager import (
     artifact_request,
 )
 from sbproxy.model_host.runtime.reload import admin_desired
-from sbproxy.store import RuntimeStore, open_journal
+from sbproxy.store import RuntimeStore, journal_location, open_journal
 from sbproxy.workflows import WorkflowEngine
 
 __all__ = ["ServedHost", "open_host"]
@@ -100,7 +100,12 @@ async def open_host(
     # One serving host per cache: its journal's runtime jobs and its engines have one owner.
     host_lock = HostLock.acquire(layout.locks / "host.lock", cache_root=layout.root)
     try:
-        journal = await open_journal(layout.journal)
+        configured = host_config.journal if host_config else None
+        journal = await open_journal(
+            journal_location(
+                layout.journal, configured.url.get_secret_value() if configured else None
+            )
+        )
     except BaseException:
         host_lock.release()
         raise

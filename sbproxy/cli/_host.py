@@ -58,6 +58,10 @@ INVALID_INPUT_CODES = frozenset(
         "invalid_lockfile",
         "lockfile_not_found",
         "invalid_endpoint",
+        # The configured PostgreSQL journal cannot be reached, or is newer than this
+        # sbproxy: the setting (or the server) must change before anything can start.
+        "journal_unavailable",
+        "journal_schema_newer",
     }
 )
 

@@ -29,6 +29,9 @@ INVALID_INPUT_CODES = frozenset(
         "no_job_journal",
         "job_not_retryable",
         "idempotency_key_taken",
+        # The PostgreSQL journal ($SBPROXY_JOURNAL_URL) cannot be reached or is newer.
+        "journal_unavailable",
+        "journal_schema_newer",
     }
 )
 

@@ -21,6 +21,8 @@ from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.engines import detect_llama_cpp
 from sbproxy.model_host.engines.vllm import detect_vllm
 from sbproxy.model_host.runtime import probe_devices, probe_worker
+from sbproxy.store import journal_location
+from sbproxy.store.probe import probe_journal
 
 __all__ = ["doctor_command"]
 
@@ -100,8 +102,11 @@ def _deployments(
 def doctor_command(config_path: Path | None, cache_dir: Path | None, output_format: str) -> None:
     """Report the host (CPU, memory, devices), engines, cache and each configured deployment.
 
-    Exit status: 0 when everything configured can run, 1 when a deployment has a blocker,
-    2 for an invalid configuration.
+    The journal: SQLite file or PostgreSQL ``host:port/db`` (never a password), its schema
+    version and whether it is reachable.
+
+    Exit status: 0 when everything configured can run, 1 when a deployment has a blocker or
+    the journal is unreachable or newer than this sbproxy, 2 for an invalid configuration.
     """
     command = "doctor"
     config = load_cli_config(command, config_path, output_format=output_format)
@@ -129,6 +134,10 @@ def doctor_command(config_path: Path | None, cache_dir: Path | None, output_form
         for d in probe_devices()
     ]
     deployments = _deployments(config, layout, engines) if config else []
+    configured = host_config.journal if host_config else None
+    journal = probe_journal(
+        journal_location(layout.journal, configured.url.get_secret_value() if configured else None)
+    )
     report: dict[str, Any] = {
         "host": {
             "os": platform.system(),
@@ -145,9 +154,15 @@ def doctor_command(config_path: Path | None, cache_dir: Path | None, output_form
             "exists": layout.root.exists(),
             "free_bytes": _free_bytes(layout.root),
         },
+        "journal": journal,
         "deployments": deployments,
     }
     blocked = [d for d in deployments if not d["runnable"]]
+    # A journal that cannot be reached, or that is newer than this sbproxy, stops the host.
+    journal_blocked = not journal["reachable"] or (
+        journal["schema_version"] is not None
+        and journal["schema_version"] > journal["supported_schema"]
+    )
     if output_format == "json":
         emit_json("doctor", report)
     else:
@@ -160,6 +175,12 @@ def doctor_command(config_path: Path | None, cache_dir: Path | None, output_form
         free_text = f"{free / 2**30:.1f} GiB free" if free is not None else "free space unknown"
         exists = "exists" if cache["exists"] else "not created yet"
         click.echo(f"cache: {cache['root']} ({exists}, {free_text})")
+        version = journal["schema_version"]
+        state = "reachable" if journal["reachable"] else "UNREACHABLE"
+        schema = "not created yet" if version is None else f"schema {version}"
+        click.echo(f"journal: {journal['backend']} {journal['location']} ({state}, {schema})")
+        if journal["error"]:
+            click.echo(f"  {journal['error']}")
         for row in deployments:
             mark = "ok" if row["runnable"] else "BLOCKED"
             click.echo(f"deployment {row['deployment']} ({row['model']}): {mark}")
@@ -167,5 +188,5 @@ def doctor_command(config_path: Path | None, cache_dir: Path | None, output_form
                 click.echo(f"  {blocker['code']}: {blocker['detail']}")
                 if blocker.get("remediation"):
                     click.echo(f"  to do: {blocker['remediation']}")
-    if blocked:
+    if blocked or journal_blocked:
         sys.exit(EXIT_RUNTIME)

@@ -35,6 +35,8 @@ from sbproxy.store import (
     JobStatus,
     JournalReader,
     ReaderDeclined,
+    journal_display,
+    journal_location,
     system_lease_time,
     wall_clock_ms,
 )
@@ -139,7 +141,14 @@ def list_command(
     statuses = tuple(JobStatus(state) for state in states)
     jobs: list[JobRecord] = []
     stale: dict[str, Staleness] = {}
-    if journal.is_file():
+    location = journal_location(journal)  # $SBPROXY_JOURNAL_URL: PostgreSQL
+    if location != journal:
+        from sbproxy.cli.jobs_control_cmd import list_with_engine
+
+        jobs, stale = list_with_engine(
+            command, output_format, journal, statuses=statuses, kind=kind, limit=limit
+        )
+    elif journal.is_file():
         try:
             jobs, stale = _read_listing(journal, statuses, kind, limit)
         except ReaderDeclined:
@@ -150,7 +159,7 @@ def list_command(
             )
     if output_format == "json":
         listed = [job_json(j, stale.get(j.id)) for j in jobs]
-        emit_json(command, {"journal": str(journal), "jobs": listed})
+        emit_json(command, {"journal": journal_display(location), "jobs": listed})
     elif jobs:
         for line in job_table(jobs, now_ms=wall_clock_ms(), stale=stale):
             click.echo(line)
@@ -158,4 +167,4 @@ def list_command(
         filters = [f"state {'|'.join(states)}"] if states else []
         filters += [f"kind {kind}"] if kind else []
         where = f" with {' and '.join(filters)}" if filters else ""
-        click.echo(f"no jobs{where} in {journal}")
+        click.echo(f"no jobs{where} in {journal_display(location)}")

@@ -40,7 +40,14 @@ from sbproxy.errors import SbproxyError
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.artifacts.locks import serving_host
 from sbproxy.model_host.flows import registry
-from sbproxy.store import JobRecord, JobStatus, StepRecord, StepStatus, wall_clock_ms
+from sbproxy.store import (
+    JobRecord,
+    JobStatus,
+    StepRecord,
+    StepStatus,
+    journal_location,
+    wall_clock_ms,
+)
 from sbproxy.workflows import Staleness, WorkflowEngine
 
 __all__ = [
@@ -78,6 +85,8 @@ def _require_journal(journal: Path) -> None:
     Raises:
         SbproxyError: ``no_job_journal``.
     """
+    if journal_location(journal) != journal:
+        return  # $SBPROXY_JOURNAL_URL: a PostgreSQL journal, which the server created
     if not journal.is_file():
         raise SbproxyError(
             f"no job journal at {journal}; nothing has run with this cache directory.",
@@ -91,9 +100,10 @@ def _require_journal(journal: Path) -> None:
 async def _engine(journal: Path) -> AsyncIterator[WorkflowEngine]:
     """The workflow engine over ``journal`` with what this process's workflows need: the
     artifact cache the journal belongs to (``<cache>/jobs/journal.db``), as ``models pull``
-    has it, so that a retried pull (or import, remove, gc) runs here."""
+    has it, so that a retried pull (or import, remove, gc) runs here. With
+    ``$SBPROXY_JOURNAL_URL`` set, the journal is that PostgreSQL database instead."""
     cache = ArtifactCache(CacheLayout(root=journal.parent.parent))
-    engine = await WorkflowEngine.open(journal, registry, resources=[cache])
+    engine = await WorkflowEngine.open(journal_location(journal), registry, resources=[cache])
     try:
         yield engine
     finally:

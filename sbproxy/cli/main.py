@@ -35,6 +35,10 @@ _COMMANDS = {
         "sbproxy.cli.jobs_cmd:jobs_group",
         "Inspect and control durable jobs (pull, verify, prepare, warm, drain ...).",
     ),
+    "journal": LazyCommand(
+        "sbproxy.cli.journal_cmd:journal_group",
+        "The job journal: move the SQLite journal of a cache into PostgreSQL.",
+    ),
     "models": LazyCommand(
         "sbproxy.cli.models_cmd:models_group",
         "List, inspect, pull and manage catalog models (bare `sbproxy models` lists them).",

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     Field,
+    SecretStr,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -602,6 +603,30 @@ class DeploymentConfig(ConfigModel):
         return self
 
 
+class JournalConfig(ConfigModel):
+    """``proxy.model_host.journal``: where the job journal lives when not in the cache."""
+
+    url: SecretStr = Field(
+        description="PostgreSQL URL of the shared job journal, "
+        "postgresql://user@host:port/dbname (libpq parameters such as sslmode, service, "
+        "passfile apply). The password comes from ${ENV} interpolation or a pgpass/service "
+        "file. Absent: the SQLite journal in the cache directory.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _postgres_url(cls, value: SecretStr) -> SecretStr:
+        scheme = (
+            value.get_secret_value().split("://", 1)[0] if "://" in value.get_secret_value() else ""
+        )
+        if scheme not in ("postgresql", "postgres"):
+            raise ValueError(
+                "must be a postgresql://user@host:port/dbname URL (the SQLite journal needs "
+                "no setting: leave journal out)"
+            )
+        return value
+
+
 class ModelHostConfig(ConfigModel):
     """``proxy.model_host``: the managed runtime of this node."""
 
@@ -641,6 +666,11 @@ class ModelHostConfig(ConfigModel):
         description="Rolling handoff timeout, in milliseconds.",
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Artifact cache.")
+    journal: JournalConfig | None = Field(
+        default=None,
+        description="The job journal on PostgreSQL, shared by several hosts; absent: SQLite "
+        "in the cache directory.",
+    )
     engines: EnginesConfig = Field(default_factory=EnginesConfig, description="Engine policy.")
     deployments: dict[Identifier, DeploymentConfig] = Field(
         default_factory=dict,

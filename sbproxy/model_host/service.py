@@ -58,7 +58,13 @@ from sbproxy.model_host.flows import (
     remove_workflow,
 )
 from sbproxy.model_host.runtime import probe_worker
-from sbproxy.store import ACTIVE_JOB_STATUSES, TERMINAL_JOB_STATUSES, JobRecord, JobStatus
+from sbproxy.store import (
+    ACTIVE_JOB_STATUSES,
+    TERMINAL_JOB_STATUSES,
+    JobRecord,
+    JobStatus,
+    journal_location,
+)
 from sbproxy.workflows import Staleness, WorkflowEngine, owner_is_gone
 
 __all__ = ["ArtifactJob", "ModelHostService", "PartialReport", "Selection", "open_service"]
@@ -491,7 +497,10 @@ async def open_service(
     chosen = catalog_file or (Path(host.catalog_file) if host and host.catalog_file else None)
     catalog = load_catalog(chosen)
     cache = ArtifactCache.open(layout)
-    engine = await WorkflowEngine.open(layout.journal, registry, resources=[cache])
+    url = host.journal.url.get_secret_value() if host and host.journal else None
+    engine = await WorkflowEngine.open(
+        journal_location(layout.journal, url), registry, resources=[cache]
+    )
     service = ModelHostService(layout=layout, catalog=catalog, engine=engine, config=config)
     try:
         yield service

@@ -1,11 +1,12 @@
-"""The job journal: the only package that touches the database (sqlite3, sqlmodel).
+"""The job journal: the only package that touches the database (sqlite3, psycopg, sqlmodel).
 
 ``JobJournal`` is what the workflow engine needs of a journal; ``open_journal`` opens one.
 :class:`Database` opens the SQLite file (WAL, ``synchronous=FULL``, one writer thread with
 ``BEGIN IMMEDIATE`` transactions and group commit, reader threads, migrations);
 :class:`JobStore` is the SQLite repository of jobs, steps and events, returning frozen
 records. :class:`JournalReader` reads jobs and steps through the stdlib ``sqlite3`` alone, for
-the CLI's listings.
+the CLI's listings. A ``postgresql://`` location opens the same :class:`Database` and
+:class:`JobStore` on PostgreSQL (``postgres.py``), for several hosts sharing one journal.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from sbproxy.store.lifecycle import (
     JobStatus,
     StepStatus,
 )
+from sbproxy.store.location import ENV_JOURNAL_URL, journal_display, journal_location
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
 from sbproxy.store.readonly import JournalReader, ReaderDeclined
 from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
@@ -66,6 +68,7 @@ else:
 __all__ = [
     "ACTIVE_JOB_STATUSES",
     "DURATION_BUCKETS_S",
+    "ENV_JOURNAL_URL",
     "HOUR_MS",
     "JOB_TRANSITIONS",
     "RECOVERY_EXHAUSTED",
@@ -99,6 +102,8 @@ __all__ = [
     "UsageStore",
     "UsageTotals",
     "boot_id",
+    "journal_display",
+    "journal_location",
     "open_journal",
     "system_lease_time",
     "wall_clock_ms",

@@ -39,7 +39,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
@@ -76,9 +76,34 @@ class ConnectionClosed(Exception):
     """The connection thread was closed before the request was handed to it."""
 
 
+# PostgreSQL's SQLSTATEs of a transaction that lost a race and may simply run again:
+# serialization_failure, deadlock_detected.
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+
+
 def is_locked(exc: BaseException) -> bool:
-    """Whether ``exc`` is SQLite's "database is locked" (a busy timeout elapsed)."""
+    """Whether ``exc`` is SQLite's "database is locked" (a busy timeout elapsed), or a
+    PostgreSQL transaction that lost a race (serialization failure, deadlock): either way the
+    transaction was rolled back and may run again."""
+    if getattr(exc, "sqlstate", None) in _RETRYABLE_SQLSTATES:
+        return True
     return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc).lower()
+
+
+class DriverConnection(Protocol):
+    """What the connection threads use of a driver connection: ``DriverConnection``, or
+    the PostgreSQL strategy's :class:`~sbproxy.store.postgres.PgConnection`, which answers
+    with cursors and rows shaped as ``sqlite3``'s (``rowcount``, ``fetchall``; rows by
+    position and by column name)."""
+
+    @property
+    def in_transaction(self) -> bool: ...
+
+    def execute(self, sql: str, parameters: Any = (), /) -> Any: ...
+
+    def executemany(self, sql: str, parameters: Any, /) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 class Transaction:
@@ -89,11 +114,14 @@ class Transaction:
     so fixed statement texts are parsed once per connection.
     """
 
-    __slots__ = ("_connection", "_hooks")
+    __slots__ = ("_connection", "_hooks", "dialect")
 
-    def __init__(self, connection: sqlite3.Connection, hooks: Sequence[StatementHook]) -> None:
+    def __init__(self, connection: DriverConnection, hooks: Sequence[StatementHook]) -> None:
         self._connection = connection
         self._hooks = hooks
+        # ``sqlite`` or ``postgresql``: the few statements that differ ask (a claim's
+        # ``FOR UPDATE SKIP LOCKED``).
+        self.dialect: str = getattr(connection, "dialect", "sqlite")
 
     def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
         """Run one statement; its cursor (``rowcount``: rows an UPDATE/INSERT/DELETE changed).
@@ -103,13 +131,15 @@ class Transaction:
         """
         for hook in self._hooks:
             hook(sql)
-        return self._connection.execute(sql, params)
+        cursor: sqlite3.Cursor = self._connection.execute(sql, params)
+        return cursor
 
     def executemany(self, sql: str, rows: Iterable[Params]) -> sqlite3.Cursor:
         """Run one statement once per parameter set in ``rows``."""
         for hook in self._hooks:
             hook(sql)
-        return self._connection.executemany(sql, rows)
+        cursor: sqlite3.Cursor = self._connection.executemany(sql, rows)
+        return cursor
 
     def all(self, sql: str, params: Params = ()) -> list[sqlite3.Row]:
         """Every row the statement returns (rows index by position and by column name)."""
@@ -176,7 +206,7 @@ class ConnectionThread:
         self,
         *,
         name: str,
-        connect: Callable[[], sqlite3.Connection],
+        connect: Callable[[], DriverConnection],
         hooks: Sequence[StatementHook],
         requests: queue.SimpleQueue[_Request[Any]] | None = None,
     ) -> None:
@@ -244,12 +274,12 @@ class ConnectionThread:
         ready.settle(None, None)
         self._serve(connection)
 
-    def _serve(self, connection: sqlite3.Connection) -> None:
+    def _serve(self, connection: DriverConnection) -> None:
         """Take requests until the close request (one role per subclass)."""
         raise NotImplementedError
 
     @staticmethod
-    def _stop(connection: sqlite3.Connection, request: _Request[Any]) -> None:
+    def _stop(connection: DriverConnection, request: _Request[Any]) -> None:
         try:
             connection.close()
         finally:
@@ -267,7 +297,7 @@ async def _shielded(future: asyncio.Future[T]) -> T:
 class ReaderThread(ConnectionThread):
     """Runs read closures, each in its own ``BEGIN`` ... ``ROLLBACK`` snapshot."""
 
-    def _serve(self, connection: sqlite3.Connection) -> None:
+    def _serve(self, connection: DriverConnection) -> None:
         transaction = Transaction(connection, self._hooks)
         while True:
             request = self._queue.get()
@@ -308,21 +338,21 @@ class WriterThread(ConnectionThread):
         super().__init__(**kwargs)
         self.tallies = WriteTallies()
 
-    def _begin(self, connection: sqlite3.Connection, group: Sequence[_Request[Any]]) -> None:
+    def _begin(self, connection: DriverConnection, group: Sequence[_Request[Any]]) -> None:
         """``BEGIN IMMEDIATE`` (waiting out another process's lock up to the busy timeout),
         counting how long each write of ``group`` waited for it."""
         connection.execute("BEGIN IMMEDIATE")
         began = time.perf_counter()
         self.tallies.began([began - request.queued_at for request in group])
 
-    def _commit(self, connection: sqlite3.Connection, writes: int) -> None:
+    def _commit(self, connection: DriverConnection, writes: int) -> None:
         started = time.perf_counter()
         connection.execute("COMMIT")
         self.tallies.committed(seconds=time.perf_counter() - started, writes=writes)
         self.commits += 1
         self.writes += writes
 
-    def _serve(self, connection: sqlite3.Connection) -> None:
+    def _serve(self, connection: DriverConnection) -> None:
         transaction = Transaction(connection, self._hooks)
         while True:
             first = self._queue.get()
@@ -349,7 +379,7 @@ class WriterThread(ConnectionThread):
                 return
 
     def _alone(
-        self, connection: sqlite3.Connection, transaction: Transaction, request: _Request[Any]
+        self, connection: DriverConnection, transaction: Transaction, request: _Request[Any]
     ) -> None:
         """One request, one transaction: retried while the lock outlasts the busy timeout."""
         work = request.work
@@ -369,7 +399,7 @@ class WriterThread(ConnectionThread):
         try:
             try:
                 value = attempt()
-            except sqlite3.OperationalError as exc:
+            except Exception as exc:
                 if not is_locked(exc):
                     raise
                 # The lock outlasted a whole busy timeout: tenacity runs the other attempts,
@@ -389,7 +419,7 @@ class WriterThread(ConnectionThread):
 
     def _together(
         self,
-        connection: sqlite3.Connection,
+        connection: DriverConnection,
         transaction: Transaction,
         group: list[_Request[Any]],
     ) -> None:

@@ -42,6 +42,7 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
+import psycopg
 
 from sbproxy.errors import SbproxyError
 from sbproxy.store.connection import (
@@ -53,7 +54,9 @@ from sbproxy.store.connection import (
     WriterThread,
     is_locked,
 )
+from sbproxy.store.leaseclock import LeaseClock, system_lease_time
 from sbproxy.store.outcomes import WriteTallies
+from sbproxy.store.postgres import DatabaseLeaseTime, PgConnection, PgTarget, is_postgres_url
 
 __all__ = ["Database", "StoreError", "Synchronous", "Transaction", "journal_error"]
 
@@ -230,26 +233,57 @@ class Database:
         writer: WriterThread,
         readers: list[ReaderThread],
         hooks: list[StatementHook],
+        postgres: PgTarget | None = None,
     ) -> None:
         self.path = path
         self.synchronous = synchronous
+        self.postgres = postgres
+        self._lease_clock: LeaseClock = system_lease_time
         self._writer = writer
         self._readers = readers
         self._hooks = hooks
 
+    @property
+    def lease_clock(self) -> LeaseClock:
+        """The clock leases on this journal are stamped on: this boot's ``CLOCK_MONOTONIC``
+        (``leaseclock.py``) on SQLite, the server's ``clock_timestamp()`` on PostgreSQL (one
+        clock for every host sharing it)."""
+        return self._lease_clock
+
+    @property
+    def dialect(self) -> str:
+        """``sqlite`` or ``postgresql``."""
+        return "sqlite" if self.postgres is None else "postgresql"
+
+    @property
+    def location(self) -> str:
+        """What to show of the journal: the SQLite file, or ``postgresql://user@host:port/db``
+        (never a password)."""
+        return str(self.path) if self.postgres is None else self.postgres.describe()
+
     @classmethod
-    async def open(cls, path: Path, *, synchronous: Synchronous = "FULL") -> Database:
+    async def open(cls, path: Path | str, *, synchronous: Synchronous = "FULL") -> Database:
         """Open (creating if needed) the database at ``path`` and apply pending migrations.
+
+        ``path`` is the SQLite file, or a ``postgresql://`` URL (``postgres.py``; libpq reads
+        its parameters: ``sslmode``, ``service``, ``passfile`` ...); a PostgreSQL journal
+        must exist as a database, its tables are created here. ``synchronous`` applies to
+        SQLite only (PostgreSQL keeps the server's ``synchronous_commit``).
 
         Raises:
             StoreError: ``store_failed`` when the directory cannot be created or the file is
                 not a usable SQLite database; ``disk_full`` when its file system is full;
                 ``invalid_cache_dir`` (not retryable) when the directory cannot be written
                 (read-only file system, no permission); ``store_version_mismatch`` when the
-                file is newer than this code.
+                file is newer than this code (``journal_schema_newer`` on PostgreSQL);
+                ``journal_unavailable`` when the PostgreSQL server cannot be reached.
         """
         from sbproxy.store.migrations import migrate
 
+        if isinstance(path, str):
+            if is_postgres_url(path):
+                return await cls._open_postgres(PgTarget.parse(path), synchronous)
+            path = Path(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -290,6 +324,59 @@ class Database:
             raise
         return database
 
+    @classmethod
+    async def _open_postgres(cls, target: PgTarget, synchronous: Synchronous) -> Database:
+        from sbproxy.store.migrations import migrate
+
+        hooks: list[StatementHook] = []
+        writer = WriterThread(
+            name=f"sbproxy-journal-writer:{target.address}",
+            connect=lambda: PgConnection(target, read_only=False),
+            hooks=hooks,
+        )
+        try:
+            await writer.open()
+        except psycopg.Error as exc:
+            raise _pg_error(exc, target) from exc
+        database = cls(
+            Path(target.describe()),
+            synchronous,
+            writer=writer,
+            readers=[],
+            hooks=hooks,
+            postgres=target,
+        )
+        try:
+            await migrate(database)
+            database._lease_clock = DatabaseLeaseTime(await database.write(_server_offset_ms))
+            requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            for index in range(READERS):
+                reader = ReaderThread(
+                    name=f"sbproxy-journal-reader-{index}:{target.address}",
+                    connect=lambda: PgConnection(target, read_only=True),
+                    hooks=hooks,
+                    requests=requests,
+                )
+                await reader.open()
+                database._readers.append(reader)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await database.close()
+            if isinstance(exc, psycopg.Error):
+                raise _pg_error(exc, target) from exc
+            raise
+        return database
+
+    def _driver_error(self, exc: BaseException) -> SbproxyError | None:
+        """Our error for a driver error met in a transaction, or ``None`` to let it pass."""
+        if self.postgres is not None:
+            if isinstance(exc, psycopg.Error):
+                return _pg_error(exc, self.postgres)
+            return None
+        if _driver_failure(exc):
+            return journal_error(exc, self.path)
+        return None
+
     async def close(self) -> None:
         """Finish the queued writes, then close every connection and end their threads.
 
@@ -327,14 +414,15 @@ class Database:
                 (see the module docstring); ``store_failed`` once the database is closed.
         """
         if not self._readers:
-            raise _closed_error(self.path)
+            raise _closed_error(self.location)
         try:
             return await self._readers[0].run(work)
         except ConnectionClosed as exc:
-            raise _closed_error(self.path) from exc
+            raise _closed_error(self.location) from exc
         except Exception as exc:
-            if _driver_failure(exc):
-                raise journal_error(exc, self.path) from exc
+            mapped = self._driver_error(exc)
+            if mapped is not None:
+                raise mapped from exc
             raise
 
     async def write(self, work: Callable[[Transaction], T]) -> T:
@@ -357,23 +445,47 @@ class Database:
         try:
             return await self._writer.run(work)
         except ConnectionClosed as exc:
-            raise _closed_error(self.path) from exc
+            raise _closed_error(self.location) from exc
         except Exception as exc:
             if is_locked(exc):
                 raise StoreError(
-                    f"the journal {self.path} stayed locked after {LOCK_RETRY_ATTEMPTS} attempts",
+                    f"the journal {self.location} stayed locked after {LOCK_RETRY_ATTEMPTS} "
+                    "attempts",
                     remediation="Another process holds a long write transaction; retry.",
                 ) from exc
-            if _driver_failure(exc):
-                raise journal_error(exc, self.path) from exc
+            mapped = self._driver_error(exc)
+            if mapped is not None:
+                raise mapped from exc
             raise
 
 
-def _closed_error(path: Path) -> StoreError:
+def _closed_error(location: str) -> StoreError:
     return StoreError(
-        f"the job journal {path} is closed",
+        f"the job journal {location} is closed",
         remediation="This is a bug: the journal was used after its engine closed it.",
-        details={"path": str(path)},
+        details={"path": location},
+    )
+
+
+def _server_offset_ms(tx: Transaction) -> int:
+    """The server's clock minus this host's ``CLOCK_MONOTONIC``, in ms."""
+    now = int(tx.scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"))
+    return now - time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1_000_000
+
+
+def _pg_error(exc: BaseException, target: PgTarget) -> SbproxyError:
+    """Our error for a psycopg error on the journal at ``target`` (no secrets in it)."""
+    if isinstance(exc, psycopg.OperationalError):
+        return target.unavailable(exc)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    details: dict[str, str | int | float | bool | None] = {"path": target.describe()}
+    sqlstate = getattr(exc, "sqlstate", None)
+    if isinstance(sqlstate, str):
+        details["sqlstate"] = sqlstate
+    return StoreError(
+        f"the job journal {target.describe()} failed: {first}",
+        remediation="Check the PostgreSQL server's log; `sbproxy doctor` checks the journal.",
+        details=details,
     )
 
 

@@ -32,13 +32,14 @@ from ulid import ULID
 
 from sbproxy.redact import redact
 from sbproxy.store.database import Database, Transaction
-from sbproxy.store.leaseclock import LeaseClock, system_lease_time
+from sbproxy.store.leaseclock import LeaseClock
 from sbproxy.store.lifecycle import (
     ACTIVE_JOB_STATUSES,
     TERMINAL_JOB_STATUSES,
     JobStatus,
     StepStatus,
 )
+from sbproxy.store.node import node_id
 from sbproxy.store.outcomes import JobOutcomes, WriteTallies
 from sbproxy.store.records import (
     ErrorInfo,
@@ -97,6 +98,9 @@ _FENCE = "status = 'running' AND lease_owner = :owner AND attempt = :attempt"
 _STEP_FENCE = f"EXISTS (SELECT 1 FROM jobs WHERE id = :id AND {_FENCE})"  # noqa: S608 - fixed text
 # Recovery may re-queue the job once more (``:max`` NULL: no bound).
 _MAY_RECOVER = "(:max IS NULL OR recoveries < :max)"
+# The jobs this node claims and recovers: its own, and those of no node (from before schema
+# 6). A dead node's jobs wait for it (``node.py``).
+_THIS_NODE = "(node IS NULL OR node = :node)"
 _OUT_OF_RECOVERIES = "(:max IS NOT NULL AND recoveries >= :max)"
 _RECOVERY_CAUSES = {
     "lease_expired": "its lease lapsed",
@@ -201,7 +205,10 @@ class JobStore:
         clock: Source of "now" in epoch milliseconds for the timestamps people read (tests
             inject their own).
         lease_clock: Source of lease time, the only clock leases, heartbeats and recovery
-            read (tests inject their own).
+            read (tests inject their own); by default the database's
+            (:attr:`Database.lease_clock`).
+        node: The node this store's jobs record and the only one whose jobs it claims and
+            recovers (``store.node``: ``$SBPROXY_NODE_ID`` or the host name by default).
     """
 
     def __init__(
@@ -209,11 +216,15 @@ class JobStore:
         database: Database,
         *,
         clock: Callable[[], int] = wall_clock_ms,
-        lease_clock: LeaseClock = system_lease_time,
+        lease_clock: LeaseClock | None = None,
+        node: str | None = None,
     ) -> None:
         self.database = database
+        self.node = node_id() if node is None else node
         self.clock = clock
-        self.lease_clock = lease_clock
+        # The database's own unless a test injects one: this boot's monotonic clock on
+        # SQLite, the server's clock on PostgreSQL.
+        self.lease_clock = database.lease_clock if lease_clock is None else lease_clock
         self.outcomes = JobOutcomes()
 
     @property
@@ -263,6 +274,8 @@ class JobStore:
         ``LIMIT`` as none).
         """
         query, params = list_jobs_query(statuses=statuses, kind=kind, subject=subject, limit=limit)
+        if limit < 0 and self.database.dialect == "postgresql":
+            params[-1] = None  # PostgreSQL reads LIMIT NULL as none (a negative one fails)
         rows = await self.database.read(lambda tx: tx.all(query, params))
         return [_job(row) for row in rows]
 
@@ -325,9 +338,9 @@ class JobStore:
             job_id = str(ULID())
             row = tx.one(
                 "INSERT INTO jobs (id, kind, workflow_version, subject, input_json,"
-                " idempotency_key, status, trace_context, created_at_ms, updated_at_ms)"
+                " idempotency_key, status, trace_context, created_at_ms, updated_at_ms, node)"
                 " VALUES (:id, :kind, :version, :subject, :input, :key, 'queued', :trace,"
-                " :now, :now) RETURNING *",
+                " :now, :now, :node) RETURNING *",
                 {
                     "id": job_id,
                     "kind": kind,
@@ -337,6 +350,7 @@ class JobStore:
                     "key": idempotency_key,
                     "trace": trace,
                     "now": now,
+                    "node": self.node,
                 },
             )
             assert row is not None  # noqa: S101 - an INSERT ... RETURNING returns its row
@@ -372,19 +386,24 @@ class JobStore:
             The claimed job, or ``None`` when nothing was claimable.
         """
         kind_clause = ""
-        kind_params: dict[str, Any] = {}
+        kind_params: dict[str, Any] = {"node": self.node}
         if kinds:
             names = ", ".join(f":k{i}" for i in range(len(kinds)))
             kind_clause = f" AND kind IN ({names})"
-            kind_params = {f"k{i}": k for i, k in enumerate(kinds)}
+            kind_params.update({f"k{i}": k for i, k in enumerate(kinds)})
         oldest = (
-            "SELECT id FROM jobs WHERE status = 'queued'"  # noqa: S608 - fixed text
+            f"SELECT id FROM jobs WHERE status = 'queued' AND {_THIS_NODE}"  # noqa: S608 - fixed text
             f"{kind_clause} ORDER BY created_at_ms, id LIMIT 1"
         )
 
+        # PostgreSQL: hosts claim side by side; each takes the oldest row no other claim
+        # holds locked (SQLite serialises writers, so the plain read is enough there).
+        oldest_pg = f"{oldest} FOR UPDATE SKIP LOCKED"
+
         def work(tx: Transaction) -> JobRecord | None:
             now = self.clock()
-            target = job_id if job_id is not None else tx.scalar(oldest, kind_params)
+            pick = oldest_pg if tx.dialect == "postgresql" else oldest
+            target = job_id if job_id is not None else tx.scalar(pick, kind_params)
             if target is None:
                 return None
             # Read inside the write lock: every lease stamped before is already committed, so
@@ -399,6 +418,7 @@ class JobStore:
                     "lease_ms": lease_ms,
                     "now": now,
                     "id": target,
+                    "node": self.node,
                 },
             )
             if row is None:
@@ -465,6 +485,7 @@ class JobStore:
                 "clock": lease_now.clock,
                 "lease_now": lease_now.ms,
                 "max": max_recoveries,
+                "node": self.node,
             }
             if tx.scalar(_ANY_LAPSED, params) is None:
                 return Recovered(requeued=(), exhausted=())  # the common case: a cheap read
@@ -483,7 +504,7 @@ class JobStore:
                     tx,
                     row["id"],
                     cause="lease_expired",
-                    condition=f"{_LAPSED} AND {_OUT_OF_RECOVERIES}",
+                    condition=f"{_LAPSED} AND {_OUT_OF_RECOVERIES} AND {_THIS_NODE}",
                     params=params,
                 )
                 if ended is not None:
@@ -526,7 +547,13 @@ class JobStore:
         def work(tx: Transaction) -> JobStatus | None:
             exhausted_rows.clear()
             now = self.clock()
-            params = {"now": now, "id": job_id, "owner": owner, "max": max_recoveries}
+            params = {
+                "now": now,
+                "id": job_id,
+                "owner": owner,
+                "max": max_recoveries,
+                "node": self.node,
+            }
             requeued = tx.scalar(_REQUEUE_FROM, params)
             if requeued is not None:
                 _event(
@@ -541,7 +568,7 @@ class JobStore:
                 tx,
                 job_id,
                 cause=reason,
-                condition=f"lease_owner = :owner AND {_OUT_OF_RECOVERIES}",
+                condition=f"lease_owner = :owner AND {_OUT_OF_RECOVERIES} AND {_THIS_NODE}",
                 params=params,
             )
             if row is None:
@@ -675,6 +702,9 @@ class JobStore:
 
         def work(tx: Transaction) -> JobRecord | None:
             now = self.clock()
+            # A savepoint around the statement that may meet the key index: PostgreSQL
+            # aborts the whole transaction on a violation unless it is rolled back to one.
+            tx.execute("SAVEPOINT retry_key")
             try:
                 changed = tx.execute(
                     "UPDATE jobs SET status = 'queued', error_code = NULL,"
@@ -684,7 +714,9 @@ class JobStore:
                     {"now": now, "id": job_id},
                 ).rowcount
             except sqlite3.IntegrityError:
+                tx.execute("ROLLBACK TO retry_key")
                 changed = 0
+            tx.execute("RELEASE retry_key")
             if changed == 1:
                 _event(tx, job_id, "status", {"status": "queued", "reason": "retry"}, now)
             row = tx.one(_JOB_BY_ID, {"id": job_id})
@@ -861,28 +893,28 @@ _CLAIM = (
     "UPDATE jobs SET status = 'running', lease_owner = :owner,"  # noqa: S608 - fixed text
     f" {_SET_LEASE}, attempt = attempt + 1,"
     " started_at_ms = COALESCE(started_at_ms, :now), updated_at_ms = :now"
-    " WHERE id = :id AND status = 'queued' RETURNING *"
+    f" WHERE id = :id AND status = 'queued' AND {_THIS_NODE} RETURNING *"
 )
 _HEARTBEAT = (
     f"UPDATE jobs SET {_SET_LEASE}, updated_at_ms = :now"  # noqa: S608 - fixed text
     f" WHERE id = :id AND {_FENCE}"
 )
-_ANY_LAPSED = f"SELECT 1 FROM jobs WHERE status = 'running' AND {_LAPSED} LIMIT 1"  # noqa: S608 - fixed text
+_ANY_LAPSED = f"SELECT 1 FROM jobs WHERE status = 'running' AND {_LAPSED} AND {_THIS_NODE} LIMIT 1"  # noqa: S608 - fixed text
 _REQUEUE_LAPSED = (
     f"UPDATE jobs SET status = 'queued', {_NO_LEASE},"  # noqa: S608 - fixed text
     " recoveries = recoveries + 1, updated_at_ms = :now"
-    f" WHERE status = 'running' AND {_LAPSED} AND {_MAY_RECOVER}"
+    f" WHERE status = 'running' AND {_LAPSED} AND {_MAY_RECOVER} AND {_THIS_NODE}"
     " RETURNING id, recoveries"
 )
 _SPENT_LAPSED = (
     "SELECT id FROM jobs WHERE status = 'running'"  # noqa: S608 - fixed text
-    f" AND {_LAPSED} AND {_OUT_OF_RECOVERIES} ORDER BY created_at_ms, id"
+    f" AND {_LAPSED} AND {_OUT_OF_RECOVERIES} AND {_THIS_NODE} ORDER BY created_at_ms, id"
 )
 _REQUEUE_FROM = (
     f"UPDATE jobs SET status = 'queued', {_NO_LEASE},"  # noqa: S608 - fixed text
     " recoveries = recoveries + 1, updated_at_ms = :now"
     " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
-    f" AND {_MAY_RECOVER} RETURNING recoveries"
+    f" AND {_MAY_RECOVER} AND {_THIS_NODE} RETURNING recoveries"
 )
 _FINISH = (
     "UPDATE jobs SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
@@ -901,7 +933,7 @@ _BEGIN_STEP = (
     " SELECT id, :seq, :name, 'running', 1, :now FROM jobs"
     f" WHERE id = :id AND {_FENCE} AND cancel_requested = 0"
     " ON CONFLICT (job_id, seq) DO UPDATE SET status = 'running',"
-    " attempts = attempts + 1, error_code = NULL, error_message = NULL,"
+    " attempts = steps.attempts + 1, error_code = NULL, error_message = NULL,"
     " ended_at_ms = NULL"
     " RETURNING *"
 )

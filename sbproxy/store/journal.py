@@ -1,9 +1,10 @@
 """What the workflow engine needs of a job journal: the interface a backend implements.
 
-:class:`~sbproxy.store.JobStore` implements it on SQLite (one writer thread, group commit,
-``BEGIN IMMEDIATE``). ``sbproxy.workflows`` depends on this protocol only, never on SQLite,
-so a PostgreSQL backend over the same schema can implement it next. What any backend must
-keep (``docs/durable-jobs.md``):
+:class:`~sbproxy.store.JobStore` implements it over a :class:`~sbproxy.store.Database`:
+SQLite (one writer thread, group commit, ``BEGIN IMMEDIATE``), or PostgreSQL through the
+same threads and statements (``postgres.py``: psycopg 3, ``SKIP LOCKED`` claims, leases on
+the server's clock). ``sbproxy.workflows`` depends on this protocol only. What any backend
+must keep (``docs/durable-jobs.md``):
 
 * **One transaction per method**, and a returned write durable before the method returns
   (SQLite: ``synchronous=FULL``; PostgreSQL: ``synchronous_commit=on``).
@@ -12,13 +13,15 @@ keep (``docs/durable-jobs.md``):
   ``heartbeat`` and ``finish`` change the journal only while the caller's claim (lease owner
   *and* attempt) still holds the job, checked by the statement that writes.
 * **Claims** move one queued job to running and bump ``attempt``; several workers claim
-  concurrently without taking one job twice (SQLite serialises writers; PostgreSQL would
-  pick the oldest queued row with ``FOR UPDATE SKIP LOCKED``).
+  concurrently without taking one job twice (SQLite serialises writers; PostgreSQL picks
+  the oldest queued row with ``FOR UPDATE SKIP LOCKED``). A job is claimed and recovered
+  only by the node that recorded it (``node.py``).
 * **Leases on the store's lease clock**: the store stamps them (inside the write) from
   :attr:`JobJournal.lease_clock` and judges lapses by it; the engine reads that clock only to
-  show how stale a job is. A backend shared by several hosts needs a clock they all read
-  alike (the database server's, for example) and owner ids that name the host; this one
-  assumes one machine (``leaseclock.py``, ``sbproxy.workflows.identity``).
+  show how stale a job is. SQLite: this boot's monotonic clock (``leaseclock.py``, one
+  machine). PostgreSQL: the server's ``clock_timestamp()``, read under an advisory lock,
+  one clock for every host; a dead owner on another machine is never concluded from its
+  owner id there, since recovery only touches this node's jobs.
 * **Events** get a durable, strictly increasing ``seq``; idempotency keys are unique among
   unfinished jobs (a partial unique index).
 * **Errors**: a driver error leaves as :class:`~sbproxy.store.StoreError` (``disk_full`` or
@@ -177,17 +180,19 @@ class JobJournal(Protocol):
     async def detach_key(self, job_id: str) -> None: ...
 
 
-async def open_journal(path: Path, *, synchronous: Synchronous = "FULL") -> JobStore:
-    """Open the journal at ``path`` (creating it and migrating its schema): the SQLite
-    backend, the only one so far.
+async def open_journal(path: Path | str, *, synchronous: Synchronous = "FULL") -> JobStore:
+    """Open the journal at ``path`` (creating it and migrating its schema).
 
     Args:
-        path: The journal file (``<cache root>/jobs/journal.db``).
+        path: The SQLite journal file (``<cache root>/jobs/journal.db``), or a
+            ``postgresql://`` URL (``proxy.model_host.journal.url``): the same store over
+            PostgreSQL (``postgres.py``).
         synchronous: ``FULL`` (every commit durable on power loss) or ``NORMAL`` (for
             benchmarks).
 
     Raises:
         StoreError: as :meth:`Database.open` (``store_failed``, ``disk_full``,
-            ``invalid_cache_dir``, ``store_version_mismatch``).
+            ``invalid_cache_dir``, ``store_version_mismatch``; on PostgreSQL
+            ``journal_unavailable`` and ``journal_schema_newer``).
     """
     return JobStore(await Database.open(path, synchronous=synchronous))

@@ -98,6 +98,8 @@ class JobRecord:
         trace_context: W3C trace context of the request that created it.
         recoveries: How many times recovery took the job from a dead or lapsed runner since a
             step last completed (0 after a completed step or an operator's retry).
+        node: The node that submitted it, the only one that claims and recovers it
+            (``store.node``); ``None`` for a job from before schema 6 (any node).
     """
 
     id: str
@@ -120,6 +122,7 @@ class JobRecord:
     started_at_ms: int | None
     ended_at_ms: int | None
     recoveries: int = 0
+    node: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -141,6 +144,7 @@ class JobRecord:
             "status": self.status.value,
             "attempt": self.attempt,
             "recoveries": self.recoveries,
+            "node": self.node,
             "idempotency_key": self.idempotency_key,
             "cancel_requested": self.cancel_requested,
             "progress": dict(self.progress) if self.progress else None,
@@ -247,6 +251,7 @@ def job_from_row(row: Row) -> JobRecord:
         started_at_ms=row["started_at_ms"],
         ended_at_ms=row["ended_at_ms"],
         recoveries=row["recoveries"],
+        node=row["node"],
     )
 
 

@@ -44,7 +44,8 @@ class RuntimeStore:
                 tx.scalar(
                     "INSERT INTO deployment_generations (deployment, generation, updated_at_ms)"
                     " VALUES (:d, 1, :now) ON CONFLICT (deployment) DO UPDATE SET"
-                    " generation = generation + 1, updated_at_ms = :now RETURNING generation",
+                    " generation = deployment_generations.generation + 1,"
+                    " updated_at_ms = :now RETURNING generation",
                     params,
                 )
             )

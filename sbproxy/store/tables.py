@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from sqlmodel import Field, SQLModel
 
-__all__ = ["EventRow", "GenerationRow", "JobRow", "RevisionRow", "StepRow", "UsageRow"]
+__all__ = [
+    "DesiredRevisionRow",
+    "EventRow",
+    "GenerationRow",
+    "JobRow",
+    "RevisionRow",
+    "StepRow",
+    "UsageRow",
+]
 
 
 class JobRow(SQLModel, table=True):
@@ -43,6 +51,8 @@ class JobRow(SQLModel, table=True):
     # Recoveries since a step last completed (migration 5); reset by a completed step and by
     # an operator's retry.
     recoveries: int = 0
+    # The node that submitted the job (migration 6); NULL: any node.
+    node: str | None = None
 
 
 class StepRow(SQLModel, table=True):
@@ -92,6 +102,16 @@ class RevisionRow(SQLModel, table=True):
     revision: int | None = Field(default=None, primary_key=True)
     content_digest: str
     desired_json: str
+    committed_at_ms: int
+
+
+class DesiredRevisionRow(SQLModel, table=True):
+    """One ``admin_managed`` revision document of hosts sharing a PostgreSQL journal."""
+
+    __tablename__ = "desired_revisions"
+
+    revision: int = Field(primary_key=True)
+    document: str
     committed_at_ms: int
 
 

@@ -97,9 +97,9 @@ class UsageStore:
                 " completion_tokens, requests, updated_at_ms)"
                 " VALUES (:key, :hour, :prompt, :completion, :requests, :now)"
                 " ON CONFLICT (key_name, hour_start_ms) DO UPDATE SET"
-                " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
-                " completion_tokens = completion_tokens + excluded.completion_tokens,"
-                " requests = requests + excluded.requests,"
+                " prompt_tokens = token_usage.prompt_tokens + excluded.prompt_tokens,"
+                " completion_tokens = token_usage.completion_tokens + excluded.completion_tokens,"
+                " requests = token_usage.requests + excluded.requests,"
                 " updated_at_ms = excluded.updated_at_ms",
                 rows,
             )

@@ -112,7 +112,7 @@ class WorkflowEngine:
     @classmethod
     async def open(
         cls,
-        path: Path,
+        path: Path | str,
         registry: Registry,
         *,
         synchronous: Synchronous = "FULL",
@@ -122,7 +122,8 @@ class WorkflowEngine:
         max_recoveries: int | None = DEFAULT_MAX_RECOVERIES,
     ) -> WorkflowEngine:
         """Open the journal at ``path`` (creating it) and return an engine over it (the
-        arguments as for the constructor)."""
+        arguments as for the constructor); ``path`` is the SQLite file or a
+        ``postgresql://`` URL (:func:`~sbproxy.store.open_journal`)."""
         return cls(
             await open_journal(path, synchronous=synchronous),
             registry,

@@ -113,11 +113,16 @@ def test_an_older_journal_is_listed_by_the_store_which_migrates_it(tmp_path: Pat
     journal = root / "jobs" / "journal.db"
     anyio.run(fill_varied_journal, journal)
     with sqlite3.connect(journal) as raw:
-        raw.execute("DELETE FROM schema_migrations WHERE version = ?", (SCHEMA_VERSION,))
+        # Back to schema 4: before the recovery count (5), the job's node (6) and the
+        # shared revision documents (7).
+        raw.execute("DELETE FROM schema_migrations WHERE version >= 5")
+        raw.execute("DROP TABLE desired_revisions")
         raw.execute("ALTER TABLE jobs DROP COLUMN recoveries")
+        raw.execute("ALTER TABLE jobs DROP COLUMN node")
     payload = json.loads(_list(root, "--format", "json"))
     assert len(payload["jobs"]) == 10
     assert {job["recoveries"] for job in payload["jobs"]} == {0}
+    assert {job["node"] for job in payload["jobs"]} == {None}  # older jobs: any node
     with sqlite3.connect(journal) as raw:
         version = raw.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0]
     assert version == SCHEMA_VERSION

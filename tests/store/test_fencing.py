@@ -4,7 +4,6 @@ that keeps dying without completing a step."""
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from sbproxy.store import (
     LeaseTime,
     StepRecord,
     StepRefusal,
+    Transaction,
 )
 
 pytestmark = pytest.mark.anyio
@@ -46,22 +46,25 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-async def store(tmp_path: Path, clock: Clock) -> AsyncIterator[JobStore]:
-    database = await Database.open(tmp_path / "jobs" / "journal.db")
+async def store(journal_location: Path | str, clock: Clock) -> AsyncIterator[JobStore]:
+    database = await Database.open(journal_location)
     try:
         yield JobStore(database, lease_clock=clock)
     finally:
         await database.close()
 
 
-def snapshot(store: JobStore) -> tuple[list[Any], list[Any], list[Any]]:
-    """Every row of jobs, steps and events, read with a plain sqlite3 connection."""
-    with sqlite3.connect(store.database.path) as raw:
+async def snapshot(store: JobStore) -> tuple[list[Any], list[Any], list[Any]]:
+    """Every row of jobs, steps and events, as tuples (read in one snapshot)."""
+
+    def read(tx: Transaction) -> tuple[list[Any], list[Any], list[Any]]:
         return (
-            list(raw.execute("SELECT * FROM jobs ORDER BY id")),
-            list(raw.execute("SELECT * FROM steps ORDER BY job_id, seq")),
-            list(raw.execute("SELECT * FROM job_events ORDER BY seq")),
+            [tuple(row) for row in tx.all("SELECT * FROM jobs ORDER BY id")],
+            [tuple(row) for row in tx.all("SELECT * FROM steps ORDER BY job_id, seq")],
+            [tuple(row) for row in tx.all("SELECT * FROM job_events ORDER BY seq")],
         )
+
+    return await store.database.read(read)
 
 
 async def reclaimed_by_the_same_owner(store: JobStore, clock: Clock) -> str:
@@ -84,7 +87,7 @@ async def test_every_write_of_a_claim_that_recovery_took_changes_nothing(
     store: JobStore, clock: Clock
 ) -> None:
     job_id = await reclaimed_by_the_same_owner(store, clock)
-    before = snapshot(store)
+    before = await snapshot(store)
     assert not await store.heartbeat(job_id, owner="w", attempt=1, lease_ms=LEASE_MS)
     assert not await store.report_progress(
         job_id, owner="w", attempt=1, progress={"done": 1}, event=True
@@ -103,7 +106,7 @@ async def test_every_write_of_a_claim_that_recovery_took_changes_nothing(
         job_id, owner="w", attempt=1, status=JobStatus.SUCCEEDED, output_json="1"
     )
 
-    assert snapshot(store) == before  # not a row, not an event
+    assert await snapshot(store) == before  # not a row, not an event
     # The claim that holds the job writes as before.
     assert await store.heartbeat(job_id, owner="w", attempt=2, lease_ms=LEASE_MS)
     assert await store.end_step(

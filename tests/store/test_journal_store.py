@@ -1,18 +1,24 @@
-"""The SQLite journal: pragmas, migrations, compare-and-set transitions, events, retention,
-and secrets that never reach the database file."""
+"""The journal on both backends (``journal_backend``: SQLite and a real PostgreSQL):
+migrations, compare-and-set transitions, events, retention; SQLite's pragmas and the secrets
+that never reach its file; PostgreSQL's schema, its refusal of a newer one and one migration
+for hosts that start at once."""
 
 from __future__ import annotations
 
+import socket
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 from sqlmodel import SQLModel
 
+from sbproxy.errors import SbproxyError
 from sbproxy.store import Database, ErrorInfo, JobStatus, JobStore, LeaseTime, StoreError
 from sbproxy.store.migrations import SCHEMA_VERSION
 from sbproxy.store.tables import (
+    DesiredRevisionRow,
     EventRow,
     GenerationRow,
     JobRow,
@@ -20,13 +26,14 @@ from sbproxy.store.tables import (
     StepRow,
     UsageRow,
 )
+from tests.support.postgres import PostgresServer
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[JobStore]:
-    database = await Database.open(tmp_path / "jobs" / "journal.db")
+async def store(journal_location: Path | str) -> AsyncIterator[JobStore]:
+    database = await Database.open(journal_location)
     try:
         yield JobStore(database)
     finally:
@@ -40,6 +47,7 @@ async def submit(store: JobStore, key: str | None = None, kind: str = "demo") ->
     return outcome.job.id
 
 
+@pytest.mark.parametrize("journal_backend", ["sqlite"], indirect=True)
 async def test_pragmas_and_schema_version(store: JobStore) -> None:
     path = store.database.path
     with sqlite3.connect(path) as raw:
@@ -62,7 +70,15 @@ async def test_migrations_are_idempotent_and_match_the_mappings(tmp_path: Path) 
     with sqlite3.connect(path) as raw:
         applied = raw.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0]
         assert applied == SCHEMA_VERSION
-        for row_type in (JobRow, StepRow, EventRow, GenerationRow, RevisionRow, UsageRow):
+        for row_type in (
+            JobRow,
+            StepRow,
+            EventRow,
+            GenerationRow,
+            RevisionRow,
+            UsageRow,
+            DesiredRevisionRow,
+        ):
             table = SQLModel.metadata.tables[str(row_type.__tablename__)]
             columns = {r[1] for r in raw.execute(f"PRAGMA table_info({table.name})")}
             assert columns == {c.name for c in table.columns}, table.name
@@ -142,9 +158,9 @@ async def test_terminal_jobs_are_immutable(store: JobStore) -> None:
     assert retried.status == JobStatus.SUCCEEDED
 
 
-async def test_expired_leases_return_to_the_queue(tmp_path: Path) -> None:
+async def test_expired_leases_return_to_the_queue(journal_location: Path | str) -> None:
     now = [1_000_000]
-    database = await Database.open(tmp_path / "journal.db")
+    database = await Database.open(journal_location)
     store = JobStore(database, lease_clock=lambda: LeaseTime(clock="boot", ms=now[0]))
     try:
         job_id = await submit(store)
@@ -197,8 +213,8 @@ async def test_retry_only_from_failed_or_parked(store: JobStore) -> None:
     assert again.job.id == job_id
 
 
-async def test_event_sequence_is_monotonic_across_reopen(tmp_path: Path) -> None:
-    path = tmp_path / "journal.db"
+async def test_event_sequence_is_monotonic_across_reopen(journal_location: Path | str) -> None:
+    path = journal_location
     database = await Database.open(path)
     store = JobStore(database)
     job_id = await submit(store)
@@ -292,10 +308,10 @@ async def test_secrets_never_reach_the_database_file(tmp_path: Path) -> None:
         assert secret.encode() not in blob, secret
 
 
-async def test_generations_are_monotonic_across_reopen(tmp_path: Path) -> None:
+async def test_generations_are_monotonic_across_reopen(journal_location: Path | str) -> None:
     from sbproxy.store import RuntimeStore
 
-    path = tmp_path / "journal.db"
+    path = journal_location
     database = await Database.open(path)
     runtime = RuntimeStore(database)
     assert [await runtime.next_generation("a") for _ in range(3)] == [1, 2, 3]
@@ -322,3 +338,95 @@ async def test_list_jobs_limit_minus_one_returns_every_match(store: JobStore) ->
     ids = {await submit(store, kind="bulk") for _ in range(105)}
     assert len(await store.list_jobs(kind="bulk")) == 100  # the default cap
     assert {job.id for job in await store.list_jobs(kind="bulk", limit=-1)} == ids
+
+
+# -- PostgreSQL only -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("journal_backend", ["postgresql"], indirect=True)
+async def test_postgres_schema_matches_the_mappings(
+    journal_location: str, postgres_server: PostgresServer
+) -> None:
+    for _ in range(2):
+        database = await Database.open(journal_location)
+        await database.close()
+    name = journal_location.rsplit("/", 1)[1]
+    applied = postgres_server.psql("SELECT COUNT(*) FROM schema_migrations", name)
+    assert int(applied) == SCHEMA_VERSION
+    for row_type in (
+        JobRow,
+        StepRow,
+        EventRow,
+        GenerationRow,
+        RevisionRow,
+        UsageRow,
+        DesiredRevisionRow,
+    ):
+        table = SQLModel.metadata.tables[str(row_type.__tablename__)]
+        listed = postgres_server.psql(
+            "SELECT column_name || ':' || data_type FROM information_schema.columns"  # noqa: S608 - a fixed table name
+            f" WHERE table_name = '{table.name}'",
+            name,
+        ).split()
+        assert {c.split(":")[0] for c in listed} == {c.name for c in table.columns}, table.name
+        # Every integer column holds 64 bits (epoch milliseconds do not fit in 32).
+        assert not [c for c in listed if c.endswith(":integer")], table.name
+
+
+@pytest.mark.parametrize("journal_backend", ["postgresql"], indirect=True)
+async def test_postgres_refuses_a_newer_schema(
+    journal_location: str, postgres_server: PostgresServer
+) -> None:
+    database = await Database.open(journal_location)
+    await database.close()
+    postgres_server.psql(
+        f"INSERT INTO schema_migrations VALUES ({SCHEMA_VERSION + 1}, 'new', 0)",  # noqa: S608
+        journal_location.rsplit("/", 1)[1],
+    )
+    with pytest.raises(StoreError) as info:
+        await Database.open(journal_location)
+    assert info.value.code == "journal_schema_newer"
+    assert info.value.details["schema_version"] == SCHEMA_VERSION + 1
+
+
+@pytest.mark.parametrize("journal_backend", ["postgresql"], indirect=True)
+async def test_postgres_hosts_opening_at_once_migrate_once(
+    journal_location: str, postgres_server: PostgresServer
+) -> None:
+    opened: list[Database] = []
+
+    async def open_one() -> None:
+        opened.append(await Database.open(journal_location))
+
+    async with anyio.create_task_group() as group:
+        for _ in range(4):
+            group.start_soon(open_one)
+    for database in opened:
+        await database.close()
+    listed = postgres_server.psql(
+        "SELECT version FROM schema_migrations ORDER BY version",
+        journal_location.rsplit("/", 1)[1],
+    ).split()
+    assert [int(v) for v in listed] == list(range(1, SCHEMA_VERSION + 1))
+
+
+async def test_postgres_journal_never_shows_the_password(postgres_server: PostgresServer) -> None:
+    url = postgres_server.create_database().replace("postgres@", "postgres:s3cret-pw@")
+    database = await Database.open(url)  # trust authentication ignores the password
+    try:
+        assert "s3cret-pw" not in database.location
+        assert database.location.startswith("postgresql://postgres@127.0.0.1:")
+    finally:
+        await database.close()
+    closed = f"postgresql://postgres:s3cret-pw@127.0.0.1:{_closed_port()}/nothing"
+    with pytest.raises(SbproxyError) as info:
+        await Database.open(closed)
+    assert info.value.code == "journal_unavailable"
+    assert "s3cret-pw" not in str(info.value)
+    assert f"127.0.0.1:{closed.split(':')[3].split('/', maxsplit=1)[0]}" in str(info.value)
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -49,7 +49,7 @@ async def contended(ctx: WorkflowContext, arg: Work) -> Done:
 
 
 async def _main(
-    journal: Path, rundir: Path, index: int, processes: int, unique: int, shared: int
+    journal: Path | str, rundir: Path, index: int, processes: int, unique: int, shared: int
 ) -> None:
     engine = await WorkflowEngine.open(journal, registry)
     effects = str(rundir / "effects")
@@ -74,4 +74,5 @@ async def _main(
 if __name__ == "__main__":
     journal, rundir, *numbers = sys.argv[1:]
     index, processes, unique, shared = (int(n) for n in numbers)
-    anyio.run(_main, Path(journal), Path(rundir), index, processes, unique, shared)
+    where: Path | str = journal if "://" in journal else Path(journal)  # SQLite or postgresql://
+    anyio.run(_main, where, Path(rundir), index, processes, unique, shared)

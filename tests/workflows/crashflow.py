@@ -68,7 +68,7 @@ async def crash_five(ctx: WorkflowContext, arg: CrashInput) -> CrashOutput:
     return CrashOutput(values=values)
 
 
-async def _main(journal: Path, effects: str, key: str) -> None:
+async def _main(journal: Path | str, effects: str, key: str) -> None:
     engine = await WorkflowEngine.open(journal, registry)
     try:
         submitted = await engine.submit(
@@ -82,4 +82,6 @@ async def _main(journal: Path, effects: str, key: str) -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(_main, Path(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "crash")
+    # The journal: a SQLite file, or a postgresql:// URL.
+    where: Path | str = sys.argv[1] if "://" in sys.argv[1] else Path(sys.argv[1])
+    anyio.run(_main, where, sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "crash")

@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import psycopg
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,8 +20,10 @@ SHARED = 20
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_four_processes_run_every_job_exactly_once(tmp_path: Path) -> None:
-    journal = tmp_path / "jobs" / "journal.db"
+def test_four_processes_run_every_job_exactly_once(
+    tmp_path: Path, journal_location: Path | str
+) -> None:
+    journal = journal_location
     children = [
         subprocess.Popen(
             [
@@ -55,8 +58,12 @@ def test_four_processes_run_every_job_exactly_once(tmp_path: Path) -> None:
         assert len(ids) == 1, key
         assert sum(entry["created"] for entry in shared if entry["key"] == key) == 1
 
-    with sqlite3.connect(journal) as raw:
-        statuses = Counter(status for (status,) in raw.execute("SELECT status FROM jobs"))
+    if isinstance(journal, str):
+        with psycopg.connect(journal) as pg:
+            statuses = Counter(str(status) for (status,) in pg.execute("SELECT status FROM jobs"))
+    else:
+        with sqlite3.connect(journal) as raw:
+            statuses = Counter(status for (status,) in raw.execute("SELECT status FROM jobs"))
     total = PROCESSES * UNIQUE + SHARED
     assert total == 200
     assert statuses == Counter({"succeeded": total})

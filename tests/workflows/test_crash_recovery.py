@@ -28,7 +28,7 @@ SBPROXY = Path(sys.executable).parent / "sbproxy"
 
 
 def run_flow(
-    tmp: Path, *, fault: str | None = None, journal: Path | None = None
+    tmp: Path, *, fault: str | None = None, journal: Path | str | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "SBPROXY_FAULT_POINTS"}
     if fault:
@@ -74,13 +74,17 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("when", ["before", "after", "committed"])
 @pytest.mark.parametrize("index", [1, 2, 3, 4, 5])
 def test_job_survives_sigkill_at_every_step_boundary(
-    tmp_path: Path, uninterrupted: dict[str, Any], index: int, when: str
+    tmp_path: Path,
+    journal_location: Path | str,
+    uninterrupted: dict[str, Any],
+    index: int,
+    when: str,
 ) -> None:
-    killed = run_flow(tmp_path, fault=f"step:s{index}:{when}")
+    killed = run_flow(tmp_path, fault=f"step:s{index}:{when}", journal=journal_location)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     first_id = job_id_of(killed.stdout)
 
-    resumed = run_flow(tmp_path)
+    resumed = run_flow(tmp_path, journal=journal_location)
     assert resumed.returncode == 0, resumed.stderr
     assert job_id_of(resumed.stdout) == first_id
     job = final_job(resumed.stdout)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
+import psycopg
 import pytest
 from pydantic import BaseModel
 
@@ -53,11 +54,13 @@ def _reset() -> None:
 
 
 @pytest.fixture
-async def journal(tmp_path: Path) -> Path:
-    return tmp_path / "jobs" / "journal.db"
+async def journal(journal_location: Path | str) -> Path | str:
+    return journal_location
 
 
-async def open_engine(journal: Path, registry: Registry, lease_s: float = 5.0) -> WorkflowEngine:
+async def open_engine(
+    journal: Path | str, registry: Registry, lease_s: float = 5.0
+) -> WorkflowEngine:
     return await WorkflowEngine.open(
         journal, registry, lease=LeaseSettings(lease_s=lease_s, heartbeat_s=0.05)
     )
@@ -94,7 +97,7 @@ def two_step_registry() -> Registry:
 
 
 @pytest.fixture
-async def engine(journal: Path) -> AsyncIterator[WorkflowEngine]:
+async def engine(journal: Path | str) -> AsyncIterator[WorkflowEngine]:
     engine = await open_engine(journal, two_step_registry())
     try:
         yield engine
@@ -102,7 +105,7 @@ async def engine(journal: Path) -> AsyncIterator[WorkflowEngine]:
         await engine.close()
 
 
-async def test_completed_steps_are_replayed_not_rerun(journal: Path) -> None:
+async def test_completed_steps_are_replayed_not_rerun(journal: Path | str) -> None:
     registry = two_step_registry()
     pair = registry.get("pair")
     assert pair is not None
@@ -134,12 +137,17 @@ async def test_completed_steps_are_replayed_not_rerun(journal: Path) -> None:
     ]
 
 
-def journal_rows(journal: Path) -> list[tuple[int, str, str]]:
+def journal_rows(journal: Path | str) -> list[tuple[int, str, str]]:
+    """The steps table as another process reads it now (its own connection)."""
+    query = "SELECT seq, name, status FROM steps ORDER BY seq"
+    if isinstance(journal, str):
+        with psycopg.connect(journal) as pg:
+            return [(int(r[0]), str(r[1]), str(r[2])) for r in pg.execute(query)]
     with sqlite3.connect(journal) as raw:
-        return list(raw.execute("SELECT seq, name, status FROM steps ORDER BY seq"))
+        return list(raw.execute(query))
 
 
-async def test_the_committed_point_passes_once_the_output_is_journaled(journal: Path) -> None:
+async def test_the_committed_point_passes_once_the_output_is_journaled(journal: Path | str) -> None:
     registry = two_step_registry()
     pair = registry.get("pair")
     assert pair is not None
@@ -175,7 +183,7 @@ async def test_the_committed_point_passes_once_the_output_is_journaled(journal: 
     assert passed == ["two"]  # a replayed step commits nothing, so passes no point
 
 
-async def test_changed_step_sequence_parks_the_job(journal: Path) -> None:
+async def test_changed_step_sequence_parks_the_job(journal: Path | str) -> None:
     original = two_step_registry()
     pair = original.get("pair")
     assert pair is not None
@@ -217,7 +225,7 @@ async def test_changed_step_sequence_parks_the_job(journal: Path) -> None:
     assert calls == {"one": 1, "two": 1}
 
 
-async def test_a_job_of_another_workflow_version_is_parked(journal: Path) -> None:
+async def test_a_job_of_another_workflow_version_is_parked(journal: Path | str) -> None:
     engine = await open_engine(journal, two_step_registry())
     pair = engine.registry.get("pair")
     assert pair is not None
@@ -284,7 +292,7 @@ def single(definition: object) -> Registry:
     ],
 )
 async def test_retry_policy_and_reason_codes(
-    journal: Path,
+    journal: Path | str,
     definition: object,
     failures: int,
     status: JobStatus,
@@ -316,7 +324,7 @@ async def long_step(ctx: StepContext, arg: Count) -> Count:
     return arg
 
 
-async def test_cooperative_cancellation_of_a_running_job(journal: Path) -> None:
+async def test_cooperative_cancellation_of_a_running_job(journal: Path | str) -> None:
     registry = single(long_step)
     engine = await open_engine(journal, registry)
     workflow = registry.get("single")
@@ -338,7 +346,7 @@ async def test_cooperative_cancellation_of_a_running_job(journal: Path) -> None:
     assert calls["turns"] < 2000
 
 
-async def test_progress_events_are_throttled_and_the_last_one_kept(journal: Path) -> None:
+async def test_progress_events_are_throttled_and_the_last_one_kept(journal: Path | str) -> None:
     registry = Registry()
 
     @step("count")
@@ -370,7 +378,7 @@ async def test_progress_events_are_throttled_and_the_last_one_kept(journal: Path
     ]
 
 
-async def test_worker_loop_respects_its_concurrency_limit(journal: Path) -> None:
+async def test_worker_loop_respects_its_concurrency_limit(journal: Path | str) -> None:
     registry = Registry()
     active = {"now": 0, "max": 0}
 

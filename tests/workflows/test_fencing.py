@@ -100,7 +100,7 @@ async def fenced(ctx: WorkflowContext, plan: Plan) -> str:
     return await ctx.step(after_step, await ctx.step(work_step, plan))
 
 
-async def open_runner(journal: Path, clock: Clock, runner: Runner) -> WorkflowEngine:
+async def open_runner(journal: Path | str, clock: Clock, runner: Runner) -> WorkflowEngine:
     """An engine over the journal as another process would open it (its own connection,
     its own owner id), reading the shared lease clock."""
     database = await Database.open(journal)
@@ -113,9 +113,11 @@ async def open_runner(journal: Path, clock: Clock, runner: Runner) -> WorkflowEn
 
 
 @pytest.fixture
-async def engines(tmp_path: Path) -> AsyncIterator[tuple[Clock, WorkflowEngine, WorkflowEngine]]:
+async def engines(
+    journal_location: Path | str,
+) -> AsyncIterator[tuple[Clock, WorkflowEngine, WorkflowEngine]]:
     clock = Clock()
-    journal = tmp_path / "jobs" / "journal.db"
+    journal = journal_location
     first = await open_runner(journal, clock, Runner("A"))
     second = await open_runner(journal, clock, Runner("B"))
     try:

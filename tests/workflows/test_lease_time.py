@@ -83,12 +83,12 @@ async def wait_workflow(ctx: WorkflowContext, arg: Empty) -> str:
 
 
 @pytest.fixture
-def journal(tmp_path: Path) -> Path:
-    return tmp_path / "jobs" / "journal.db"
+def journal(journal_location: Path | str) -> Path | str:
+    return journal_location
 
 
 async def engine_over(
-    journal: Path, *, wall: SteppedWall | None = None, gate: Gate | None = None
+    journal: Path | str, *, wall: SteppedWall | None = None, gate: Gate | None = None
 ) -> WorkflowEngine:
     """A second engine on the journal, as another process would open it."""
     database = await Database.open(journal)
@@ -102,7 +102,7 @@ async def engine_over(
 
 
 @pytest.fixture
-async def owner(journal: Path) -> AsyncIterator[tuple[WorkflowEngine, Gate]]:
+async def owner(journal: Path | str) -> AsyncIterator[tuple[WorkflowEngine, Gate]]:
     gate = Gate()
     engine = await engine_over(journal, gate=gate)
     try:
@@ -114,7 +114,7 @@ async def owner(journal: Path) -> AsyncIterator[tuple[WorkflowEngine, Gate]]:
 @pytest.mark.anyio
 @pytest.mark.parametrize("step_ms", STEPS_MS)
 async def test_a_wall_clock_step_does_not_recover_a_live_heartbeating_job(
-    journal: Path, owner: tuple[WorkflowEngine, Gate], step_ms: int
+    journal: Path | str, owner: tuple[WorkflowEngine, Gate], step_ms: int
 ) -> None:
     engine, gate = owner
     submitted = await engine.submit(wait_workflow, Empty())
@@ -154,7 +154,7 @@ def dead_pid() -> int:
 @pytest.mark.parametrize("step_ms", STEPS_MS)
 @pytest.mark.parametrize("death", ["lease lapses", "pid gone"])
 async def test_a_wall_clock_step_still_recovers_a_dead_owners_job(
-    journal: Path, owner: tuple[WorkflowEngine, Gate], step_ms: int, death: str
+    journal: Path | str, owner: tuple[WorkflowEngine, Gate], step_ms: int, death: str
 ) -> None:
     engine, gate = owner
     submitted = await engine.submit(wait_workflow, Empty())

@@ -77,8 +77,8 @@ def _reset() -> None:
 
 
 @pytest.fixture
-async def opened(tmp_path: Path) -> AsyncIterator[tuple[Clock, Database]]:
-    database = await Database.open(tmp_path / "jobs" / "journal.db")
+async def opened(journal_location: Path | str) -> AsyncIterator[tuple[Clock, Database]]:
+    database = await Database.open(journal_location)
     try:
         yield Clock(), database
     finally:

@@ -10,6 +10,12 @@ the directory. ``sb.yml`` is never written.
 A revision's ``content_digest`` is the SHA-256 (hex) of the RFC 8785 canonical JSON of
 ``{schema_version, revision, source_mode, catalog_revision, deployments}`` (reference 3.3),
 so it does not depend on key order and survives a JSON round trip.
+
+Hosts sharing a PostgreSQL journal (``proxy.model_host.journal``) share one store instead:
+the same documents, one row per revision in the journal's database
+(:class:`~sbproxy.store.revisions.SharedRevisions`), the compare-and-set done by the
+revision's primary key, so of two hosts writing at once one wins and the other gets
+``revision_conflict``. ``store_path`` is not used then.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import rfc8785
 
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.artifacts.locks import hold_blocking
+from sbproxy.store.revisions import SharedRevisions
 
 __all__ = [
     "MAX_REVISION",
@@ -100,25 +107,36 @@ class RevisionStore:
 
     Args:
         path: ``proxy.model_host.store_path`` (absolute after config loading).
+        journal_url: The shared PostgreSQL journal's URL: the store lives there instead of
+            at ``path`` (module docstring).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, journal_url: str | None = None) -> None:
         self.path = path
         self._lock_path = path.with_name(path.name + ".lock")
+        self._shared = SharedRevisions(journal_url) if journal_url else None
 
     def load(self) -> DeploymentRevision | None:
         """The current revision, or ``None`` for an empty (absent) store.
 
         Raises:
             SbproxyError: ``store_failed`` when the file is unreadable, not a revision
-                document, or its ``content_digest`` does not match its content.
+                document, or its ``content_digest`` does not match its content;
+                ``journal_unavailable`` when the shared store's server cannot be reached.
         """
+        if self._shared is not None:
+            latest = self._shared.latest()
+            return None if latest is None else self._parse(latest[1].encode())
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise _store_error(self.path, f"cannot be read ({exc.strerror})") from exc
+        return self._parse(raw)
+
+    def _parse(self, raw: bytes) -> DeploymentRevision:
+        """A stored document, checked (``store_failed`` when it is not one)."""
         try:
             document = json.loads(raw)
             revision = int(document["revision"])
@@ -152,8 +170,10 @@ class RevisionStore:
             RevisionConflict: ``revision_conflict`` with ``expected_revision`` and
                 ``actual_revision`` in its details; the file is unchanged.
             SbproxyError: ``store_failed`` (lock timeout, I/O error, a corrupt file,
-                ``counter_overflow`` past 2^53 - 1).
+                ``counter_overflow`` past 2^53 - 1); ``journal_unavailable`` (shared store).
         """
+        if self._shared is not None:
+            return self._shared_compare_and_set(expected_revision, catalog_revision, deployments)
         try:
             with hold_blocking(self._lock_path, timeout_s=LOCK_TIMEOUT_S):
                 current = self.load()
@@ -183,6 +203,38 @@ class RevisionStore:
                 return written
         except TimeoutError as exc:
             raise _store_error(self.path, "its lock is held by another process") from exc
+
+    def _shared_compare_and_set(
+        self,
+        expected_revision: int | None,
+        catalog_revision: str,
+        deployments: Mapping[str, Any],
+    ) -> DeploymentRevision:
+        shared = self._shared
+        assert shared is not None  # noqa: S101 - only called for a shared store
+        revision = (expected_revision or 0) + 1
+        if revision > MAX_REVISION:
+            raise SbproxyError("the revision counter is exhausted", code="counter_overflow")
+        written = DeploymentRevision(
+            revision=revision,
+            content_digest=revision_digest(
+                revision=revision, catalog_revision=catalog_revision, deployments=deployments
+            ),
+            catalog_revision=catalog_revision,
+            deployments=dict(deployments),
+        )
+        document = json.dumps(written.to_dict(), sort_keys=True)
+        actual = shared.insert_next(
+            expected=expected_revision, revision=revision, document=document
+        )
+        if actual is None:
+            return written
+        found = None if actual == 0 else actual
+        raise RevisionConflict(
+            f"the store is at revision {_named(found)}, not {_named(expected_revision)}",
+            remediation="Read GET /admin/model-host/deployments and retry with its revision.",
+            details={"expected_revision": expected_revision, "actual_revision": found},
+        )
 
     def _write(self, revision: DeploymentRevision) -> None:
         directory = self.path.parent

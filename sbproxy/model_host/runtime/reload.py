@@ -542,7 +542,8 @@ def revision_store(compiled: CompiledConfig) -> RevisionStore:
             code="authority_read_only",
             remediation="Edit sb.yml and reload, or set authority: admin_managed.",
         )
-    return RevisionStore(Path(host.store_path))
+    journal = host.journal.url.get_secret_value() if host.journal else None
+    return RevisionStore(Path(host.store_path), journal_url=journal)
 
 
 def with_deployments(

@@ -22,7 +22,7 @@ from sbproxy.model_host.runtime.clock import Clock
 from sbproxy.model_host.runtime.manager import RUNTIME_JOB_KINDS, RuntimeManager
 from sbproxy.model_host.runtime.reload import admin_desired  # also registers "reload"
 from sbproxy.model_host.runtime.state import LaunchBackoff
-from sbproxy.store import RuntimeStore, open_journal
+from sbproxy.store import RuntimeStore, journal_location, open_journal
 from sbproxy.workflows import LeaseSettings, WorkflowEngine
 from tests.model_host.engines.support import fake_llama_server
 from tests.model_host.runtime.support import write_gguf
@@ -156,7 +156,11 @@ async def runtime_host(
     layout = CacheLayout(root=root / "cache")
     cache = ArtifactCache(layout)
     cache.ensure_dirs()
-    journal = await open_journal(layout.journal)
+    # proxy.model_host.journal (a PostgreSQL journal) as `serve` reads it; else SQLite.
+    shared = compiled.model_host.journal if compiled.model_host else None
+    journal = await open_journal(
+        journal_location(layout.journal, shared.url.get_secret_value() if shared else None)
+    )
     engine = WorkflowEngine(
         journal, registry, resources=[cache], lease=LeaseSettings(lease_s=5, heartbeat_s=0.5)
     )

@@ -1,0 +1,73 @@
+"""What ``sbproxy doctor`` shows of the journal: which one, its schema version, reachability.
+
+Read-only and bounded: a SQLite journal is opened read-only (a missing file is reported, not
+created), a PostgreSQL one gets one connection with a short timeout. Nothing shown carries a
+password: a PostgreSQL journal is named ``postgresql://user@host:port/db``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from sbproxy.errors import SbproxyError
+from sbproxy.store.migrations import SCHEMA_VERSION
+from sbproxy.store.postgres import PgTarget, is_postgres_url
+
+__all__ = ["probe_journal"]
+
+PROBE_TIMEOUT_S = 3
+_VERSION = "SELECT COALESCE(MAX(version), 0) FROM schema_migrations"
+
+
+def probe_journal(location: Path | str) -> dict[str, Any]:
+    """The journal at ``location`` (a SQLite file or a ``postgresql://`` URL), as a report.
+
+    Returns:
+        ``{"backend": "sqlite" | "postgresql", "location": str, "reachable": bool,
+        "schema_version": int | None, "supported_schema": int, "error": str | None}``;
+        ``schema_version`` ``None`` when the journal is not created yet (or unreachable).
+    """
+    report: dict[str, Any] = {
+        "backend": "sqlite",
+        "location": str(location),
+        "reachable": False,
+        "schema_version": None,
+        "supported_schema": SCHEMA_VERSION,
+        "error": None,
+    }
+    if isinstance(location, str) and is_postgres_url(location):
+        report["backend"] = "postgresql"
+        try:
+            target = PgTarget.parse(location)
+        except SbproxyError as exc:
+            report["location"] = "postgresql://(invalid URL)"
+            report["error"] = exc.message
+            return report
+        report["location"] = target.describe()
+        try:
+            with psycopg.connect(target.conninfo, connect_timeout=PROBE_TIMEOUT_S) as connection:
+                report["reachable"] = True
+                exists = connection.execute(
+                    "SELECT to_regclass('schema_migrations') IS NOT NULL"
+                ).fetchone()
+                if exists and exists[0]:
+                    row = connection.execute(_VERSION).fetchone()
+                    report["schema_version"] = int(row[0]) if row else None
+        except psycopg.Error as exc:
+            report["error"] = target.unavailable(exc).message
+        return report
+    path = Path(location)
+    if not path.exists():
+        report["reachable"] = True  # created at first use
+        return report
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=PROBE_TIMEOUT_S) as raw:
+            report["reachable"] = True
+            report["schema_version"] = int(raw.execute(_VERSION).fetchone()[0])
+    except sqlite3.Error as exc:
+        report["error"] = f"cannot read the journal {path}: {exc}"
+    return report
