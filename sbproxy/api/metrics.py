@@ -122,7 +122,7 @@ class _HostCollector(Collector):
         for status in self.manager.status():
             active.add_metric([status.deployment], status.active_requests)
             queued.add_metric([status.deployment], status.queued_requests)
-            engine = status.engine or str(self.manager.slot(status.deployment).config.engine)
+            engine = status.engine or status.configured_engine
             for candidate in DeploymentState:
                 state.add_metric(
                     [status.deployment, engine, candidate.value],

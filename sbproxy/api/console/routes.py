@@ -152,7 +152,6 @@ def _deployment_routes(manager: RuntimeManager, activity: Activity) -> list[HTTP
     def deployment_rows(capacity: int | None) -> list[dict[str, Any]]:
         rows = []
         for entry in manager.status():
-            keep_alive = manager.slot(entry.deployment).config.keep_alive_secs
             memory = (entry.memory or {}).get("total_bytes")
             # From the runtime's own clock: the gate's last release plus keep_alive_secs.
             left_s = entry.extra.get("keep_alive_expires_in_s")
@@ -162,7 +161,7 @@ def _deployment_routes(manager: RuntimeManager, activity: Activity) -> list[HTTP
                     **entry.to_dict(),
                     "memory_bytes": memory,
                     "memory_share": memory / capacity if memory and capacity else None,
-                    "keep_alive_secs": keep_alive,
+                    "keep_alive_secs": entry.keep_alive_secs,
                     "keep_alive_expires_ms": expires,
                 }
             )
