@@ -233,14 +233,7 @@ class RuntimeManager:
         # Checks a configuration file's candidate before a file reload plans it (`serve
         # --locked` refuses one that drifts from the lockfile); raising refuses the reload.
         self.config_guard: Callable[[CompiledConfig], Awaitable[None]] | None = None
-        host = compiled.model_host
-        cache_config = host.cache if host else None
-        self.residency = Residency(
-            {0: worker.memory_bytes},
-            max_resident_models=cache_config.max_resident_models if cache_config else None,
-            eviction=cache_config.eviction if cache_config else "lru",
-            is_protected=self._protected,
-        )
+        self.residency = self._residency_for(compiled, worker)
         self.lanes = CommandLanes()
         self.staging = Staging()
         self.outbox = Outbox()
@@ -257,6 +250,16 @@ class RuntimeManager:
         self.on_commit: list[Callable[[CompiledConfig], None]] = []
         self.reload_lock = anyio.Lock()
         self.revision: int | None = None
+
+    def _residency_for(self, compiled: CompiledConfig, worker: WorkerProfile) -> Residency:
+        host = compiled.model_host
+        cache_config = host.cache if host else None
+        return Residency(
+            {0: worker.memory_bytes},
+            max_resident_models=cache_config.max_resident_models if cache_config else None,
+            eviction=cache_config.eviction if cache_config else "lru",
+            is_protected=self._protected,
+        )
 
     def _take_host_policies(self, compiled: CompiledConfig) -> None:
         """The host-wide settings a running host takes at once (and at a reload)."""
@@ -878,6 +881,8 @@ class RuntimeManager:
                 await self._publish()
             raise
         found.launched(process, port, self.cache.lease(metadata.artifact_digest))
+        # Requests that find this engine gone later need a new load, not this one.
+        self.queue(found.deployment).close_joins()
         await self._publish()
         self._watch_exit(found, process, found.generation)
         return port
