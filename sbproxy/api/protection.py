@@ -1,22 +1,24 @@
-"""Which cached artifacts removal and collection must leave alone, and why.
-
-Shared by the admin cache routes and the console's cache page; the runtime answers from its
-own state (:meth:`RuntimeManager.artifact_protection`).
+"""The one model-host facade (:class:`~sbproxy.model_host.service.ModelHostService`) the
+admin API and the console use, as the CLI does, with the serving runtime's protection
+(which cached artifacts removal and collection must leave alone, and why).
 """
 
 from __future__ import annotations
 
 from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.service import ModelHostService
 
-__all__ = ["protection", "resident_digests"]
-
-
-def resident_digests(manager: RuntimeManager) -> set[str]:
-    """Artifact digests of ready deployments."""
-    return manager.resident_digests()
+__all__ = ["host_service"]
 
 
-def protection(manager: RuntimeManager) -> dict[str, str]:
-    """Digests removal and collection must not touch, with the reason (resident wins):
-    ``configured`` (every deployment's artifact) or ``resident`` (a ready one's)."""
-    return manager.artifact_protection()
+def host_service(manager: RuntimeManager) -> ModelHostService:
+    """The model-host facade over the serving host's cache root, journal, catalog and
+    configuration now (built per call: a reload may change the last two), with the
+    runtime's protection (configured and resident artifacts)."""
+    return ModelHostService(
+        layout=manager.layout,
+        catalog=manager.catalog,
+        engine=manager.engine,
+        config=manager.compiled,
+        protection=manager.artifact_protection,
+    )
