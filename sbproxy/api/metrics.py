@@ -201,7 +201,7 @@ class _RuntimeCollector(Collector):
         self.manager = manager
 
     def collect(self) -> Iterator[Metric]:
-        tallies = self.manager.tallies
+        tallies = self.manager.tallies_snapshot()
         transitions = CounterMetricFamily(
             f"{PREFIX}_deployment_transitions",
             "Deployment state changes the runtime made, by deployment and states.",

@@ -431,6 +431,10 @@ class RuntimeManager:
             protected[digest] = "resident"
         return protected
 
+    def tallies_snapshot(self) -> RuntimeTallies:
+        """The runtime's metric tallies now (a copy: transitions, swap waits)."""
+        return self.tallies.copy()
+
     def resident_digests(self) -> set[str]:
         """Artifact digests of ready deployments."""
         return {

@@ -28,6 +28,12 @@ class RuntimeTallies:
     transitions: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     swap_waits: DurationHistogram = field(default_factory=DurationHistogram)
 
+    def copy(self) -> RuntimeTallies:
+        """An independent copy (what a scrape reads while the runtime goes on counting)."""
+        return RuntimeTallies(
+            transitions=Counter(self.transitions), swap_waits=self.swap_waits.copy()
+        )
+
 
 @dataclass
 class Upstream:

@@ -22,7 +22,7 @@ LIVE_MODULES = {
     f"{RUNTIME_MODULE}.{name}" for name in ("deployment", "staging", "lanes", "launcher")
 }
 LIVE_ATTRIBUTES = {"deployment", "deployments", "staging", "lanes", "residency", "launcher"}
-LIVE_ATTRIBUTES |= {"outbox", "slot", "slots", "staged", "_live"}
+LIVE_ATTRIBUTES |= {"outbox", "slot", "slots", "staged", "_live", "tallies"}
 
 
 def _function_lengths(path: Path) -> list[tuple[str, int]]:
