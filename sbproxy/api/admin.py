@@ -62,7 +62,7 @@ from sbproxy.api.errors import (
 )
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Disconnects, Rejections, build_registry
-from sbproxy.api.protection import protection, resident_digests
+from sbproxy.api.protection import host_service
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger, usage_handlers
 from sbproxy.catalog import Catalog
@@ -83,7 +83,6 @@ __all__ = ["Admin", "create_admin_app"]
 
 MAX_BODY_BYTES: Final = 512 * 1024
 _DECODER = msgspec.json.Decoder()
-GIB: Final = 1024**3
 # Integers above this lose precision in JSON readers that use doubles (reference section 2).
 MAX_SAFE_JSON_INTEGER: Final = 2**53 - 1
 MAX_METADATA_CHARS: Final = 256
@@ -298,19 +297,19 @@ def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     @get("/model-host/catalog", sync_to_thread=False)
     def catalog() -> dict[str, object]:
         """The catalog in force: models and variants, metadata only."""
-        return catalog_document(manager.catalog)
+        return catalog_document(host_service(manager).catalog)
 
     @get("/model-host/files")
     async def files() -> dict[str, object]:
         """The verified artifact cache; ``resident`` marks the artifact of a ready deployment."""
-        cache = manager.cache
+        service = host_service(manager)
         published, total = await anyio.to_thread.run_sync(
-            lambda: (cache.published(), cache.blob_bytes())
+            lambda: (service.cached(), service.cache.blob_bytes())
         )
-        resident = resident_digests(manager)
+        resident = {d for d, why in service.protected().items() if why == "resident"}
         return {
             "schema_version": 1,
-            "cache_root": str(manager.layout.root),
+            "cache_root": str(service.layout.root),
             "total_bytes": total,
             "artifacts": [
                 {
@@ -334,21 +333,22 @@ def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
                 code="invalid_artifact_digest",
             )
         details = {"artifact_digest": digest}
-        metadata = await anyio.to_thread.run_sync(lambda: manager.cache.read_metadata(digest))
+        service = host_service(manager)
+        metadata = await anyio.to_thread.run_sync(lambda: service.cache.read_metadata(digest))
         if metadata is None:
             raise SbproxyError(
                 "artifact is not in the verified cache", code="artifact_not_found", details=details
             )
-        protected = protection(manager)
+        protected = service.protected()
         if digest in protected:
             raise _blocked(digest, protected[digest])
-        submitted = await manager.engine.submit(
+        submitted = await service.engine.submit(
             remove_workflow,
             RemoveInput(digest=digest, protected=protected),
             idempotency_key=f"remove:{digest}",
             subject=artifact_subject(digest),
         )
-        job = await manager.engine.join(submitted.job.id)
+        job = await service.engine.join(submitted.job.id)
         if job.status != JobStatus.SUCCEEDED:
             if job.error is not None and job.error.code == "removal_blocked":
                 reason = job.error.message.rpartition(_BLOCKED_MARKER)[2].strip() or "protected"
@@ -365,21 +365,20 @@ def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     @post("/model-host/gc", status_code=200)
     async def gc() -> dict[str, object]:
         """Protected LRU collection down to ``cache.budget_gib`` (a ``gc`` job, awaited)."""
-        host = manager.compiled.model_host
-        budget_gib = host.cache.budget_gib if host is not None else None
-        if budget_gib is None:
+        service = host_service(manager)
+        budget = service.budget_bytes()  # floor(GiB x 2^30), as the reference sizes it
+        if budget is None:
             raise SbproxyError(
                 "no cache budget configured",
                 code="no_cache_budget",
                 remediation="Set proxy.model_host.cache.budget_gib.",
             )
-        budget = int(budget_gib * GIB)  # floor(GiB x 2^30), as the reference sizes it
-        submitted = await manager.engine.submit(
+        submitted = await service.engine.submit(
             gc_workflow,
-            GcInput(budget_bytes=budget, protected=protection(manager)),
+            GcInput(budget_bytes=budget, protected=service.protected()),
             idempotency_key=f"gc:{budget}",
         )
-        job = await manager.engine.join(submitted.job.id)
+        job = await service.engine.join(submitted.job.id)
         if job.status != JobStatus.SUCCEEDED:
             raise _job_failed(job, "cache collection")
         report = GcReport.model_validate(job.output)

@@ -85,7 +85,6 @@ from sbproxy.config import Route
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import AdmissionRejected
 from sbproxy.model_host.runtime.manager import RuntimeManager, Upstream
-from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.store import UsageStore
 from sbproxy.telemetry import (
     ATTR_DEPLOYMENT,
@@ -226,22 +225,7 @@ class Gateway:
 
     def availability(self, deployment: str) -> dict[str, object]:
         """``{state: ready|cold|unavailable, ready_replicas, desired_replicas}``."""
-        slot = self.manager.slot(deployment)
-        ready = slot.routable()
-        if ready:
-            state = "ready"
-        elif slot.crash is not None or slot.state in (
-            DeploymentState.FAILED,
-            DeploymentState.DRAINING,
-        ):
-            state = "unavailable"
-        else:
-            state = "cold"
-        return {
-            "state": state,
-            "ready_replicas": int(ready),
-            "desired_replicas": slot.config.replicas,
-        }
+        return self.manager.snapshot(deployment).availability()
 
     async def admit(self, route: Route, caller: Caller) -> Upstream:
         """Admit one request of ``caller`` to ``route``'s deployment.

@@ -120,6 +120,7 @@ async def open_host(
             worker=worker,
         )
         engine.add_resource(manager)
+        engine.add_resource(manager.port)
         if stop is not None:
             stop.on_hurry(lambda: _kill_engines(manager))
         async with anyio.create_task_group() as group:

@@ -122,7 +122,7 @@ class _HostCollector(Collector):
         for status in self.manager.status():
             active.add_metric([status.deployment], status.active_requests)
             queued.add_metric([status.deployment], status.queued_requests)
-            engine = status.engine or str(self.manager.slot(status.deployment).config.engine)
+            engine = status.engine or status.configured_engine
             for candidate in DeploymentState:
                 state.add_metric(
                     [status.deployment, engine, candidate.value],
@@ -201,7 +201,7 @@ class _RuntimeCollector(Collector):
         self.manager = manager
 
     def collect(self) -> Iterator[Metric]:
-        tallies = self.manager.tallies
+        tallies = self.manager.tallies_snapshot()
         transitions = CounterMetricFamily(
             f"{PREFIX}_deployment_transitions",
             "Deployment state changes the runtime made, by deployment and states.",

@@ -1,41 +1,24 @@
-"""Which cached artifacts removal and collection must leave alone, and why.
-
-Shared by the admin cache routes and the console's cache page.
+"""The one model-host facade (:class:`~sbproxy.model_host.service.ModelHostService`) the
+admin API and the console use, as the CLI does, with the serving runtime's protection
+(which cached artifacts removal and collection must leave alone, and why).
 """
 
 from __future__ import annotations
 
-from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.service import ModelHostService
 
-__all__ = ["protection", "resident_digests"]
-
-
-def resident_digests(manager: RuntimeManager) -> set[str]:
-    """Artifact digests of ready deployments."""
-    return {
-        slot.artifact.digest
-        for slot in manager.slots.values()
-        if slot.routable() and slot.artifact is not None
-    }
+__all__ = ["host_service"]
 
 
-def protection(manager: RuntimeManager) -> dict[str, str]:
-    """Digests removal and collection must not touch, with the reason (resident wins).
-
-    Configured: every deployment's artifact (the one its slot resolved, else resolved now
-    against the catalog; a deployment that does not resolve protects nothing). Resident:
-    the artifact of a ready deployment.
-    """
-    protected: dict[str, str] = {}
-    for slot in manager.slots.values():
-        digest = slot.artifact.digest if slot.artifact is not None else None
-        if digest is None:
-            try:
-                digest = manager.resolve_config(slot.config, manager.catalog).digest
-            except SbproxyError:
-                continue
-        protected[digest] = "configured"
-    for digest in resident_digests(manager):
-        protected[digest] = "resident"
-    return protected
+def host_service(manager: RuntimeManager) -> ModelHostService:
+    """The model-host facade over the serving host's cache root, journal, catalog and
+    configuration now (built per call: a reload may change the last two), with the
+    runtime's protection (configured and resident artifacts)."""
+    return ModelHostService(
+        layout=manager.layout,
+        catalog=manager.catalog,
+        engine=manager.engine,
+        config=manager.compiled,
+        protection=manager.artifact_protection,
+    )

@@ -41,7 +41,7 @@ from sbproxy.errors import SbproxyError
 from sbproxy.model_host.artifacts.proxies import proxy_settings
 from sbproxy.model_host.artifacts.sources import hf_endpoint
 from sbproxy.model_host.runtime import probe_worker
-from sbproxy.model_host.runtime.slot import free_port
+from sbproxy.model_host.runtime.upstream import free_port
 from sbproxy.telemetry import configure_from_environment
 
 __all__ = ["build_run_config", "run_command"]

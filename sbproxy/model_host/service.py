@@ -41,6 +41,7 @@ from sbproxy.model_host.artifacts import (
 from sbproxy.model_host.artifacts.errors import CacheCorrupt, OfflineArtifactMissing
 from sbproxy.model_host.flows import (
     GcInput,
+    GcPreview,
     GcReport,
     PruneReport,
     PullInput,
@@ -49,6 +50,7 @@ from sbproxy.model_host.flows import (
     RemoveInput,
     RemoveOutput,
     artifact_subject,
+    gc_preview,
     gc_workflow,
     network_files,
     prune_preview,
@@ -57,6 +59,7 @@ from sbproxy.model_host.flows import (
     registry,
     remove_workflow,
 )
+from sbproxy.model_host.flows.collect import cache_bytes
 from sbproxy.model_host.runtime import probe_worker
 from sbproxy.store import (
     ACTIVE_JOB_STATUSES,
@@ -119,21 +122,46 @@ class PartialReport:
     expected_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class CacheOverview:
+    """The artifact cache at a glance (the console's cache page).
+
+    Attributes:
+        published: Every published artifact, sorted by model and variant.
+        used_bytes: Bytes a cache budget counts (blobs once, plus partials).
+        budget_bytes: ``cache.budget_gib`` in bytes, if set.
+        protected: Digest -> why removal and collection leave it alone.
+        gc_preview: What a gc to the budget would delete now (``None``: no budget).
+        orphans: What a prune would delete now.
+    """
+
+    published: list[CachedMetadata]
+    used_bytes: int
+    budget_bytes: int | None
+    protected: dict[str, str]
+    gc_preview: GcPreview | None
+    orphans: PruneReport
+
+
 @dataclass
 class ModelHostService:
-    """Offline model-host operations over one cache root.
+    """Model-host operations over one cache root: the one facade the CLI (offline) and the
+    serving host's admin API and console use alike.
 
     Attributes:
         layout: The cache root's layout.
         catalog: The catalog in force (operator file or built-in).
         engine: The workflow engine over ``layout.journal``.
         config: The loaded configuration, if any.
+        protection: Where a serving host's protection comes from (its runtime: configured
+            and resident artifacts); ``None`` offline (the configured deployments).
     """
 
     layout: CacheLayout
     catalog: Catalog
     engine: WorkflowEngine
     config: CompiledConfig | None = None
+    protection: Callable[[], dict[str, str]] | None = None
     _worker: WorkerProfile | None = field(default=None, repr=False)
 
     @property
@@ -214,7 +242,10 @@ class ModelHostService:
         return chosen
 
     def protected(self) -> dict[str, str]:
-        """Digests removal and collection must not touch: configured deployments."""
+        """Digests removal and collection must not touch, with why: ``configured``
+        deployments' artifacts, and on a serving host ``resident`` ones (ready engines)."""
+        if self.protection is not None:
+            return self.protection()
         return {s.artifact.digest: "configured" for s in self.configured()}
 
     # -- jobs ------------------------------------------------------------------------------
@@ -410,6 +441,34 @@ class ModelHostService:
     def cached(self) -> list[CachedMetadata]:
         """Every published artifact."""
         return self.cache.published()
+
+    def artifact_names(self) -> dict[str, str]:
+        """Published artifact digest -> ``model:variant``. Blocking: reads the cache."""
+        return {m.artifact_digest: f"{m.logical_model}:{m.variant_id}" for m in self.cached()}
+
+    async def overview(self) -> CacheOverview:
+        """The cache, its budget use, its protection and what gc and prune would delete."""
+        cache = self.cache
+        published, used = await anyio.to_thread.run_sync(
+            lambda: (cache.published(), cache_bytes(cache))
+        )
+        protected = self.protected()
+        budget = self.budget_bytes()
+        preview = (
+            await gc_preview(
+                cache, self.engine.store, GcInput(budget_bytes=budget, protected=protected)
+            )
+            if budget is not None
+            else None
+        )
+        return CacheOverview(
+            published=sorted(published, key=lambda m: (m.logical_model, m.variant_id)),
+            used_bytes=used,
+            budget_bytes=budget,
+            protected=protected,
+            gc_preview=preview,
+            orphans=await self.prune_preview(),
+        )
 
     def status_of(self, model_id: str) -> str:
         """``cached`` when some published artifact is a variant of ``model_id``."""

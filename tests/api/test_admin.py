@@ -70,7 +70,7 @@ async def test_load_then_stop_through_jobs(tmp_path: Path) -> None:
         assert body["poll_url"] == f"/admin/model-host/jobs/{body['job_id']}"
         job = await wait_job(http, body["job_id"])
         assert job["status"] == "succeeded", job
-        assert host.host.manager.slot("tiny").state == DeploymentState.READY
+        assert host.host.manager.deployment("tiny").state == DeploymentState.READY
         stop = await http.post("/admin/model-host/stop", json={"model": "tiny"})  # legacy key
         assert stop.status_code == 202
         assert (await wait_job(http, stop.json()["job_id"]))["status"] == "succeeded"
@@ -91,7 +91,7 @@ async def test_a_load_posted_while_another_load_runs_joins_it_and_ends_ready(
         job = await wait_job(http, load.json()["job_id"])
         assert job["status"] == "succeeded", job
         assert job["id"] == first.job_id  # one launch, not two
-        assert manager.slot("tiny").state == DeploymentState.READY
+        assert manager.deployment("tiny").state == DeploymentState.READY
         assert len(manager.engine_pids()) == 1
 
 

@@ -127,7 +127,7 @@ async def test_files_marks_the_ready_artifact_resident(tmp_path: Path) -> None:
             "artifacts": [],
         }
         await load(http)
-        slot = host.host.manager.slot("tiny")
+        slot = host.host.manager.deployment("tiny")
         assert slot.state == DeploymentState.READY
         assert slot.artifact is not None
         listed = (await http.get(FILES)).json()

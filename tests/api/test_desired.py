@@ -69,8 +69,8 @@ async def test_put_compare_and_set_then_reload(tmp_path: Path) -> None:
         body = created.json()
         assert body["revision"] == 1
         assert body["plan"] == {"added": ["a"], "changed": [], "removed": [], "preserved": []}
-        assert manager.slot("a").state == DeploymentState.READY  # warm: started before commit
-        port = manager.slot("a").port
+        assert manager.deployment("a").state == DeploymentState.READY  # warm: started before commit
+        port = manager.deployment("a").port
 
         stale = await put(s.admin_url, {"expected_revision": None, "deployments": {}})
         assert stale.status_code == 409
@@ -84,7 +84,7 @@ async def test_put_compare_and_set_then_reload(tmp_path: Path) -> None:
         assert second.status_code == 200, second.text
         assert second.json()["revision"] == 2
         assert second.json()["plan"]["preserved"] == ["a"]
-        assert manager.slot("a").port == port
+        assert manager.deployment("a").port == port
         view = await get(s.admin_url)
         assert view["revision"] == 2
         assert view["content_digest"] == second.json()["content_digest"]
@@ -142,7 +142,7 @@ async def test_put_refusals_leave_the_store_unchanged(tmp_path: Path) -> None:
             {"expected_revision": 1, "deployments": {"a": {**TINY, "max_concurrency": 0}}},
         )
         assert invalid.json()["path"] == "deployments.a.max_concurrency"
-        assert set(s.host.manager.slots) == {"a"}
+        assert set(s.host.manager.deployments) == {"a"}
 
 
 async def test_a_restarted_host_serves_the_stored_revision(tmp_path: Path) -> None:
@@ -152,7 +152,7 @@ async def test_a_restarted_host_serves_the_stored_revision(tmp_path: Path) -> No
         assert ok.status_code == 200, ok.text
     # sb.yml still declares nothing; the store is authoritative.
     async with served(tmp_path, deployments={}, model_host=settings) as s:
-        assert set(s.host.manager.slots) == {"kept"}
+        assert set(s.host.manager.deployments) == {"kept"}
         view = await get(s.admin_url)
         assert view["revision"] == 1
         assert view["content_digest"] == ok.json()["content_digest"]
@@ -167,8 +167,8 @@ async def test_a_candidate_that_cannot_start_is_a_422_and_stores_nothing(tmp_pat
         assert answer.json()["code"] == "crash_loop"
         assert answer.json()["job_id"]
         assert not store.exists()
-        assert not s.host.manager.slots
-        assert not s.host.manager.staged
+        assert not s.host.manager.deployments
+        assert not s.host.manager.staging.staged
 
 
 async def test_a_store_race_discards_the_staged_rollout(tmp_path: Path) -> None:
@@ -187,8 +187,8 @@ async def test_a_store_race_discards_the_staged_rollout(tmp_path: Path) -> None:
         assert answer.status_code == 409, answer.text
         assert answer.json()["code"] == "revision_conflict"
         assert answer.json()["actual_revision"] == 1
-        assert not s.host.manager.slots  # the staged warm engine was stopped, nothing routed
-        assert not s.host.manager.staged
+        assert not s.host.manager.deployments  # the staged warm engine was stopped, nothing routed
+        assert not s.host.manager.staging.staged
         assert s.host.manager.residency.reservations == ()
 
 

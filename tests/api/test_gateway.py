@@ -34,7 +34,7 @@ async def test_chat_completion_through_the_openai_client(tmp_path: Path) -> None
         assert completion.model == "tiny-chat"
         assert completion.choices[0].message.content == "fake reply from the stand-in"
         assert raw.headers["x-sbproxy-logical-model"] == "tiny-chat"
-        assert host.host.manager.slot("tiny").gate.active == 0
+        assert host.host.manager.deployment("tiny").gate.active == 0
 
 
 async def test_default_model_completions_and_embeddings(tmp_path: Path) -> None:
@@ -73,7 +73,7 @@ async def test_streamed_chunks_arrive_with_the_upstream_spacing(tmp_path: Path) 
 
 async def test_client_disconnect_mid_stream_releases_the_permit(tmp_path: Path) -> None:
     async with served(tmp_path, mode="token_delay_s=1.0") as host:
-        gate = host.host.manager.slot("tiny").gate
+        gate = host.host.manager.deployment("tiny").gate
         async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
             body = {
                 "model": "tiny-chat",
@@ -111,13 +111,13 @@ async def test_an_engine_stopped_mid_stream_ends_the_stream_with_an_error_event(
                         continue
                     events.append(line)
                     if len(events) == 1:  # the engine goes away mid-stream
-                        process = manager.slot("tiny").process
+                        process = manager.deployment("tiny").process
                         assert process is not None
                         os.kill(process.pid, signal.SIGKILL)
         assert '"model": "tiny-chat"' in events[0]
         assert '"code": "upstream_unavailable"' in events[-1]
         assert "[DONE]" not in "".join(events)
-        await until(lambda: manager.slot("tiny").gate.active == 0, timeout_s=2)
+        await until(lambda: manager.deployment("tiny").gate.active == 0, timeout_s=2)
 
 
 async def test_models_list_reports_availability(tmp_path: Path) -> None:
@@ -173,7 +173,7 @@ async def test_admission_refusal_is_retryable_with_retry_after(tmp_path: Path) -
         "queue_timeout_ms": 300,
     }
     async with served(tmp_path, deployments={"tiny": tiny}) as host:
-        slot = host.host.manager.slot("tiny")
+        slot = host.host.manager.deployment("tiny")
         host.host.manager.request_load("tiny")
         await until(lambda: slot.state == DeploymentState.READY)
         first = await host.host.manager.acquire("tiny", priority=PriorityClass.STANDARD)

@@ -209,7 +209,7 @@ async def test_a_chat_to_a_completion_only_model_is_chat_not_supported(tmp_path:
         assert "/v1/completions" in error["message"]
         assert completion.status_code == 200
         assert [body.get("prompt") for body in forwarded(log)] == ["Once upon"]
-        await until(lambda: host.host.manager.slot("tiny").state == DeploymentState.READY)
+        await until(lambda: host.host.manager.deployment("tiny").state == DeploymentState.READY)
 
 
 async def test_streams_keep_their_event_framing_and_are_not_buffered(tmp_path: Path) -> None:

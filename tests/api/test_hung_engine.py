@@ -32,7 +32,7 @@ async def test_a_hung_engine_is_restarted_and_the_host_converges(tmp_path: Path)
     }
     async with served(tmp_path, deployments={"tiny": hung}, mode="hang_completions") as host:
         manager = host.host.manager
-        await until(lambda: manager.slot("tiny").routable())
+        await until(lambda: manager.deployment("tiny").routable())
         first = manager.snapshot("tiny")
         # The engine is mended on disk: the relaunch (and only it) starts a working one.
         fake_llama_server(tmp_path / "bin")
@@ -42,7 +42,7 @@ async def test_a_hung_engine_is_restarted_and_the_host_converges(tmp_path: Path)
                 assert timed_out.status_code == 504
                 assert timed_out.json()["error"]["code"] == "engine_timeout"
             await until(lambda: manager.snapshot("tiny").generation > first.generation)
-            await until(lambda: manager.slot("tiny").routable())
+            await until(lambda: manager.deployment("tiny").routable())
             answered = await http.post("/v1/chat/completions", json=CHAT)
         assert answered.status_code == 200
         status = manager.snapshot("tiny")

@@ -59,7 +59,7 @@ def outcomes_of(manager: RuntimeManager) -> list[Outcome]:
 async def warm(host: Served) -> int:
     """Start the engine (outside the gateway, so no outcome is reported); its generation."""
     manager = host.host.manager
-    slot = manager.slot("tiny")
+    slot = manager.deployment("tiny")
     manager.request_load("tiny")
     await until(lambda: slot.state == DeploymentState.READY)
     return slot.generation
@@ -140,7 +140,7 @@ async def test_a_hung_plain_request_gets_504_after_request_timeout(
                 sent = time.monotonic()
                 answer = await http.post("/v1/chat/completions", json=CHAT)
                 elapsed = time.monotonic() - sent
-            assert host.host.manager.slot("tiny").gate.active == 0  # freed before the answer
+            assert host.host.manager.deployment("tiny").gate.active == 0  # freed before the answer
             assert await active_in_status(host) == 0
             await until(lambda: len(closed_at_engine(log)) == 1, timeout_s=2)
     assert answer.status_code == 504
@@ -175,7 +175,7 @@ async def test_a_stream_without_a_first_event_gets_504_before_its_headers(
         generation = await warm(host)
         async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
             answer = await http.post("/v1/chat/completions", json=STREAM)
-        assert host.host.manager.slot("tiny").gate.active == 0
+        assert host.host.manager.deployment("tiny").gate.active == 0
         await until(lambda: len(closed_at_engine(log)) == 1, timeout_s=2)
     assert answer.status_code == 504
     error = answer.json()["error"]
@@ -236,7 +236,7 @@ async def test_an_open_stream_that_runs_out_of_a_limit_ends_with_an_error_event(
         generation = await warm(host)
         with access_lines(caplog) as lines:
             status, events, elapsed = await stream_lines(host)
-            assert host.host.manager.slot("tiny").gate.active == 0
+            assert host.host.manager.deployment("tiny").gate.active == 0
             await until(lambda: len(closed_at_engine(log)) == 1, timeout_s=2)
     assert status == 200  # the headers went out before the limit ran out
     *content, last = events
@@ -288,7 +288,7 @@ async def test_a_plain_request_whose_client_leaves_cancels_the_engine_and_frees_
     async with served(tmp_path, mode=f"reply_delay_s=60,requests_log={log}") as host:
         outcomes = outcomes_of(host.host.manager)
         generation = await warm(host)
-        gate = host.host.manager.slot("tiny").gate
+        gate = host.host.manager.deployment("tiny").gate
         with access_lines(caplog) as lines:
             client = await open_request(host, CHAT)
             await until(lambda: gate.active == 1 and len(engine_log(log)) == 1, timeout_s=5)
@@ -320,7 +320,7 @@ async def test_a_queued_request_whose_client_leaves_leaves_the_queue(
         manager = host.host.manager
         outcomes = outcomes_of(manager)
         await warm(host)
-        gate = manager.slot("tiny").gate
+        gate = manager.deployment("tiny").gate
         held = await manager.acquire("tiny", priority=PriorityClass.STANDARD)
         with access_lines(caplog) as lines:
             client = await open_request(host, CHAT)
@@ -345,7 +345,7 @@ async def test_an_abandoned_stream_is_counted_and_logged_as_499(
     async with served(tmp_path, mode=f"token_delay_s=1.0,requests_log={log}") as host:
         outcomes = outcomes_of(host.host.manager)
         generation = await warm(host)
-        gate = host.host.manager.slot("tiny").gate
+        gate = host.host.manager.deployment("tiny").gate
         with access_lines(caplog) as lines:
             async with (
                 httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http,
@@ -403,7 +403,7 @@ async def test_a_stream_read_to_its_end_is_no_disconnect(
     async with served(tmp_path, mode=f"{mode},requests_log={log}") as host:
         outcomes = outcomes_of(host.host.manager)
         generation = await warm(host)
-        gate = host.host.manager.slot("tiny").gate
+        gate = host.host.manager.deployment("tiny").gate
         with access_lines(caplog) as lines:
             started = time.monotonic()
             chunks = await openai_stream(host, stop_at_usage=stop_at_usage)

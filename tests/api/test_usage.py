@@ -231,7 +231,7 @@ async def test_a_stream_left_early_is_still_counted(tmp_path: Path) -> None:
                 async for line in response.aiter_lines():
                     if line.startswith("data:"):
                         break
-        gate = host.host.manager.slot("tiny").gate
+        gate = host.host.manager.deployment("tiny").gate
 
         def counted() -> bool:
             return gate.active == 0 and host.gateway.usage.snapshot()[0]["requests"] == 1

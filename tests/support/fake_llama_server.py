@@ -6,6 +6,8 @@ streamed or not, and embeddings), and has fault modes chosen with the environmen
 variable ``FAKE_LLAMA_MODE`` (comma-separated):
 
 * ``load_s=<seconds>`` -- stay "loading" this long (default 0.2);
+* ``ready_file=<path>`` -- stay "loading" until ``path`` exists (a test decides when the
+  load ends);
 * ``exit_at_start`` -- print an error and exit with status 3 before listening;
 * ``crash_after_ready_s=<seconds>`` -- exit with status 134 that long after becoming ready;
 * ``hang`` -- listen but never become ready;
@@ -56,6 +58,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 VERSION_TEXT = "version: 9999 (fake)\nbuilt with fake for testing\n"
@@ -112,9 +115,12 @@ class _State:
         self.done_delay_s = 0.0
         self.end_delay_s = 0.0
         self.stall_after_events: int | None = None
+        self.ready_file: str | None = None
 
     @property
     def ready(self) -> bool:
+        if self.ready_file is not None and not Path(self.ready_file).exists():
+            return False
         return not self.hang and time.monotonic() >= self.ready_at
 
 
@@ -345,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         float(modes.get("load_s") or 0.2), args.model, float(modes.get("token_delay_s") or 0.01)
     )
     state.hang = "hang" in modes
+    state.ready_file = modes.get("ready_file") or None
     state.hang_completions = "hang_completions" in modes
     state.requests_log = modes.get("requests_log") or None
     state.reply_delay_s = float(modes.get("reply_delay_s") or 0)

@@ -13,6 +13,7 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,6 +29,7 @@ from sbproxy.model_host.flows import PullInput, pull_workflow
 from sbproxy.model_host.flows.collect import artifact_subject
 from sbproxy.store import JobRecord, JobStatus
 from tests.api.support import ADMIN, Served, served
+from tests.model_host.runtime.support import until
 from tests.support.hf_server import HfMirror
 from tests.support.tools import without_tool
 
@@ -123,17 +125,34 @@ async def test_console_without_credentials_is_401(tmp_path: Path) -> None:
             await context.close()
 
 
-async def test_console_pages_follow_jobs_live_and_stop_reaches_stopped(tmp_path: Path) -> None:
-    # A 1.5 s engine load keeps the load job running while its page is open.
+@asynccontextmanager
+async def console(
+    tmp_path: Path, *, mode: str | None = None, model_host: dict[str, Any] | None = None
+) -> AsyncIterator[tuple[Served, httpx.AsyncClient, Any]]:
+    """A served host, an admin client and a browser page on its console."""
     async with (
-        served(tmp_path, mode="load_s=1.5", model_host={"cache": {"budget_gib": 1}}) as host,
+        served(tmp_path, mode=mode, model_host=model_host) as host,
         httpx.AsyncClient(base_url=host.admin_url, auth=ADMIN, timeout=30) as admin,
         browser(tmp_path) as context,
     ):
         page = context.pages[0] if context.pages else await context.new_page()  # type: ignore[attr-defined]
         page.set_default_timeout(TIMEOUT_MS)
+        yield host, admin, page
 
-        # Jobs detail: a running load's progress arrives over SSE, without a reload.
+
+async def loaded(host: Served, admin: httpx.AsyncClient) -> str:
+    """Load ``tiny`` and wait until it is ready; the load job's id."""
+    load = await admin.post("/admin/model-host/load", json={"deployment": "tiny"})
+    assert load.status_code == 202, load.text
+    await until(lambda: host.host.manager.snapshot("tiny").state.value == "ready")
+    return str(load.json()["job_id"])
+
+
+async def test_a_running_loads_page_follows_it_live_without_a_reload(tmp_path: Path) -> None:
+    # The engine stays loading until the test creates this file: the job cannot finish
+    # before its page is open.
+    go = tmp_path / "engine-may-be-ready"
+    async with console(tmp_path, mode=f"ready_file={go}") as (host, admin, page):
         load = await admin.post("/admin/model-host/load", json={"deployment": "tiny"})
         job_id = load.json()["job_id"]
         await page.goto(f"{host.admin_url}/admin/ui/jobs/{job_id}")
@@ -141,42 +160,65 @@ async def test_console_pages_follow_jobs_live_and_stop_reaches_stopped(tmp_path:
         first = await section.get_attribute("data-status")
         assert first in ("queued", "running"), first
         await page.evaluate("window.__notReloaded = true")
+        go.touch()
         await page.wait_for_selector(f"section.job[data-job-id='{job_id}'][data-status=succeeded]")
         assert await page.evaluate("window.__notReloaded === true")
         assert await page.locator("table.steps tbody tr").count() >= 1
         assert await page.locator("[data-field=status]").text_content() == "succeeded"
         await shot(page, "job")
 
-        # Deployments: the ready deployment shows, with its actions.
+
+async def test_the_deployments_page_shows_a_ready_deployment_with_its_actions(
+    tmp_path: Path,
+) -> None:
+    async with console(tmp_path) as (host, admin, page):
+        await loaded(host, admin)
         await page.goto(f"{host.admin_url}/admin/ui/deployments")
         row = page.locator("[data-deployment=tiny]")
         await page.wait_for_selector("[data-deployment=tiny][data-state=ready]")
         for action in ("load", "stop", "drain", "reset"):
             assert await row.locator(f"[data-action={action}]").count() == 1
-        await chat(host)
         await shot(page, "deployments")
 
-        # Activity: the two requests, with tokens; the stream has a time to first token.
+
+async def test_the_activity_page_shows_each_request_and_the_charts(tmp_path: Path) -> None:
+    async with console(tmp_path) as (host, admin, page):
+        await loaded(host, admin)
+        await chat(host)
         await page.goto(f"{host.admin_url}/admin/ui/activity")
         requests = page.locator("#activity tr.request[data-deployment=tiny]")
         assert await requests.count() == 2
         assert await page.locator("svg.chart").count() == 2
         await shot(page, "activity")
 
-        # Engine output: the current generation's log tail.
+
+async def test_the_logs_page_shows_the_current_generations_output(tmp_path: Path) -> None:
+    async with console(tmp_path) as (host, admin, page):
+        await loaded(host, admin)
         await page.goto(f"{host.admin_url}/admin/ui/logs")
         tail = page.locator("section.log[data-deployment=tiny] pre.tail")
         assert "listening" in (await tail.text_content() or "")
         await shot(page, "logs")
 
-        # Cache: the resident artifact and the gc dry run.
+
+async def test_the_cache_page_shows_the_resident_artifact_and_the_gc_dry_run(
+    tmp_path: Path,
+) -> None:
+    async with console(tmp_path, model_host={"cache": {"budget_gib": 1}}) as (host, admin, page):
+        await loaded(host, admin)
         await page.goto(f"{host.admin_url}/admin/ui/cache")
         assert await page.locator("#artifacts tr[data-resident=true]").count() == 1
         assert "gc would delete" in (await page.locator("#gc-preview").text_content() or "")
         await shot(page, "cache")
 
-        # Stop from the page: the row reaches stopped and the job's progress shows live.
+
+async def test_stop_from_the_page_reaches_stopped_and_the_jobs_list_has_both_jobs(
+    tmp_path: Path,
+) -> None:
+    async with console(tmp_path) as (host, admin, page):
+        load_job = await loaded(host, admin)
         await page.goto(f"{host.admin_url}/admin/ui/deployments")
+        row = page.locator("[data-deployment=tiny]")
         await page.wait_for_selector("[data-deployment=tiny][data-state=ready]")
         await row.locator("[data-action=stop]").click()
         await page.wait_for_selector("[data-deployment=tiny] .job-live[data-job-id]")
@@ -187,13 +229,11 @@ async def test_console_pages_follow_jobs_live_and_stop_reaches_stopped(tmp_path:
         assert host.host.manager.snapshot("tiny").state.value == "stopped"
         await shot(page, "deployments-stopped")
 
-        # Jobs list: both jobs, each row with its id.
         await page.goto(f"{host.admin_url}/admin/ui/jobs")
-        for expected in (job_id, stop_job):
+        for expected in (load_job, stop_job):
             assert await page.locator(f"#jobs tr[data-job-id='{expected}']").count() == 1
         await page.goto(f"{host.admin_url}/admin/ui/jobs?kind=drain")
         assert await page.locator("#jobs tr[data-job-id]").count() == 1
-        await page.goto(f"{host.admin_url}/admin/ui/jobs")
         await shot(page, "jobs")
 
 

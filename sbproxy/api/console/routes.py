@@ -44,10 +44,8 @@ from sbproxy.api.console.views import (
 )
 from sbproxy.api.errors import CrossSiteRequest, InvalidBody
 from sbproxy.api.jobs import check_job_id
-from sbproxy.api.protection import protection
+from sbproxy.api.protection import host_service
 from sbproxy.errors import SbproxyError
-from sbproxy.model_host.flows import GcInput, gc_preview, prune_preview
-from sbproxy.model_host.flows.collect import cache_bytes
 from sbproxy.model_host.runtime import probe_devices
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.store import JobRecord, JobStatus, wall_clock_ms
@@ -60,7 +58,6 @@ ACTIONS: Final = ("load", "stop", "drain", "reset")
 JOBS_SHOWN: Final = 200
 EVENTS_SHOWN: Final = 50
 CHART_WINDOW_MS: Final = 10 * 60 * 1000
-GIB: Final = 1024**3
 
 
 def console_templates() -> TemplateConfig[JinjaTemplateEngine]:
@@ -136,9 +133,7 @@ def _job_row(job: JobRecord, names: Mapping[str, str] | None = None) -> dict[str
 def _artifact_names(manager: RuntimeManager, jobs: Sequence[JobRecord]) -> dict[str, str]:
     """Artifact digest -> ``model:variant``, from the published cache and the pulls in
     ``jobs`` (a remove or gc job's input names only the digest). Blocking: reads the cache."""
-    names = {
-        m.artifact_digest: f"{m.logical_model}:{m.variant_id}" for m in manager.cache.published()
-    }
+    names = host_service(manager).artifact_names()
     for job in jobs:
         named = artifact_name(job.input)
         if named is not None:
@@ -152,7 +147,6 @@ def _deployment_routes(manager: RuntimeManager, activity: Activity) -> list[HTTP
     def deployment_rows(capacity: int | None) -> list[dict[str, Any]]:
         rows = []
         for entry in manager.status():
-            keep_alive = manager.slot(entry.deployment).config.keep_alive_secs
             memory = (entry.memory or {}).get("total_bytes")
             # From the runtime's own clock: the gate's last release plus keep_alive_secs.
             left_s = entry.extra.get("keep_alive_expires_in_s")
@@ -162,7 +156,7 @@ def _deployment_routes(manager: RuntimeManager, activity: Activity) -> list[HTTP
                     **entry.to_dict(),
                     "memory_bytes": memory,
                     "memory_share": memory / capacity if memory and capacity else None,
-                    "keep_alive_secs": keep_alive,
+                    "keep_alive_secs": entry.keep_alive_secs,
                     "keep_alive_expires_ms": expires,
                 }
             )
@@ -367,27 +361,14 @@ def _log_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
 
 def _cache_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     """The cache page."""
-    engine = manager.engine
 
     @get("/cache")
     async def cache() -> Template:
         """Artifacts with sizes and flags, budget use, and what gc and prune would delete."""
-        artifact_cache = manager.cache
-        published, used = await anyio.to_thread.run_sync(
-            lambda: (artifact_cache.published(), cache_bytes(artifact_cache))
-        )
-        protected = protection(manager)
-        host = manager.compiled.model_host
-        budget_gib = host.cache.budget_gib if host is not None else None
-        budget = int(budget_gib * GIB) if budget_gib is not None else None
-        preview = (
-            await gc_preview(
-                artifact_cache, engine.store, GcInput(budget_bytes=budget, protected=protected)
-            )
-            if budget is not None
-            else None
-        )
-        orphans = await prune_preview(artifact_cache, engine.store)
+        service = host_service(manager)
+        overview = await service.overview()
+        protected, preview, budget = overview.protected, overview.gc_preview, overview.budget_bytes
+        used = overview.used_bytes
         rows = [
             {
                 "logical_model": m.logical_model,
@@ -399,19 +380,19 @@ def _cache_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
                 "configured": m.artifact_digest in protected,
                 "gc_victim": preview is not None and m.artifact_digest in preview.victims,
             }
-            for m in sorted(published, key=lambda m: (m.logical_model, m.variant_id))
+            for m in overview.published
         ]
         return Template(
             "cache.html",
             context={
                 "page": "cache",
-                "root": str(manager.layout.root),
+                "root": str(service.layout.root),
                 "artifacts": rows,
                 "used_bytes": used,
                 "budget_bytes": budget,
                 "budget_share": used / budget if budget else None,
                 "preview": preview,
-                "orphans": orphans,
+                "orphans": overview.orphans,
             },
         )
 

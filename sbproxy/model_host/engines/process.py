@@ -150,6 +150,11 @@ class EngineProcess:
         self._reader = asyncio.get_running_loop().create_task(self._pump())
 
     @property
+    def start_ticks(self) -> str | None:
+        """The child's start time in clock ticks, as its ownership record has it."""
+        return self.record.start_ticks
+
+    @property
     def returncode(self) -> int | None:
         """Exit status once the process has exited (negative: killed by that signal)."""
         return self._process.returncode

@@ -53,6 +53,9 @@ class Command:
     reason: str
     job_id: str | None = None
     superseded_by: int | None = None
+    # False once the command's launch is done: a later load must not join it (the engine
+    # it started may already be gone).
+    joinable: bool = True
     done: anyio.Event = field(default_factory=anyio.Event)
     assigned: anyio.Event = field(default_factory=anyio.Event)
     _scopes: list[anyio.CancelScope] = field(default_factory=list)
@@ -102,7 +105,7 @@ class CommandQueue:
         """
         if kind is CommandKind.LOAD and join and self._pending:
             newest = self._pending[-1]
-            if newest.kind is CommandKind.LOAD and newest.superseded_by is None:
+            if newest.kind is CommandKind.LOAD and newest.superseded_by is None and newest.joinable:
                 return newest, False
         self._seq += 1
         command = Command(seq=self._seq, kind=kind, reason=reason)
@@ -113,6 +116,12 @@ class CommandQueue:
                     earlier.cancel_live()
         self._pending.append(command)
         return command, True
+
+    def close_joins(self) -> None:
+        """The pending loads did their launch: a later load gets a command of its own."""
+        for command in self._pending:
+            if command.kind is CommandKind.LOAD:
+                command.joinable = False
 
     def find(self, job_id: str) -> Command | None:
         """The pending command carried out by ``job_id``."""

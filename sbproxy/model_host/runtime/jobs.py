@@ -10,7 +10,8 @@ host killed even after the launch committed converges to a ready engine under th
 job id (engines die with their host; the restarted host reaps what is left).
 
 The manager runs these jobs itself, in their deployment's command order (``commands.py``);
-each step runs in :meth:`RuntimeManager.step_scope`, so a later ``stop`` cancels a load's
+each step takes the :class:`~sbproxy.model_host.runtime.port.RuntimePort` and runs in its
+``step_scope``, so a later ``stop`` cancels a load's
 steps and the job ends ``cancelled``.
 """
 
@@ -22,18 +23,16 @@ from pydantic import BaseModel, ConfigDict
 
 from sbproxy.catalog import Catalog, ResolvedArtifact
 from sbproxy.errors import SbproxyError
-from sbproxy.model_host.engines import provision_llama_cpp
 from sbproxy.model_host.flows.pull import PullInput, PullIntent, PullOutput, pull_workflow
 from sbproxy.model_host.registry import registry
 from sbproxy.model_host.runtime.commands import CommandKind
-from sbproxy.model_host.runtime.manager import RuntimeManager, Slot, deployment_digest
+from sbproxy.model_host.runtime.port import RuntimePort, runtime_port
 from sbproxy.store import JobRecord, JobStatus
-from sbproxy.workflows import StepContext, WorkflowContext, step
+from sbproxy.workflows import StepContext, WorkflowContext, WorkflowEngine, step
 
 __all__ = [
     "load_workflow",
     "pull_artifact",
-    "pull_for",
     "submit_drain",
     "submit_load",
     "submit_reset",
@@ -84,48 +83,34 @@ class LoadOutput(BaseModel):
     start_ticks: str | None = None
 
 
-def _slot(ctx: StepContext, deployment: str) -> tuple[RuntimeManager, Slot]:
-    manager = ctx.resource(RuntimeManager)
-    return manager, manager.slot(deployment)
-
-
-async def pull_for(manager: RuntimeManager, slot: Slot, *, intent: str) -> PullOutput:
-    """Make the slot's artifact ready through its pull job (joining a running one).
-
-    Raises:
-        SbproxyError: the pull job's failure (``manual_artifact_missing``, ...).
-    """
-    artifact = slot.artifact or manager.resolve(slot)
-    return await pull_artifact(manager, artifact, pull_policy=str(slot.config.pull), intent=intent)
-
-
 async def pull_artifact(
-    manager: RuntimeManager,
+    engine: WorkflowEngine,
+    catalog: Catalog,
     artifact: ResolvedArtifact,
     *,
     pull_policy: str,
     intent: str,
-    catalog: Catalog | None = None,
 ) -> PullOutput:
-    """Make ``artifact`` ready through its pull job (key = the artifact digest).
+    """Make ``artifact`` ready through its pull job (key = the artifact digest), with the
+    pickle policy of its ``catalog`` entry.
 
     Raises:
         SbproxyError: the pull job's failure (``manual_artifact_missing``, ...).
     """
-    entry = (catalog or manager.catalog).entry(artifact.logical_model)
+    entry = catalog.entry(artifact.logical_model)
     request = PullInput(
         artifact=artifact,
         allow_pickle=entry.allow_pickle,
         intent=PullIntent(intent),
         pull_policy=pull_policy,
     )
-    submitted = await manager.engine.submit(
+    submitted = await engine.submit(
         pull_workflow,
         request,
         idempotency_key=artifact.digest,
         subject=f"artifact:sha256:{artifact.digest}",
     )
-    job = await manager.engine.join(submitted.job.id)
+    job = await engine.join(submitted.job.id)
     if job.status != JobStatus.SUCCEEDED:
         error = job.error
         raise SbproxyError(
@@ -142,9 +127,9 @@ async def resolve_step(ctx: StepContext, request: DeploymentInput) -> ResolvedAr
 
     Idempotency: pure (catalog and worker profile).
     """
-    manager, slot = _slot(ctx, request.deployment)
-    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
-        return manager.resolve(slot)
+    runtime = runtime_port(ctx)
+    async with runtime.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
+        return runtime.resolve(request.deployment)
 
 
 @step("pull")
@@ -153,11 +138,9 @@ async def pull_step(ctx: StepContext, request: PullStepInput) -> PullOutput:
 
     Idempotency: the pull job is keyed by the artifact digest; a cached artifact is a hit.
     """
-    manager, slot = _slot(ctx, request.deployment)
-    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
-        manager.use_artifact(slot, request.artifact)
-        intent = "startup" if str(slot.config.pull) == "on_boot" else "runtime"
-        return await pull_for(manager, slot, intent=intent)
+    runtime = runtime_port(ctx)
+    async with runtime.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
+        return await runtime.pull(request.deployment, request.artifact)
 
 
 @step("engine")
@@ -166,20 +149,15 @@ async def engine_step(ctx: StepContext, request: DeploymentInput) -> str:
 
     Idempotency: detection finds an engine acquired by an earlier run.
     """
-    manager = ctx.resource(RuntimeManager)
-    host = manager.compiled.model_host
-    config = host.engines.llama_cpp if host else None
-    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
-        executable = await provision_llama_cpp(
-            config, engine=manager.engine, layout_root=manager.layout.root
-        )
+    runtime = runtime_port(ctx)
+    async with runtime.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
+        executable = await runtime.provision_engine()
     return str(executable)
 
 
 async def _launch_still_live(ctx: StepContext, output: LoadOutput) -> bool:
     """Replay check of ``launch``: is the recorded engine still ours, alive, listening?"""
-    manager = ctx.resource(RuntimeManager)
-    return manager.observe_generation(
+    return runtime_port(ctx).observe(
         output.deployment,
         generation=output.generation,
         pid=output.pid,
@@ -195,20 +173,18 @@ async def launch_step(ctx: StepContext, request: LaunchInput) -> LoadOutput:
     is none (engines die with their host) and a new generation starts. The output names a
     process, so a replay re-checks it (``observe``) instead of trusting it.
     """
-    manager, slot = _slot(ctx, request.deployment)
-    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
-        manager.use_artifact(slot, request.artifact)
-        port = await manager.launch_generation(
-            slot, executable=Path(request.executable), job_id=ctx.job_id
+    runtime = runtime_port(ctx)
+    async with runtime.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
+        launched = await runtime.launch(
+            request.deployment, request.artifact, Path(request.executable), job_id=ctx.job_id
         )
-    process = slot.process
     return LoadOutput(
-        deployment=slot.deployment,
-        generation=slot.generation,
-        port=port,
+        deployment=request.deployment,
+        generation=launched.generation,
+        port=launched.port,
         artifact_digest=request.artifact.digest,
-        pid=process.pid if process else None,
-        start_ticks=process.record.start_ticks if process else None,
+        pid=launched.pid,
+        start_ticks=launched.start_ticks,
     )
 
 
@@ -230,9 +206,9 @@ async def drain_step(ctx: StepContext, request: DeploymentInput) -> dict[str, ob
 
     Idempotency: draining a stopped deployment only settles its state.
     """
-    manager, slot = _slot(ctx, request.deployment)
-    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.STOP):
-        return await manager.drain_slot(slot, job_id=ctx.job_id, reason=request.reason)
+    runtime = runtime_port(ctx)
+    async with runtime.step_scope(ctx.job_id, request.deployment, CommandKind.STOP):
+        return await runtime.drain(request.deployment, job_id=ctx.job_id, reason=request.reason)
 
 
 @registry.workflow("drain", version=1)
@@ -258,10 +234,10 @@ async def reset_step(ctx: StepContext, request: DeploymentInput) -> ResetOutput:
     Idempotency: a deployment that was reset already is ``configured``, and resetting a
     deployment that has not failed changes nothing (``cleared: false``, the job succeeds).
     """
-    manager, slot = _slot(ctx, request.deployment)
-    async with manager.step_scope(ctx.job_id, request.deployment, CommandKind.RESET):
-        cleared = await manager.reset_slot(slot, job_id=ctx.job_id)
-    return ResetOutput(deployment=slot.deployment, cleared=cleared, state=slot.state.value)
+    runtime = runtime_port(ctx)
+    async with runtime.step_scope(ctx.job_id, request.deployment, CommandKind.RESET):
+        cleared, state = await runtime.reset(request.deployment, job_id=ctx.job_id)
+    return ResetOutput(deployment=request.deployment, cleared=cleared, state=state)
 
 
 @registry.workflow("reset", version=1)
@@ -272,29 +248,24 @@ async def reset_workflow(ctx: WorkflowContext, request: DeploymentInput) -> Rese
 
 
 async def submit_load(
-    manager: RuntimeManager, deployment: str, *, idempotency_key: str | None = None
+    runtime: RuntimePort, deployment: str, *, idempotency_key: str | None = None
 ) -> JobRecord:
     """Queue (or join, by ``idempotency_key``, default ``load:<deployment>``) a ``load``
     job of ``deployment``. Commands go through :meth:`RuntimeManager.load`, which picks the
     key and runs the job in order; this only writes the journal."""
-    submitted = await manager.engine.submit(
+    submitted = await runtime.engine.submit(
         load_workflow,
-        DeploymentInput(
-            deployment=deployment,
-            config_digest=deployment_digest(manager.slot(deployment).config),
-        ),
+        DeploymentInput(deployment=deployment, config_digest=runtime.definition_digest(deployment)),
         idempotency_key=idempotency_key or f"load:{deployment}",
         subject=f"deployment:{deployment}",
     )
     return submitted.job
 
 
-async def submit_drain(
-    manager: RuntimeManager, deployment: str, *, reason: str = "stop"
-) -> JobRecord:
+async def submit_drain(runtime: RuntimePort, deployment: str, *, reason: str = "stop") -> JobRecord:
     """Queue a ``drain`` job of ``deployment`` (each stop is its own job, so a stop after a
     load never joins an earlier stop). Use :meth:`RuntimeManager.stop` for a command."""
-    submitted = await manager.engine.submit(
+    submitted = await runtime.engine.submit(
         drain_workflow,
         DeploymentInput(deployment=deployment, reason=reason),
         subject=f"deployment:{deployment}",
@@ -302,9 +273,9 @@ async def submit_drain(
     return submitted.job
 
 
-async def submit_reset(manager: RuntimeManager, deployment: str) -> JobRecord:
+async def submit_reset(runtime: RuntimePort, deployment: str) -> JobRecord:
     """Queue a ``reset`` job of ``deployment``. Use :meth:`RuntimeManager.reset`."""
-    submitted = await manager.engine.submit(
+    submitted = await runtime.engine.submit(
         reset_workflow,
         DeploymentInput(deployment=deployment),
         subject=f"deployment:{deployment}",

@@ -243,7 +243,7 @@ def _margin(compiled: CompiledConfig) -> float:
 def _candidate(manager: RuntimeManager, request: ReloadInput) -> CompiledConfig:
     """The full candidate of ``request``: in memory while its reload runs; after a restart,
     the authoritative state the host started with, if it is the same desired state."""
-    found = manager.candidates.get(request.content_digest)
+    found = manager.staging.candidate(request.content_digest)
     if found is not None:
         return found
     if desired_digest(desired_of(manager.compiled)) == request.content_digest:
@@ -265,10 +265,10 @@ def _catalog_for(manager: RuntimeManager, candidate: CompiledConfig) -> Catalog:
 
 def _resident(manager: RuntimeManager) -> list[str]:
     return sorted(
-        slot.deployment
-        for slot in manager.slots.values()
-        if slot.process is not None
-        or slot.state in (DeploymentState.PREPARING, DeploymentState.DRAINING)
+        found.deployment
+        for found in manager.deployments.values()
+        if found.process is not None
+        or found.state in (DeploymentState.PREPARING, DeploymentState.DRAINING)
     )
 
 
@@ -279,7 +279,7 @@ def _resident(manager: RuntimeManager) -> list[str]:
 async def plan_step(ctx: StepContext, request: ReloadInput) -> ReloadPlan:
     """Classify the deployments and refuse changes this process cannot make live.
 
-    Idempotency: pure over the live slots; the journal keeps the first answer.
+    Idempotency: pure over the live deployments; the journal keeps the first answer.
 
     Raises:
         SbproxyError: ``restart_required``, ``foundation_change`` or ``superseded``.
@@ -306,7 +306,7 @@ async def plan_step(ctx: StepContext, request: ReloadInput) -> ReloadPlan:
             details={"paths": ", ".join(foundation), "resident": ", ".join(resident)},
         )
     return plan_reload(
-        {d: slot.config for d, slot in manager.slots.items()},
+        {d: found.config for d, found in manager.deployments.items()},
         candidate.deployments,
         policy_changed=_margin(manager.compiled) != _margin(candidate),
     )
@@ -348,7 +348,7 @@ async def prepare_step(ctx: StepContext, request: PrepareInput) -> Prepared:
         artifacts[deployment] = artifact
         if config.warm or str(config.pull) == "on_boot":
             await pull_artifact(
-                manager, artifact, pull_policy=str(config.pull), intent="startup", catalog=catalog
+                manager.engine, catalog, artifact, pull_policy=str(config.pull), intent="startup"
             )
         warm = warm or config.warm
     executable = None
@@ -413,12 +413,13 @@ async def rollout_step(ctx: StepContext, request: RolloutInput) -> list[str]:
     executable = Path(prepared.executable) if prepared.executable else None
     plan = request.plan
     touched = (*plan.added, *plan.changed, *plan.removed)
+    staging = manager.staging
     async with manager.exclusive(touched, job_id=ctx.job_id):
-        manager.begin_staging()
+        staging.begin()
         try:
             for deployment in sorted((*plan.added, *plan.changed)):
                 config = candidate.deployments[deployment]
-                live = manager.slots.get(deployment)
+                live = manager.deployments.get(deployment)
                 artifact = prepared.artifacts[deployment]
                 if live is not None and live.config == config:
                     manager.use_artifact(live, artifact)
@@ -430,15 +431,15 @@ async def rollout_step(ctx: StepContext, request: RolloutInput) -> list[str]:
                 if live is not None and config.rollout == Rollout.RECREATE:
                     await manager.recreate_stop(live, job_id=ctx.job_id)
                     fault_point("reload.recreate.stopped")
-                slot = manager.stage(deployment, config, artifact)
+                fresh = manager.stage(deployment, config, artifact)
                 if config.warm and executable is not None:
-                    await manager.launch_generation(slot, executable=executable, job_id=ctx.job_id)
+                    await manager.launch_generation(fresh, executable=executable, job_id=ctx.job_id)
         except BaseException:
             await manager.roll_back()
             raise
         finally:
-            manager.end_staging()
-        return sorted(manager.staged)
+            staging.end()
+        return sorted(staging.staged)
 
 
 @step("commit")
@@ -447,7 +448,7 @@ async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
     generations, and record the committed revision (a new one only when the desired
     deployments changed).
 
-    Idempotency: a resumed job whose slots already match finds nothing to swap or retire
+    Idempotency: a resumed job whose deployments already match finds nothing to swap or retire
     and records the revision.
     """
     manager = ctx.resource(RuntimeManager)
@@ -461,13 +462,13 @@ async def commit_step(ctx: StepContext, request: CommitInput) -> ReloadReport:
             candidate=candidate,
             catalog=_catalog_for(manager, candidate),
         )
-        manager.candidates.pop(request.request.content_digest, None)
+        manager.staging.committed(request.request.content_digest)
         for listener in manager.on_commit:
             listener(candidate)
         fault_point("reload.committed")
         for old in retired:
             if old.process is not None or old.state == DeploymentState.DRAINING:
-                await manager.drain_slot(old, job_id=ctx.job_id)
+                await manager.drain_deployment(old, job_id=ctx.job_id)
     cache = candidate.model_host.cache if candidate.model_host else None
     await manager.enforce_resident_limit(
         cache.max_resident_models if cache else None, job_id=ctx.job_id
@@ -617,8 +618,7 @@ async def reload(
     desired = desired_of(candidate)
     digest = desired_digest(desired)
     async with manager.reload_lock:
-        manager.candidates[digest] = candidate
-        try:
+        with manager.staging.offering(digest, candidate):
             submitted = await manager.engine.submit(
                 reload_workflow,
                 ReloadInput(
@@ -631,8 +631,6 @@ async def reload(
                 subject="runtime:reload",
             )
             job = await manager.engine.join(submitted.job.id)
-        finally:
-            manager.candidates.pop(digest, None)
     if job.status != JobStatus.SUCCEEDED or job.output is None:
         error = job.error
         raise SbproxyError(

@@ -29,9 +29,9 @@ class DeploymentState(StrEnum):
     FAILED = "failed"
 
 
-# Every deployment state change goes through ``RuntimeManager._set_state``, which refuses a
-# move this table does not list (``illegal_transition``); a move to the same state only
-# updates the reason.
+# Every deployment state change goes through ``Deployment._move``, a compare-and-set that
+# refuses a move this table does not list (``illegal_transition``); a move to the same state
+# only updates the reason.
 DEPLOYMENT_TRANSITIONS: dict[DeploymentState, frozenset[DeploymentState]] = {
     DeploymentState.CONFIGURED: frozenset({DeploymentState.PREPARING, DeploymentState.DRAINING}),
     # A launch that a later stop cancelled ends stopped.
@@ -95,7 +95,15 @@ def bounded(text: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class DeploymentStatus:
-    """One deployment as ``GET /admin/model-host/status`` reports it (reference 2)."""
+    """One deployment as ``GET /admin/model-host/status`` reports it (reference 2): the
+    frozen value every reader outside the runtime gets (admin status, the gateway's
+    availability, the console, metrics), never the live deployment.
+
+    The fields after ``extra`` are for those readers and are not part of the status route's
+    JSON: ``routable`` (requests go to it now), ``crash_looped`` (a retained crash loop),
+    ``desired_replicas``, ``configured_engine`` (the definition's engine) and
+    ``keep_alive_secs``.
+    """
 
     deployment: str
     generation: int
@@ -114,6 +122,26 @@ class DeploymentStatus:
     last_error: str | None = None
     replica: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    routable: bool = False
+    crash_looped: bool = False
+    desired_replicas: int = 1
+    configured_engine: str = "llama_cpp"
+    keep_alive_secs: int | None = None
+
+    def availability(self) -> dict[str, object]:
+        """``{state: ready|cold|unavailable, ready_replicas, desired_replicas}`` as the
+        gateway's model listing shows it."""
+        if self.routable:
+            state = "ready"
+        elif self.crash_looped or self.state in (DeploymentState.FAILED, DeploymentState.DRAINING):
+            state = "unavailable"
+        else:
+            state = "cold"
+        return {
+            "state": state,
+            "ready_replicas": int(self.routable),
+            "desired_replicas": self.desired_replicas,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of the status route."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from sbproxy.config import CompiledConfig, load_config, load_config_text
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime.clock import Clock
+from sbproxy.model_host.runtime.launcher import Launcher
 from sbproxy.model_host.runtime.manager import RUNTIME_JOB_KINDS, RuntimeManager
 from sbproxy.model_host.runtime.reload import admin_desired  # also registers "reload"
 from sbproxy.model_host.runtime.state import LaunchBackoff
@@ -136,6 +138,7 @@ async def runtime_host(
     clock: Clock | None = None,
     health_interval_s: float = 0.1,
     jitter: Callable[[], float] | None = None,
+    launcher: Launcher | None = None,
 ) -> AsyncIterator[Host]:
     """A started manager (maintenance every 0.1 s) inside a task group.
 
@@ -175,9 +178,11 @@ async def runtime_host(
         ready_timeout_s=20,
         health_interval_s=health_interval_s,
         clock=clock,
-        **({"jitter": jitter} if jitter is not None else {}),
+        jitter=jitter if jitter is not None else random.random,
+        launcher=launcher,
     )
     engine.add_resource(manager)
+    engine.add_resource(manager.port)
     try:
         async with anyio.create_task_group() as group:
             if start:

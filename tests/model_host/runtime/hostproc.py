@@ -47,7 +47,7 @@ def live_engines(root: Path) -> int:
 
 async def main(root: Path) -> None:
     async with runtime_host(root, deployments={"tiny": WARM}) as host:
-        slot = host.manager.slot("tiny")
+        slot = host.manager.deployment("tiny")
         with anyio.fail_after(60):
             while slot.state != DeploymentState.READY:
                 await anyio.sleep(0.05)

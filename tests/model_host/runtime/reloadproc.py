@@ -29,7 +29,7 @@ AFTER: dict[str, Any] = {**BEFORE, "extra_args": ["--seed", "7"]}
 
 async def apply(root: Path) -> None:
     async with runtime_host(root, deployments={"a": BEFORE}, config_file=True) as host:
-        slot = host.manager.slot("a")
+        slot = host.manager.deployment("a")
         with anyio.fail_after(60):
             while slot.state != DeploymentState.READY:
                 await anyio.sleep(0.05)
@@ -48,7 +48,7 @@ async def resume(root: Path) -> None:
         with anyio.fail_after(60):
             while True:
                 jobs = [await host.engine.get(job.id) for job in jobs]
-                slot = host.manager.slot("a")
+                slot = host.manager.deployment("a")
                 settled = all(job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED) for job in jobs)
                 if settled and slot.state == DeploymentState.READY:
                     break

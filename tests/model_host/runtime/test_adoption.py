@@ -25,7 +25,7 @@ TINY: dict[str, Any] = {"model": "tiny", "variant": "q4_k_m", "max_concurrency":
 async def queued_load(root: Path, deployments: dict[str, dict[str, Any]], name: str) -> str:
     """A load job of ``name`` left queued in the journal by a host that then stopped."""
     async with runtime_host(root, deployments=deployments, start=False) as host:
-        return (await submit_load(host.manager, name)).id
+        return (await submit_load(host.manager.port, name)).id
 
 
 async def test_a_load_of_a_deployment_this_host_does_not_declare_is_cancelled(
@@ -70,7 +70,7 @@ async def test_a_queued_load_nobody_holds_is_run_by_the_host_at_once(tmp_path: P
         )
         job = await finished(host, submitted.job.id, timeout_s=15)
         assert job.status == JobStatus.SUCCEEDED
-        assert host.manager.slot("tiny").routable()
+        assert host.manager.deployment("tiny").routable()
         await converged(host)
 
 
@@ -92,7 +92,7 @@ async def test_a_load_running_under_a_live_owner_is_never_taken(tmp_path: Path) 
             # Its owner is gone: the next adoption pass takes the job and finishes it here.
             job = await finished(host, job_id)
             assert (job.status, job.attempt) == (JobStatus.SUCCEEDED, 2)
-            await until(lambda: host.manager.slot("tiny").routable())
+            await until(lambda: host.manager.deployment("tiny").routable())
             await converged(host)
     finally:
         other.kill()

@@ -11,6 +11,7 @@ import pytest
 
 from sbproxy.config import PriorityClass
 from sbproxy.errors import SbproxyError
+from sbproxy.model_host.engines import EngineProcess
 from sbproxy.model_host.runtime.admission import AdmissionRejected
 from sbproxy.model_host.runtime.jobs import submit_drain, submit_reset
 from sbproxy.model_host.runtime.state import DeploymentState
@@ -37,7 +38,7 @@ async def health(base_url: str) -> int:
 
 async def test_cold_start_on_the_first_request(tmp_path: Path) -> None:
     async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
-        slot = host.manager.slot("tiny")
+        slot = host.manager.deployment("tiny")
         assert slot.state == DeploymentState.CONFIGURED
         upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
         assert await health(upstream.base_url) == 200
@@ -64,7 +65,7 @@ async def test_cold_start_on_the_first_request(tmp_path: Path) -> None:
 
 async def test_warm_deployments_are_ready_without_a_request(tmp_path: Path) -> None:
     async with runtime_host(tmp_path, deployments={"tiny": {**TINY, "warm": True}}) as host:
-        slot = host.manager.slot("tiny")
+        slot = host.manager.deployment("tiny")
         await until(lambda: slot.state == DeploymentState.READY)
         assert slot.port is not None
 
@@ -89,8 +90,8 @@ async def test_a_dead_engine_is_detected_and_healed_on_the_next_request(tmp_path
     async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
         first = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
         first.release()
-        slot = host.manager.slot("tiny")
-        assert slot.process is not None
+        slot = host.manager.deployment("tiny")
+        assert isinstance(slot.process, EngineProcess)
         slot.process._process.kill()  # the engine dies under us
         await until(lambda: slot.state == DeploymentState.FAILED)
         assert slot.reason_code == "engine_health_failed"
@@ -106,7 +107,7 @@ async def test_crash_loop_is_retained_until_reset(tmp_path: Path) -> None:
         with pytest.raises(AdmissionRejected) as info:
             await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
         assert info.value.code == "crash_loop"
-        slot = host.manager.slot("tiny")
+        slot = host.manager.deployment("tiny")
         assert slot.crash is not None
         assert slot.crash.attempts == 3
         assert slot.crash.reason == "engine_early_exit"
@@ -118,7 +119,7 @@ async def test_crash_loop_is_retained_until_reset(tmp_path: Path) -> None:
         assert slot.generation == launches  # no new launch while crash-looped
 
         fake_llama_server(host.root / "bin")  # the operator fixes the engine
-        reset = await submit_reset(host.manager, "tiny")
+        reset = await submit_reset(host.manager.port, "tiny")
         done = await host.engine.join(reset.id)
         assert done.status == JobStatus.SUCCEEDED
         assert slot.state == DeploymentState.CONFIGURED
@@ -133,31 +134,31 @@ async def test_a_reset_without_a_retained_failure_is_a_no_op_that_succeeds(
     async with runtime_host(tmp_path, deployments={"tiny": TINY, "idle": TINY}) as host:
         upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
         upstream.release()
-        slot = host.manager.slot("tiny")
+        slot = host.manager.deployment("tiny")
         port, generation = slot.port, slot.generation
-        job = await host.engine.join((await submit_reset(host.manager, "tiny")).id)
+        job = await host.engine.join((await submit_reset(host.manager.port, "tiny")).id)
         assert job.status == JobStatus.SUCCEEDED
         assert job.error is None
         assert job.output == {"deployment": "tiny", "cleared": False, "state": "ready"}
         assert (slot.state, slot.port, slot.generation) == (DeploymentState.READY, port, generation)
         # A deployment that never started (configured) and a stopped one: the same no-op.
-        idle = await host.engine.join((await submit_reset(host.manager, "idle")).id)
+        idle = await host.engine.join((await submit_reset(host.manager.port, "idle")).id)
         assert (idle.status, idle.output["state"]) == (JobStatus.SUCCEEDED, "configured")
         stop = await host.manager.stop("tiny")
         await host.engine.join(stop.id)
         stopped = await host.engine.join((await host.manager.reset("tiny")).id)
         assert stopped.status == JobStatus.SUCCEEDED
         assert stopped.output["cleared"] is False
-        assert host.manager.slot("tiny").state == DeploymentState.STOPPED
+        assert host.manager.deployment("tiny").state == DeploymentState.STOPPED
 
 
 async def test_drain_waits_for_active_requests_then_stops(tmp_path: Path) -> None:
     async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
         upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
-        slot = host.manager.slot("tiny")
+        slot = host.manager.deployment("tiny")
         assert slot.process is not None
         pid = slot.process.pid
-        job = await submit_drain(host.manager, "tiny")
+        job = await submit_drain(host.manager.port, "tiny")
         finished: list[object] = []
 
         async def drain() -> None:
@@ -190,7 +191,7 @@ async def test_drain_waits_for_active_requests_then_stops(tmp_path: Path) -> Non
 async def test_keep_alive_expiry_stops_an_idle_engine(tmp_path: Path) -> None:
     async with runtime_host(tmp_path, deployments={"tiny": {**TINY, "keep_alive_secs": 1}}) as host:
         upstream = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
-        slot = host.manager.slot("tiny")
+        slot = host.manager.deployment("tiny")
         await anyio.sleep(1.3)
         assert host.manager.status()[0].state == DeploymentState.READY  # active pauses expiry
         upstream.release()
@@ -202,7 +203,7 @@ async def test_manual_pull_policy_refuses_a_cache_miss(tmp_path: Path) -> None:
     async with runtime_host(tmp_path, deployments={"tiny": {**TINY, "pull": "manual"}}) as host:
         with pytest.raises(AdmissionRejected) as info:
             await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
-        slot = host.manager.slot("tiny")
+        slot = host.manager.deployment("tiny")
         assert slot.reason_code == "manual_artifact_missing"
         assert "sbproxy models pull" in (slot.last_error or "")
         assert info.value.code == "engine_unhealthy"
@@ -253,7 +254,7 @@ async def test_prepares_across_deployments_run_concurrently_up_to_the_limit(
             nonlocal most
             while True:
                 preparing = sum(
-                    1 for s in manager.slots.values() if s.state == DeploymentState.PREPARING
+                    1 for s in manager.deployments.values() if s.state == DeploymentState.PREPARING
                 )
                 most = max(most, preparing)
                 await anyio.sleep(0.02)
@@ -269,4 +270,4 @@ async def test_prepares_across_deployments_run_concurrently_up_to_the_limit(
                     requests.start_soon(request, name)
             group.cancel_scope.cancel()
         assert most == 2
-        assert all(s.state == DeploymentState.READY for s in manager.slots.values())
+        assert all(s.state == DeploymentState.READY for s in manager.deployments.values())

@@ -19,8 +19,9 @@ import anyio
 import pytest
 
 from sbproxy.config import PriorityClass
-from sbproxy.model_host.runtime import _launch as launch_module
-from sbproxy.model_host.runtime import slot as slot_module
+from sbproxy.model_host.engines import EngineProcess
+from sbproxy.model_host.runtime import manager as manager_module
+from sbproxy.model_host.runtime import upstream as upstream_module
 from sbproxy.model_host.runtime.admission import AdmissionRejected
 from sbproxy.model_host.runtime.manager import IllegalTransition
 from sbproxy.model_host.runtime.state import DEPLOYMENT_TRANSITIONS, DeploymentState
@@ -52,13 +53,13 @@ async def test_stop_then_load_with_a_request_in_flight_ends_ready_with_one_engin
 ) -> None:
     async with runtime_host(tmp_path, deployments={"tiny": {**TINY, "warm": True}}) as host:
         manager = host.manager
-        await until(lambda: manager.slot("tiny").routable())
+        await until(lambda: manager.deployment("tiny").routable())
         old_pid = manager.snapshot("tiny").extra["engine_pid"]
         in_flight = await manager.acquire("tiny", priority=STANDARD)
         stop = await manager.stop("tiny")
         load = await manager.load("tiny")
         assert load.id != stop.id
-        await until(lambda: manager.slot("tiny").state == DeploymentState.DRAINING)
+        await until(lambda: manager.deployment("tiny").state == DeploymentState.DRAINING)
         in_flight.release()  # the drain may finish now
         assert (await finished(host, stop.id)).status == JobStatus.SUCCEEDED
         assert (await finished(host, load.id)).status == JobStatus.SUCCEEDED
@@ -75,7 +76,7 @@ async def test_a_stop_during_a_load_cancels_it_and_no_engine_survives(tmp_path: 
         manager = host.manager
         load = await manager.load("tiny")
         await until(lambda: live_engines(tmp_path))  # the child is starting
-        assert manager.slot("tiny").state == DeploymentState.PREPARING
+        assert manager.deployment("tiny").state == DeploymentState.PREPARING
         stop = await manager.stop("tiny")
         assert (await finished(host, load.id)).status == JobStatus.CANCELLED
         assert (await finished(host, stop.id)).status == JobStatus.SUCCEEDED
@@ -94,7 +95,7 @@ async def test_the_last_of_many_interleaved_commands_wins(tmp_path: Path) -> Non
         jobs.append(await manager.load("tiny"))
         for job in jobs:
             await finished(host, job.id)
-        await until(lambda: manager.slot("tiny").routable())
+        await until(lambda: manager.deployment("tiny").routable())
         await converged(host)
         assert len(live_engines(tmp_path)) == 1
 
@@ -117,9 +118,9 @@ async def test_every_transition_is_checked_and_recorded_on_its_job(tmp_path: Pat
         for (_, before, after), count in manager.tallies.transitions.items():
             assert DeploymentState(after) in DEPLOYMENT_TRANSITIONS[DeploymentState(before)]
             assert count >= 1
-        slot = manager.slot("tiny")
+        slot = manager.deployment("tiny")
         with pytest.raises(IllegalTransition) as raised:
-            await manager._set_state(slot, DeploymentState.CONFIGURED)
+            slot._move({DeploymentState.READY}, DeploymentState.CONFIGURED)
         assert raised.value.code == "illegal_transition"
         assert slot.state == DeploymentState.READY
 
@@ -147,7 +148,7 @@ async def test_a_replayed_launch_is_observed_not_trusted(tmp_path: Path) -> None
 
         await store.database.write(reopen)
         os.kill(first.extra["engine_pid"], signal.SIGKILL)
-        await until(lambda: not manager.slot("tiny").routable(), timeout_s=5)
+        await until(lambda: not manager.deployment("tiny").routable(), timeout_s=5)
         rerun = await host.engine.join(load.id)
         assert rerun.status == JobStatus.SUCCEEDED
         assert rerun.output is not None
@@ -155,7 +156,7 @@ async def test_a_replayed_launch_is_observed_not_trusted(tmp_path: Path) -> None
         assert rerun.output["pid"] != first.extra["engine_pid"]
         launch = (await host.engine.steps(load.id))[-1]
         assert launch.attempts == 2
-        assert manager.slot("tiny").routable()
+        assert manager.deployment("tiny").routable()
         await converged(host)
 
 
@@ -166,7 +167,7 @@ async def test_an_engine_that_exits_stops_routing_at_once(tmp_path: Path) -> Non
         await finished(host, (await manager.load("tiny")).id)
         pid = manager.snapshot("tiny").extra["engine_pid"]
         os.kill(pid, signal.SIGKILL)
-        await until(lambda: not manager.slot("tiny").routable(), timeout_s=2)
+        await until(lambda: not manager.deployment("tiny").routable(), timeout_s=2)
         status = manager.snapshot("tiny")
         assert status.state == DeploymentState.FAILED
         assert status.reason_code == "engine_health_failed"
@@ -203,8 +204,8 @@ async def test_a_foreign_listener_on_the_chosen_port_never_gets_traffic(
 ) -> None:
     with impostor() as taken:
         ports = iter([taken])
-        real = slot_module.free_port
-        monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or real())
+        real = upstream_module.free_port
+        monkeypatch.setattr(manager_module, "free_port", lambda: next(ports, None) or real())
         async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
             manager = host.manager
             upstream = await manager.acquire("tiny", priority=STANDARD)
@@ -213,11 +214,11 @@ async def test_a_foreign_listener_on_the_chosen_port_never_gets_traffic(
             assert status.port is not None
             assert status.port != taken
             assert upstream.base_url.endswith(f":{status.port}")
-            process = manager.slot("tiny").process
-            assert process is not None
+            process = manager.deployment("tiny").process
+            assert isinstance(process, EngineProcess)
             assert process.listens_on(status.port)
             assert not process.listens_on(taken)
-            assert manager.slot("tiny").crash is None
+            assert manager.deployment("tiny").crash is None
             await converged(host)
 
 
@@ -234,7 +235,7 @@ async def test_a_launch_that_never_gets_ready_fails_with_start_timeout_and_is_re
         status = manager.snapshot("tiny")
         assert status.state == DeploymentState.FAILED
         assert status.reason_code == "start_timeout"
-        assert manager.slot("tiny").crash is None  # not a crash loop: retried on demand
+        assert manager.deployment("tiny").crash is None  # not a crash loop: retried on demand
         generation = status.generation
         await converged(host)
         # The engine works again; the next request retries without a host restart.
@@ -254,7 +255,7 @@ async def test_consecutive_timeouts_restart_the_generation_after_a_jittered_back
         tmp_path, deployments={"tiny": flaky}, clock=clock, jitter=lambda: 0.5
     ) as host:
         manager = host.manager
-        await until(lambda: manager.slot("tiny").routable())
+        await until(lambda: manager.deployment("tiny").routable())
         first = manager.snapshot("tiny")
         ok = await manager.acquire("tiny", priority=STANDARD)
         ok.report(timed_out=True)
@@ -277,7 +278,7 @@ async def test_consecutive_timeouts_restart_the_generation_after_a_jittered_back
         await anyio.sleep(0.05)
         assert manager.snapshot("tiny").state == DeploymentState.PREPARING
         clock.advance(0.01)
-        await until(lambda: manager.slot("tiny").routable())
+        await until(lambda: manager.deployment("tiny").routable())
         assert manager.snapshot("tiny").generation > first.generation
         await converged(host)
 
@@ -290,14 +291,14 @@ async def test_keep_alive_expires_on_the_injected_clock(tmp_path: Path) -> None:
         upstream = await manager.acquire("tiny", priority=STANDARD)
         clock.advance(3600)  # active work pauses expiry
         await manager.tick()
-        assert manager.slot("tiny").routable()
+        assert manager.deployment("tiny").routable()
         assert manager.snapshot("tiny").extra["keep_alive_expires_in_s"] is None  # busy
         upstream.release()
         clock.advance(20)
         assert manager.snapshot("tiny").extra["keep_alive_expires_in_s"] == 40
         clock.advance(39)
         await manager.tick()
-        assert manager.slot("tiny").routable()
+        assert manager.deployment("tiny").routable()
         clock.advance(1)
         await manager.tick()
         await until(lambda: manager.snapshot("tiny").state == DeploymentState.STOPPED)
@@ -327,18 +328,18 @@ async def test_a_swap_waits_for_the_busy_resident_model_and_holds_its_gate(
 
         async with anyio.create_task_group() as group:
             group.start_soon(ask, "b")
-            await until(lambda: manager.slot("a").gate.held)
-            assert manager.slot("b").swap_waiting
+            await until(lambda: manager.deployment("a").gate.held)
+            assert manager.deployment("b").swap_waiting
             # No new request is admitted to the busy one while the swap waits.
             group.start_soon(ask, "a2")
-            await until(lambda: manager.slot("a").gate.queued == 1)
+            await until(lambda: manager.deployment("a").gate.queued == 1)
             assert "a2" not in got
             busy.release()
             await until(lambda: "b" in got)
             # "a" was evicted; its queued request now waits to swap it back in.
-            assert manager.slot("a").process is None
-            assert manager.slot("b").routable()
-            await until(lambda: manager.slot("b").gate.held)
+            assert manager.deployment("a").process is None
+            assert manager.deployment("b").routable()
+            await until(lambda: manager.deployment("b").gate.held)
             got["b"].release()  # now "a2" swaps back in
             await until(lambda: "a2" in got)
             got["a2"].release()
@@ -361,8 +362,8 @@ async def test_a_swap_that_waits_too_long_is_insufficient_capacity_with_retry_af
         assert refused.value.code == "insufficient_capacity"
         assert refused.value.retry_after_ms is not None
         assert refused.value.retryable  # busy, not too big: it fits once "a" idles
-        await until(lambda: not manager.slot("a").gate.held)
-        assert manager.slot("a").routable()  # the busy one kept serving
+        await until(lambda: not manager.deployment("a").gate.held)
+        assert manager.deployment("a").routable()  # the busy one kept serving
         busy.release()
         await converged(host)
 
@@ -380,11 +381,11 @@ async def test_a_wall_clock_jump_leaves_the_runtime_converged(tmp_path: Path, ju
         stepped = store.clock
         store.clock = lambda: stepped() + jump_ms  # the wall clock jumps mid-launch
         load = await manager.load("tiny")
-        await until(lambda: manager.slot("tiny").state == DeploymentState.PREPARING)
+        await until(lambda: manager.deployment("tiny").state == DeploymentState.PREPARING)
         assert await host.engine.recover() == []
         done = await finished(host, load.id)
         assert (done.status, done.attempt) == (JobStatus.SUCCEEDED, 1)
-        assert manager.slot("tiny").routable()
+        assert manager.deployment("tiny").routable()
         upstream = await manager.acquire("tiny", priority=STANDARD)
         upstream.release()
         await converged(host)

@@ -152,8 +152,10 @@ async def test_reload_preserves_replaces_removes_and_adds(tmp_path: Path) -> Non
     deployments = {"keep": WARM, "edit": WARM, "drop": WARM}
     async with runtime_host(tmp_path, deployments=deployments) as host:
         manager = host.manager
-        await until(lambda: all(s.state == DeploymentState.READY for s in manager.slots.values()))
-        before = {d: (s.generation, s.port, s.process) for d, s in manager.slots.items()}
+        await until(
+            lambda: all(s.state == DeploymentState.READY for s in manager.deployments.values())
+        )
+        before = {d: (s.generation, s.port, s.process) for d, s in manager.deployments.items()}
         revision = manager.revision
         wanted = {"keep": WARM, "edit": {**WARM, "max_concurrency": 3}, "new": WARM}
 
@@ -169,15 +171,15 @@ async def test_reload_preserves_replaces_removes_and_adds(tmp_path: Path) -> Non
         }
         assert report.revision == (revision or 0) + 1 == manager.revision
         assert reload_jobs(tmp_path) == [(job_id, "succeeded")]
-        keep = manager.slot("keep")
+        keep = manager.deployment("keep")
         assert (keep.generation, keep.port, keep.process) == before["keep"]
-        edit = manager.slot("edit")
+        edit = manager.deployment("edit")
         assert edit.state == DeploymentState.READY
         assert edit.config.max_concurrency == 3
         assert edit.generation > before["edit"][0]
         assert edit.port != before["edit"][1]
-        assert manager.slot("new").state == DeploymentState.READY
-        assert "drop" not in manager.slots
+        assert manager.deployment("new").state == DeploymentState.READY
+        assert "drop" not in manager.deployments
         for old in (before["edit"][2], before["drop"][2]):
             assert old is not None and not old.alive()
         assert await health(edit.port) == 200
@@ -187,7 +189,7 @@ async def test_reload_preserves_replaces_removes_and_adds(tmp_path: Path) -> Non
 async def test_a_failed_reload_changes_nothing(tmp_path: Path) -> None:
     async with runtime_host(tmp_path, deployments={"a": WARM}) as host:
         manager = host.manager
-        slot = manager.slot("a")
+        slot = manager.deployment("a")
         await until(lambda: slot.state == DeploymentState.READY)
         revision, port, process = manager.revision, slot.port, slot.process
         wanted = {"a": {**WARM, "max_concurrency": 2}, "b": {"model": "no-such-model"}}
@@ -197,8 +199,8 @@ async def test_a_failed_reload_changes_nothing(tmp_path: Path) -> None:
 
         assert failed.value.code == "unknown_catalog_model"
         assert manager.revision == revision
-        assert set(manager.slots) == {"a"}
-        assert manager.slot("a") is slot
+        assert set(manager.deployments) == {"a"}
+        assert manager.deployment("a") is slot
         assert (slot.port, slot.process, slot.state) == (port, process, DeploymentState.READY)
         assert slot.config.max_concurrency == 1
         assert await health(port) == 200
@@ -208,7 +210,7 @@ async def test_a_failed_reload_changes_nothing(tmp_path: Path) -> None:
 async def test_rolling_replacement_must_fit_beside_the_old_generation(tmp_path: Path) -> None:
     async with runtime_host(tmp_path, deployments={"a": WARM}) as host:
         manager = host.manager
-        slot = manager.slot("a")
+        slot = manager.deployment("a")
         await until(lambda: slot.state == DeploymentState.READY)
         assert slot.estimate is not None
         # Room for one generation, not two: the new one cannot start beside the old.
@@ -219,17 +221,17 @@ async def test_rolling_replacement_must_fit_beside_the_old_generation(tmp_path: 
             await reload(manager, candidate(tmp_path, deployments=wanted), source="test")
 
         assert failed.value.code == "insufficient_capacity"
-        assert manager.slot("a") is slot
+        assert manager.deployment("a") is slot
         assert slot.state == DeploymentState.READY
         assert await health(slot.port) == 200
-        assert not manager.staged
+        assert not manager.staging.staged
 
         # With room for both, the rollout overlaps: the old engine serves until the swap.
         manager.residency._capacities[0] = slot.estimate.total_bytes * 3
         old_process = slot.process
         _, report = await reload(manager, candidate(tmp_path, deployments=wanted), source="test")
         assert report.plan.changed == ("a",)
-        assert manager.slot("a").config.max_queue_depth == 7
+        assert manager.deployment("a").config.max_queue_depth == 7
         assert old_process is not None and not old_process.alive()
 
 
@@ -240,7 +242,7 @@ async def test_recreate_stops_the_old_generation_first_and_restores_it_on_failur
     recreate = {**WARM, "rollout": "recreate"}
     async with runtime_host(tmp_path, deployments={"a": recreate}) as host:
         manager = host.manager
-        slot = manager.slot("a")
+        slot = manager.deployment("a")
         await until(lambda: slot.state == DeploymentState.READY)
         generation, old_pid = slot.generation, slot.process.pid if slot.process else 0
         revision = manager.revision
@@ -250,7 +252,7 @@ async def test_recreate_stops_the_old_generation_first_and_restores_it_on_failur
         with pytest.raises(SbproxyError) as failed:
             await reload(manager, candidate(tmp_path, deployments=broken), source="test")
         assert failed.value.code == "crash_loop"
-        assert manager.slot("a") is slot
+        assert manager.deployment("a") is slot
         assert slot.state == DeploymentState.READY
         assert slot.generation == generation  # restarted under its own generation
         assert slot.process is not None and slot.process.pid != old_pid
@@ -270,7 +272,7 @@ async def test_recreate_stops_the_old_generation_first_and_restores_it_on_failur
         manager.launch_generation = observed_launch  # type: ignore[method-assign,assignment]
         fixed = {"a": {**recreate, "extra_args": ["--seed", "1"]}}
         _, report = await reload(manager, candidate(tmp_path, deployments=fixed), source="test")
-        new = manager.slot("a")
+        new = manager.deployment("a")
         assert report.plan.changed == ("a",)
         assert old_gone_at_launch == [True]
         assert new.generation > generation
@@ -284,7 +286,9 @@ async def test_lowering_max_resident_models_evicts_the_least_recently_used(
 ) -> None:
     async with runtime_host(tmp_path, deployments={"a": WARM, "b": WARM, "c": WARM}) as host:
         manager = host.manager
-        await until(lambda: all(s.state == DeploymentState.READY for s in manager.slots.values()))
+        await until(
+            lambda: all(s.state == DeploymentState.READY for s in manager.deployments.values())
+        )
         # b, then a, then c used most recently: with room for two, b goes.
         for deployment in ("b", "a", "c"):
             upstream = await manager.acquire(deployment, priority=PriorityClass.STANDARD)
@@ -296,8 +300,10 @@ async def test_lowering_max_resident_models_evicts_the_least_recently_used(
         )
         _, report = await reload(manager, wanted, source="test")
         assert report.plan.preserved == ("a", "b", "c")
-        assert manager.slot("b").state == DeploymentState.STOPPED
-        assert manager.slot("a").state == manager.slot("c").state == DeploymentState.READY
+        assert manager.deployment("b").state == DeploymentState.STOPPED
+        assert (
+            manager.deployment("a").state == manager.deployment("c").state == DeploymentState.READY
+        )
         assert len(manager.residency.reservations) == 2
 
 
@@ -307,7 +313,7 @@ async def test_policies_apply_at_once_and_an_unchanged_state_keeps_its_revision(
 ) -> None:
     async with runtime_host(tmp_path, deployments={"a": WARM}) as host:
         manager = host.manager
-        await until(lambda: manager.slot("a").state == DeploymentState.READY)
+        await until(lambda: manager.deployment("a").state == DeploymentState.READY)
         revision = manager.revision
         policy = {"shutdown_deadline_ms": 7000, "max_parallel_prepares": 3}
         _, report = await reload(
