@@ -30,7 +30,6 @@ from sbproxy.store import (
     LeaseTime,
 )
 
-
 pytestmark = pytest.mark.anyio
 
 LEASE_MS = 1_000
