@@ -35,6 +35,7 @@ from sbproxy.store.database import Database, Transaction
 from sbproxy.store.leaseclock import LeaseClock
 from sbproxy.store.lifecycle import (
     ACTIVE_JOB_STATUSES,
+    JOB_TRANSITIONS,
     TERMINAL_JOB_STATUSES,
     JobStatus,
     StepStatus,
@@ -610,7 +611,13 @@ class JobStore:
         Returns:
             The job as recorded; ``None``, having written nothing, when the lease was lost
             to recovery.
+
+        Raises:
+            ValueError: ``status`` is not one a runner records (queued or running).
         """
+        if status not in _FINISHES:
+            allowed = ", ".join(sorted(s.value for s in _FINISHES))
+            raise ValueError(f"finish records one of {allowed}, not {status.value!r}")
         data: dict[str, Any] = {"status": status.value}
         if error:
             data["error"] = {"code": error.code, "message": error.message}
@@ -916,6 +923,9 @@ _REQUEUE_FROM = (
     " WHERE id = :id AND status = 'running' AND lease_owner = :owner"
     f" AND {_MAY_RECOVER} AND {_THIS_NODE} RETURNING recoveries"
 )
+# What a runner's finish may record: the table's moves out of running but the re-queue, which
+# is recovery's (it counts the recovery and keeps the job's claim history).
+_FINISHES = JOB_TRANSITIONS[JobStatus.RUNNING] - {JobStatus.QUEUED}
 _FINISH = (
     "UPDATE jobs SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
     f" error_code = :code, error_message = :message, {_NO_LEASE},"

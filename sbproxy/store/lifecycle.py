@@ -2,6 +2,8 @@
 
 Every persisted transition is a single compare-and-set ``UPDATE ... WHERE id = ? AND status
 IN (...)`` whose row count says whether it happened; nothing reads a status and then writes.
+``tests/store/test_job_transitions.py`` holds :data:`JOB_TRANSITIONS` equal to those fences:
+it applies every store operation to a job in every status and reads back what changed.
 """
 
 from __future__ import annotations

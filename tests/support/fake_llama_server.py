@@ -6,8 +6,9 @@ streamed or not, and embeddings), and has fault modes chosen with the environmen
 variable ``FAKE_LLAMA_MODE`` (comma-separated):
 
 * ``load_s=<seconds>`` -- stay "loading" this long (default 0.2);
-* ``ready_file=<path>`` -- stay "loading" until ``path`` exists (a test decides when the
-  load ends);
+* ``hold_file=<path>`` -- past ``load_s``, stay "loading" while ``path`` exists: a test holds
+  a launch (and its job) in progress for as long as it needs, then removes the file; once
+  ready, the stand-in stays ready whatever happens to the file;
 * ``exit_at_start`` -- print an error and exit with status 3 before listening;
 * ``crash_after_ready_s=<seconds>`` -- exit with status 134 that long after becoming ready;
 * ``hang`` -- listen but never become ready;
@@ -58,7 +59,6 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 VERSION_TEXT = "version: 9999 (fake)\nbuilt with fake for testing\n"
@@ -115,13 +115,15 @@ class _State:
         self.done_delay_s = 0.0
         self.end_delay_s = 0.0
         self.stall_after_events: int | None = None
-        self.ready_file: str | None = None
+        self.hold_file: str | None = None
+        self.loaded = False
 
     @property
     def ready(self) -> bool:
-        if self.ready_file is not None and not Path(self.ready_file).exists():
-            return False
-        return not self.hang and time.monotonic() >= self.ready_at
+        if not self.loaded:
+            held = self.hold_file is not None and os.path.exists(self.hold_file)  # noqa: PTH110
+            self.loaded = not self.hang and time.monotonic() >= self.ready_at and not held
+        return self.loaded
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -351,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         float(modes.get("load_s") or 0.2), args.model, float(modes.get("token_delay_s") or 0.01)
     )
     state.hang = "hang" in modes
-    state.ready_file = modes.get("ready_file") or None
+    state.hold_file = modes.get("hold_file") or None
     state.hang_completions = "hang_completions" in modes
     state.requests_log = modes.get("requests_log") or None
     state.reply_delay_s = float(modes.get("reply_delay_s") or 0)

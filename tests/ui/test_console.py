@@ -4,17 +4,25 @@ Nothing downloads a browser: Playwright launches ``/usr/bin/chromium`` (``execut
 ``scripts/test.sh`` installs the Debian package. Every page is saved as a screenshot under
 ``$SBPROXY_UI_SCREENSHOTS`` (default ``test-results/ui/`` in the repository) so a failing
 run can be inspected.
+
+One served host and one browser serve the module (:func:`console`); each test opens its own
+page, and each test that changes a deployment has one of its own, so that no test depends on
+another having run. The host's engines hold their launch while :attr:`Console.hold` exists,
+which is how the job page is seen following a load that is certain to be still running.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import anyio
 import httpx
 import pytest
 
@@ -27,11 +35,13 @@ from sbproxy.catalog import (
 )
 from sbproxy.model_host.flows import PullInput, pull_workflow
 from sbproxy.model_host.flows.collect import artifact_subject
-from sbproxy.store import JobRecord, JobStatus
-from tests.api.support import ADMIN, Served, served
-from tests.model_host.runtime.support import until
+from sbproxy.store import JOB_TRANSITIONS, JobRecord, JobStatus
+from tests.api.support import ADMIN, TINY, Served, served
 from tests.support.hf_server import HfMirror
 from tests.support.tools import without_tool
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser, BrowserContext, Page, Playwright
 
 pytestmark = [pytest.mark.anyio, pytest.mark.ui]
 
@@ -50,6 +60,7 @@ ARGS = [
     "--disable-dev-shm-usage",
 ]
 TIMEOUT_MS = 20_000
+JOB_DEADLINE_S = 30
 
 if not CHROMIUM.exists():
     without_tool(
@@ -61,28 +72,138 @@ _api = pytest.importorskip("playwright.async_api")
 async_playwright = _api.async_playwright
 PlaywrightError = _api.Error
 
+# The deployments of the module's host, all the tiny model: ``tiny`` is loaded once and only
+# read (chat, activity, logs, cache); each of the others belongs to the one test that moves it.
+FOLLOWED = "followed"  # loaded, held, by the job-page test
+STOPPABLE = "stoppable"  # loaded, then stopped from the page
+IDLE = "idle"  # never loaded; the jobs-page test stops it for a drain job of its own
+DEPLOYMENTS = {"tiny": TINY, FOLLOWED: TINY, STOPPABLE: TINY, IDLE: TINY}
+
+# Installed before any script of a page: every value the job section's data-status takes,
+# in order, from the one the server rendered on (MutationObserver records keep each old
+# value, so two changes in one task are both seen).
+RECORD_JOB_STATUSES = """
+window.__jobStatuses = [];
+document.addEventListener("DOMContentLoaded", () => {
+  const section = document.querySelector("section.job[data-job-id]");
+  if (!section) return;
+  const seen = window.__jobStatuses;
+  const note = (value) => { if (seen[seen.length - 1] !== value) seen.push(value); };
+  note(section.dataset.status);
+  const observer = new MutationObserver((records) => {
+    for (const record of records) note(record.oldValue);
+    note(section.dataset.status);
+  });
+  observer.observe(section, {
+    attributes: true, attributeFilter: ["data-status"], attributeOldValue: true,
+  });
+});
+"""
+
+
+@dataclass
+class Console:
+    """The module's served host, an admin client, and a browser logged in as the admin."""
+
+    host: Served
+    admin: httpx.AsyncClient
+    browser: Browser
+    context: BrowserContext  # with the admin's credentials
+    hold: Path  # while it exists, an engine being launched stays "loading"
+    load_job: str  # the job that loaded ``tiny``
+
+    def url(self, path: str) -> str:
+        return f"{self.host.admin_url}/admin/ui{path}"
+
+    async def command(self, verb: str, deployment: str) -> str:
+        """POST an admin lifecycle command; its job id."""
+        response = await self.admin.post(
+            f"/admin/model-host/{verb}", json={"deployment": deployment}
+        )
+        assert response.status_code == 202, response.text
+        job_id: str = response.json()["job_id"]
+        return job_id
+
+    async def finished(self, job_id: str) -> JobRecord:
+        """The job once it ended (within :data:`JOB_DEADLINE_S`)."""
+        with anyio.fail_after(JOB_DEADLINE_S):
+            return await self.host.host.engine.join(job_id)
+
 
 @asynccontextmanager
-async def browser(tmp_path: Path) -> AsyncIterator[object]:
-    async with async_playwright() as playwright:
-        context = await playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=str(CHROMIUM),
-            args=ARGS,
-            headless=True,
+async def browser(playwright: Playwright) -> AsyncIterator[Browser]:
+    """Debian's chromium, headless; each test context comes from :meth:`Browser.new_context`."""
+    launched = await playwright.chromium.launch(
+        executable_path=str(CHROMIUM), args=ARGS, headless=True
+    )
+    try:
+        yield launched
+    finally:
+        await launched.close()
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    """One event loop for the module: the shared host runs on it (asyncio, like the server)."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def console(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Console]:
+    """A served host with ``tiny`` loaded and two chat requests answered (one plain, one
+    streamed); a browser with the admin's credentials."""
+    root = tmp_path_factory.mktemp("console")
+    hold = root / "hold-engine-launch"
+    async with (
+        served(
+            root,
+            deployments=DEPLOYMENTS,
+            mode=f"hold_file={hold}",
+            model_host={"cache": {"budget_gib": 1}},
+        ) as host,
+        httpx.AsyncClient(base_url=host.admin_url, auth=ADMIN, timeout=30) as admin,
+        async_playwright() as playwright,
+        browser(playwright) as chromium,
+    ):
+        context = await chromium.new_context(
             http_credentials={"username": ADMIN[0], "password": ADMIN[1]},
             viewport={"width": 1400, "height": 900},
         )
         try:
-            yield context
+            shared = Console(host, admin, chromium, context, hold, load_job="")
+            shared.load_job = await shared.command("load", "tiny")
+            assert (await shared.finished(shared.load_job)).status == JobStatus.SUCCEEDED
+            await chat(host)
+            yield shared
         finally:
             await context.close()
 
 
-async def shot(page: object, name: str) -> Path:
+@pytest.fixture
+async def page(console: Console) -> AsyncIterator[Page]:
+    """A fresh tab of the module's browser, closed after the test."""
+    tab = await console.context.new_page()
+    tab.set_default_timeout(TIMEOUT_MS)
+    try:
+        yield tab
+    finally:
+        await tab.close()
+
+
+@contextlib.contextmanager
+def holding(path: Path) -> Iterator[None]:
+    """Engines launched meanwhile stay "loading" until the block ends (or :meth:`Path.unlink`)."""
+    path.touch()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+async def shot(page: Page, name: str) -> Path:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"
-    await page.screenshot(path=str(path), full_page=True)  # type: ignore[attr-defined]
+    await page.screenshot(path=str(path), full_page=True)
     print(f"screenshot: {path}")
     return path
 
@@ -100,141 +221,143 @@ async def chat(host: Served) -> None:
                 pass
 
 
-async def test_console_without_credentials_is_401(tmp_path: Path) -> None:
-    async with served(tmp_path) as host, async_playwright() as playwright:
-        context = await playwright.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=str(CHROMIUM), args=ARGS, headless=True
-        )
-        try:
-            page = context.pages[0] if context.pages else await context.new_page()
-            url = f"{host.admin_url}/admin/ui/deployments"
-            seen: list[object] = []
-            # Playwright wraps handlers by attribute: a bound builtin cannot be one.
-            page.on("response", lambda response: seen.append(response))  # noqa: PLW0108
-            # Without credentials chromium gives up on the Basic challenge: the navigation
-            # fails, after the 401 arrived.
-            with contextlib.suppress(PlaywrightError):
-                await page.goto(url)
-            (response,) = [r for r in seen if r.url == url]  # type: ignore[attr-defined]
-            assert response.status == 401  # type: ignore[attr-defined]
-            headers = await response.all_headers()  # type: ignore[attr-defined]
-            assert headers["www-authenticate"].startswith("Basic")
-            await page.wait_for_load_state()
-            await shot(page, "unauthorized")
-        finally:
-            await context.close()
+def legal_walk(statuses: list[str]) -> bool:
+    """Whether each status follows the one before it in ``JOB_TRANSITIONS``."""
+    walk = [JobStatus(s) for s in statuses]
+    return all(after in JOB_TRANSITIONS[before] for before, after in pairwise(walk))
 
 
-@asynccontextmanager
-async def console(
-    tmp_path: Path, *, mode: str | None = None, model_host: dict[str, Any] | None = None
-) -> AsyncIterator[tuple[Served, httpx.AsyncClient, Any]]:
-    """A served host, an admin client and a browser page on its console."""
-    async with (
-        served(tmp_path, mode=mode, model_host=model_host) as host,
-        httpx.AsyncClient(base_url=host.admin_url, auth=ADMIN, timeout=30) as admin,
-        browser(tmp_path) as context,
-    ):
-        page = context.pages[0] if context.pages else await context.new_page()  # type: ignore[attr-defined]
-        page.set_default_timeout(TIMEOUT_MS)
-        yield host, admin, page
+async def test_console_without_credentials_is_401(console: Console) -> None:
+    context = await console.browser.new_context()
+    try:
+        page = await context.new_page()
+        url = console.url("/deployments")
+        seen: list[Any] = []
+        # Playwright wraps handlers by attribute: a bound builtin cannot be one.
+        page.on("response", lambda response: seen.append(response))  # noqa: PLW0108
+        # Without credentials chromium gives up on the Basic challenge: the navigation
+        # fails, after the 401 arrived.
+        with contextlib.suppress(PlaywrightError):
+            await page.goto(url)
+        (response,) = [r for r in seen if r.url == url]
+        assert response.status == 401
+        headers = await response.all_headers()
+        assert headers["www-authenticate"].startswith("Basic")
+        await page.wait_for_load_state()
+        await shot(page, "unauthorized")
+    finally:
+        await context.close()
 
 
-async def loaded(host: Served, admin: httpx.AsyncClient) -> str:
-    """Load ``tiny`` and wait until it is ready; the load job's id."""
-    load = await admin.post("/admin/model-host/load", json={"deployment": "tiny"})
-    assert load.status_code == 202, load.text
-    await until(lambda: host.host.manager.snapshot("tiny").state.value == "ready")
-    return str(load.json()["job_id"])
+async def test_deployments_page_shows_the_ready_deployment_with_its_actions(
+    console: Console, page: Page
+) -> None:
+    await page.goto(console.url("/deployments"))
+    await page.wait_for_selector("[data-deployment=tiny][data-state=ready]")
+    row = page.locator("[data-deployment=tiny]")
+    for action in ("load", "stop", "drain", "reset"):
+        assert await row.locator(f"[data-action={action}]").count() == 1
+    await shot(page, "deployments")
 
 
-async def test_a_running_loads_page_follows_it_live_without_a_reload(tmp_path: Path) -> None:
-    # The engine stays loading until the test creates this file: the job cannot finish
-    # before its page is open.
-    go = tmp_path / "engine-may-be-ready"
-    async with console(tmp_path, mode=f"ready_file={go}") as (host, admin, page):
-        load = await admin.post("/admin/model-host/load", json={"deployment": "tiny"})
-        job_id = load.json()["job_id"]
-        await page.goto(f"{host.admin_url}/admin/ui/jobs/{job_id}")
-        section = page.locator(f"section.job[data-job-id='{job_id}']")
-        first = await section.get_attribute("data-status")
-        assert first in ("queued", "running"), first
+async def test_job_page_follows_a_running_load_live_until_it_succeeds(
+    console: Console, page: Page
+) -> None:
+    await page.add_init_script(RECORD_JOB_STATUSES)
+    with holding(console.hold):
+        job_id = await console.command("load", FOLLOWED)
+        section = f"section.job[data-job-id='{job_id}']"
+        # The engine stays "loading" while the hold lasts, so once the job runs it keeps
+        # running: the page is certain to render it running and to follow it.
+        with anyio.fail_after(JOB_DEADLINE_S):
+            while (await console.host.host.engine.get(job_id)).status != JobStatus.RUNNING:
+                await anyio.sleep(0.05)
+        await page.goto(console.url(f"/jobs/{job_id}"))
+        await page.wait_for_selector(section)
+        assert await page.locator("[data-field=live]").text_content() == "(live)"
         await page.evaluate("window.__notReloaded = true")
-        go.touch()
-        await page.wait_for_selector(f"section.job[data-job-id='{job_id}'][data-status=succeeded]")
-        assert await page.evaluate("window.__notReloaded === true")
-        assert await page.locator("table.steps tbody tr").count() >= 1
-        assert await page.locator("[data-field=status]").text_content() == "succeeded"
-        await shot(page, "job")
+        assert (await console.host.host.engine.get(job_id)).status == JobStatus.RUNNING
+    # Released: the load ends, and its progress reaches the open page over SSE.
+    await page.wait_for_selector(f"{section}[data-status=succeeded]")
+    assert await page.evaluate("window.__notReloaded === true")
+    statuses: list[str] = await page.evaluate("window.__jobStatuses")
+    assert statuses[0] == "running" and statuses[-1] == "succeeded", statuses
+    assert legal_walk(statuses), statuses
+    assert await page.locator("table.steps tbody tr").count() >= 1
+    assert await page.locator("[data-field=status]").text_content() == "succeeded"
+    assert await page.locator("[data-field=live]").text_content() == ""
+    assert (await console.finished(job_id)).status == JobStatus.SUCCEEDED
+    await shot(page, "job")
 
 
-async def test_the_deployments_page_shows_a_ready_deployment_with_its_actions(
-    tmp_path: Path,
+async def test_activity_page_shows_the_requests_and_the_charts(
+    console: Console, page: Page
 ) -> None:
-    async with console(tmp_path) as (host, admin, page):
-        await loaded(host, admin)
-        await page.goto(f"{host.admin_url}/admin/ui/deployments")
-        row = page.locator("[data-deployment=tiny]")
-        await page.wait_for_selector("[data-deployment=tiny][data-state=ready]")
-        for action in ("load", "stop", "drain", "reset"):
-            assert await row.locator(f"[data-action={action}]").count() == 1
-        await shot(page, "deployments")
+    await page.goto(console.url("/activity"))
+    # The plain and the streamed request of the module's host.
+    assert await page.locator("#activity tr.request[data-deployment=tiny]").count() == 2
+    assert await page.locator("svg.chart").count() == 2
+    await shot(page, "activity")
 
 
-async def test_the_activity_page_shows_each_request_and_the_charts(tmp_path: Path) -> None:
-    async with console(tmp_path) as (host, admin, page):
-        await loaded(host, admin)
-        await chat(host)
-        await page.goto(f"{host.admin_url}/admin/ui/activity")
-        requests = page.locator("#activity tr.request[data-deployment=tiny]")
-        assert await requests.count() == 2
-        assert await page.locator("svg.chart").count() == 2
-        await shot(page, "activity")
-
-
-async def test_the_logs_page_shows_the_current_generations_output(tmp_path: Path) -> None:
-    async with console(tmp_path) as (host, admin, page):
-        await loaded(host, admin)
-        await page.goto(f"{host.admin_url}/admin/ui/logs")
-        tail = page.locator("section.log[data-deployment=tiny] pre.tail")
-        assert "listening" in (await tail.text_content() or "")
-        await shot(page, "logs")
-
-
-async def test_the_cache_page_shows_the_resident_artifact_and_the_gc_dry_run(
-    tmp_path: Path,
+async def test_logs_page_shows_the_engine_output_of_the_current_generation(
+    console: Console, page: Page
 ) -> None:
-    async with console(tmp_path, model_host={"cache": {"budget_gib": 1}}) as (host, admin, page):
-        await loaded(host, admin)
-        await page.goto(f"{host.admin_url}/admin/ui/cache")
-        assert await page.locator("#artifacts tr[data-resident=true]").count() == 1
-        assert "gc would delete" in (await page.locator("#gc-preview").text_content() or "")
-        await shot(page, "cache")
+    await page.goto(console.url("/logs"))
+    tail = page.locator("section.log[data-deployment=tiny] pre.tail")
+    assert "listening" in (await tail.text_content() or "")
+    await shot(page, "logs")
 
 
-async def test_stop_from_the_page_reaches_stopped_and_the_jobs_list_has_both_jobs(
-    tmp_path: Path,
+async def test_cache_page_shows_the_resident_artifact_and_the_gc_dry_run(
+    console: Console, page: Page
 ) -> None:
-    async with console(tmp_path) as (host, admin, page):
-        load_job = await loaded(host, admin)
-        await page.goto(f"{host.admin_url}/admin/ui/deployments")
-        row = page.locator("[data-deployment=tiny]")
-        await page.wait_for_selector("[data-deployment=tiny][data-state=ready]")
-        await row.locator("[data-action=stop]").click()
-        await page.wait_for_selector("[data-deployment=tiny] .job-live[data-job-id]")
-        await page.wait_for_selector("[data-deployment=tiny][data-state=stopped]")
-        await page.wait_for_selector("[data-deployment=tiny] .job-live[data-status=succeeded]")
-        stop_job = await row.locator(".job-live").get_attribute("data-job-id")
-        assert stop_job
-        assert host.host.manager.snapshot("tiny").state.value == "stopped"
-        await shot(page, "deployments-stopped")
+    await page.goto(console.url("/cache"))
+    # Every deployment of the host serves the same artifact: one row, resident.
+    assert await page.locator("#artifacts tr[data-resident=true]").count() == 1
+    assert "gc would delete" in (await page.locator("#gc-preview").text_content() or "")
+    await shot(page, "cache")
 
-        await page.goto(f"{host.admin_url}/admin/ui/jobs")
-        for expected in (load_job, stop_job):
-            assert await page.locator(f"#jobs tr[data-job-id='{expected}']").count() == 1
-        await page.goto(f"{host.admin_url}/admin/ui/jobs?kind=drain")
-        assert await page.locator("#jobs tr[data-job-id]").count() == 1
-        await shot(page, "jobs")
+
+async def test_stop_from_the_deployments_page_reaches_stopped_and_shows_its_job_live(
+    console: Console, page: Page
+) -> None:
+    load = await console.command("load", STOPPABLE)
+    assert (await console.finished(load)).status == JobStatus.SUCCEEDED
+    await page.goto(console.url("/deployments"))
+    row = page.locator(f"[data-deployment={STOPPABLE}]")
+    await page.wait_for_selector(f"[data-deployment={STOPPABLE}][data-state=ready]")
+    await row.locator("[data-action=stop]").click()
+    await page.wait_for_selector(f"[data-deployment={STOPPABLE}] .job-live[data-job-id]")
+    await page.wait_for_selector(f"[data-deployment={STOPPABLE}][data-state=stopped]")
+    await page.wait_for_selector(f"[data-deployment={STOPPABLE}] .job-live[data-status=succeeded]")
+    stop_job = await row.locator(".job-live").get_attribute("data-job-id")
+    assert stop_job
+    stopped = await console.finished(stop_job)
+    assert (stopped.kind, stopped.status) == ("drain", JobStatus.SUCCEEDED)
+    assert console.host.host.manager.snapshot(STOPPABLE).state.value == "stopped"
+    await shot(page, "deployments-stopped")
+
+
+async def test_jobs_page_lists_the_jobs_and_filters_them_by_kind(
+    console: Console, page: Page
+) -> None:
+    drain = await console.command("stop", IDLE)
+    assert (await console.finished(drain)).status == JobStatus.SUCCEEDED
+    rows = "#jobs tr[data-job-id]"
+
+    async def listed() -> set[str]:
+        return {str(await r.get_attribute("data-job-id")) for r in await page.locator(rows).all()}
+
+    await page.goto(console.url("/jobs"))
+    for expected in (console.load_job, drain):
+        assert await page.locator(f"#jobs tr[data-job-id='{expected}']").count() == 1
+    await shot(page, "jobs")
+    # The filter shows exactly the store's drain jobs (another test may have made one).
+    await page.goto(console.url("/jobs?kind=drain"))
+    drains = await console.host.host.engine.store.list_jobs(kind="drain", limit=-1)
+    assert await listed() == {j.id for j in drains}
+    assert drain in {j.id for j in drains} and console.load_job not in {j.id for j in drains}
 
 
 # Bound on a jobs-list row: two lines of error text plus padding (a row without the clamp,
@@ -263,39 +386,36 @@ async def failed_pull(host: Served) -> JobRecord:
 
 
 async def test_jobs_page_bounds_a_long_error_and_names_the_artifact_by_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    console: Console, page: Page, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with HfMirror() as mirror:
         monkeypatch.setenv("HF_ENDPOINT", mirror.url)
-        async with served(tmp_path) as host, browser(tmp_path) as context:
-            job = await failed_pull(host)
-            assert job.error is not None
-            error = f"{job.error.code}: {job.error.message}"
-            assert len(error) > 200, error
-            page = context.pages[0] if context.pages else await context.new_page()  # type: ignore[attr-defined]
-            page.set_default_timeout(TIMEOUT_MS)
+        job = await failed_pull(console.host)
+    assert job.error is not None
+    error = f"{job.error.code}: {job.error.message}"
+    assert len(error) > 200, error
 
-            await page.goto(f"{host.admin_url}/admin/ui/jobs")
-            row = page.locator(f"#jobs tr[data-job-id='{job.id}']")
-            shown = await shot(page, "jobs-long-error")
-            assert shown.is_file()
-            row_box = await row.bounding_box()
-            cell_box = await row.locator("td.error").bounding_box()
-            assert row_box is not None and cell_box is not None
-            assert row_box["height"] <= ROW_MAX_PX, row_box
-            assert cell_box["width"] >= ERROR_MIN_PX, cell_box
-            # The whole error is one hover away, and on the job's page.
-            clip = row.locator("td.error .clip")
-            assert await clip.get_attribute("title") == error
-            subject = row.locator("td.subject")
-            assert await subject.text_content() == "smollm2-135m-instruct:q4_1"
-            assert await subject.get_attribute("title") == job.subject
+    await page.goto(console.url("/jobs"))
+    row = page.locator(f"#jobs tr[data-job-id='{job.id}']")
+    shown = await shot(page, "jobs-long-error")
+    assert shown.is_file()
+    row_box = await row.bounding_box()
+    cell_box = await row.locator("td.error").bounding_box()
+    assert row_box is not None and cell_box is not None
+    assert row_box["height"] <= ROW_MAX_PX, row_box
+    assert cell_box["width"] >= ERROR_MIN_PX, cell_box
+    # The whole error is one hover away, and on the job's page.
+    clip = row.locator("td.error .clip")
+    assert await clip.get_attribute("title") == error
+    subject = row.locator("td.subject")
+    assert await subject.text_content() == "smollm2-135m-instruct:q4_1"
+    assert await subject.get_attribute("title") == job.subject
 
-            await row.locator("a").first.click()
-            await page.wait_for_selector(f"section.job[data-job-id='{job.id}']")
-            detail = await page.locator("[data-field=error]").text_content()
-            assert detail == error
-            named = await page.locator("[data-field=subject]").text_content() or ""
-            assert named.startswith("smollm2-135m-instruct:q4_1")
-            assert str(job.subject) in named
-            await shot(page, "job-long-error")
+    await row.locator("a").first.click()
+    await page.wait_for_selector(f"section.job[data-job-id='{job.id}']")
+    detail = await page.locator("[data-field=error]").text_content()
+    assert detail == error
+    named = await page.locator("[data-field=subject]").text_content() or ""
+    assert named.startswith("smollm2-135m-instruct:q4_1")
+    assert str(job.subject) in named
+    await shot(page, "job-long-error")
