@@ -402,7 +402,8 @@ class NodeConfig(ConfigModel):
             parts = urlsplit(value)
             port = parts.port
         except ValueError as exc:
-            raise ValueError(f"{value!r} is not a URL: {exc}") from None
+            # The value is not echoed: it may carry a password.
+            raise ValueError(f"is not a valid URL ({exc})") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
                 "must be an http:// or https:// URL with a host, e.g. http://10.0.0.5:8080"

@@ -438,7 +438,9 @@ def test_replacements_are_capped() -> None:
     nodes = [node("lost", state=S.LOST, gib=(64, 64, 64, 64)), node("b", gib=(64, 64, 64, 64))]
     deployments = [spec(f"d{i}") for i in range(4)]
     placements = [placed(f"p{i}", "lost", deployment=f"d{i}", devices=(i,)) for i in range(4)]
-    result = plan(nodes, deployments, placements, policy=PlacementPolicy(max_replacements_in_flight=2))
+    result = plan(
+        nodes, deployments, placements, policy=PlacementPolicy(max_replacements_in_flight=2)
+    )
     assert summary(result) == [
         ("replace", "d0", 0, "b", "p0"),
         ("replace", "d1", 0, "b", "p1"),
@@ -534,9 +536,7 @@ def test_rolling_without_room_stops_one_old_replica_first_keeping_replicas_minus
     assert summary(plan(nodes, [new], old)) == [("stop", "p0", "make_room")]
     # While p0 stops, nobody else is stopped: two of three still serve.
     stopping = [placed("p0", "a", state=P.STOPPING), *old[1:]]
-    assert summary(plan(nodes, [new], stopping)) == [
-        ("deferred", "chat", 0, "awaiting_stop")
-    ]
+    assert summary(plan(nodes, [new], stopping)) == [("deferred", "chat", 0, "awaiting_stop")]
     # p0 gone: the new replica 0 starts where it was.
     assert summary(plan(nodes, [new], old[1:])) == [("start", "chat", 0, "a", (0,), "missing")]
 
