@@ -21,13 +21,15 @@ Filter, then score (issue 20 "Placement"):
    placement this plan adds; two replicas of one deployment never share a device, so a node
    takes a second replica only when it has devices for both.
 
-A replica no node passes gets ``unplaced`` with the reason of the last filter that still
-had candidates before it: ``no_matching_node`` (state or labels), ``engine_unavailable``,
-``insufficient_capacity``. Score: ``spread`` (default) prefers fewer replicas of the
-deployment in the node's ``spread_by`` label domains, then on the node, then nodes that
-hold the artifact already, then the most free memory left (as a share of the node's
-capacity); ``binpack`` prefers the least free memory left after the domains. Ties go to
-the smaller node id, and devices to the smaller index, so a plan is deterministic.
+A replica no node passes gets ``unplaced`` with the reason of the first filter that left
+no candidate: ``no_matching_node`` (state or labels), ``engine_unavailable``,
+``insufficient_capacity`` (memory or devices).
+
+Score: ``spread`` (default) prefers fewer replicas of the deployment in the node's
+``spread_by`` label domains, then on the node, then nodes that hold the artifact already,
+then the most free memory left (as a share of the node's capacity); ``binpack`` prefers
+the least free memory left after the domains. Ties go to the smaller node id, and devices
+to the smaller index, so a plan is deterministic.
 
 Rollouts: a placement of an older revision, or on a draining node, is *retiring*. Rolling
 starts the new placement first and stops the retiring one only once the new one is
