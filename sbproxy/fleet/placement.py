@@ -11,8 +11,8 @@ Filter, then score (issue 20 "Placement"):
 1. **node state** -- only ``ready`` nodes take new replicas. ``suspect`` and ``cordoned``
    nodes keep theirs; ``draining`` nodes keep theirs until a replacement elsewhere is
    ready; replicas on ``lost`` or ``left`` nodes (or on nodes not in ``nodes``) are
-   re-placed (decision ``replace``), at most ``max_replacements_in_flight`` not yet ready
-   at once;
+   re-placed (decision ``replace``) before any other replica takes memory, at most
+   ``max_replacements_in_flight`` not yet ready at once;
 2. **labels** -- every ``required_labels`` key with the same value;
 3. **engine** -- the node offers one of the deployment's engines (first listed wins);
 4. **memory fit** -- ``tensor_parallel`` distinct devices each with ``estimate.total_bytes``
@@ -365,6 +365,16 @@ class _Ledger:
 
 
 @dataclass(frozen=True)
+class _Missing:
+    """A replica with no current placement, still to be started (or made room for)."""
+
+    spec: DeploymentSpec
+    replica: int
+    retiring: list[PlacementView]
+    stopping: list[PlacementView]
+
+
+@dataclass(frozen=True)
 class _Fit:
     node: NodeView
     devices: tuple[int, ...]
@@ -446,8 +456,13 @@ class _Planner:
             if placement.deployment not in wanted and self._stoppable(placement):
                 self._stop(placement, "removed")
         pending_replacements: list[tuple[DeploymentSpec, int, PlacementView]] = []
+        missing: list[_Missing] = []
         for spec in self.deployments:
-            pending_replacements.extend(self._deployment(spec))
+            replacements, unserved = self._deployment(spec)
+            pending_replacements.extend(replacements)
+            missing.extend(unserved)
+        # Replicas lost with their node are placed before anything else takes memory:
+        # restoring capacity comes before a rollout's surge or a scale-up.
         # The capped re-placements go to the deployments with the fewest serving replicas
         # first (a deployment with none left comes before one that lost one of three).
         pending_replacements.sort(key=lambda item: (self._serving(item[0]), item[0].id, item[1]))
@@ -469,6 +484,8 @@ class _Planner:
                 continue
             if self._place(spec, replica, replaces=lost):
                 self.replacement_budget -= 1
+        for item in missing:
+            self._replica(item.spec, item.replica, item.retiring, item.stopping)
         self.notes.sort(key=lambda n: (n.deployment, n.replica))
         return PlacementPlan(decisions=(*self.starts, *self.stops, *self.notes))
 
@@ -488,10 +505,14 @@ class _Planner:
             }
         )
 
-    def _deployment(self, spec: DeploymentSpec) -> list[tuple[DeploymentSpec, int, PlacementView]]:
-        """Plan one deployment; return the re-placements it needs (capped by the caller)."""
+    def _deployment(
+        self, spec: DeploymentSpec
+    ) -> tuple[list[tuple[DeploymentSpec, int, PlacementView]], list[_Missing]]:
+        """Stop what one deployment no longer needs; return the replicas to re-place from
+        gone nodes (capped by the caller) and the ones with no current placement."""
         mine = self._of(spec)
         replacements: list[tuple[DeploymentSpec, int, PlacementView]] = []
+        missing: list[_Missing] = []
         for placement in mine:
             if placement.replica >= spec.replicas and self._stoppable(placement):
                 self._stop(placement, "scale_down")
@@ -515,8 +536,8 @@ class _Planner:
             if not retiring and lost:
                 replacements.append((spec, replica, lost[0]))
                 continue
-            self._replica(spec, replica, retiring, stopping)
-        return replacements
+            missing.append(_Missing(spec, replica, retiring, stopping))
+        return replacements, missing
 
     def _replica(
         self,

@@ -784,3 +784,18 @@ def test_plan_never_overcommits_memory_nor_uses_a_non_ready_node(
     kinds = [d.kind for d in result.decisions]
     if "stop" in kinds:
         assert all(k not in ("start", "replace") for k in kinds[kinds.index("stop") :])
+
+
+def test_a_lost_replica_is_placed_before_another_deployments_rollout_surge() -> None:
+    # One free device on b: the replica lost with node a gets it; "aaa" (a smaller id,
+    # planned first otherwise) cannot surge and, with one replica, recreates in place on c.
+    nodes = [node("a", state=S.LOST), node("b"), node("c")]
+    placements = [
+        placed("lost", "a", deployment="zzz"),
+        placed("old", "c", deployment="aaa"),
+    ]
+    deployments = [spec("aaa", revision=2, gib=16), spec("zzz", gib=16)]
+    assert summary(plan(nodes, deployments, placements)) == [
+        ("replace", "zzz", 0, "b", "lost"),
+        ("stop", "old", "make_room"),
+    ]
