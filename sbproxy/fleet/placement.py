@@ -36,7 +36,8 @@ starts the new placement first and stops the retiring one only once the new one 
 ``ready`` (decisions list starts before stops). When the new one cannot fit beside the old
 one, or the rollout is ``recreate``, the old one is stopped first (cause ``make_room``) --
 but only while every other replica is serving, so at least ``replicas - 1`` serve
-throughout; the start follows in a later plan once its memory is free.
+throughout (the others are ``deferred``, ``rollout_paced``); the start follows in a later
+plan once its memory is free (``deferred``, ``awaiting_stop``, until then).
 
 Out of scope here: engines failing on a node (the node's runtime owns crash loops),
 heterogeneous variants (the caller passes one estimate per deployment), eviction.
@@ -101,6 +102,9 @@ class DeferReason(StrEnum):
     """``max_replacements_in_flight`` re-placements are already started and not ready."""
     AWAITING_STOP = "awaiting_stop"
     """Its memory is held by a placement that is stopping; it is placed once that is gone."""
+    ROLLOUT_PACED = "rollout_paced"
+    """Its old placement must stop first (recreate, or no room), but another replica is
+    already down: it waits so that at least ``replicas - 1`` keep serving."""
 
 
 class PlacementState(StrEnum):
@@ -595,6 +599,20 @@ class _Planner:
         others = self._serving(spec) - (1 if old.state is PlacementState.READY else 0)
         if old.state is not PlacementState.READY or others >= spec.replicas - 1:
             self._stop(old, "make_room")
+            return
+        self.notes.append(
+            DeferredReplica(
+                deployment=spec.id,
+                replica=replica,
+                revision=spec.revision,
+                reason=DeferReason.ROLLOUT_PACED,
+                message=(
+                    f"replica {replica} of {spec.id} keeps revision {old.revision} on "
+                    f"{old.node} for now: stopping it first would leave fewer than "
+                    f"{spec.replicas - 1} of {spec.replicas} replicas serving"
+                ),
+            )
+        )
 
     # -- effects on the working state ----------------------------------------------------
 
@@ -769,7 +787,7 @@ def plan(
         A :class:`PlacementPlan`: ``start``/``replace`` decisions, then ``stop``, then
         ``unplaced`` (reason ``no_matching_node``, ``engine_unavailable`` or
         ``insufficient_capacity``) and ``deferred`` (``replacements_capped``,
-        ``awaiting_stop``). Equal inputs give equal plans, whatever their order.
+        ``awaiting_stop``, ``rollout_paced``). Equal inputs give equal plans, whatever their order.
 
     Raises:
         ValueError: two nodes, deployments or placements share an id (a caller bug).

@@ -533,12 +533,25 @@ def test_rolling_without_room_stops_one_old_replica_first_keeping_replicas_minus
     nodes = [node("a", gib=(4,)), node("b", gib=(4,)), node("c", gib=(4,))]
     old = [placed(f"p{i}", n, replica=i) for i, n in enumerate("abc")]
     new = spec(replicas=3, revision=2)
-    assert summary(plan(nodes, [new], old)) == [("stop", "p0", "make_room")]
+    paced = [("deferred", "chat", 1, "rollout_paced"), ("deferred", "chat", 2, "rollout_paced")]
+    assert summary(plan(nodes, [new], old)) == [("stop", "p0", "make_room"), *paced]
     # While p0 stops, nobody else is stopped: two of three still serve.
     stopping = [placed("p0", "a", state=P.STOPPING), *old[1:]]
-    assert summary(plan(nodes, [new], stopping)) == [("deferred", "chat", 0, "awaiting_stop")]
-    # p0 gone: the new replica 0 starts where it was.
-    assert summary(plan(nodes, [new], old[1:])) == [("start", "chat", 0, "a", (0,), "missing")]
+    assert summary(plan(nodes, [new], stopping)) == [
+        ("deferred", "chat", 0, "awaiting_stop"),
+        *paced,
+    ]
+    # p0 gone: the new replica 0 starts where it was; the others still wait for it.
+    assert summary(plan(nodes, [new], old[1:])) == [
+        ("start", "chat", 0, "a", (0,), "missing"),
+        *paced,
+    ]
+    # Replica 0's new placement ready: replica 1 is next.
+    done = [placed("n0", "a", revision=2), *old[1:]]
+    assert summary(plan(nodes, [new], done)) == [
+        ("stop", "p1", "make_room"),
+        ("deferred", "chat", 2, "rollout_paced"),
+    ]
 
 
 def test_rolling_without_room_does_not_stop_the_old_when_the_new_cannot_fit_either() -> None:
@@ -551,13 +564,19 @@ def test_recreate_stops_the_old_first_one_replica_at_a_time() -> None:
     nodes = [node("a"), node("b"), node("c"), node("d")]
     old = [placed("p0", "a", replica=0), placed("p1", "b", replica=1)]
     new = spec(replicas=2, revision=2, rollout=Rollout.RECREATE)
-    assert summary(plan(nodes, [new], old)) == [("stop", "p0", "make_room")]
+    assert summary(plan(nodes, [new], old)) == [
+        ("stop", "p0", "make_room"),
+        ("deferred", "chat", 1, "rollout_paced"),
+    ]
     stopping = [placed("p0", "a", state=P.STOPPING), old[1]]
     # Replica 0 starts once its old one is stopping (here on a free node); replica 1 keeps
     # serving: stopping it too would leave fewer than replicas - 1.
-    assert summary(plan(nodes, [new], stopping)) == [("start", "chat", 0, "c", (0,), "missing")]
+    assert summary(plan(nodes, [new], stopping)) == [
+        ("start", "chat", 0, "c", (0,), "missing"),
+        ("deferred", "chat", 1, "rollout_paced"),
+    ]
     started = [*stopping, placed("n0", "c", revision=2, state=P.STARTING)]
-    assert plan(nodes, [new], started).decisions == ()
+    assert summary(plan(nodes, [new], started)) == [("deferred", "chat", 1, "rollout_paced")]
     # Replica 0's new one is ready and its old one gone: now replica 1 is recreated.
     ready = [old[1], placed("n0", "c", revision=2)]
     assert summary(plan(nodes, [new], ready)) == [("stop", "p1", "make_room")]
@@ -684,7 +703,11 @@ def test_reason_codes_are_the_documented_ones() -> None:
         "engine_unavailable",
         "insufficient_capacity",
     }
-    assert {r.value for r in DeferReason} == {"replacements_capped", "awaiting_stop"}
+    assert {r.value for r in DeferReason} == {
+        "replacements_capped",
+        "awaiting_stop",
+        "rollout_paced",
+    }
 
 
 # -- properties ----------------------------------------------------------------------------
