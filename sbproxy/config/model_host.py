@@ -12,6 +12,7 @@ import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -45,8 +46,11 @@ __all__ = [
     "EngineChoice",
     "EngineConfig",
     "EnginesConfig",
+    "FleetConfig",
     "KvQuant",
     "ModelHostConfig",
+    "NodeConfig",
+    "PlacementStrategy",
     "PullPolicy",
     "Rollout",
     "SourceArchiveConfig",
@@ -110,6 +114,14 @@ class Rollout(StrEnum):
 
     ROLLING = "rolling"
     RECREATE = "recreate"
+
+
+class PlacementStrategy(StrEnum):
+    """How the fleet planner scores nodes: ``spread`` (fewest replicas, most free memory
+    first) or ``binpack`` (fill the fullest node that still fits first)."""
+
+    SPREAD = "spread"
+    BINPACK = "binpack"
 
 
 class EngineChoice(StrEnum):
@@ -345,6 +357,136 @@ class EnginesConfig(ConfigModel):
         return self
 
 
+_NOT_WIRED = (
+    " Fleet schema only: authority cluster_authority is still refused, so this host does "
+    "not use it yet."
+)
+
+
+def _check_label_key(value: str) -> str:
+    if not _LABEL_RE.match(value):
+        raise ValueError(
+            f"label {value!r} must be 1-128 characters of letters, digits, '.', '_', '/' or '-'"
+        )
+    return value
+
+
+LabelKey = Annotated[str, AfterValidator(_check_label_key)]
+
+
+class NodeConfig(ConfigModel):
+    """``proxy.model_host.node``: this host as a member of a fleet."""
+
+    id: Identifier | None = Field(
+        default=None,
+        description="Stable node id ([A-Za-z0-9._-], at most 128 characters); omitted: a "
+        "ULID generated once and kept in the cache." + _NOT_WIRED,
+    )
+    labels: dict[LabelKey, NonBlank] = Field(
+        default_factory=dict,
+        description="Labels deployments' required_labels match against, e.g. "
+        "{gpu: a100, zone: eu-1}; keys 1-128 characters of [A-Za-z0-9._/-]." + _NOT_WIRED,
+    )
+    advertise_url: str | None = Field(
+        default=None,
+        description="http(s)://host:port where the other hosts reach this host's gateway "
+        "(peer dispatch); no credentials, query or fragment; omitted: the listener's "
+        "address." + _NOT_WIRED,
+    )
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _peer_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError as exc:
+            # The value is not echoed: it may carry a password.
+            raise ValueError(f"is not a valid URL ({exc})") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                "must be an http:// or https:// URL with a host, e.g. http://10.0.0.5:8080"
+            )
+        if parts.username is not None or parts.password is not None:
+            # Peers authenticate with the fleet credential; a password in a URL would be
+            # shown in every membership listing.
+            raise ValueError(
+                "must not carry credentials (user:password@); peers use the fleet credential"
+            )
+        if parts.query or parts.fragment:
+            raise ValueError("must not have a query or fragment")
+        if port == 0:
+            raise ValueError("port 0 is not a reachable port")
+        return value
+
+
+class FleetConfig(ConfigModel):
+    """``proxy.model_host.fleet``: membership timing and placement policy of a fleet."""
+
+    heartbeat_ms: int = Field(
+        default=2_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="How often each node renews its membership lease on database time, in "
+        "milliseconds; a renewal late by more than half a period makes the node suspect."
+        + _NOT_WIRED,
+    )
+    fence_after_ms: int = Field(
+        default=10_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="A node that could not renew for this long stops taking traffic and "
+        "stops its engines itself, in milliseconds; must exceed heartbeat_ms." + _NOT_WIRED,
+    )
+    lost_after_ms: int = Field(
+        default=20_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Milliseconds without a renewal after which the fleet declares a node "
+        "lost and re-places its replicas; must exceed fence_after_ms, so the node has fenced "
+        "itself first." + _NOT_WIRED,
+    )
+    placement: PlacementStrategy = Field(
+        default=PlacementStrategy.SPREAD,
+        description="Node scoring: spread (fewest replicas and most free memory first) or "
+        "binpack (fullest node that fits first)." + _NOT_WIRED,
+    )
+    max_replacements_in_flight: int = Field(
+        default=2,
+        ge=1,
+        le=_MILLION,
+        description="Re-placements of replicas from lost nodes started but not yet ready, "
+        "at most, across the fleet (a network blip must not restart every replica at once)."
+        + _NOT_WIRED,
+    )
+
+    @model_validator(mode="after")
+    def _timing_order(self) -> FleetConfig:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        if self.fence_after_ms <= self.heartbeat_ms:
+            problems.append(
+                (
+                    ("fence_after_ms",),
+                    f"fence_after_ms {self.fence_after_ms} must be greater than heartbeat_ms "
+                    f"{self.heartbeat_ms}: a node would fence itself between two renewals",
+                )
+            )
+        if self.lost_after_ms <= self.fence_after_ms:
+            problems.append(
+                (
+                    ("lost_after_ms",),
+                    f"lost_after_ms {self.lost_after_ms} must be greater than fence_after_ms "
+                    f"{self.fence_after_ms}: a node must stop its own engines before the fleet "
+                    "starts its replicas elsewhere",
+                )
+            )
+        if problems:
+            raise RuleViolation(problems)
+        return self
+
+
 class ChunkedPrefillConfig(ConfigModel):
     """vLLM chunked prefill tuning."""
 
@@ -368,19 +510,26 @@ class DeploymentConfig(ConfigModel):
         description="Pins one exact catalog artifact; omitted lets the worker choose.",
     )
     heterogeneous_variants: bool = Field(
-        default=False, description="Allow replicas to resolve to different variants."
+        default=False,
+        description="Allow replicas to resolve to different variants (per node's hardware, "
+        "fleet placement intent).",
     )
     replicas: int = Field(
         default=1,
         ge=1,
         le=_MAX_U32,
-        description="Replica count; this single-node runtime serves one.",
+        description="Replica count; a fleet places each on its own node or devices. This "
+        "single-node runtime serves one (cluster_authority, which places them, is still "
+        "refused).",
     )
     tensor_parallel: int | None = Field(
         default=None, ge=1, le=1024, description="Devices per replica; default: planner's choice."
     )
     required_labels: dict[NonBlank, NonBlank] = Field(
-        default_factory=dict, description="Node labels a placement must carry (cluster intent)."
+        default_factory=dict,
+        description="Node labels (proxy.model_host.node.labels) a replica's node must carry, "
+        "every key with the same value (fleet placement intent; not used while "
+        "cluster_authority is refused).",
     )
     spread_by: list[str] = Field(
         default_factory=list,
@@ -664,6 +813,13 @@ class ModelHostConfig(ConfigModel):
         ge=1,
         le=_ONE_DAY_MS,
         description="Rolling handoff timeout, in milliseconds.",
+    )
+    node: NodeConfig = Field(
+        default_factory=NodeConfig, description="This host as a fleet member (schema only)."
+    )
+    fleet: FleetConfig = Field(
+        default_factory=FleetConfig,
+        description="Fleet membership timing and placement policy (schema only).",
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Artifact cache.")
     journal: JournalConfig | None = Field(

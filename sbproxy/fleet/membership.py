@@ -1,0 +1,299 @@
+"""Fleet membership as data: node states, their transition table, and the pure rules that
+derive a node's state from its lease and decide when a node fences itself.
+
+Nothing here reads a clock or a database. Callers pass times in milliseconds:
+
+* **database time** (``clock_timestamp()`` of the shared PostgreSQL, as epoch milliseconds)
+  for a node's last renewal and for "now" when another host judges it -- every host reads
+  the same clock, so no host's own clock drift can make a healthy node look lost
+  (ARCHITECTURE.md "Several hosts");
+* **the node's own monotonic clock** for self-fencing, because a node that cannot reach the
+  database cannot read database time either.
+
+States (issue 20, "Membership"):
+
+* ``ready`` -- renewing on time, takes new replicas;
+* ``suspect`` -- a renewal is late (more than 1.5 heartbeat periods since the last one);
+  keeps its replicas, takes no new ones;
+* ``lost`` -- no renewal for ``lost_after_ms``; its replicas are re-placed elsewhere;
+* ``cordoned`` -- an operator said "no new replicas here"; keeps the ones it has;
+* ``draining`` -- cordoned, and its replicas are moved elsewhere (start there first);
+* ``left`` -- removed from the fleet; terminal (a host that comes back joins afresh).
+
+Precedence when several apply: ``left`` > ``lost`` > ``draining`` > ``cordoned`` >
+``suspect`` > ``ready``. Liveness loss beats an operator flag (a cordoned node that dies
+must still have its replicas re-placed); the operator's flag beats a late renewal, which
+is a hint only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Final
+
+from sbproxy.config import FleetConfig
+from sbproxy.errors import SbproxyError
+
+__all__ = [
+    "NODE_TRANSITIONS",
+    "SUSPECT_AFTER_HEARTBEATS",
+    "TERMINAL_NODE_STATES",
+    "FenceVerdict",
+    "FleetTiming",
+    "IllegalNodeTransition",
+    "NodeState",
+    "NodeTransition",
+    "PeerAnswer",
+    "derive_state",
+    "fence_verdict",
+    "move",
+]
+
+
+class NodeState(StrEnum):
+    """Where one member of the fleet is (see the module docstring)."""
+
+    READY = "ready"
+    SUSPECT = "suspect"
+    LOST = "lost"
+    CORDONED = "cordoned"
+    DRAINING = "draining"
+    LEFT = "left"
+
+
+_S = NodeState
+TERMINAL_NODE_STATES: Final = frozenset({_S.LEFT})
+"""States no move leaves."""
+
+NODE_TRANSITIONS: Final[Mapping[NodeState, frozenset[NodeState]]] = MappingProxyType(
+    {
+        # Observations are sparse (one per controller pass), so a live node may be seen
+        # to skip ``suspect`` and go straight to ``lost``.
+        _S.READY: frozenset({_S.SUSPECT, _S.LOST, _S.CORDONED, _S.DRAINING, _S.LEFT}),
+        _S.SUSPECT: frozenset({_S.READY, _S.LOST, _S.CORDONED, _S.DRAINING, _S.LEFT}),
+        _S.CORDONED: frozenset({_S.READY, _S.SUSPECT, _S.LOST, _S.DRAINING, _S.LEFT}),
+        # A finished drain leaves the node cordoned (no replicas, takes none).
+        _S.DRAINING: frozenset({_S.READY, _S.SUSPECT, _S.LOST, _S.CORDONED, _S.LEFT}),
+        # A lost node rejoins by renewing: ready, or its operator flags; a single renewal
+        # followed by silence again is seen as suspect.
+        _S.LOST: frozenset({_S.READY, _S.SUSPECT, _S.CORDONED, _S.DRAINING, _S.LEFT}),
+        _S.LEFT: frozenset(),
+    }
+)
+"""Allowed moves: ``NODE_TRANSITIONS[from]`` is the set of states ``from`` may move to.
+
+A move to the same state is not a move (nothing to record); :func:`move` refuses it.
+"""
+
+SUSPECT_AFTER_HEARTBEATS: Final = 1.5
+"""A node is ``suspect`` once this many heartbeat periods passed since its last renewal.
+
+Half a period of slack keeps scheduling and network delay of a healthy node from making
+it flap; past it, the renewal that was due has been missed.
+"""
+
+
+class IllegalNodeTransition(SbproxyError):
+    """A node state change the table forbids (code ``illegal_transition``).
+
+    A bug in the caller (or a stale read), never an operator error. ``details`` carries
+    ``from_state`` and ``to_state``.
+    """
+
+    default_code = "illegal_transition"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTransition:
+    """One checked move of a node's state, made only by :func:`move`.
+
+    Attributes:
+        from_state: The state the caller expected the node to be in (a compare-and-set
+            write uses it in its ``WHERE state = ?``).
+        to_state: The new state.
+    """
+
+    from_state: NodeState
+    to_state: NodeState
+
+    def to_dict(self) -> dict[str, str]:
+        """``{"from", "to"}`` for an event or a log line."""
+        return {"from": self.from_state.value, "to": self.to_state.value}
+
+
+def move(expected: NodeState, to: NodeState) -> NodeTransition:
+    """Check a node state change against :data:`NODE_TRANSITIONS`.
+
+    Args:
+        expected: The state the node is in now, as the caller read it.
+        to: The state it should move to.
+
+    Returns:
+        The :class:`NodeTransition` to persist (compare-and-set on ``expected``).
+
+    Raises:
+        IllegalNodeTransition: ``illegal_transition`` -- ``to`` equals ``expected``, or the
+            table does not list the move (every move out of ``left``).
+    """
+    if to == expected or to not in NODE_TRANSITIONS[expected]:
+        allowed = ", ".join(sorted(state.value for state in NODE_TRANSITIONS[expected]))
+        raise IllegalNodeTransition(
+            f"a node cannot move from {expected.value} to {to.value} "
+            f"(allowed from {expected.value}: {allowed or 'none, it is terminal'})",
+            details={"from_state": expected.value, "to_state": to.value},
+        )
+    return NodeTransition(from_state=expected, to_state=to)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetTiming:
+    """The fleet's lease timing, in milliseconds.
+
+    Attributes:
+        heartbeat_ms: How often each node renews its membership lease (> 0).
+        fence_after_ms: A node that has not renewed for this long stops taking traffic and
+            stops its engines itself (> ``heartbeat_ms``).
+        lost_after_ms: The fleet declares a node lost after this long without a renewal
+            and re-places its replicas (> ``fence_after_ms``, so that the node has fenced
+            itself before its replicas start elsewhere).
+
+    Raises:
+        ValueError: the order ``0 < heartbeat_ms < fence_after_ms < lost_after_ms`` is
+            broken (``proxy.model_host.fleet`` is validated the same way at load time).
+    """
+
+    heartbeat_ms: int
+    fence_after_ms: int
+    lost_after_ms: int
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_ms <= 0:
+            raise ValueError(f"heartbeat_ms must be > 0, got {self.heartbeat_ms}")
+        if self.fence_after_ms <= self.heartbeat_ms:
+            raise ValueError(
+                f"fence_after_ms ({self.fence_after_ms}) must be greater than heartbeat_ms "
+                f"({self.heartbeat_ms})"
+            )
+        if self.lost_after_ms <= self.fence_after_ms:
+            raise ValueError(
+                f"fence_after_ms ({self.fence_after_ms}) must be less than lost_after_ms "
+                f"({self.lost_after_ms}): a node must stop its engines before the fleet "
+                "starts its replicas elsewhere"
+            )
+
+    @classmethod
+    def from_config(cls, config: FleetConfig) -> FleetTiming:
+        """The timing of ``proxy.model_host.fleet`` (already validated by the loader)."""
+        return cls(
+            heartbeat_ms=config.heartbeat_ms,
+            fence_after_ms=config.fence_after_ms,
+            lost_after_ms=config.lost_after_ms,
+        )
+
+    @property
+    def suspect_after_ms(self) -> int:
+        """Milliseconds without a renewal after which a node is ``suspect`` (1.5 periods)."""
+        return int(self.heartbeat_ms * SUSPECT_AFTER_HEARTBEATS)
+
+
+def derive_state(
+    *,
+    last_renewal_ms: int,
+    now_ms: int,
+    timing: FleetTiming,
+    cordoned: bool = False,
+    draining: bool = False,
+    left: bool = False,
+) -> NodeState:
+    """A node's state from its lease and its operator flags.
+
+    Args:
+        last_renewal_ms: The node's last lease renewal, on database time (epoch ms).
+        now_ms: Now, on database time (epoch ms). A ``now_ms`` before the renewal (read
+            in an earlier transaction than the renewal committed) counts as 0 elapsed.
+        timing: The fleet's timing.
+        cordoned: The operator cordoned the node.
+        draining: The operator is draining the node (implies cordoned).
+        left: The node was removed from the fleet.
+
+    Returns:
+        ``left`` if ``left``; else ``lost`` when ``now - last >= lost_after_ms``; else
+        ``draining``, ``cordoned`` by flag; else ``suspect`` when
+        ``now - last > timing.suspect_after_ms``; else ``ready``.
+    """
+    if left:
+        return NodeState.LEFT
+    elapsed = max(0, now_ms - last_renewal_ms)
+    if elapsed >= timing.lost_after_ms:
+        return NodeState.LOST
+    if draining:
+        return NodeState.DRAINING
+    if cordoned:
+        return NodeState.CORDONED
+    if elapsed > timing.suspect_after_ms:
+        return NodeState.SUSPECT
+    return NodeState.READY
+
+
+class FenceVerdict(StrEnum):
+    """What a node does about its own lease (see :func:`fence_verdict`)."""
+
+    SERVE = "serve"
+    """The lease is fresh enough: keep serving and taking work."""
+    FENCE = "fence"
+    """This node is the one cut off: stop taking traffic and stop every engine now."""
+    HOLD = "hold"
+    """Nobody can renew (the database is down for all): keep serving what runs, refuse
+    mutations with ``journal_unavailable``; nobody can re-place anything either."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAnswer:
+    """What asking one other member (fleet credential) returned.
+
+    Attributes:
+        node_id: The peer asked.
+        reached: The peer answered at all.
+        renewed_recently: The peer's own last renewal, read by it on database time, is
+            younger than ``fence_after_ms`` (meaningful only when ``reached``).
+    """
+
+    node_id: str
+    reached: bool
+    renewed_recently: bool = False
+
+
+def fence_verdict(
+    *,
+    since_own_renewal_ms: int,
+    timing: FleetTiming,
+    peers_known: int,
+    answers: Sequence[PeerAnswer],
+) -> FenceVerdict:
+    """Decide whether this node must fence itself (ARCHITECTURE.md "Several hosts").
+
+    Args:
+        since_own_renewal_ms: Milliseconds since this node's last successful renewal, on
+            its own monotonic clock (it may not be able to read database time).
+        timing: The fleet's timing.
+        peers_known: Other members in this node's last membership snapshot (not ``left``).
+        answers: Answers of the peers asked once the renewal was overdue; may be empty when
+            none was asked yet.
+
+    Returns:
+        ``serve`` while ``since_own_renewal_ms < fence_after_ms``. Past it: ``fence`` when
+        any reached peer renewed recently (this node is the odd one out), or when peers are
+        known but none was reached (a minority partition); ``hold`` when there are no other
+        members, or every reached peer cannot renew either (the database is down for all).
+    """
+    if since_own_renewal_ms < timing.fence_after_ms:
+        return FenceVerdict.SERVE
+    reached = [answer for answer in answers if answer.reached]
+    if any(answer.renewed_recently for answer in reached):
+        return FenceVerdict.FENCE
+    if peers_known > 0 and not reached:
+        return FenceVerdict.FENCE
+    return FenceVerdict.HOLD

@@ -1,0 +1,795 @@
+"""The fleet's placement planner: ``plan(nodes, deployments, placements) -> decisions``.
+
+Pure: no clock, no I/O, no randomness. The controller builds the three inputs from the
+journal (nodes with their derived :class:`~sbproxy.fleet.membership.NodeState`, the desired
+deployments of the current revision, the placements recorded so far), calls :func:`plan`,
+and turns each decision into a durable job. It calls again after every change; each call
+plans only the next safe step, so a plan is never "in progress" in here.
+
+Filter, then score (issue 20 "Placement"):
+
+1. **node state** -- only ``ready`` nodes take new replicas. ``suspect`` and ``cordoned``
+   nodes keep theirs; ``draining`` nodes keep theirs until a replacement elsewhere is
+   ready; replicas on ``lost`` or ``left`` nodes (or on nodes not in ``nodes``) are
+   re-placed (decision ``replace``) before any other replica takes memory, at most
+   ``max_replacements_in_flight`` not yet ready at once;
+2. **labels** -- every ``required_labels`` key with the same value;
+3. **engine** -- the node offers one of the deployment's engines (first listed wins);
+4. **memory fit** -- ``tensor_parallel`` distinct devices each with ``estimate.total_bytes``
+   free (the GGUF estimate with the safety margin, :mod:`~sbproxy.model_host.runtime.memory`)
+   after every placement already on the device, stopping ones included, and every
+   placement this plan adds; two replicas of one deployment never share a device, so a node
+   takes a second replica only when it has devices for both.
+
+A replica no node passes gets ``unplaced`` with the reason of the first filter that left
+no candidate: ``no_matching_node`` (state or labels), ``engine_unavailable``,
+``insufficient_capacity`` (memory or devices).
+
+Score: ``spread`` (default) prefers fewer replicas of the deployment in the node's
+``spread_by`` label domains, then on the node, then nodes that hold the artifact already,
+then the most free memory left (as a share of the node's capacity); ``binpack`` prefers
+the least free memory left after the domains. Ties go to the smaller node id, and devices
+to the smaller index, so a plan is deterministic.
+
+Rollouts: a placement of an older revision, or on a draining node, is *retiring*. Rolling
+starts the new placement first and stops the retiring one only once the new one is
+``ready`` (decisions list starts before stops). When the new one cannot fit beside the old
+one, or the rollout is ``recreate``, the old one is stopped first (cause ``make_room``) --
+but only while every other replica is serving, so at least ``replicas - 1`` serve
+throughout (the others are ``deferred``, ``rollout_paced``); the start follows in a later
+plan once its memory is free (``deferred``, ``awaiting_stop``, until then).
+
+Out of scope here: engines failing on a node (the node's runtime owns crash loops),
+heterogeneous variants (the caller passes one estimate per deployment), eviction.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from fractions import Fraction
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sbproxy.config import DeploymentConfig, FleetConfig, PlacementStrategy, Rollout
+from sbproxy.fleet.membership import NodeState
+from sbproxy.model_host.runtime.memory import MemoryEstimate
+
+__all__ = [
+    "Decision",
+    "DeferReason",
+    "DeferredReplica",
+    "DeploymentSpec",
+    "DeviceCapacity",
+    "NodeView",
+    "PlacementPlan",
+    "PlacementPolicy",
+    "PlacementReason",
+    "PlacementState",
+    "PlacementView",
+    "ReplaceReplica",
+    "StartReplica",
+    "StopReplica",
+    "UnplacedReplica",
+    "plan",
+]
+
+_GONE_STATES = frozenset({NodeState.LOST, NodeState.LEFT})
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PlacementReason(StrEnum):
+    """Why a replica could not be placed (stable reason codes)."""
+
+    NO_MATCHING_NODE = "no_matching_node"
+    """No ready node carries the deployment's ``required_labels``."""
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    """Matching ready nodes exist, but none offers one of the deployment's engines."""
+    INSUFFICIENT_CAPACITY = "insufficient_capacity"
+    """Matching nodes with the engine exist, but none has free devices enough."""
+
+
+class DeferReason(StrEnum):
+    """Why a replica that could be placed waits for a later plan (stable reason codes)."""
+
+    REPLACEMENTS_CAPPED = "replacements_capped"
+    """``max_replacements_in_flight`` re-placements are already started and not ready."""
+    AWAITING_STOP = "awaiting_stop"
+    """Its memory is held by a placement that is stopping; it is placed once that is gone."""
+    ROLLOUT_PACED = "rollout_paced"
+    """Its old placement must stop first (recreate, or no room), but another replica is
+    already down: it waits so that at least ``replicas - 1`` keep serving."""
+
+
+class PlacementState(StrEnum):
+    """Where a recorded placement is; every state holds its reservation."""
+
+    PENDING = "pending"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+
+
+class DeviceCapacity(_Frozen):
+    """One device of a node: ``index`` and the bytes it offers to models (>= 0)."""
+
+    index: int = Field(ge=0)
+    capacity_bytes: int = Field(ge=0)
+
+
+class NodeView(_Frozen):
+    """One member as the planner sees it.
+
+    Attributes:
+        id: Node id (``proxy.model_host.node.id``).
+        state: Derived by :func:`~sbproxy.fleet.membership.derive_state`.
+        labels: The node's labels.
+        engines: Engine kinds the node can run now (``llama_cpp``, ``vllm``).
+        devices: Its devices with the bytes each offers to models in total (not the free
+            bytes of a probe: the planner subtracts the placements itself).
+        cached_artifacts: Artifact digests already verified in the node's cache.
+    """
+
+    id: str = Field(min_length=1)
+    state: NodeState
+    labels: dict[str, str] = Field(default_factory=dict)
+    engines: frozenset[str] = frozenset()
+    devices: tuple[DeviceCapacity, ...] = ()
+    cached_artifacts: frozenset[str] = frozenset()
+
+    @model_validator(mode="after")
+    def _distinct_devices(self) -> NodeView:
+        indexes = [device.index for device in self.devices]
+        if len(set(indexes)) != len(indexes):
+            raise ValueError(f"node {self.id}: device indexes must be distinct, got {indexes}")
+        return self
+
+
+class DeploymentSpec(_Frozen):
+    """One desired deployment at one revision.
+
+    Attributes:
+        id: Deployment id.
+        revision: Desired-state revision (>= 1); placements of a smaller one are retiring.
+        replicas: Replicas wanted (0 stops them all).
+        required_labels: Labels a node must carry.
+        spread_by: Label keys whose values replicas are spread across.
+        engines: Acceptable engine kinds, preferred first (non-empty).
+        estimate: Bytes one replica reserves on each of its devices (GGUF estimate with the
+            safety margin: :func:`~sbproxy.model_host.runtime.memory.estimate_memory`).
+        tensor_parallel: Devices per replica (>= 1).
+        rollout: ``rolling`` or ``recreate``.
+        artifact_digest: The pinned artifact, for cache locality; ``None`` if unknown.
+    """
+
+    id: str = Field(min_length=1)
+    revision: int = Field(ge=1)
+    replicas: int = Field(ge=0)
+    required_labels: dict[str, str] = Field(default_factory=dict)
+    spread_by: tuple[str, ...] = ()
+    engines: tuple[str, ...] = Field(min_length=1)
+    estimate: MemoryEstimate
+    tensor_parallel: int = Field(default=1, ge=1)
+    rollout: Rollout = Rollout.ROLLING
+    artifact_digest: str | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        deployment_id: str,
+        config: DeploymentConfig,
+        *,
+        revision: int,
+        estimate: MemoryEstimate,
+        engines: Sequence[str],
+        artifact_digest: str | None = None,
+    ) -> DeploymentSpec:
+        """The spec of a configured deployment; ``engines`` come from its resolved variant."""
+        return cls(
+            id=deployment_id,
+            revision=revision,
+            replicas=config.replicas,
+            required_labels=dict(config.required_labels),
+            spread_by=tuple(config.spread_by),
+            engines=tuple(engines),
+            estimate=estimate,
+            tensor_parallel=config.tensor_parallel or 1,
+            rollout=config.rollout,
+            artifact_digest=artifact_digest,
+        )
+
+
+class PlacementView(_Frozen):
+    """One recorded placement of a replica on a node.
+
+    Attributes:
+        id: Placement id (the journal's).
+        deployment: Deployment id.
+        replica: Replica index, ``0 .. replicas-1``.
+        revision: Revision it runs.
+        node: Node id.
+        devices: Device indexes it holds.
+        reserved_bytes: Bytes it holds on each of its devices.
+        state: Its :class:`PlacementState`.
+        replaces: The placement it re-placed from a lost node, if any (counts against
+            ``max_replacements_in_flight`` until ``ready``).
+    """
+
+    id: str = Field(min_length=1)
+    deployment: str
+    replica: int = Field(ge=0)
+    revision: int = Field(ge=1)
+    node: str
+    devices: tuple[int, ...]
+    reserved_bytes: int = Field(ge=0)
+    state: PlacementState
+    replaces: str | None = None
+
+
+class PlacementPolicy(_Frozen):
+    """Fleet-wide knobs: node scoring and the re-placement cap."""
+
+    strategy: PlacementStrategy = PlacementStrategy.SPREAD
+    max_replacements_in_flight: int = Field(default=2, ge=1)
+
+    @classmethod
+    def from_config(cls, config: FleetConfig) -> PlacementPolicy:
+        """The policy of ``proxy.model_host.fleet``."""
+        return cls(
+            strategy=config.placement,
+            max_replacements_in_flight=config.max_replacements_in_flight,
+        )
+
+
+StartCause = Literal["missing", "rollout", "drain"]
+StopCause = Literal["rollout", "drain", "make_room", "scale_down", "duplicate", "removed"]
+
+
+class StartReplica(_Frozen):
+    """Start replica ``replica`` of ``deployment`` at ``revision`` on ``node``.
+
+    ``cause``: ``missing`` (no placement serves the replica), ``rollout`` (a newer
+    revision), ``drain`` (moving off a draining node).
+    """
+
+    kind: Literal["start"] = "start"
+    deployment: str
+    replica: int
+    revision: int
+    node: str
+    devices: tuple[int, ...]
+    engine: str
+    reserved_bytes: int
+    cause: StartCause
+
+
+class ReplaceReplica(_Frozen):
+    """Start replica ``replica`` on ``node`` in place of ``replaces`` on a gone node."""
+
+    kind: Literal["replace"] = "replace"
+    deployment: str
+    replica: int
+    revision: int
+    node: str
+    devices: tuple[int, ...]
+    engine: str
+    reserved_bytes: int
+    replaces: str
+    from_node: str
+
+
+class StopReplica(_Frozen):
+    """Stop placement ``placement`` (drain, then stop the engine) on ``node``."""
+
+    kind: Literal["stop"] = "stop"
+    placement: str
+    deployment: str
+    replica: int
+    revision: int
+    node: str
+    cause: StopCause
+
+
+class UnplacedReplica(_Frozen):
+    """A replica no node can take now, with the reason code and a sentence saying why."""
+
+    kind: Literal["unplaced"] = "unplaced"
+    deployment: str
+    replica: int
+    revision: int
+    reason: PlacementReason
+    message: str
+
+
+class DeferredReplica(_Frozen):
+    """A replica left for a later plan (see :class:`DeferReason`)."""
+
+    kind: Literal["deferred"] = "deferred"
+    deployment: str
+    replica: int
+    revision: int
+    reason: DeferReason
+    message: str
+
+
+Decision = Annotated[
+    StartReplica | ReplaceReplica | StopReplica | UnplacedReplica | DeferredReplica,
+    Field(discriminator="kind"),
+]
+
+
+class PlacementPlan(_Frozen):
+    """The decisions of one :func:`plan` call, in the order they should be carried out:
+    starts and replaces first, then stops, then the replicas left unplaced or deferred.
+
+    Its JSON form (``model_dump_json()``) is stable: fields in declaration order, decisions
+    in plan order, a ``kind`` on each.
+    """
+
+    decisions: tuple[Decision, ...] = ()
+
+    def of_kind(self, kind: str) -> tuple[Decision, ...]:
+        """The decisions whose ``kind`` is ``kind``."""
+        return tuple(decision for decision in self.decisions if decision.kind == kind)
+
+
+# -- working state ---------------------------------------------------------------------
+
+
+@dataclass
+class _Ledger:
+    """Bytes used per (node, device), and devices each deployment holds per node."""
+
+    used: Counter[tuple[str, int]] = field(default_factory=Counter)
+    holders: defaultdict[tuple[str, str], set[int]] = field(
+        default_factory=lambda: defaultdict(set)
+    )
+    # replicas of a deployment per node, for spreading
+    per_node: Counter[tuple[str, str]] = field(default_factory=Counter)
+
+    def add(self, deployment: str, node: str, devices: Iterable[int], size: int) -> None:
+        devices = tuple(devices)
+        for index in devices:
+            self.used[(node, index)] += size
+            self.holders[(deployment, node)].add(index)
+        self.per_node[(deployment, node)] += 1
+
+    def remove(self, deployment: str, node: str, devices: Iterable[int], size: int) -> None:
+        devices = tuple(devices)
+        for index in devices:
+            self.used[(node, index)] -= size
+            self.holders[(deployment, node)].discard(index)
+        self.per_node[(deployment, node)] -= 1
+
+
+@dataclass(frozen=True)
+class _Missing:
+    """A replica with no current placement, still to be started (or made room for)."""
+
+    spec: DeploymentSpec
+    replica: int
+    retiring: list[PlacementView]
+    stopping: list[PlacementView]
+
+
+@dataclass(frozen=True)
+class _Fit:
+    node: NodeView
+    devices: tuple[int, ...]
+    engine: str
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    reason: PlacementReason
+    message: str
+
+
+def _capacity(node: NodeView) -> int:
+    return sum(device.capacity_bytes for device in node.devices)
+
+
+def _free_share(node: NodeView, ledger: _Ledger) -> Fraction:
+    total = _capacity(node)
+    if total == 0:
+        return Fraction(0)
+    used = sum(ledger.used[(node.id, device.index)] for device in node.devices)
+    return Fraction(max(0, total - used), total)
+
+
+class _Planner:
+    def __init__(
+        self,
+        nodes: Sequence[NodeView],
+        deployments: Sequence[DeploymentSpec],
+        placements: Sequence[PlacementView],
+        policy: PlacementPolicy,
+    ) -> None:
+        _require_distinct("node", [node.id for node in nodes])
+        _require_distinct("deployment", [spec.id for spec in deployments])
+        _require_distinct("placement", [placement.id for placement in placements])
+        self.nodes = {node.id: node for node in sorted(nodes, key=lambda n: n.id)}
+        self.deployments = sorted(deployments, key=lambda d: d.id)
+        self.placements = sorted(placements, key=lambda p: (p.deployment, p.replica, p.id))
+        self.policy = policy
+        self.ledger = _Ledger()
+        for placement in self.placements:
+            node = self.nodes.get(placement.node)
+            if node is not None and node.state not in _GONE_STATES:
+                self.ledger.add(
+                    placement.deployment,
+                    placement.node,
+                    placement.devices,
+                    placement.reserved_bytes,
+                )
+        self.replacement_budget = policy.max_replacements_in_flight - sum(
+            1
+            for p in self.placements
+            if p.replaces is not None
+            and p.state in (PlacementState.PENDING, PlacementState.STARTING)
+            and not self._gone(p)
+        )
+        self.starts: list[StartReplica | ReplaceReplica] = []
+        self.stops: list[StopReplica] = []
+        self.notes: list[UnplacedReplica | DeferredReplica] = []
+
+    # -- facts -------------------------------------------------------------------------
+
+    def _gone(self, placement: PlacementView) -> bool:
+        node = self.nodes.get(placement.node)
+        return node is None or node.state in _GONE_STATES
+
+    def _stoppable(self, placement: PlacementView) -> bool:
+        return not self._gone(placement) and placement.state is not PlacementState.STOPPING
+
+    def _draining(self, placement: PlacementView) -> bool:
+        node = self.nodes.get(placement.node)
+        return node is not None and node.state is NodeState.DRAINING
+
+    # -- the plan ----------------------------------------------------------------------
+
+    def run(self) -> PlacementPlan:
+        wanted = {spec.id for spec in self.deployments}
+        for placement in self.placements:
+            if placement.deployment not in wanted and self._stoppable(placement):
+                self._stop(placement, "removed")
+        pending_replacements: list[tuple[DeploymentSpec, int, PlacementView]] = []
+        missing: list[_Missing] = []
+        for spec in self.deployments:
+            replacements, unserved = self._deployment(spec)
+            pending_replacements.extend(replacements)
+            missing.extend(unserved)
+        # Replicas lost with their node are placed before anything else takes memory:
+        # restoring capacity comes before a rollout's surge or a scale-up.
+        # The capped re-placements go to the deployments with the fewest serving replicas
+        # first (a deployment with none left comes before one that lost one of three).
+        pending_replacements.sort(key=lambda item: (self._serving(item[0]), item[0].id, item[1]))
+        for spec, replica, lost in pending_replacements:
+            if self.replacement_budget <= 0:
+                self.notes.append(
+                    DeferredReplica(
+                        deployment=spec.id,
+                        replica=replica,
+                        revision=spec.revision,
+                        reason=DeferReason.REPLACEMENTS_CAPPED,
+                        message=(
+                            f"replica {replica} of {spec.id} on gone node {lost.node} waits: "
+                            f"{self.policy.max_replacements_in_flight} re-placements are in "
+                            "flight (max_replacements_in_flight)"
+                        ),
+                    )
+                )
+                continue
+            if self._place(spec, replica, replaces=lost):
+                self.replacement_budget -= 1
+        for item in missing:
+            self._replica(item.spec, item.replica, item.retiring, item.stopping)
+        self.notes.sort(key=lambda n: (n.deployment, n.replica))
+        return PlacementPlan(decisions=(*self.starts, *self.stops, *self.notes))
+
+    def _of(self, spec: DeploymentSpec) -> list[PlacementView]:
+        return [p for p in self.placements if p.deployment == spec.id]
+
+    def _serving(self, spec: DeploymentSpec) -> int:
+        stopped = {stop.placement for stop in self.stops}
+        return len(
+            {
+                p.replica
+                for p in self._of(spec)
+                if p.state is PlacementState.READY
+                and not self._gone(p)
+                and p.id not in stopped
+                and p.replica < spec.replicas
+            }
+        )
+
+    def _deployment(
+        self, spec: DeploymentSpec
+    ) -> tuple[list[tuple[DeploymentSpec, int, PlacementView]], list[_Missing]]:
+        """Stop what one deployment no longer needs; return the replicas to re-place from
+        gone nodes (capped by the caller) and the ones with no current placement."""
+        mine = self._of(spec)
+        replacements: list[tuple[DeploymentSpec, int, PlacementView]] = []
+        missing: list[_Missing] = []
+        for placement in mine:
+            if placement.replica >= spec.replicas and self._stoppable(placement):
+                self._stop(placement, "scale_down")
+        for replica in range(spec.replicas):
+            ofs = [p for p in mine if p.replica == replica]
+            live = [p for p in ofs if not self._gone(p) and p.state is not PlacementState.STOPPING]
+            lost = [p for p in ofs if self._gone(p)]
+            stopping = [p for p in ofs if not self._gone(p) and p.state is PlacementState.STOPPING]
+            current = [p for p in live if p.revision == spec.revision and not self._draining(p)]
+            retiring = [p for p in live if p not in current]
+            if current:
+                order = {PlacementState.READY: 0, PlacementState.STARTING: 1}
+                current.sort(key=lambda p: (order.get(p.state, 2), p.id))
+                keep, extra = current[0], current[1:]
+                for placement in extra:
+                    self._stop(placement, "duplicate")
+                if keep.state is PlacementState.READY:
+                    for placement in retiring:
+                        self._stop(placement, "drain" if self._draining(placement) else "rollout")
+                continue
+            if not retiring and lost:
+                replacements.append((spec, replica, lost[0]))
+                continue
+            missing.append(_Missing(spec, replica, retiring, stopping))
+        return replacements, missing
+
+    def _replica(
+        self,
+        spec: DeploymentSpec,
+        replica: int,
+        retiring: list[PlacementView],
+        stopping: list[PlacementView],
+    ) -> None:
+        """Replica ``replica`` has no current placement: start one, or make room first."""
+        old_revision = [p for p in retiring if not self._draining(p)]
+        cause: StartCause = "missing"
+        if retiring:
+            cause = "rollout" if old_revision else "drain"
+        if spec.rollout is Rollout.RECREATE and old_revision:
+            self._make_room(spec, replica, old_revision[0])
+            return
+        found = self._find(spec)
+        if isinstance(found, _Fit):
+            self._start(spec, replica, found, cause)
+            return
+        for old in retiring:
+            # Would the new one fit where the old one is, once it is gone?
+            self.ledger.remove(spec.id, old.node, old.devices, old.reserved_bytes)
+            fits = self._find(spec)
+            self.ledger.add(spec.id, old.node, old.devices, old.reserved_bytes)
+            if isinstance(fits, _Fit):
+                self._make_room(spec, replica, old)
+                return
+        if stopping:
+            self.notes.append(
+                DeferredReplica(
+                    deployment=spec.id,
+                    replica=replica,
+                    revision=spec.revision,
+                    reason=DeferReason.AWAITING_STOP,
+                    message=(
+                        f"replica {replica} of {spec.id} is placed once placement "
+                        f"{stopping[0].id} on {stopping[0].node} has stopped"
+                    ),
+                )
+            )
+            return
+        self.notes.append(
+            UnplacedReplica(
+                deployment=spec.id,
+                replica=replica,
+                revision=spec.revision,
+                reason=found.reason,
+                message=found.message,
+            )
+        )
+
+    def _make_room(self, spec: DeploymentSpec, replica: int, old: PlacementView) -> None:
+        # Stop first only while every other replica serves: at least replicas - 1 stay up.
+        others = self._serving(spec) - (1 if old.state is PlacementState.READY else 0)
+        if old.state is not PlacementState.READY or others >= spec.replicas - 1:
+            self._stop(old, "make_room")
+            return
+        self.notes.append(
+            DeferredReplica(
+                deployment=spec.id,
+                replica=replica,
+                revision=spec.revision,
+                reason=DeferReason.ROLLOUT_PACED,
+                message=(
+                    f"replica {replica} of {spec.id} keeps revision {old.revision} on "
+                    f"{old.node} for now: stopping it first would leave fewer than "
+                    f"{spec.replicas - 1} of {spec.replicas} replicas serving"
+                ),
+            )
+        )
+
+    # -- effects on the working state ----------------------------------------------------
+
+    def _start(self, spec: DeploymentSpec, replica: int, fit: _Fit, cause: StartCause) -> None:
+        size = spec.estimate.total_bytes
+        self.ledger.add(spec.id, fit.node.id, fit.devices, size)
+        self.starts.append(
+            StartReplica(
+                deployment=spec.id,
+                replica=replica,
+                revision=spec.revision,
+                node=fit.node.id,
+                devices=fit.devices,
+                engine=fit.engine,
+                reserved_bytes=size,
+                cause=cause,
+            )
+        )
+
+    def _place(self, spec: DeploymentSpec, replica: int, *, replaces: PlacementView) -> bool:
+        found = self._find(spec)
+        if not isinstance(found, _Fit):
+            self.notes.append(
+                UnplacedReplica(
+                    deployment=spec.id,
+                    replica=replica,
+                    revision=spec.revision,
+                    reason=found.reason,
+                    message=f"re-placing from gone node {replaces.node}: {found.message}",
+                )
+            )
+            return False
+        size = spec.estimate.total_bytes
+        self.ledger.add(spec.id, found.node.id, found.devices, size)
+        self.starts.append(
+            ReplaceReplica(
+                deployment=spec.id,
+                replica=replica,
+                revision=spec.revision,
+                node=found.node.id,
+                devices=found.devices,
+                engine=found.engine,
+                reserved_bytes=size,
+                replaces=replaces.id,
+                from_node=replaces.node,
+            )
+        )
+        return True
+
+    def _stop(self, placement: PlacementView, cause: StopCause) -> None:
+        self.stops.append(
+            StopReplica(
+                placement=placement.id,
+                deployment=placement.deployment,
+                replica=placement.replica,
+                revision=placement.revision,
+                node=placement.node,
+                cause=cause,
+            )
+        )
+
+    # -- filter and score ----------------------------------------------------------------
+
+    def _find(self, spec: DeploymentSpec) -> _Fit | _Refusal:
+        nodes = list(self.nodes.values())
+        ready = [n for n in nodes if n.state is NodeState.READY]
+        labelled = [n for n in ready if _has_labels(n, spec.required_labels)]
+        if not labelled:
+            wanted = ", ".join(f"{k}={v}" for k, v in sorted(spec.required_labels.items()))
+            return _Refusal(
+                PlacementReason.NO_MATCHING_NODE,
+                f"no ready node for {spec.id}: {len(nodes)} node(s), {len(ready)} ready, "
+                f"none of them labelled {wanted}"
+                if wanted
+                else f"no ready node for {spec.id}: {len(nodes)} node(s), none ready",
+            )
+        engined = [
+            (n, engine)
+            for n in labelled
+            if (engine := next((e for e in spec.engines if e in n.engines), None)) is not None
+        ]
+        if not engined:
+            return _Refusal(
+                PlacementReason.ENGINE_UNAVAILABLE,
+                f"{len(labelled)} ready node(s) match {spec.id}, but none offers "
+                f"{' or '.join(spec.engines)}",
+            )
+        fits = [
+            _Fit(node, devices, engine)
+            for node, engine in engined
+            if (devices := self._devices(spec, node)) is not None
+        ]
+        if not fits:
+            return _Refusal(
+                PlacementReason.INSUFFICIENT_CAPACITY,
+                f"{len(engined)} ready node(s) match {spec.id} with its engine, but none has "
+                f"{spec.tensor_parallel} device(s) with {spec.estimate.total_bytes} bytes "
+                "free that no other replica of it holds",
+            )
+        return min(fits, key=lambda fit: self._score(spec, fit))
+
+    def _devices(self, spec: DeploymentSpec, node: NodeView) -> tuple[int, ...] | None:
+        size = spec.estimate.total_bytes
+        held = self.ledger.holders[(spec.id, node.id)]
+        free = [
+            (device.capacity_bytes - self.ledger.used[(node.id, device.index)], device.index)
+            for device in node.devices
+            if device.index not in held
+            and device.capacity_bytes - self.ledger.used[(node.id, device.index)] >= size
+        ]
+        if len(free) < spec.tensor_parallel:
+            return None
+        if self.policy.strategy is PlacementStrategy.BINPACK:
+            free.sort(key=lambda item: (item[0], item[1]))
+        else:
+            free.sort(key=lambda item: (-item[0], item[1]))
+        return tuple(sorted(index for _, index in free[: spec.tensor_parallel]))
+
+    def _score(self, spec: DeploymentSpec, fit: _Fit) -> tuple[object, ...]:
+        node = fit.node
+        domains = tuple(self._domain_count(spec, key, node) for key in spec.spread_by)
+        size = spec.estimate.total_bytes * len(fit.devices)
+        total = _capacity(node)
+        used = sum(self.ledger.used[(node.id, d.index)] for d in node.devices) + size
+        left = Fraction(max(0, total - used), total) if total else Fraction(0)
+        cold = (
+            spec.artifact_digest is not None and spec.artifact_digest not in node.cached_artifacts
+        )
+        if self.policy.strategy is PlacementStrategy.BINPACK:
+            return (domains, left, cold, node.id)
+        return (domains, self.ledger.per_node[(spec.id, node.id)], cold, -left, node.id)
+
+    def _domain_count(self, spec: DeploymentSpec, key: str, node: NodeView) -> int:
+        value = node.labels.get(key)
+        if value is None:
+            return 0
+        return sum(
+            count
+            for (deployment, node_id), count in self.ledger.per_node.items()
+            if deployment == spec.id
+            and node_id in self.nodes
+            and self.nodes[node_id].labels.get(key) == value
+        )
+
+
+def _has_labels(node: NodeView, required: Mapping[str, str]) -> bool:
+    return all(node.labels.get(key) == value for key, value in required.items())
+
+
+def _require_distinct(what: str, ids: list[str]) -> None:
+    duplicates = sorted({x for x in ids if ids.count(x) > 1})
+    if duplicates:
+        raise ValueError(f"{what} ids must be distinct; repeated: {', '.join(duplicates)}")
+
+
+def plan(
+    nodes: Sequence[NodeView],
+    deployments: Sequence[DeploymentSpec],
+    placements: Sequence[PlacementView],
+    *,
+    policy: PlacementPolicy | None = None,
+) -> PlacementPlan:
+    """Plan the fleet's next safe step (see the module docstring for the rules).
+
+    Args:
+        nodes: Every member, with its derived state.
+        deployments: The desired deployments (one spec each, at the desired revision).
+        placements: Every recorded placement not yet removed.
+        policy: Scoring and the re-placement cap; default ``spread``, 2 in flight.
+
+    Returns:
+        A :class:`PlacementPlan`: ``start``/``replace`` decisions, then ``stop``, then
+        ``unplaced`` (reason ``no_matching_node``, ``engine_unavailable`` or
+        ``insufficient_capacity``) and ``deferred`` (``replacements_capped``,
+        ``awaiting_stop``, ``rollout_paced``). Equal inputs give equal plans, whatever their order.
+
+    Raises:
+        ValueError: two nodes, deployments or placements share an id (a caller bug).
+    """
+    return _Planner(nodes, deployments, placements, policy or PlacementPolicy()).run()

@@ -1,0 +1,188 @@
+"""Node states: the transition table, state derived from the lease, the self-fence verdict."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sbproxy.config import FleetConfig
+from sbproxy.fleet.membership import (
+    NODE_TRANSITIONS,
+    FenceVerdict,
+    FleetTiming,
+    IllegalNodeTransition,
+    NodeState,
+    PeerAnswer,
+    derive_state,
+    fence_verdict,
+    move,
+)
+
+S = NodeState
+TIMING = FleetTiming(heartbeat_ms=1_000, fence_after_ms=4_000, lost_after_ms=8_000)
+
+
+@pytest.mark.parametrize(
+    ("expected", "to"),
+    [
+        (S.READY, S.SUSPECT),
+        (S.READY, S.LOST),
+        (S.READY, S.CORDONED),
+        (S.READY, S.DRAINING),
+        (S.READY, S.LEFT),
+        (S.SUSPECT, S.READY),
+        (S.SUSPECT, S.LOST),
+        (S.CORDONED, S.READY),
+        (S.CORDONED, S.DRAINING),
+        (S.DRAINING, S.CORDONED),
+        (S.DRAINING, S.READY),
+        (S.LOST, S.READY),
+        (S.LOST, S.CORDONED),
+        (S.LOST, S.LEFT),
+    ],
+)
+def test_move_allows_listed_transitions(expected: NodeState, to: NodeState) -> None:
+    transition = move(expected, to)
+    assert (transition.from_state, transition.to_state) == (expected, to)
+    assert transition.to_dict() == {"from": expected.value, "to": to.value}
+
+
+@pytest.mark.parametrize(
+    ("expected", "to"),
+    [
+        (S.LEFT, S.READY),
+        (S.LEFT, S.LOST),
+        (S.LEFT, S.CORDONED),
+        (S.READY, S.READY),
+        (S.LOST, S.LOST),
+    ],
+)
+def test_move_refuses_what_the_table_does_not_list(expected: NodeState, to: NodeState) -> None:
+    with pytest.raises(IllegalNodeTransition) as caught:
+        move(expected, to)
+    assert caught.value.code == "illegal_transition"
+    assert caught.value.details == {"from_state": expected.value, "to_state": to.value}
+    assert expected.value in caught.value.message
+
+
+def test_left_is_terminal_and_every_state_has_a_row() -> None:
+    assert set(NODE_TRANSITIONS) == set(NodeState)
+    assert NODE_TRANSITIONS[S.LEFT] == frozenset()
+    assert all(state not in targets for state, targets in NODE_TRANSITIONS.items())
+
+
+@pytest.mark.parametrize(
+    ("elapsed_ms", "cordoned", "draining", "left", "state"),
+    [
+        (0, False, False, False, S.READY),
+        (1_000, False, False, False, S.READY),  # the next renewal is just due
+        (1_500, False, False, False, S.READY),  # half a period of slack
+        (1_501, False, False, False, S.SUSPECT),
+        (7_999, False, False, False, S.SUSPECT),
+        (8_000, False, False, False, S.LOST),
+        (60_000, False, False, False, S.LOST),
+        (-50, False, False, False, S.READY),  # "now" read before the renewal committed
+        (0, True, False, False, S.CORDONED),
+        (5_000, True, False, False, S.CORDONED),  # the operator's flag beats a late renewal
+        (0, False, True, False, S.DRAINING),
+        (0, True, True, False, S.DRAINING),
+        (8_000, True, False, False, S.LOST),  # liveness loss beats the flag
+        (8_000, False, True, False, S.LOST),
+        (0, False, False, True, S.LEFT),
+        (99_000, True, True, True, S.LEFT),
+    ],
+)
+def test_derive_state_from_lease_age_and_flags(
+    elapsed_ms: int, cordoned: bool, draining: bool, left: bool, state: NodeState
+) -> None:
+    now = 1_700_000_000_000
+    derived = derive_state(
+        last_renewal_ms=now - elapsed_ms,
+        now_ms=now,
+        timing=TIMING,
+        cordoned=cordoned,
+        draining=draining,
+        left=left,
+    )
+    assert derived is state
+
+
+@given(
+    previous=st.sampled_from([s for s in NodeState if s is not S.LEFT]),
+    elapsed=st.integers(min_value=-10_000, max_value=100_000),
+    cordoned=st.booleans(),
+    draining=st.booleans(),
+    left=st.booleans(),
+)
+def test_every_derived_change_is_a_legal_move(
+    previous: NodeState, elapsed: int, cordoned: bool, draining: bool, left: bool
+) -> None:
+    derived = derive_state(
+        last_renewal_ms=100_000,
+        now_ms=100_000 + elapsed,
+        timing=TIMING,
+        cordoned=cordoned,
+        draining=draining,
+        left=left,
+    )
+    if derived is not previous:
+        move(previous, derived)
+
+
+@pytest.mark.parametrize(
+    ("heartbeat", "fence", "lost", "phrase"),
+    [
+        (0, 4_000, 8_000, "heartbeat_ms must be > 0"),
+        (1_000, 1_000, 8_000, "greater than heartbeat_ms"),
+        (5_000, 4_000, 8_000, "greater than heartbeat_ms"),
+        (1_000, 8_000, 8_000, "less than lost_after_ms"),
+        (1_000, 9_000, 8_000, "less than lost_after_ms"),
+    ],
+)
+def test_timing_refuses_a_broken_order(heartbeat: int, fence: int, lost: int, phrase: str) -> None:
+    with pytest.raises(ValueError, match=phrase):
+        FleetTiming(heartbeat_ms=heartbeat, fence_after_ms=fence, lost_after_ms=lost)
+
+
+def test_timing_from_config_and_suspect_threshold() -> None:
+    timing = FleetTiming.from_config(
+        FleetConfig(heartbeat_ms=2_000, fence_after_ms=9_000, lost_after_ms=21_000)
+    )
+    assert (timing.heartbeat_ms, timing.fence_after_ms, timing.lost_after_ms) == (
+        2_000,
+        9_000,
+        21_000,
+    )
+    assert timing.suspect_after_ms == 3_000
+    assert FleetTiming.from_config(FleetConfig()).lost_after_ms == 20_000
+
+
+REACHED_RENEWING = PeerAnswer(node_id="b", reached=True, renewed_recently=True)
+REACHED_STUCK = PeerAnswer(node_id="c", reached=True, renewed_recently=False)
+UNREACHED = PeerAnswer(node_id="d", reached=False)
+
+
+@pytest.mark.parametrize(
+    ("since_ms", "peers_known", "answers", "verdict"),
+    [
+        (3_999, 2, [], FenceVerdict.SERVE),  # not overdue yet, nobody asked
+        (3_999, 2, [UNREACHED, UNREACHED], FenceVerdict.SERVE),
+        (4_000, 2, [REACHED_RENEWING, UNREACHED], FenceVerdict.FENCE),  # the odd one out
+        (4_000, 2, [REACHED_STUCK, REACHED_RENEWING], FenceVerdict.FENCE),
+        (4_000, 2, [UNREACHED, UNREACHED], FenceVerdict.FENCE),  # minority partition
+        (4_000, 2, [], FenceVerdict.FENCE),  # peers exist, none reached
+        (4_000, 2, [REACHED_STUCK, UNREACHED], FenceVerdict.HOLD),  # database down for all
+        (4_000, 0, [], FenceVerdict.HOLD),  # a one-node fleet: nobody could re-place
+        (50_000, 1, [REACHED_STUCK], FenceVerdict.HOLD),
+    ],
+)
+def test_fence_verdict(
+    since_ms: int, peers_known: int, answers: list[PeerAnswer], verdict: FenceVerdict
+) -> None:
+    assert (
+        fence_verdict(
+            since_own_renewal_ms=since_ms, timing=TIMING, peers_known=peers_known, answers=answers
+        )
+        is verdict
+    )

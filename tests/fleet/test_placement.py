@@ -1,0 +1,824 @@
+"""The placement planner, table by table: filters, scores, refusal reasons, re-placement,
+rollouts; and a property run that it never over-commits memory or uses a non-ready node."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sbproxy.config import DeploymentConfig, FleetConfig, KvQuant, PlacementStrategy, Rollout
+from sbproxy.fleet.membership import NodeState
+from sbproxy.fleet.placement import (
+    DeferReason,
+    DeploymentSpec,
+    DeviceCapacity,
+    NodeView,
+    PlacementPlan,
+    PlacementPolicy,
+    PlacementReason,
+    PlacementState,
+    PlacementView,
+    ReplaceReplica,
+    StartReplica,
+    StopReplica,
+    plan,
+)
+from sbproxy.model_host.runtime.memory import GgufFacts, MemoryEstimate, estimate_memory
+
+GIB = 2**30
+S = NodeState
+P = PlacementState
+
+
+def node(
+    node_id: str,
+    *,
+    state: NodeState = S.READY,
+    gib: tuple[int, ...] = (16,),
+    labels: dict[str, str] | None = None,
+    engines: frozenset[str] = frozenset({"llama_cpp"}),
+    cached: frozenset[str] = frozenset(),
+) -> NodeView:
+    return NodeView(
+        id=node_id,
+        state=state,
+        labels=labels or {},
+        engines=engines,
+        devices=tuple(
+            DeviceCapacity(index=i, capacity_bytes=size * GIB) for i, size in enumerate(gib)
+        ),
+        cached_artifacts=cached,
+    )
+
+
+def spec(
+    deployment_id: str = "chat",
+    *,
+    replicas: int = 1,
+    gib: int = 4,
+    revision: int = 1,
+    labels: dict[str, str] | None = None,
+    engines: tuple[str, ...] = ("llama_cpp",),
+    tensor_parallel: int = 1,
+    rollout: Rollout = Rollout.ROLLING,
+    spread_by: tuple[str, ...] = (),
+    digest: str | None = None,
+) -> DeploymentSpec:
+    return DeploymentSpec(
+        id=deployment_id,
+        revision=revision,
+        replicas=replicas,
+        required_labels=labels or {},
+        spread_by=spread_by,
+        engines=engines,
+        estimate=MemoryEstimate.from_total(gib * GIB),
+        tensor_parallel=tensor_parallel,
+        rollout=rollout,
+        artifact_digest=digest,
+    )
+
+
+def placed(
+    placement_id: str,
+    node_id: str,
+    *,
+    deployment: str = "chat",
+    replica: int = 0,
+    revision: int = 1,
+    gib: int = 4,
+    devices: tuple[int, ...] = (0,),
+    state: PlacementState = P.READY,
+    replaces: str | None = None,
+) -> PlacementView:
+    return PlacementView(
+        id=placement_id,
+        deployment=deployment,
+        replica=replica,
+        revision=revision,
+        node=node_id,
+        devices=devices,
+        reserved_bytes=gib * GIB,
+        state=state,
+        replaces=replaces,
+    )
+
+
+def summary(result: PlacementPlan) -> list[tuple[object, ...]]:
+    """Each decision as a short tuple: (kind, deployment, replica, node-or-reason, ...)."""
+    out: list[tuple[object, ...]] = []
+    for d in result.decisions:
+        if isinstance(d, StartReplica):
+            out.append(("start", d.deployment, d.replica, d.node, d.devices, d.cause))
+        elif isinstance(d, ReplaceReplica):
+            out.append(("replace", d.deployment, d.replica, d.node, d.replaces))
+        elif isinstance(d, StopReplica):
+            out.append(("stop", d.placement, d.cause))
+        else:
+            out.append((d.kind, d.deployment, d.replica, d.reason.value))
+    return out
+
+
+SPREAD = PlacementPolicy(strategy=PlacementStrategy.SPREAD)
+BINPACK = PlacementPolicy(strategy=PlacementStrategy.BINPACK)
+
+
+# -- filters and refusal reasons ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nodes", "deployment", "expected"),
+    [
+        pytest.param(
+            [node("a", labels={"gpu": "a100"}), node("b", labels={"gpu": "l4"})],
+            spec(labels={"gpu": "l4"}),
+            [("start", "chat", 0, "b", (0,), "missing")],
+            id="labels-pick-the-matching-node",
+        ),
+        pytest.param(
+            [node("a", labels={"gpu": "a100", "zone": "x"})],
+            spec(labels={"gpu": "a100", "zone": "y"}),
+            [("unplaced", "chat", 0, "no_matching_node")],
+            id="every-label-must-match",
+        ),
+        pytest.param(
+            [node("a", state=S.CORDONED), node("b", state=S.DRAINING), node("c", state=S.LOST)],
+            spec(),
+            [("unplaced", "chat", 0, "no_matching_node")],
+            id="no-ready-node",
+        ),
+        pytest.param(
+            [node("a", state=S.SUSPECT), node("b", state=S.LEFT), node("c")],
+            spec(),
+            [("start", "chat", 0, "c", (0,), "missing")],
+            id="only-ready-nodes-take-new-replicas",
+        ),
+        pytest.param(
+            [node("a", engines=frozenset({"vllm"}))],
+            spec(engines=("llama_cpp",)),
+            [("unplaced", "chat", 0, "engine_unavailable")],
+            id="engine-unavailable",
+        ),
+        pytest.param(
+            [node("a", engines=frozenset({"vllm"}), gib=(2,))],
+            spec(engines=("llama_cpp",)),
+            [("unplaced", "chat", 0, "engine_unavailable")],
+            id="engine-is-checked-before-capacity",
+        ),
+        pytest.param(
+            [node("a", engines=frozenset({"vllm"})), node("b")],
+            spec(engines=("vllm", "llama_cpp")),
+            [("start", "chat", 0, "a", (0,), "missing")],
+            id="an-auto-engine-takes-any-listed",
+        ),
+        pytest.param(
+            [node("a", gib=(3,)), node("b", gib=(2, 2))],
+            spec(gib=4),
+            [("unplaced", "chat", 0, "insufficient_capacity")],
+            id="memory-does-not-fit-any-device",
+        ),
+        pytest.param(
+            [node("a", gib=(4,))],
+            spec(gib=4),
+            [("start", "chat", 0, "a", (0,), "missing")],
+            id="an-exact-fit-fits",
+        ),
+        pytest.param(
+            [node("a", gib=(8, 8, 8))],
+            spec(gib=6, tensor_parallel=2),
+            [("start", "chat", 0, "a", (0, 1), "missing")],
+            id="tensor-parallel-takes-distinct-devices",
+        ),
+        pytest.param(
+            [node("a", gib=(8,)), node("b", gib=(8,))],
+            spec(gib=6, tensor_parallel=2),
+            [("unplaced", "chat", 0, "insufficient_capacity")],
+            id="tensor-parallel-needs-its-devices-on-one-node",
+        ),
+    ],
+)
+def test_filters(nodes: list[NodeView], deployment: DeploymentSpec, expected: list[object]) -> None:
+    assert summary(plan(nodes, [deployment], [])) == expected
+
+
+def test_refusal_messages_say_why() -> None:
+    result = plan([node("a", labels={"gpu": "l4"})], [spec(labels={"gpu": "a100"})], [])
+    (decision,) = result.decisions
+    assert decision.kind == "unplaced"
+    assert "gpu=a100" in decision.message
+    assert "1 ready" in decision.message
+    result = plan([node("a", gib=(2,))], [spec(gib=4)], [])
+    assert str(4 * GIB) in result.decisions[0].message  # type: ignore[union-attr]
+
+
+def test_existing_placements_use_up_memory() -> None:
+    nodes = [node("a", gib=(10,))]
+    other = placed("p-other", "a", deployment="other", gib=7)
+    assert summary(plan(nodes, [spec(gib=4), spec("other", gib=7)], [other])) == [
+        ("unplaced", "chat", 0, "insufficient_capacity")
+    ]
+
+
+def test_stopping_placements_still_hold_memory() -> None:
+    nodes = [node("a", gib=(10,))]
+    going = placed("p-old", "a", deployment="gone", gib=7, state=P.STOPPING)
+    assert summary(plan(nodes, [spec(gib=4)], [going])) == [
+        ("unplaced", "chat", 0, "insufficient_capacity")
+    ]
+
+
+def test_placements_made_in_one_plan_count_against_each_other() -> None:
+    nodes = [node("a", gib=(10,))]
+    result = plan(nodes, [spec("one", gib=6), spec("two", gib=6)], [])
+    assert summary(result) == [
+        ("start", "one", 0, "a", (0,), "missing"),
+        ("unplaced", "two", 0, "insufficient_capacity"),
+    ]
+
+
+def test_different_deployments_share_a_device_when_memory_fits() -> None:
+    result = plan([node("a", gib=(10,))], [spec("one", gib=4), spec("two", gib=4)], [])
+    assert [d.node for d in result.of_kind("start")] == ["a", "a"]  # type: ignore[union-attr]
+
+
+# -- two replicas on one node --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nodes", "policy", "expected"),
+    [
+        pytest.param(
+            [node("a", gib=(64,))],
+            SPREAD,
+            [
+                ("start", "chat", 0, "a", (0,), "missing"),
+                ("unplaced", "chat", 1, "insufficient_capacity"),
+            ],
+            id="one-device-never-holds-two-replicas",
+        ),
+        pytest.param(
+            [node("a", gib=(16, 16))],
+            SPREAD,
+            [
+                ("start", "chat", 0, "a", (0,), "missing"),
+                ("start", "chat", 1, "a", (1,), "missing"),
+            ],
+            id="two-devices-take-two-replicas",
+        ),
+        pytest.param(
+            [node("a", gib=(16, 16)), node("b", gib=(16,))],
+            SPREAD,
+            [
+                ("start", "chat", 0, "a", (0,), "missing"),
+                ("start", "chat", 1, "b", (0,), "missing"),
+            ],
+            id="spread-prefers-another-node",
+        ),
+        pytest.param(
+            [node("a", gib=(16, 16)), node("b", gib=(16, 16))],
+            BINPACK,
+            [
+                ("start", "chat", 0, "a", (0,), "missing"),
+                ("start", "chat", 1, "a", (1,), "missing"),
+            ],
+            id="binpack-fills-one-node",
+        ),
+        pytest.param(
+            [node("a", gib=(16, 16)), node("b", gib=(16, 16))],
+            SPREAD,
+            [
+                ("start", "chat", 0, "a", (0,), "missing"),
+                ("start", "chat", 1, "b", (0,), "missing"),
+            ],
+            id="spread-uses-both-nodes",
+        ),
+    ],
+)
+def test_replicas_of_one_deployment(
+    nodes: list[NodeView], policy: PlacementPolicy, expected: list[object]
+) -> None:
+    assert summary(plan(nodes, [spec(replicas=2)], [], policy=policy)) == expected
+
+
+# -- scoring -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "chosen"),
+    [(SPREAD, "roomy"), (BINPACK, "tight")],
+)
+def test_spread_takes_the_most_free_share_binpack_the_least(
+    policy: PlacementPolicy, chosen: str
+) -> None:
+    nodes = [node("roomy", gib=(32,)), node("tight", gib=(32,))]
+    busy = placed("p-busy", "tight", deployment="other", gib=20)
+    result = plan(nodes, [spec(gib=4), spec("other", gib=20)], [busy], policy=policy)
+    assert [d.node for d in result.of_kind("start")] == [chosen]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("policy", [SPREAD, BINPACK])
+def test_ties_go_to_the_smaller_node_id(policy: PlacementPolicy) -> None:
+    nodes = [node("n2"), node("n10"), node("n1")]
+    result = plan(nodes, [spec()], [], policy=policy)
+    assert [d.node for d in result.of_kind("start")] == ["n1"]  # type: ignore[union-attr]
+
+
+def test_spread_by_label_domain() -> None:
+    nodes = [
+        node("a", labels={"zone": "x"}),
+        node("b", labels={"zone": "x"}),
+        node("c", labels={"zone": "y"}, gib=(8,)),
+    ]
+    result = plan(nodes, [spec(replicas=2, spread_by=("zone",))], [])
+    assert sorted(d.node for d in result.of_kind("start")) == ["a", "c"]  # type: ignore[union-attr]
+
+
+def test_spread_prefers_a_node_with_the_artifact_cached() -> None:
+    nodes = [node("a"), node("b", cached=frozenset({"d1"}))]
+    result = plan(nodes, [spec(digest="d1")], [])
+    assert [d.node for d in result.of_kind("start")] == ["b"]  # type: ignore[union-attr]
+
+
+def test_the_plan_does_not_depend_on_input_order() -> None:
+    nodes = [node("a", gib=(16, 16)), node("b"), node("c", state=S.LOST)]
+    deployments = [spec("x", replicas=2), spec("y", replicas=2, gib=8)]
+    placements = [placed("p1", "c", deployment="x"), placed("p2", "b", deployment="y", gib=8)]
+    first = plan(nodes, deployments, placements)
+    second = plan(nodes[::-1], deployments[::-1], placements[::-1])
+    assert first == second
+    assert first.model_dump_json() == second.model_dump_json()
+
+
+# -- existing placements: steady state, scale, removal ------------------------------------
+
+
+def test_a_satisfied_fleet_plans_nothing() -> None:
+    nodes = [node("a"), node("b")]
+    placements = [placed("p0", "a", replica=0), placed("p1", "b", replica=1)]
+    assert plan(nodes, [spec(replicas=2)], placements).decisions == ()
+
+
+def test_a_starting_replica_is_left_alone() -> None:
+    placements = [placed("p0", "a", state=P.STARTING)]
+    assert plan([node("a")], [spec()], placements).decisions == ()
+
+
+@pytest.mark.parametrize("state", [S.SUSPECT, S.CORDONED])
+def test_suspect_and_cordoned_nodes_keep_their_replicas(state: NodeState) -> None:
+    nodes = [node("a", state=state), node("b")]
+    placements = [placed("p0", "a")]
+    assert plan(nodes, [spec()], placements).decisions == ()
+
+
+def test_cordoned_node_takes_no_new_replica() -> None:
+    nodes = [node("a", state=S.CORDONED, gib=(16, 16)), node("b", gib=(2,))]
+    placements = [placed("p0", "a")]
+    assert summary(plan(nodes, [spec(replicas=2)], placements)) == [
+        ("unplaced", "chat", 1, "insufficient_capacity")
+    ]
+
+
+def test_scale_down_stops_the_highest_replicas() -> None:
+    placements = [placed(f"p{i}", n, replica=i) for i, n in enumerate("abc")]
+    result = plan([node("a"), node("b"), node("c")], [spec(replicas=1)], placements)
+    assert summary(result) == [("stop", "p1", "scale_down"), ("stop", "p2", "scale_down")]
+
+
+def test_a_removed_deployment_is_stopped() -> None:
+    result = plan([node("a")], [], [placed("p0", "a", deployment="old")])
+    assert summary(result) == [("stop", "p0", "removed")]
+
+
+def test_a_stopping_placement_is_not_stopped_again() -> None:
+    result = plan([node("a")], [], [placed("p0", "a", deployment="old", state=P.STOPPING)])
+    assert result.decisions == ()
+
+
+def test_a_duplicate_of_a_replica_is_stopped_keeping_the_ready_one() -> None:
+    placements = [placed("p-b", "b", state=P.STARTING), placed("p-a", "a")]
+    result = plan([node("a"), node("b")], [spec()], placements)
+    assert summary(result) == [("stop", "p-b", "duplicate")]
+
+
+def test_replicas_zero_stops_everything() -> None:
+    result = plan([node("a")], [spec(replicas=0)], [placed("p0", "a")])
+    assert summary(result) == [("stop", "p0", "scale_down")]
+
+
+# -- lost nodes: re-placement, capped ------------------------------------------------------
+
+
+def test_a_replica_on_a_lost_node_is_replaced_elsewhere() -> None:
+    nodes = [node("a", state=S.LOST), node("b")]
+    result = plan(nodes, [spec()], [placed("p0", "a")])
+    assert summary(result) == [("replace", "chat", 0, "b", "p0")]
+    (decision,) = result.decisions
+    assert isinstance(decision, ReplaceReplica)
+    assert decision.from_node == "a"
+
+
+@pytest.mark.parametrize("gone", ["left", "unknown"])
+def test_replicas_on_left_or_unknown_nodes_are_replaced(gone: str) -> None:
+    nodes = [node("b")] + ([node("a", state=S.LEFT)] if gone == "left" else [])
+    assert summary(plan(nodes, [spec()], [placed("p0", "a")])) == [
+        ("replace", "chat", 0, "b", "p0")
+    ]
+
+
+def test_a_lost_node_frees_its_memory_for_replacements() -> None:
+    nodes = [node("a", state=S.LOST, gib=(4,)), node("b", gib=(4,))]
+    result = plan(nodes, [spec()], [placed("p0", "a")])
+    assert [d.kind for d in result.decisions] == ["replace"]
+
+
+def test_replacements_are_capped() -> None:
+    nodes = [node("lost", state=S.LOST, gib=(64, 64, 64, 64)), node("b", gib=(64, 64, 64, 64))]
+    deployments = [spec(f"d{i}") for i in range(4)]
+    placements = [placed(f"p{i}", "lost", deployment=f"d{i}", devices=(i,)) for i in range(4)]
+    result = plan(
+        nodes, deployments, placements, policy=PlacementPolicy(max_replacements_in_flight=2)
+    )
+    assert summary(result) == [
+        ("replace", "d0", 0, "b", "p0"),
+        ("replace", "d1", 0, "b", "p1"),
+        ("deferred", "d2", 0, "replacements_capped"),
+        ("deferred", "d3", 0, "replacements_capped"),
+    ]
+
+
+def test_replacements_in_flight_count_against_the_cap() -> None:
+    nodes = [node("lost", state=S.LOST, gib=(64, 64)), node("b", gib=(64, 64, 64))]
+    deployments = [spec("d0"), spec("d1")]
+    placements = [
+        placed("p0", "lost", deployment="d0"),
+        placed("p1", "lost", deployment="d1", devices=(1,)),
+        # d0's replacement is already starting on b: one slot of the cap is taken.
+        placed("r0", "b", deployment="d0", state=P.STARTING, replaces="p0"),
+    ]
+    policy = PlacementPolicy(max_replacements_in_flight=1)
+    assert summary(plan(nodes, deployments, placements, policy=policy)) == [
+        ("deferred", "d1", 0, "replacements_capped")
+    ]
+    ready = [*placements[:2], placed("r0", "b", deployment="d0", replaces="p0")]
+    assert summary(plan(nodes, deployments, ready, policy=policy)) == [
+        ("replace", "d1", 0, "b", "p1")
+    ]
+
+
+def test_the_cap_serves_the_deployment_with_fewest_serving_replicas_first() -> None:
+    nodes = [node("lost", state=S.LOST, gib=(64, 64)), node("b", gib=(64, 64)), node("c")]
+    deployments = [spec("a-big", replicas=2), spec("z-solo")]
+    placements = [
+        placed("pa0", "lost", deployment="a-big"),
+        placed("pa1", "c", deployment="a-big", replica=1),
+        placed("pz", "lost", deployment="z-solo", devices=(1,)),
+    ]
+    policy = PlacementPolicy(max_replacements_in_flight=1)
+    assert summary(plan(nodes, deployments, placements, policy=policy)) == [
+        ("replace", "z-solo", 0, "b", "pz"),
+        ("deferred", "a-big", 0, "replacements_capped"),
+    ]
+
+
+def test_a_replacement_that_fits_nowhere_says_why() -> None:
+    nodes = [node("a", state=S.LOST), node("b", gib=(2,))]
+    result = plan(nodes, [spec()], [placed("p0", "a")])
+    assert summary(result) == [("unplaced", "chat", 0, "insufficient_capacity")]
+    assert "gone node a" in result.decisions[0].message  # type: ignore[union-attr]
+
+
+# -- rollouts and drains -------------------------------------------------------------------
+
+
+def test_rolling_makes_room_where_the_new_replica_fits_when_no_node_has_a_spare_device() -> None:
+    # c has one free device; replica 0 surges there. Replica 1 has nowhere to surge, so its
+    # old placement is stopped to make room, while replica 0's old one still serves.
+    nodes = [node("a"), node("b"), node("c")]
+    old = [placed("p0", "a", replica=0), placed("p1", "b", replica=1)]
+    assert summary(plan(nodes, [spec(replicas=2, revision=2)], old)) == [
+        ("start", "chat", 0, "c", (0,), "rollout"),
+        ("stop", "p1", "make_room"),
+    ]
+
+
+def test_rolling_one_replica_surges_then_stops_the_old_once_ready() -> None:
+    nodes = [node("a"), node("b")]
+    old = placed("p-old", "a")
+    new = spec(revision=2)
+    assert summary(plan(nodes, [new], [old])) == [("start", "chat", 0, "b", (0,), "rollout")]
+    starting = placed("p-new", "b", revision=2, state=P.STARTING)
+    assert plan(nodes, [new], [old, starting]).decisions == ()
+    ready = placed("p-new", "b", revision=2)
+    assert summary(plan(nodes, [new], [old, ready])) == [("stop", "p-old", "rollout")]
+
+
+def test_rolling_orders_starts_before_stops() -> None:
+    nodes = [node("a"), node("b"), node("c"), node("d")]
+    placements = [
+        placed("old0", "a", replica=0),
+        placed("new0", "c", replica=0, revision=2),
+        placed("old1", "b", replica=1),
+    ]
+    result = plan(nodes, [spec(replicas=2, revision=2)], placements)
+    assert summary(result) == [
+        ("start", "chat", 1, "d", (0,), "rollout"),
+        ("stop", "old0", "rollout"),
+    ]
+
+
+def test_rolling_without_room_stops_one_old_replica_first_keeping_replicas_minus_one() -> None:
+    nodes = [node("a", gib=(4,)), node("b", gib=(4,)), node("c", gib=(4,))]
+    old = [placed(f"p{i}", n, replica=i) for i, n in enumerate("abc")]
+    new = spec(replicas=3, revision=2)
+    paced = [("deferred", "chat", 1, "rollout_paced"), ("deferred", "chat", 2, "rollout_paced")]
+    assert summary(plan(nodes, [new], old)) == [("stop", "p0", "make_room"), *paced]
+    # While p0 stops, nobody else is stopped: two of three still serve.
+    stopping = [placed("p0", "a", state=P.STOPPING), *old[1:]]
+    assert summary(plan(nodes, [new], stopping)) == [
+        ("deferred", "chat", 0, "awaiting_stop"),
+        *paced,
+    ]
+    # p0 gone: the new replica 0 starts where it was; the others still wait for it.
+    assert summary(plan(nodes, [new], old[1:])) == [
+        ("start", "chat", 0, "a", (0,), "missing"),
+        *paced,
+    ]
+    # Replica 0's new placement ready: replica 1 is next.
+    done = [placed("n0", "a", revision=2), *old[1:]]
+    assert summary(plan(nodes, [new], done)) == [
+        ("stop", "p1", "make_room"),
+        ("deferred", "chat", 2, "rollout_paced"),
+    ]
+
+
+def test_rolling_without_room_does_not_stop_the_old_when_the_new_cannot_fit_either() -> None:
+    nodes = [node("a", gib=(4,))]
+    result = plan(nodes, [spec(revision=2, gib=6)], [placed("p0", "a")])
+    assert summary(result) == [("unplaced", "chat", 0, "insufficient_capacity")]
+
+
+def test_recreate_stops_the_old_first_one_replica_at_a_time() -> None:
+    nodes = [node("a"), node("b"), node("c"), node("d")]
+    old = [placed("p0", "a", replica=0), placed("p1", "b", replica=1)]
+    new = spec(replicas=2, revision=2, rollout=Rollout.RECREATE)
+    assert summary(plan(nodes, [new], old)) == [
+        ("stop", "p0", "make_room"),
+        ("deferred", "chat", 1, "rollout_paced"),
+    ]
+    stopping = [placed("p0", "a", state=P.STOPPING), old[1]]
+    # Replica 0 starts once its old one is stopping (here on a free node); replica 1 keeps
+    # serving: stopping it too would leave fewer than replicas - 1.
+    assert summary(plan(nodes, [new], stopping)) == [
+        ("start", "chat", 0, "c", (0,), "missing"),
+        ("deferred", "chat", 1, "rollout_paced"),
+    ]
+    started = [*stopping, placed("n0", "c", revision=2, state=P.STARTING)]
+    assert summary(plan(nodes, [new], started)) == [("deferred", "chat", 1, "rollout_paced")]
+    # Replica 0's new one is ready and its old one gone: now replica 1 is recreated.
+    ready = [old[1], placed("n0", "c", revision=2)]
+    assert summary(plan(nodes, [new], ready)) == [("stop", "p1", "make_room")]
+
+
+def test_a_draining_node_keeps_its_replica_until_the_move_is_ready() -> None:
+    nodes = [node("a", state=S.DRAINING), node("b")]
+    old = placed("p0", "a")
+    assert summary(plan(nodes, [spec()], [old])) == [("start", "chat", 0, "b", (0,), "drain")]
+    moved = placed("p1", "b")
+    assert summary(plan(nodes, [spec()], [old, moved])) == [("stop", "p0", "drain")]
+
+
+def test_a_draining_node_with_nowhere_to_go_keeps_serving() -> None:
+    nodes = [node("a", state=S.DRAINING), node("b", gib=(2,))]
+    result = plan(nodes, [spec()], [placed("p0", "a")])
+    assert summary(result) == [("unplaced", "chat", 0, "insufficient_capacity")]
+
+
+# -- the decisions' JSON form --------------------------------------------------------------
+
+
+def test_decisions_have_a_stable_json_form() -> None:
+    nodes = [node("a", state=S.LOST), node("b"), node("c", engines=frozenset())]
+    deployments = [spec(), spec("other", labels={"gpu": "h100"})]
+    result = plan(nodes, deployments, [placed("p0", "a"), placed("x", "b", deployment="gone")])
+    payload = json.loads(result.model_dump_json())
+    assert payload == {
+        "decisions": [
+            {
+                "kind": "replace",
+                "deployment": "chat",
+                "replica": 0,
+                "revision": 1,
+                "node": "b",
+                "devices": [0],
+                "engine": "llama_cpp",
+                "reserved_bytes": 4 * GIB,
+                "replaces": "p0",
+                "from_node": "a",
+            },
+            {
+                "kind": "stop",
+                "placement": "x",
+                "deployment": "gone",
+                "replica": 0,
+                "revision": 1,
+                "node": "b",
+                "cause": "removed",
+            },
+            {
+                "kind": "unplaced",
+                "deployment": "other",
+                "replica": 0,
+                "revision": 1,
+                "reason": "no_matching_node",
+                "message": "no ready node for other: 3 node(s), 2 ready, none of them "
+                "labelled gpu=h100",
+            },
+        ]
+    }
+    assert PlacementPlan.model_validate_json(result.model_dump_json()) == result
+
+
+def test_duplicate_ids_are_a_caller_bug() -> None:
+    with pytest.raises(ValueError, match="node ids must be distinct; repeated: a"):
+        plan([node("a"), node("a")], [], [])
+    with pytest.raises(ValueError, match="placement ids"):
+        plan([node("a")], [spec()], [placed("p", "a"), placed("p", "a", replica=1)])
+
+
+def test_spec_from_config_and_a_gguf_estimate() -> None:
+    config = DeploymentConfig.model_validate(
+        {
+            "model": "m",
+            "variant": "q4",
+            "replicas": 2,
+            "required_labels": {"gpu": "l4"},
+            "spread_by": ["zone"],
+            "tensor_parallel": 2,
+            "rollout": "recreate",
+        }
+    )
+    facts = GgufFacts(
+        architecture="llama",
+        version=3,
+        tensor_count=1,
+        block_count=24,
+        head_count=14,
+        head_count_kv=2,
+        key_length=64,
+        value_length=64,
+        embedding_length=896,
+        context_length=32_768,
+    )
+    estimate = estimate_memory(
+        weights_bytes=400_000_000,
+        facts=facts,
+        seq_len=4_096,
+        concurrency=1,
+        kv_quant=KvQuant.AUTO,
+        safety_margin=0.10,
+    )
+    deployment = DeploymentSpec.from_config(
+        "chat", config, revision=3, estimate=estimate, engines=["llama_cpp"]
+    )
+    assert (deployment.replicas, deployment.tensor_parallel, deployment.rollout) == (
+        2,
+        2,
+        Rollout.RECREATE,
+    )
+    assert deployment.required_labels == {"gpu": "l4"}
+    assert deployment.spread_by == ("zone",)
+    assert deployment.estimate.safety_margin_bytes > 0
+    policy = PlacementPolicy.from_config(
+        FleetConfig(placement=PlacementStrategy.BINPACK, max_replacements_in_flight=5)
+    )
+    assert (policy.strategy, policy.max_replacements_in_flight) == (PlacementStrategy.BINPACK, 5)
+
+
+def test_reason_codes_are_the_documented_ones() -> None:
+    assert {r.value for r in PlacementReason} == {
+        "no_matching_node",
+        "engine_unavailable",
+        "insufficient_capacity",
+    }
+    assert {r.value for r in DeferReason} == {
+        "replacements_capped",
+        "awaiting_stop",
+        "rollout_paced",
+    }
+
+
+# -- properties ----------------------------------------------------------------------------
+
+_LABELS = st.dictionaries(st.sampled_from(["gpu", "zone"]), st.sampled_from(["x", "y"]), max_size=2)
+_ENGINES = st.frozensets(st.sampled_from(["llama_cpp", "vllm"]), max_size=2)
+
+
+@st.composite
+def _fleets(
+    draw: st.DrawFn,
+) -> tuple[list[NodeView], list[DeploymentSpec], list[PlacementView], PlacementPolicy]:
+    nodes = [
+        NodeView(
+            id=f"n{i}",
+            state=draw(st.sampled_from(list(NodeState))),
+            labels=draw(_LABELS),
+            engines=draw(_ENGINES),
+            devices=tuple(
+                DeviceCapacity(index=d, capacity_bytes=draw(st.integers(0, 32)) * GIB)
+                for d in range(draw(st.integers(1, 3)))
+            ),
+        )
+        for i in range(draw(st.integers(1, 5)))
+    ]
+    deployments = [
+        DeploymentSpec(
+            id=f"d{i}",
+            revision=draw(st.integers(1, 2)),
+            replicas=draw(st.integers(0, 3)),
+            required_labels=draw(_LABELS),
+            engines=tuple(sorted(draw(_ENGINES))) or ("llama_cpp",),
+            estimate=MemoryEstimate.from_total(draw(st.integers(1, 16)) * GIB),
+            tensor_parallel=draw(st.integers(1, 2)),
+            rollout=draw(st.sampled_from(list(Rollout))),
+        )
+        for i in range(draw(st.integers(1, 4)))
+    ]
+    node_ids = [n.id for n in nodes] + ["gone-node"]
+    placements = [
+        PlacementView(
+            id=f"p{i}",
+            deployment=draw(st.sampled_from([d.id for d in deployments] + ["removed"])),
+            replica=draw(st.integers(0, 3)),
+            revision=draw(st.integers(1, 2)),
+            node=draw(st.sampled_from(node_ids)),
+            devices=(draw(st.integers(0, 2)),),
+            reserved_bytes=draw(st.integers(1, 16)) * GIB,
+            state=draw(st.sampled_from(list(PlacementState))),
+            replaces=draw(st.none() | st.just("earlier")),
+        )
+        for i in range(draw(st.integers(0, 8)))
+    ]
+    policy = PlacementPolicy(
+        strategy=draw(st.sampled_from(list(PlacementStrategy))),
+        max_replacements_in_flight=draw(st.integers(1, 3)),
+    )
+    return nodes, deployments, placements, policy
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleet=_fleets())
+def test_plan_never_overcommits_memory_nor_uses_a_non_ready_node(
+    fleet: tuple[list[NodeView], list[DeploymentSpec], list[PlacementView], PlacementPolicy],
+) -> None:
+    nodes, deployments, placements, policy = fleet
+    result = plan(nodes, deployments, placements, policy=policy)
+    by_id = {n.id: n for n in nodes}
+    gone = {S.LOST, S.LEFT}
+    live = [p for p in placements if p.node in by_id and by_id[p.node].state not in gone]
+    used: Counter[tuple[str, int]] = Counter()
+    held: set[tuple[str, str, int]] = set()
+    for p in live:
+        for index in p.devices:
+            used[(p.node, index)] += p.reserved_bytes
+            held.add((p.deployment, p.node, index))
+    added: Counter[tuple[str, int]] = Counter()
+    for d in result.decisions:
+        if not isinstance(d, StartReplica | ReplaceReplica):
+            continue
+        target = by_id[d.node]
+        assert target.state is S.READY, f"{d} lands on a {target.state} node"
+        spec_of = next(s for s in deployments if s.id == d.deployment)
+        assert d.engine in target.engines and d.engine in spec_of.engines
+        assert all(target.labels.get(k) == v for k, v in spec_of.required_labels.items())
+        assert len(set(d.devices)) == len(d.devices) == spec_of.tensor_parallel
+        for index in d.devices:
+            assert (d.deployment, d.node, index) not in held, "two replicas on one device"
+            held.add((d.deployment, d.node, index))
+            added[(d.node, index)] += d.reserved_bytes
+    capacity = {(n.id, dev.index): dev.capacity_bytes for n in nodes for dev in n.devices}
+    for key, extra in added.items():
+        assert used[key] + extra <= capacity[key], f"{key} over-committed"
+    # Deterministic whatever the input order.
+    assert plan(nodes[::-1], deployments[::-1], placements[::-1], policy=policy) == result
+    # Starts and replaces come before stops.
+    kinds = [d.kind for d in result.decisions]
+    if "stop" in kinds:
+        assert all(k not in ("start", "replace") for k in kinds[kinds.index("stop") :])
+
+
+def test_a_lost_replica_is_placed_before_another_deployments_rollout_surge() -> None:
+    # One free device on b: the replica lost with node a gets it; "aaa" (a smaller id,
+    # planned first otherwise) cannot surge and, with one replica, recreates in place on c.
+    nodes = [node("a", state=S.LOST), node("b"), node("c")]
+    placements = [
+        placed("lost", "a", deployment="zzz"),
+        placed("old", "c", deployment="aaa"),
+    ]
+    deployments = [spec("aaa", revision=2, gib=16), spec("zzz", gib=16)]
+    assert summary(plan(nodes, deployments, placements)) == [
+        ("replace", "zzz", 0, "b", "lost"),
+        ("stop", "old", "make_room"),
+    ]
