@@ -39,6 +39,9 @@ __all__ = ["PACKAGE", "reason_codes"]
 
 PACKAGE = Path(__file__).resolve().parents[2] / "sbproxy"
 _CODE_NAMES = frozenset({"code", "reason_code"})
+# Calls whose `reason=` becomes a deployment's reason code: the runtime's stop and the
+# Deployment's drained (a stop that ends `stopped` with that reason).
+_REASON_CALLS = frozenset({"stop", "drained"})
 _ASSIGNED = frozenset({"code", "reason_code", "outcome"})
 
 
@@ -176,10 +179,10 @@ class _Scan:
             name = func.attr
         if name in self.positional and len(node.args) > self.positional[name]:
             self.add(node.args[self.positional[name]], module, node.lineno, f"{name}()")
-        if name == "stop":
+        if name in _REASON_CALLS:
             for keyword in node.keywords:
                 if keyword.arg == "reason":
-                    self.add(keyword.value, module, node.lineno, "stop(reason=)")
+                    self.add(keyword.value, module, node.lineno, f"{name}(reason=)")
 
 
 def reason_codes(package: Path = PACKAGE) -> dict[str, set[str]]:
