@@ -57,8 +57,9 @@ from litestar import Litestar, Request, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
-from litestar.types import ASGIApp
+from litestar.types import ASGIApp, Receive, Scope, Send
 from opentelemetry import trace
+from yarl import URL
 
 from sbproxy.api.access import (
     CLIENT_CLOSED,
@@ -101,6 +102,54 @@ __all__ = ["Gateway", "Routing", "create_gateway_app"]
 LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 # Embedding batches can be large; anything beyond this is not a chat request.
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
+# Upstream URLs kept parsed (by engine base URL and path); a relaunch on a new port adds one.
+_URLS_KEPT: Final = 64
+# Statuses whose answer has no body (as Litestar's ASGIResponse treats them).
+_NO_BODY: Final = frozenset({204, 304})
+_ROUTE_CLASS: Final = (b"x-sbproxy-route-class", b"local")
+
+
+def _caller_headers(scope: Scope) -> tuple[str | None, str | None]:
+    """The first ``Authorization`` and ``Host`` header of the request (ASGI names are
+    lowercase), read from the scope without building a header map."""
+    authorization: str | None = None
+    host: str | None = None
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            if authorization is None:
+                authorization = value.decode("latin-1")
+        elif name == b"host" and host is None:
+            host = value.decode("latin-1")
+    return authorization, host
+
+
+class _PlainAnswer:
+    """A whole answer as an ASGI app: the start message with the route's headers and the
+    body, the same messages Litestar's ``ASGIResponse`` sends (headers ``x-sbproxy-*``,
+    ``content-type``, ``content-length``, in that order) without building its header map
+    per request."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(
+        self, status: int, model_header: bytes, media_type: str | None, body: bytes
+    ) -> None:
+        self.status = status
+        headers = [(b"x-sbproxy-logical-model", model_header), _ROUTE_CLASS]
+        if status in _NO_BODY or status < 200:  # informational statuses: no body
+            body = b""
+        else:
+            media = media_type or "application/json"
+            if media.startswith("text/"):
+                media = f"{media}; charset=utf-8"
+            headers.append((b"content-type", media.encode("latin-1")))
+            headers.append((b"content-length", str(len(body)).encode()))
+        self.headers = headers
+        self.body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
 
 
 def host_of(header: str | None) -> str:
@@ -199,6 +248,8 @@ class Gateway:
     session: aiohttp.ClientSession | None = None
     activity: Activity = field(default_factory=Activity)
     usage: UsageLedger = field(init=False)
+    _urls: dict[tuple[str, str], URL] = field(default_factory=dict, init=False, repr=False)
+    _model_headers: dict[str, bytes] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.usage = UsageLedger(UsageStore(self.manager.runtime_store.database), self.keys.budgets)
@@ -214,6 +265,9 @@ class Gateway:
                 connector=aiohttp.TCPConnector(limit=0, force_close=False),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                 auto_decompress=False,
+                # Every request the session sends is a JSON body; as a default header it is
+                # not merged per request.
+                headers={"Content-Type": "application/json"},
             )
         await self.usage.start()
 
@@ -267,7 +321,7 @@ class Gateway:
             ChatNotSupported: ``chat_not_supported`` (400) for a completion-only model.
         """
         deployment = route.deployment
-        check_body(path, head)
+        limited = check_body(path, head)
         if path == "/v1/chat/completions" and not self.manager.can_chat(deployment):
             raise ChatNotSupported(
                 f"{route.public_model!r} (deployment {deployment!r}) is a completion-only "
@@ -275,20 +329,42 @@ class Gateway:
                 "/v1/completions instead.",
                 details={"deployment": deployment, "use": "/v1/completions"},
             )
-        fields: dict[str, Any] = {}
+        fields: dict[str, Any] | None = None
         strip_usage = False
         if head.stream and path == "/v1/chat/completions":
             fields, strip_usage = ask_for_usage(head)
-        if path != "/v1/embeddings" and not head.sets_a_limit:
+        if not limited and path != "/v1/embeddings":
+            if fields is None:
+                fields = {}
             fields["max_tokens"] = self.manager.output_limit(deployment)
         return (with_fields(head, fields) if fields else body), strip_usage
 
-    async def forward(self, request: Request[Any, Any, Any], path: str) -> ASGIResponse:
+    def url(self, base_url: str, path: str) -> URL:
+        """``base_url`` + ``path``, parsed once (aiohttp parses a string per request)."""
+        key = (base_url, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) >= _URLS_KEPT:
+                self._urls.clear()
+            url = self._urls[key] = URL(base_url + path)
+        return url
+
+    def model_header(self, public_model: str) -> bytes:
+        """The ``x-sbproxy-logical-model`` header value of ``public_model``."""
+        value = self._model_headers.get(public_model)
+        if value is None:
+            if len(self._model_headers) >= _URLS_KEPT:
+                self._model_headers.clear()
+            value = self._model_headers[public_model] = public_model.encode("latin-1")
+        return value
+
+    async def forward(self, request: Request[Any, Any, Any], path: str) -> ASGIApp:
         """Relay one OpenAI request to its engine (see the module docstring).
 
-        The answer is built as Litestar's ASGI response directly, not as a ``Response`` for
-        the route to convert: the route layers add no headers or cookies, and the
-        conversion was a measurable part of the request path (``benchmarks/proxy.py``).
+        The answer is built as an ASGI app directly, not as a ``Response`` for the route to
+        convert: the route layers add no headers or cookies, and the conversion was a
+        measurable part of the request path (``benchmarks/proxy.py``); a whole answer is a
+        :class:`_PlainAnswer`, lighter still than Litestar's ``ASGIResponse``.
 
         Raises:
             AdmissionRejected: any admission reason.
@@ -296,12 +372,14 @@ class Gateway:
             EngineTimeout: ``engine_timeout`` (504): a supervision limit ran out before the
                 answer's headers went out.
         """
-        caller = self.keys.authenticate(request.headers.get("authorization"))
+        scope = request.scope
+        authorization, host = _caller_headers(scope)
+        caller = self.keys.authenticate(authorization)
         body = await request.body()
         head = decode_head(body)
-        route = self.routing.route(request.headers.get("host"), head.model)
+        route = self.routing.route(host, head.model)
         deployment = route.deployment
-        note = access_note(request.scope)
+        note = access_note(scope)
         if note is not None:
             note.deployment = deployment
             note.key_name = caller.name
@@ -324,19 +402,17 @@ class Gateway:
         if answer is None:
             return self.client_gone(deployment, note)
         response = answer.response
-        headers = {"x-sbproxy-logical-model": route.public_model, "x-sbproxy-route-class": "local"}
         if answer.data is not None:
             data = answer.data
-            if response.content_type == "application/json":
+            content_type = response.content_type
+            if content_type == "application/json":
                 data, usage = rewrite_answer(data, route.public_model)
                 if usage is not None:
                     self.count(caller, usage, span, note)
-            return ASGIResponse(
-                body=data,
-                status_code=response.status,
-                media_type=response.content_type or "application/json",
-                headers=headers,
+            return _PlainAnswer(
+                response.status, self.model_header(route.public_model), content_type, data
             )
+        headers = {"x-sbproxy-logical-model": route.public_model, "x-sbproxy-route-class": "local"}
 
         def ended(outcome: str | None) -> None:
             if outcome == CLIENT_DISCONNECTED:
@@ -398,17 +474,13 @@ class Gateway:
         limit, limit_s, started = Limit.REQUEST, 0.0, 0.0
         data: bytes | None = None
         try:
-            async with bound:
+            with bound:
                 upstream = await self.admit(route, caller)
                 started = asyncio.get_running_loop().time()
                 limit, limit_s = _first_limit(upstream, streamed=streamed)
                 bound.set_deadline(started + limit_s)
                 assert self.session is not None  # noqa: S101 - opened at app startup
-                response = await self.session.post(
-                    f"{upstream.base_url}{path}",
-                    data=body,
-                    headers={"Content-Type": "application/json"},
-                )
+                response = await self.session.post(self.url(upstream.base_url, path), data=body)
                 if not (streamed and response.content_type == "text/event-stream"):
                     data = await response.read()
         except aiohttp.ClientError as exc:
