@@ -20,9 +20,9 @@ stream with that error as an SSE event. A client that disconnects while its requ
 (for admission, or for a plain answer) is noticed on the ASGI ``receive`` channel (watched
 once the request has waited 50 ms: :class:`~sbproxy.api.supervision.ExchangeBound`): the wait
 is cancelled, the upstream connection closed and the permit freed at once; a stream's
-disconnect is noticed by Litestar's streaming response. Each admitted request reports its
-end to the runtime once (:meth:`Upstream.report`; ``timed_out`` only for a supervision
-limit), then releases its permit. A request whose client went away is counted in
+client is watched the same way while the stream runs (:class:`_EventStream`). Each admitted
+request reports its end to the runtime once (:meth:`Upstream.report`; ``timed_out`` only for
+a supervision limit), then releases its permit. A request whose client went away is counted in
 ``sbproxy_gateway_client_disconnects_total`` and logged with status 499
 (:mod:`sbproxy.api.access`); a stream's client that closes once it has the stream's end
 (``[DONE]``, or the usage event before it) did not go away (:mod:`sbproxy.api.relay`).
@@ -54,9 +54,7 @@ from typing import Any, Final
 
 import aiohttp
 from litestar import Litestar, Request, get, post
-from litestar.background_tasks import BackgroundTask
 from litestar.response.base import ASGIResponse
-from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import ASGIApp, Receive, Scope, Send
 from opentelemetry import trace
 from yarl import URL
@@ -150,6 +148,55 @@ class _PlainAnswer:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
         await send({"type": "http.response.body", "body": self.body, "more_body": False})
+
+
+_STREAM_HEADERS: Final = (
+    (b"x-sbproxy-route-class", b"local"),
+    (b"cache-control", b"no-cache"),
+    # Proxies in front (nginx) must pass events on as they come, not buffer them.
+    (b"x-accel-buffering", b"no"),
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+)
+
+
+class _EventStream:
+    """A relayed stream as an ASGI app: the messages Litestar's streaming response sends
+    (the start, one body message per batch of events, an empty last one), with the
+    client's disconnect watched by an :class:`ExchangeBound` -- from :data:`WATCH_AFTER_S`
+    on, as for the wait before the answer -- instead of a task group and a listener task
+    per stream: a stream of a fast engine ends before it pays for either. A client that
+    leaves cancels the relay (the upstream connection is closed, the permit freed, the
+    disconnect counted by :class:`StreamRelay`); the relay is closed in any case."""
+
+    __slots__ = ("model_header", "relay", "status")
+
+    def __init__(self, status: int, model_header: bytes, relay: StreamRelay) -> None:
+        self.status = status
+        self.model_header = model_header
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relay = self.relay
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status,
+                    "headers": [(b"x-sbproxy-logical-model", self.model_header), *_STREAM_HEADERS],
+                }
+            )
+            events = relay.events()
+            bound = ExchangeBound(receive)
+            with bound:
+                try:
+                    async for chunk in events:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                finally:
+                    await events.aclose()  # a cancellation at send leaves it at a yield
+            if not bound.cancelled_caught:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await relay.close()
 
 
 def host_of(header: str | None) -> str:
@@ -412,7 +459,6 @@ class Gateway:
             return _PlainAnswer(
                 response.status, self.model_header(route.public_model), content_type, data
             )
-        headers = {"x-sbproxy-logical-model": route.public_model, "x-sbproxy-route-class": "local"}
 
         def ended(outcome: str | None) -> None:
             if outcome == CLIENT_DISCONNECTED:
@@ -433,14 +479,7 @@ class Gateway:
             on_usage=lambda usage: self.count(caller, usage, span, note),
             on_end=ended,
         )
-        return ASGIStreamingResponse(
-            iterator=relay.events(),
-            status_code=response.status,
-            media_type="text/event-stream",
-            # Proxies in front (nginx) must pass events on as they come, not buffer them.
-            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            background=BackgroundTask(relay.close),
-        )
+        return _EventStream(response.status, self.model_header(route.public_model), relay)
 
     async def exchange(
         self,
