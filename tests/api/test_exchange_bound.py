@@ -10,9 +10,9 @@ for time to pass: deadlines are set to "now" and the watch starts on the next lo
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
+from litestar.types import HTTPDisconnectEvent
 
 from sbproxy.api.supervision import ExchangeBound
 
@@ -26,7 +26,7 @@ class Channel:
         self.gone = asyncio.Event()
         self.calls = 0
 
-    async def __call__(self) -> dict[str, Any]:
+    async def __call__(self) -> HTTPDisconnectEvent:
         self.calls += 1
         await self.gone.wait()
         return {"type": "http.disconnect"}
