@@ -54,6 +54,8 @@ from typing import Any, Final
 
 import aiohttp
 from litestar import Litestar, Request, get, post
+from litestar.exceptions import ClientException, InternalServerException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp, Receive, Scope, Send
 from opentelemetry import trace
@@ -107,18 +109,56 @@ _NO_BODY: Final = frozenset({204, 304})
 _ROUTE_CLASS: Final = (b"x-sbproxy-route-class", b"local")
 
 
-def _caller_headers(scope: Scope) -> tuple[str | None, str | None]:
-    """The first ``Authorization`` and ``Host`` header of the request (ASGI names are
-    lowercase), read from the scope without building a header map."""
+def _request_headers(scope: Scope) -> tuple[str | None, str | None, bytes | None]:
+    """The first ``Authorization``, ``Host`` and ``Content-Length`` header of the request
+    (ASGI names are lowercase), read from the scope without building a header map."""
     authorization: str | None = None
     host: str | None = None
+    length: bytes | None = None
     for name, value in scope["headers"]:
         if name == b"authorization":
             if authorization is None:
                 authorization = value.decode("latin-1")
-        elif name == b"host" and host is None:
-            host = value.decode("latin-1")
-    return authorization, host
+        elif name == b"host":
+            if host is None:
+                host = value.decode("latin-1")
+        elif name == b"content-length" and length is None:
+            length = value
+    return authorization, host, length
+
+
+async def read_body(receive: Receive, length: bytes | None, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, read from ``receive`` as Litestar's ``Request.body()`` reads it --
+    with its errors, so the same answers go out -- without its generator and header map.
+
+    Raises:
+        ClientException: 400 for a ``Content-Length`` that is not a number.
+        RequestEntityTooLarge: 413 for a body (announced or received) over ``limit`` bytes.
+        InternalServerException: the client disconnected before the body ended.
+    """
+    if length is not None:
+        try:
+            announced = int(length)
+        except ValueError:
+            raise ClientException(f"Invalid content-length: {length.decode('latin-1')!r}") from None
+        if announced > limit:
+            raise RequestEntityTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        event = await receive()
+        if event["type"] == "http.request":
+            chunk = event["body"]
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise RequestEntityTooLarge
+                chunks.append(chunk)
+            if not event.get("more_body", False):
+                break
+        elif event["type"] == "http.disconnect":
+            raise InternalServerException("client disconnected prematurely")
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class _PlainAnswer:
@@ -420,9 +460,9 @@ class Gateway:
                 answer's headers went out.
         """
         scope = request.scope
-        authorization, host = _caller_headers(scope)
+        authorization, host, length = _request_headers(scope)
         caller = self.keys.authenticate(authorization)
-        body = await request.body()
+        body = await read_body(request.receive, length)
         head = decode_head(body)
         route = self.routing.route(host, head.model)
         deployment = route.deployment
