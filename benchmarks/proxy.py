@@ -31,8 +31,11 @@ With ``--baseline-commit REV`` (repeatable) it compares this checkout's gateway 
 commits instead, in one run: each commit's ``sbproxy`` package is extracted (``git
 archive``) into a temporary directory and served by the same interpreter and virtual
 environment (``PYTHONPATH``), against the same upstream and configuration; ``--pairs``
-rounds (default 5) each serve every contender once, in an order that rotates from round to
-round, and measure the gateway at 1 and 16 connections (``chat`` and ``chat_stream``). It
+rounds (default 5) each start every contender's server (all at once, each with its own
+engine) and measure the gateway at 1 and 16 connections (``chat`` and ``chat_stream``),
+each measurement taken of every contender back to back, in an order that rotates from
+round to round: on a shared, noisy machine the contenders of one ratio are measured
+seconds apart, under the same load, rather than a server's lifetime apart. It
 prints ONE JSON object: every round's figures, and per baseline the per-round ratios of the
 current figures over the baseline's with their median and range -- above 1 for requests/s
 is faster, below 1 for p50 is faster -- and whether the median requests/s ratio at 16
@@ -588,15 +591,15 @@ def compare_commits(args: argparse.Namespace, wrk: str | None) -> dict[str, Any]
         for index in range(args.pairs):
             order = names[index % len(names) :] + names[: index % len(names)]
             figures: dict[str, Any] = {"order": order}
-            for name in order:
-                with serving(trees[name], tmp) as (url, _):
-                    figures[name] = {
-                        scenario: {
-                            f"clients_{clients}": load(wrk, url, body, clients, args.duration, tmp)
-                            for clients in CONCURRENCY
-                        }
-                        for scenario, body in COMPARED
-                    }
+            with contextlib.ExitStack() as stack:
+                urls = {name: stack.enter_context(serving(trees[name], tmp))[0] for name in order}
+                for scenario, body in COMPARED:
+                    for clients in CONCURRENCY:
+                        for name in order:
+                            measured = load(wrk, urls[name], body, clients, args.duration, tmp)
+                            figures.setdefault(name, {}).setdefault(scenario, {})[
+                                f"clients_{clients}"
+                            ] = measured
             rounds.append(figures)
             print(f"round {index + 1}/{args.pairs} done", file=sys.stderr, flush=True)
     against: dict[str, Any] = {}

@@ -43,10 +43,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any, Final
 
 from litestar.enums import ScopeType
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import ASGIApp, HTTPScope, Message, Receive, Scope, Send
 
 from sbproxy.api.activity import Activity, RequestRecord
 
@@ -75,6 +76,8 @@ class AccessNote:
         prompt_tokens: The answer's ``usage.prompt_tokens``.
         completion_tokens: The answer's ``usage.completion_tokens``.
         first_token_at: ``time.perf_counter()`` when a stream's first event was relayed.
+        sent: The status that went out (set by the middleware; 500 until an answer starts:
+            an exception that escapes every handler ends as uvicorn's 500).
     """
 
     deployment: str | None = None
@@ -84,6 +87,7 @@ class AccessNote:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     first_token_at: float | None = None
+    sent: int = 500
 
 
 def access_note(scope: Scope) -> AccessNote | None:
@@ -100,7 +104,7 @@ def _record(
 ) -> None:
     if note.deployment is None:
         return  # not an inference request (``/v1/models``, a refusal before routing)
-    now = time.perf_counter()
+    now = perf_counter()
     first = note.first_token_at
     activity.record(
         RequestRecord(
@@ -129,36 +133,39 @@ def access_log(activity: Activity | None = None) -> Callable[[ASGIApp], ASGIApp]
             ):
                 await app(scope, receive, send)
                 return
-            started = time.perf_counter()
+            started = perf_counter()
             note = AccessNote()
             scope.setdefault("state", {})[_KEY] = note
-            sent = 500  # an exception that escapes every handler ends as uvicorn's 500
 
             async def observed(message: Message) -> None:
-                nonlocal sent
                 if message["type"] == "http.response.start":
-                    sent = int(message["status"])
+                    note.sent = message["status"]
                 await send(message)
 
             try:
                 await app(scope, receive, observed)
             finally:
-                status = note.status or sent
-                if activity is not None:
-                    _record(activity, scope, note, status, started)
-                level = logging.INFO if note.outcome or status >= 400 else logging.DEBUG
-                if logger.isEnabledFor(level):
-                    logger.log(
-                        level,
-                        "%s %s %d deployment=%s %.1fms%s",
-                        scope["method"],
-                        scope["path"],
-                        status,
-                        note.deployment or "-",
-                        (time.perf_counter() - started) * 1000,
-                        f" {note.outcome}" if note.outcome else "",
-                    )
+                _finish(activity, scope, note, started)
 
         return logged
 
     return middleware
+
+
+def _finish(activity: Activity | None, scope: HTTPScope, note: AccessNote, started: float) -> None:
+    """Keep the ended request in ``activity`` and log its line (see the module docstring)."""
+    status = note.status or note.sent
+    if activity is not None:
+        _record(activity, scope, note, status, started)
+    level = logging.INFO if note.outcome or status >= 400 else logging.DEBUG
+    if logger.isEnabledFor(level):
+        logger.log(
+            level,
+            "%s %s %d deployment=%s %.1fms%s",
+            scope["method"],
+            scope["path"],
+            status,
+            note.deployment or "-",
+            (perf_counter() - started) * 1000,
+            f" {note.outcome}" if note.outcome else "",
+        )

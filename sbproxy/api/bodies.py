@@ -90,7 +90,12 @@ class Head(msgspec.Struct):
     @property
     def sets_a_limit(self) -> bool:
         """Whether the request bounds its own answer length."""
-        return any(self.document.get(name) is not None for name in LIMIT_FIELDS)
+        get = self.document.get
+        return (
+            get("max_tokens") is not None
+            or get("max_completion_tokens") is not None
+            or get("n_predict") is not None
+        )
 
 
 _DOCUMENT: Final = msgspec.json.Decoder()
@@ -285,8 +290,12 @@ def _misfit(name: str, value: list[Any]) -> InvalidRequest:
     raise AssertionError("msgspec refused a list every item of which fits")  # pragma: no cover
 
 
-def check_body(path: str, head: Head) -> None:
+def check_body(path: str, head: Head) -> bool:
     """Refuse a body the engine would choke on (see the module docstring).
+
+    Returns:
+        Whether the body bounds its own answer length (:attr:`Head.sets_a_limit`, found by
+        the same look at the limit fields).
 
     Raises:
         InvalidRequest: ``invalid_request``, naming the field and what it must be.
@@ -314,12 +323,17 @@ def check_body(path: str, head: Head) -> None:
         _check_prompt("prompt", document.get("prompt"))
     elif path == "/v1/embeddings":
         _check_prompt("input", document.get("input"))
+    limited = False
     for name in LIMIT_FIELDS:
         value = document.get(name)
-        if value is not None and not (type(value) is int and 0 < value < INT32_END):
+        if value is None:
+            continue
+        if not (type(value) is int and 0 < value < INT32_END):
             raise InvalidRequest(
                 f"`{name}` must be a positive integer below 2^31, got {_describe(value)}"
             )
+        limited = True
+    return limited
 
 
 def with_fields(head: Head, fields: dict[str, Any]) -> bytes:

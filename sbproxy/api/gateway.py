@@ -20,9 +20,9 @@ stream with that error as an SSE event. A client that disconnects while its requ
 (for admission, or for a plain answer) is noticed on the ASGI ``receive`` channel (watched
 once the request has waited 50 ms: :class:`~sbproxy.api.supervision.ExchangeBound`): the wait
 is cancelled, the upstream connection closed and the permit freed at once; a stream's
-disconnect is noticed by Litestar's streaming response. Each admitted request reports its
-end to the runtime once (:meth:`Upstream.report`; ``timed_out`` only for a supervision
-limit), then releases its permit. A request whose client went away is counted in
+client is watched the same way while the stream runs (:class:`_EventStream`). Each admitted
+request reports its end to the runtime once (:meth:`Upstream.report`; ``timed_out`` only for
+a supervision limit), then releases its permit. A request whose client went away is counted in
 ``sbproxy_gateway_client_disconnects_total`` and logged with status 499
 (:mod:`sbproxy.api.access`); a stream's client that closes once it has the stream's end
 (``[DONE]``, or the usage event before it) did not go away (:mod:`sbproxy.api.relay`).
@@ -54,11 +54,12 @@ from typing import Any, Final
 
 import aiohttp
 from litestar import Litestar, Request, get, post
-from litestar.background_tasks import BackgroundTask
+from litestar.exceptions import ClientException, InternalServerException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.response.base import ASGIResponse
-from litestar.response.streaming import ASGIStreamingResponse
-from litestar.types import ASGIApp
+from litestar.types import ASGIApp, Receive, Scope, Send
 from opentelemetry import trace
+from yarl import URL
 
 from sbproxy.api.access import (
     CLIENT_CLOSED,
@@ -100,6 +101,141 @@ __all__ = ["Gateway", "Routing", "create_gateway_app"]
 LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 # Embedding batches can be large; anything beyond this is not a chat request.
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
+# Upstream URLs kept parsed (by engine base URL and path); a relaunch on a new port adds one.
+_URLS_KEPT: Final = 64
+# Statuses whose answer has no body (as Litestar's ASGIResponse treats them).
+_NO_BODY: Final = frozenset({204, 304})
+_ROUTE_CLASS: Final = (b"x-sbproxy-route-class", b"local")
+
+
+def _request_headers(scope: Scope) -> tuple[str | None, str | None, bytes | None]:
+    """The first ``Authorization``, ``Host`` and ``Content-Length`` header of the request
+    (ASGI names are lowercase), read from the scope without building a header map."""
+    authorization: str | None = None
+    host: str | None = None
+    length: bytes | None = None
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            if authorization is None:
+                authorization = value.decode("latin-1")
+        elif name == b"host":
+            if host is None:
+                host = value.decode("latin-1")
+        elif name == b"content-length" and length is None:
+            length = value
+    return authorization, host, length
+
+
+async def read_body(receive: Receive, length: bytes | None, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, read from ``receive`` as Litestar's ``Request.body()`` reads it --
+    with its errors, so the same answers go out -- without its generator and header map.
+
+    Raises:
+        ClientException: 400 for a ``Content-Length`` that is not a number.
+        RequestEntityTooLarge: 413 for a body (announced or received) over ``limit`` bytes.
+        InternalServerException: the client disconnected before the body ended.
+    """
+    if length is not None:
+        try:
+            announced = int(length)
+        except ValueError:
+            raise ClientException(f"Invalid content-length: {length.decode('latin-1')!r}") from None
+        if announced > limit:
+            raise RequestEntityTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        event = await receive()
+        if event["type"] == "http.request":
+            chunk = event["body"]
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise RequestEntityTooLarge
+                chunks.append(chunk)
+            if not event.get("more_body", False):
+                break
+        elif event["type"] == "http.disconnect":
+            raise InternalServerException("client disconnected prematurely")
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class _PlainAnswer:
+    """A whole answer as an ASGI app: the start message with the route's headers and the
+    body, the same messages Litestar's ``ASGIResponse`` sends (headers ``x-sbproxy-*``,
+    ``content-type``, ``content-length``, in that order) without building its header map
+    per request."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(
+        self, status: int, model_header: bytes, media_type: str | None, body: bytes
+    ) -> None:
+        self.status = status
+        headers = [(b"x-sbproxy-logical-model", model_header), _ROUTE_CLASS]
+        if status in _NO_BODY or status < 200:  # informational statuses: no body
+            body = b""
+        else:
+            media = media_type or "application/json"
+            if media.startswith("text/"):
+                media = f"{media}; charset=utf-8"
+            headers.append((b"content-type", media.encode("latin-1")))
+            headers.append((b"content-length", str(len(body)).encode()))
+        self.headers = headers
+        self.body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
+
+
+_STREAM_HEADERS: Final = (
+    (b"x-sbproxy-route-class", b"local"),
+    (b"cache-control", b"no-cache"),
+    # Proxies in front (nginx) must pass events on as they come, not buffer them.
+    (b"x-accel-buffering", b"no"),
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+)
+
+
+class _EventStream:
+    """A relayed stream as an ASGI app: the messages Litestar's streaming response sends
+    (the start, one body message per batch of events, an empty last one), with the
+    client's disconnect watched by an :class:`ExchangeBound` -- from :data:`WATCH_AFTER_S`
+    on, as for the wait before the answer -- instead of a task group and a listener task
+    per stream: a stream of a fast engine ends before it pays for either. A client that
+    leaves cancels the relay (the upstream connection is closed, the permit freed, the
+    disconnect counted by :class:`StreamRelay`); the relay is closed in any case."""
+
+    __slots__ = ("model_header", "relay", "status")
+
+    def __init__(self, status: int, model_header: bytes, relay: StreamRelay) -> None:
+        self.status = status
+        self.model_header = model_header
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relay = self.relay
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status,
+                    "headers": [(b"x-sbproxy-logical-model", self.model_header), *_STREAM_HEADERS],
+                }
+            )
+            events = relay.events()
+            bound = ExchangeBound(receive)
+            with bound:
+                try:
+                    async for chunk in events:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                finally:
+                    await events.aclose()  # a cancellation at send leaves it at a yield
+            if not bound.cancelled_caught:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await relay.close()
 
 
 def host_of(header: str | None) -> str:
@@ -198,6 +334,8 @@ class Gateway:
     session: aiohttp.ClientSession | None = None
     activity: Activity = field(default_factory=Activity)
     usage: UsageLedger = field(init=False)
+    _urls: dict[tuple[str, str], URL] = field(default_factory=dict, init=False, repr=False)
+    _model_headers: dict[str, bytes] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.usage = UsageLedger(UsageStore(self.manager.runtime_store.database), self.keys.budgets)
@@ -213,6 +351,9 @@ class Gateway:
                 connector=aiohttp.TCPConnector(limit=0, force_close=False),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                 auto_decompress=False,
+                # Every request the session sends is a JSON body; as a default header it is
+                # not merged per request.
+                headers={"Content-Type": "application/json"},
             )
         await self.usage.start()
 
@@ -251,7 +392,7 @@ class Gateway:
             ChatNotSupported: ``chat_not_supported`` (400) for a completion-only model.
         """
         deployment = route.deployment
-        check_body(path, head)
+        limited = check_body(path, head)
         if path == "/v1/chat/completions" and not self.manager.can_chat(deployment):
             raise ChatNotSupported(
                 f"{route.public_model!r} (deployment {deployment!r}) is a completion-only "
@@ -259,20 +400,42 @@ class Gateway:
                 "/v1/completions instead.",
                 details={"deployment": deployment, "use": "/v1/completions"},
             )
-        fields: dict[str, Any] = {}
+        fields: dict[str, Any] | None = None
         strip_usage = False
         if head.stream and path == "/v1/chat/completions":
             fields, strip_usage = ask_for_usage(head)
-        if path != "/v1/embeddings" and not head.sets_a_limit:
+        if not limited and path != "/v1/embeddings":
+            if fields is None:
+                fields = {}
             fields["max_tokens"] = self.manager.output_limit(deployment)
         return (with_fields(head, fields) if fields else body), strip_usage
 
-    async def forward(self, request: Request[Any, Any, Any], path: str) -> ASGIResponse:
+    def url(self, base_url: str, path: str) -> URL:
+        """``base_url`` + ``path``, parsed once (aiohttp parses a string per request)."""
+        key = (base_url, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) >= _URLS_KEPT:
+                self._urls.clear()
+            url = self._urls[key] = URL(base_url + path)
+        return url
+
+    def model_header(self, public_model: str) -> bytes:
+        """The ``x-sbproxy-logical-model`` header value of ``public_model``."""
+        value = self._model_headers.get(public_model)
+        if value is None:
+            if len(self._model_headers) >= _URLS_KEPT:
+                self._model_headers.clear()
+            value = self._model_headers[public_model] = public_model.encode("latin-1")
+        return value
+
+    async def forward(self, request: Request[Any, Any, Any], path: str) -> ASGIApp:
         """Relay one OpenAI request to its engine (see the module docstring).
 
-        The answer is built as Litestar's ASGI response directly, not as a ``Response`` for
-        the route to convert: the route layers add no headers or cookies, and the
-        conversion was a measurable part of the request path (``benchmarks/proxy.py``).
+        The answer is built as an ASGI app directly, not as a ``Response`` for the route to
+        convert: the route layers add no headers or cookies, and the conversion was a
+        measurable part of the request path (``benchmarks/proxy.py``); a whole answer is a
+        :class:`_PlainAnswer`, lighter still than Litestar's ``ASGIResponse``.
 
         Raises:
             AdmissionRejected: any admission reason.
@@ -280,12 +443,14 @@ class Gateway:
             EngineTimeout: ``engine_timeout`` (504): a supervision limit ran out before the
                 answer's headers went out.
         """
-        caller = self.keys.authenticate(request.headers.get("authorization"))
-        body = await request.body()
+        scope = request.scope
+        authorization, host, length = _request_headers(scope)
+        caller = self.keys.authenticate(authorization)
+        body = await read_body(request.receive, length)
         head = decode_head(body)
-        route = self.routing.route(request.headers.get("host"), head.model)
+        route = self.routing.route(host, head.model)
         deployment = route.deployment
-        note = access_note(request.scope)
+        note = access_note(scope)
         if note is not None:
             note.deployment = deployment
             note.key_name = caller.name
@@ -308,18 +473,15 @@ class Gateway:
         if answer is None:
             return self.client_gone(deployment, note)
         response = answer.response
-        headers = {"x-sbproxy-logical-model": route.public_model, "x-sbproxy-route-class": "local"}
         if answer.data is not None:
             data = answer.data
-            if response.content_type == "application/json":
+            content_type = response.content_type
+            if content_type == "application/json":
                 data, usage = rewrite_answer(data, route.public_model)
                 if usage is not None:
                     self.count(caller, usage, span, note)
-            return ASGIResponse(
-                body=data,
-                status_code=response.status,
-                media_type=response.content_type or "application/json",
-                headers=headers,
+            return _PlainAnswer(
+                response.status, self.model_header(route.public_model), content_type, data
             )
 
         def ended(outcome: str | None) -> None:
@@ -341,14 +503,7 @@ class Gateway:
             on_usage=lambda usage: self.count(caller, usage, span, note),
             on_end=ended,
         )
-        return ASGIStreamingResponse(
-            iterator=relay.events(),
-            status_code=response.status,
-            media_type="text/event-stream",
-            # Proxies in front (nginx) must pass events on as they come, not buffer them.
-            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            background=BackgroundTask(relay.close),
-        )
+        return _EventStream(response.status, self.model_header(route.public_model), relay)
 
     async def exchange(
         self,
@@ -382,17 +537,13 @@ class Gateway:
         limit, limit_s, started = Limit.REQUEST, 0.0, 0.0
         data: bytes | None = None
         try:
-            async with bound:
+            with bound:
                 upstream = await self.admit(route, caller)
                 started = asyncio.get_running_loop().time()
                 limit, limit_s = _first_limit(upstream, streamed=streamed)
                 bound.set_deadline(started + limit_s)
                 assert self.session is not None  # noqa: S101 - opened at app startup
-                response = await self.session.post(
-                    f"{upstream.base_url}{path}",
-                    data=body,
-                    headers={"Content-Type": "application/json"},
-                )
+                response = await self.session.post(self.url(upstream.base_url, path), data=body)
                 if not (streamed and response.content_type == "text/event-stream"):
                     data = await response.read()
         except aiohttp.ClientError as exc:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Final
 
 import aiohttp
@@ -269,7 +269,7 @@ class StreamRelay:
             return upstream.stall_timeout_s
         return upstream.request_timeout_s
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self) -> AsyncGenerator[bytes, None]:
         pending = b""
         content = self.response.content
         deadlines = self.deadlines

@@ -34,7 +34,6 @@ import logging
 import math
 import signal
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
@@ -217,17 +216,36 @@ class Shutdown:
         return _Guard(self, app, surface)
 
 
-@dataclass
 class _Progress:
-    """How far a request's answer got."""
+    """How far a request's answer got: its start message (``None`` before it went out) and
+    whether its last body message went out."""
 
-    started: bool = False
-    event_stream: bool = False
-    complete: bool = False
+    __slots__ = ("complete", "start")
+
+    def __init__(self) -> None:
+        self.start: Message | None = None
+        self.complete = False
+
+    @property
+    def event_stream(self) -> bool:
+        """Whether the answer that started is an event stream (read only when ending it)."""
+        if self.start is None:
+            return False
+        headers = cast("Iterable[tuple[bytes, bytes]]", self.start.get("headers", ()))
+        for name, value in headers:
+            if name.lower() == b"content-type":
+                return value.startswith(b"text/event-stream")
+        return False
 
 
 class _Guard:
-    """The ASGI wrapper of :meth:`Shutdown.guard`."""
+    """The ASGI wrapper of :meth:`Shutdown.guard`.
+
+    Per message it only remembers the start message and whether the body ended; what the
+    answer is (an event stream?) is looked at only when the guard has to end it.
+    """
+
+    __slots__ = ("app", "shutdown", "surface")
 
     def __init__(self, shutdown: Shutdown, app: ASGIApp, surface: Surface) -> None:
         self.shutdown = shutdown
@@ -239,27 +257,24 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         progress = _Progress()
-        if self.shutdown.drain_over:
+        shutdown = self.shutdown
+        if shutdown.drain_over:
             await self._end(send, progress)
             return
 
         async def tracked(message: Message) -> None:
-            kind = message["type"]
-            if kind == "http.response.start":
-                progress.started = True
-                headers = cast("Iterable[tuple[bytes, bytes]]", message.get("headers", ()))
-                for name, value in headers:
-                    if name.lower() == b"content-type":
-                        progress.event_stream = value.startswith(b"text/event-stream")
-                        break
+            if message["type"] == "http.response.start":
+                progress.start = message
+                await send(message)
+                return
             await send(message)
-            if kind == "http.response.body" and not message.get("more_body", False):
+            if not message.get("more_body", False):
                 progress.complete = True
 
-        shutdown = self.shutdown
         task = asyncio.current_task()
         assert task is not None  # noqa: S101 - an ASGI app runs in a task
-        shutdown.track(task)
+        in_flight = shutdown._in_flight  # track() and untrack(), inlined: every request
+        in_flight.add(task)
         try:
             await self.app(scope, receive, tracked)
             ended = False
@@ -272,14 +287,14 @@ class _Guard:
             task.uncancel()
             ended = True
         finally:
-            shutdown.untrack(task)
+            in_flight.discard(task)
         if ended and not progress.complete:
             await self._end(send, progress)
 
     async def _end(self, send: Send, progress: _Progress) -> None:
         """Finish the answer with ``shutting_down`` in whatever form it can still take."""
         error = ShuttingDown(_ENDED_MESSAGE)
-        if not progress.started:
+        if progress.start is None:
             status, body, headers = error_payload(error, surface=self.surface)
             headers.append((b"connection", b"close"))
             await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -17,13 +17,14 @@ learns to stop generating), frees the admission permit at once and answers 504
 out, ends the stream with an SSE error event.
 
 Costs on the hot path (``benchmarks/proxy.py`` against the fast upstream): the wait for
-admission and for an answer's headers runs inside one :class:`ExchangeBound` -- a native
-``asyncio.timeout`` with no deadline, cheaper than an anyio cancel scope -- and one timer.
-Only when the exchange is still waiting :data:`WATCH_AFTER_S` later does that timer arm the
-limit's deadline and start the watcher task (:class:`ClientWatch`) that waits on the ASGI
-``receive`` channel for ``http.disconnect``, as Starlette's and Litestar's streaming
-responses do: most answers of a fast engine come sooner and never pay for a task and a
-second timer, and a client that leaves is noticed at most :data:`WATCH_AFTER_S` late. A
+admission and for an answer's headers runs inside one :class:`ExchangeBound` -- a
+synchronous context manager that cancels its task the way ``asyncio.timeout`` does, cheaper
+than an anyio cancel scope or ``asyncio.timeout`` itself -- and one timer. Only when the
+exchange is still waiting :data:`WATCH_AFTER_S` later does that timer start the watcher task
+(:class:`ClientWatch`) that waits on the ASGI ``receive`` channel for ``http.disconnect``, as
+Starlette's and Litestar's streaming responses do, and re-arm itself for the limit's
+deadline: most answers of a fast engine come sooner and never pay for a task, and a client
+that leaves is noticed at most :data:`WATCH_AFTER_S` late. A
 stream's limits are one lazily re-armed timer (:class:`StreamDeadlines`): per event the
 relay stores a number, and the timer re-arms itself only when it wakes early -- no task and
 no timer churn per chunk.
@@ -152,16 +153,20 @@ class ClientWatch:
 class ExchangeBound:
     """Bounds one exchange's wait by a deadline and by its client staying connected.
 
-    Use as ``async with ExchangeBound(receive) as bound:`` around the wait for admission and
-    for the engine's answer (its headers, for a stream), and call :meth:`set_deadline` once
-    the limit is known. When the deadline passes or the client disconnects, the block is
-    cancelled and the exit swallows that cancellation: ``cancelled_caught`` is then true and
-    ``disconnected`` says which of the two it was. A cancellation from outside (a shutdown,
-    the server) passes through unchanged.
+    Use as ``with ExchangeBound(receive) as bound:`` (or ``async with``) inside a task,
+    around the wait for admission and for the engine's answer (its headers, for a stream),
+    and call :meth:`set_deadline` once the limit is known. When the deadline passes or the
+    client disconnects, the block's task is cancelled and the exit swallows that
+    cancellation: ``cancelled_caught`` is then true and ``disconnected`` says which of the
+    two it was. A cancellation from outside (a shutdown, the server) passes through
+    unchanged: as :func:`asyncio.timeout` does, the exit swallows only when no other
+    cancellation of the task is pending (:meth:`asyncio.Task.uncancel`).
 
     The deadline and the :class:`ClientWatch` are armed only once the block has run for
-    :data:`WATCH_AFTER_S` (or at once for a deadline sooner than that), by one timer; an
-    exchange that ends sooner never creates them (see the module docstring).
+    :data:`WATCH_AFTER_S` (or at once for a deadline sooner than that), by one timer that
+    later carries the deadline; an exchange that ends sooner never creates them (see the
+    module docstring). A synchronous context manager, because nothing in it awaits: an
+    asynchronous one cost two coroutines per request.
 
     Args:
         receive: The request's ASGI ``receive`` (its body read already).
@@ -169,11 +174,13 @@ class ExchangeBound:
     """
 
     __slots__ = (
+        "_cancelling",
         "_deadline",
         "_exited",
+        "_expired",
         "_loop",
         "_receive",
-        "_timeout",
+        "_task",
         "_timer",
         "_watch",
         "_watch_after_s",
@@ -185,46 +192,68 @@ class ExchangeBound:
     def __init__(self, receive: Receive, *, watch_after_s: float = WATCH_AFTER_S) -> None:
         self._receive = receive
         self._watch_after_s = watch_after_s
-        self._timeout = asyncio.timeout(None)
         self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._watch: ClientWatch | None = None
         self._watching = False
         self._exited = False
+        self._expired = False
         self.cancelled_caught = False
         self.disconnected = False
 
-    async def __aenter__(self) -> ExchangeBound:
-        await self._timeout.__aenter__()
-        self._loop = asyncio.get_running_loop()
-        self._timer = self._loop.call_later(self._watch_after_s, self._start_watching)
+    def __enter__(self) -> ExchangeBound:
+        loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
+        if task is None:
+            raise RuntimeError("an ExchangeBound must be entered inside a task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._timer = loop.call_later(self._watch_after_s, self._start_watching)
         return self
+
+    async def __aenter__(self) -> ExchangeBound:
+        return self.__enter__()
 
     def set_deadline(self, when: float) -> None:
         """Cancel the block at loop time ``when`` (seconds, :func:`anyio.current_time`)."""
         self._deadline = when
-        if self._timeout.expired():
+        if self._expired:
             return  # the client left already; the cancellation is on its way
         timer = self._timer
         if self._watching or (timer is not None and when < timer.when()):
-            self._timeout.reschedule(when)
+            self._arm(when)  # the watch is running, or the deadline comes before it
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(when, self._deadline_passed)
 
     def _start_watching(self) -> None:
         self._timer = None
-        if self._timeout.expired():
-            return  # a deadline sooner than the watch ran out first
+        if self._expired:
+            return
         self._watching = True
         self._watch = ClientWatch(self._receive, self._client_left)
         if self._deadline is not None:
-            self._timeout.reschedule(self._deadline)
+            self._arm(self._deadline)
+
+    def _deadline_passed(self) -> None:
+        self._timer = None
+        self._cancel()
 
     def _client_left(self) -> None:
-        if self._exited or self._timeout.expired():
+        if self._exited or self._expired:
             return  # over already, or the deadline ran out first: why the exchange ended
         self.disconnected = True
-        self._timeout.reschedule(self._loop.time())
+        self._cancel()
 
-    async def __aexit__(
+    def _cancel(self) -> None:
+        if self._exited or self._expired:
+            return
+        self._expired = True
+        self._task.cancel()
+
+    def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
@@ -236,14 +265,19 @@ class ExchangeBound:
             self._timer = None
         if self._watch is not None:
             self._watch.stop()
-        try:
-            await self._timeout.__aexit__(exc_type, exc, traceback)
-        except TimeoutError:
-            if not self._timeout.expired():
-                raise  # not ours: the block itself raised it
-            self.cancelled_caught = True
-            return True
+        if self._expired and self._task.uncancel() <= self._cancelling:
+            # Ours was the only cancellation: the block ends here.
+            self.cancelled_caught = exc_type is asyncio.CancelledError
+            return self.cancelled_caught
         return False
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        return self.__exit__(exc_type, exc, traceback)
 
 
 class StreamDeadlines:
