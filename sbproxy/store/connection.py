@@ -114,7 +114,7 @@ class Transaction:
     so fixed statement texts are parsed once per connection.
     """
 
-    __slots__ = ("_connection", "_hooks", "dialect")
+    __slots__ = ("_connection", "_hooks", "dialect", "hint")
 
     def __init__(self, connection: DriverConnection, hooks: Sequence[StatementHook]) -> None:
         self._connection = connection
@@ -122,6 +122,21 @@ class Transaction:
         # ``sqlite`` or ``postgresql``: the few statements that differ ask (a claim's
         # ``FOR UPDATE SKIP LOCKED``).
         self.dialect: str = getattr(connection, "dialect", "sqlite")
+        # Whether the running request said it writes only hints (:meth:`hint_only`).
+        self.hint = False
+
+    def hint_only(self) -> None:
+        """Say that this request writes only hints: records whose loss in a crash of the
+        database server changes no outcome (a step's start: the idempotent step runs again).
+
+        On PostgreSQL a transaction whose every request said so commits with
+        ``synchronous_commit = off``: ``COMMIT`` returns before the server flushed its WAL.
+        The WAL is one sequence, so the next synchronous commit on that server -- a step's
+        end, at the latest -- flushes this one too; and the record is visible at once, so
+        fencing reads it as any other. Never for what a caller must not lose: a step's
+        end, a job's outcome, a claim or lease, a revision. SQLite ignores it.
+        """
+        self.hint = True
 
     def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
         """Run one statement; its cursor (``rowcount``: rows an UPDATE/INSERT/DELETE changed).
@@ -345,8 +360,12 @@ class WriterThread(ConnectionThread):
         began = time.perf_counter()
         self.tallies.began([began - request.queued_at for request in group])
 
-    def _commit(self, connection: DriverConnection, writes: int) -> None:
+    def _commit(self, connection: DriverConnection, writes: int, *, hints: bool = False) -> None:
+        """``COMMIT``; without waiting for the WAL flush on PostgreSQL when ``hints`` (every
+        write of it said :meth:`Transaction.hint_only`)."""
         started = time.perf_counter()
+        if hints and getattr(connection, "dialect", "sqlite") == "postgresql":
+            connection.execute("SET LOCAL synchronous_commit = off")
         connection.execute("COMMIT")
         self.tallies.committed(seconds=time.perf_counter() - started, writes=writes)
         self.commits += 1
@@ -388,8 +407,9 @@ class WriterThread(ConnectionThread):
         def attempt() -> Any:
             self._begin(connection, (request,))
             try:
+                transaction.hint = False
                 value = work(transaction)
-                self._commit(connection, 1)
+                self._commit(connection, 1, hints=transaction.hint)
             except BaseException:
                 if connection.in_transaction:
                     connection.execute("ROLLBACK")
@@ -426,12 +446,14 @@ class WriterThread(ConnectionThread):
         """Several requests, one transaction and one ``COMMIT``; on any failure but a
         constraint one savepoint undid, the whole group runs again one request at a time."""
         outcomes: list[tuple[Any, BaseException | None]] = []
+        hints = True
         try:
             self._begin(connection, group)
             for request in group:
                 work = request.work
                 assert work is not None  # noqa: S101 - the close request never gets here
                 connection.execute("SAVEPOINT grouped")
+                transaction.hint = False
                 try:
                     value = work(transaction)
                 except sqlite3.IntegrityError as exc:
@@ -442,8 +464,9 @@ class WriterThread(ConnectionThread):
                     outcomes.append((None, exc))
                     continue
                 connection.execute("RELEASE grouped")
+                hints = hints and transaction.hint
                 outcomes.append((value, None))
-            self._commit(connection, len(group))
+            self._commit(connection, len(group), hints=hints)
         except BaseException:  # noqa: BLE001 - each request is rerun alone to meet its own
             if connection.in_transaction:
                 connection.execute("ROLLBACK")

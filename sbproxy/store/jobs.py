@@ -808,6 +808,16 @@ class JobStore:
                 "owner": owner,
                 "attempt": attempt,
             }
+            # A step's start is a hint (a start lost in a crash of the server only means
+            # the idempotent step runs again); its end, below, is never one.
+            tx.hint_only()
+            if tx.dialect == "postgresql":
+                # One statement, one round trip: the start, its event and the fence's answer.
+                row = tx.one(_BEGIN_STEP_PG, {**params, "event": event})
+                assert row is not None  # noqa: S101 - the outer join always yields its row
+                if row["job_id"] is None:
+                    return StepRefusal.CANCELLED if row["held"] else StepRefusal.LEASE_LOST
+                return _step(row)
             row = tx.one(_BEGIN_STEP, params)
             if row is None:
                 held = tx.scalar(_HELD, params)
@@ -857,6 +867,13 @@ class JobStore:
                 "owner": owner,
                 "attempt": attempt,
             }
+            if tx.dialect == "postgresql":
+                # One statement: the outcome, the recovery reset and the event.
+                ended = tx.scalar(
+                    _END_STEP_PG,
+                    {**params, "event": event, "reset": status == StepStatus.SUCCEEDED},
+                )
+                return bool(ended)
             if tx.execute(_END_STEP, params).rowcount != 1:
                 return False
             if status == StepStatus.SUCCEEDED:
@@ -943,6 +960,27 @@ _END_STEP = (
     " error_code = :code, error_message = :message, ended_at_ms = :now"
     " WHERE job_id = :id AND seq = :seq AND status = 'running'"
     f" AND {_STEP_FENCE}"
+)
+# PostgreSQL runs a step's start and end as one statement each (data-modifying WITH
+# clauses, which SQLite lacks): the same writes, fences and events as the texts above.
+_BEGIN_STEP_PG = (
+    f"WITH started AS ({_BEGIN_STEP}),"  # noqa: S608 - fixed text
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT job_id, :now, 'step', :event FROM started)"
+    f" SELECT started.*, EXISTS ({_HELD}) AS held"
+    " FROM (SELECT 1) AS one LEFT JOIN started ON TRUE"
+)
+_END_STEP_PG = (
+    "WITH ended AS (UPDATE steps SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
+    " error_code = :code, error_message = :message, ended_at_ms = :now"
+    " WHERE job_id = :id AND seq = :seq AND status = 'running'"
+    f" AND {_STEP_FENCE} RETURNING job_id),"
+    " reset AS (UPDATE jobs SET recoveries = 0"
+    f" WHERE id = :id AND :reset AND {_FENCE} AND recoveries != 0"
+    " AND EXISTS (SELECT 1 FROM ended)),"
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT job_id, :now, 'step', :event FROM ended)"
+    " SELECT count(*) FROM ended"
 )
 _RESET_RECOVERIES = (
     f"UPDATE jobs SET recoveries = 0 WHERE id = :id AND {_FENCE} AND recoveries != 0"  # noqa: S608 - fixed text

@@ -244,6 +244,13 @@ class PgConnection:
     transaction begins on a broken connection; a statement on a lost connection raises
     :class:`JournalUnavailable`.
 
+    **Round trips.** Statements that answer nothing -- ``BEGIN``, ``SAVEPOINT``, ``RELEASE``,
+    ``SET LOCAL`` -- are not sent on their own: they are held and sent in one query string
+    with the next statement that answers something (the simple query protocol runs them in
+    order, and stops at the first that fails), or with the ``COMMIT``. A transaction of one
+    statement therefore costs two round trips (``BEGIN; stmt`` and ``COMMIT``), not four, and
+    a transaction in which nothing reached the server ends without any.
+
     Args:
         target: The server.
         read_only: Reader connection: ``BEGIN`` opens a ``REPEATABLE READ READ ONLY``
@@ -256,6 +263,10 @@ class PgConnection:
         self.target = target
         self.read_only = read_only
         self._connection: psycopg.Connection[Any] | None = None
+        # Statements held back for the next one sent (see the class docstring), and whether
+        # anything of the open transaction reached the server yet.
+        self._held: list[str] = []
+        self._sent = False
         self._connect_now()
 
     def _connect_now(self) -> None:
@@ -295,7 +306,9 @@ class PgConnection:
 
     @property
     def in_transaction(self) -> bool:
-        """Whether a transaction is open (or failed and not yet rolled back)."""
+        """Whether a transaction is open (begun here, or failed and not yet rolled back)."""
+        if self._held:
+            return True
         connection = self._connection
         if connection is None or connection.closed or connection.broken:
             return False
@@ -305,31 +318,55 @@ class PgConnection:
         """Run one statement (SQLite's text); its rows, fetched at once."""
         text = translate(sql)
         if text == "BEGIN":
-            connection = self._live()
-            if self.read_only:
-                text = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
+            self._live()
+            self._held = [
+                "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if self.read_only else "BEGIN"
+            ]
+            self._sent = False
             _local.connection = self
-        else:
-            connection = self._connection or self._live()
+            return _NOTHING
+        if text.startswith(_HELD_BACK):
+            self._held.append(text)
+            return _NOTHING
+        if text in ("COMMIT", "ROLLBACK"):
+            try:
+                if not self._sent:
+                    # Nothing of this transaction reached the server: nothing to end.
+                    self._held.clear()
+                    return _NOTHING
+                if text == "ROLLBACK":
+                    self._held.clear()
+                return self._send(text, ())
+            finally:
+                self._held.clear()
+                self._sent = False
+                _local.connection = None
+        return self._send(text, params)
+
+    def _send(self, text: str, params: Any) -> _Cursor:
+        """Send ``text`` with the statements held back before it; the last one's rows."""
+        held, self._held = self._held, []
+        first = not self._sent and bool(held) and held[0].startswith("BEGIN")
+        query = "; ".join([*held, text]) if held else text
+        connection = self._connection or self._live()
+        self._sent = True
         try:
             try:
-                result = _run(connection, text, params)
+                result = _run(connection, query, params)
             except psycopg.OperationalError:
-                # A connection the server dropped while idle says so only when used: a
-                # BEGIN changes nothing, so it is run again on a fresh connection.
-                if not text.startswith("BEGIN") or not connection.broken:
+                # A connection the server dropped while idle says so only when used. When
+                # this query opens the transaction, nothing of it took effect (no COMMIT in
+                # it, and a lost connection rolls back), so it runs again on a fresh one.
+                if not first or not connection.broken:
                     raise
                 connection = self._live()
-                result = _run(connection, text, params)
+                result = _run(connection, query, params)
         except psycopg.IntegrityError as exc:
             raise ConstraintViolation(str(exc)) from exc
         except psycopg.OperationalError as exc:
             if connection.broken or connection.closed:
                 raise self.target.unavailable(exc) from exc
             raise
-        finally:
-            if text in ("COMMIT", "ROLLBACK"):
-                _local.connection = None
         return result
 
     def executemany(self, sql: str, rows: Iterable[Any]) -> _Cursor:
@@ -341,15 +378,11 @@ class PgConnection:
 
     def database_ms(self) -> int:
         """The server's ``clock_timestamp()`` in epoch ms, after taking the lease lock."""
-        connection = self._connection
-        assert connection is not None  # noqa: S101 - only inside an open transaction
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT pg_advisory_xact_lock(%s),"
-                " (extract(epoch FROM clock_timestamp()) * 1000)::bigint",
-                (LEASE_LOCK_KEY,),
-            )
-            row = cursor.fetchone()
+        row = self._send(
+            "SELECT pg_advisory_xact_lock(%s),"
+            " (extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+            (LEASE_LOCK_KEY,),
+        ).fetchone()
         assert row is not None  # noqa: S101 - a SELECT without FROM returns its row
         return int(row[1])
 
@@ -359,9 +392,17 @@ class PgConnection:
             self._connection = None
 
 
+# Statements that answer nothing and may wait for the next one (``PgConnection``).
+_HELD_BACK = ("SAVEPOINT ", "RELEASE ", "SET LOCAL ")
+_NOTHING = _Cursor(-1, [])
+
+
 def _run(connection: psycopg.Connection[Any], text: str, params: Any) -> _Cursor:
     with connection.cursor() as cursor:
         cursor.execute(text, _params(params))
+        # Several statements in one query: the answer is the last one's.
+        while cursor.nextset():
+            pass
         rows = cursor.fetchall() if cursor.description is not None else []
         return _Cursor(cursor.rowcount, rows)
 
