@@ -114,7 +114,7 @@ class Transaction:
     so fixed statement texts are parsed once per connection.
     """
 
-    __slots__ = ("_connection", "_hooks", "dialect", "hint")
+    __slots__ = ("_connection", "_hooks", "alone", "dialect", "hint")
 
     def __init__(self, connection: DriverConnection, hooks: Sequence[StatementHook]) -> None:
         self._connection = connection
@@ -122,8 +122,10 @@ class Transaction:
         # ``sqlite`` or ``postgresql``: the few statements that differ ask (a claim's
         # ``FOR UPDATE SKIP LOCKED``).
         self.dialect: str = getattr(connection, "dialect", "sqlite")
-        # Whether the running request said it writes only hints (:meth:`hint_only`).
+        # Whether the running request said it writes only hints (:meth:`hint_only`), and
+        # whether it has the transaction to itself (the writer says; see :meth:`last`).
         self.hint = False
+        self.alone = False
 
     def hint_only(self) -> None:
         """Say that this request writes only hints: records whose loss in a crash of the
@@ -155,6 +157,22 @@ class Transaction:
             hook(sql)
         cursor: sqlite3.Cursor = self._connection.executemany(sql, rows)
         return cursor
+
+    def last(self, sql: str, params: Params = ()) -> list[sqlite3.Row]:
+        """Run the request's last statement and return its rows (as :meth:`all`).
+
+        On PostgreSQL, when the request has the transaction to itself, the statement goes in
+        one query with the ``COMMIT`` -- one round trip for the whole transaction -- so the
+        request must run nothing after it (the writer's own ``COMMIT`` then has nothing
+        left to do). Elsewhere it is :meth:`all`.
+        """
+        commit_with = getattr(self._connection, "execute_and_commit", None)
+        if not self.alone or commit_with is None:
+            return self.all(sql, params)
+        for hook in self._hooks:
+            hook(sql)
+        rows: list[sqlite3.Row] = commit_with(sql, params, hints=self.hint).fetchall()
+        return rows
 
     def all(self, sql: str, params: Params = ()) -> list[sqlite3.Row]:
         """Every row the statement returns (rows index by position and by column name)."""
@@ -408,7 +426,11 @@ class WriterThread(ConnectionThread):
             self._begin(connection, (request,))
             try:
                 transaction.hint = False
-                value = work(transaction)
+                transaction.alone = True
+                try:
+                    value = work(transaction)
+                finally:
+                    transaction.alone = False
                 self._commit(connection, 1, hints=transaction.hint)
             except BaseException:
                 if connection.in_transaction:

@@ -813,11 +813,10 @@ class JobStore:
             tx.hint_only()
             if tx.dialect == "postgresql":
                 # One statement, one round trip: the start, its event and the fence's answer.
-                row = tx.one(_BEGIN_STEP_PG, {**params, "event": event})
-                assert row is not None  # noqa: S101 - the outer join always yields its row
-                if row["job_id"] is None:
-                    return StepRefusal.CANCELLED if row["held"] else StepRefusal.LEASE_LOST
-                return _step(row)
+                answer = tx.last(_BEGIN_STEP_PG, {**params, "event": event})[0]
+                if answer["job_id"] is None:
+                    return StepRefusal.CANCELLED if answer["held"] else StepRefusal.LEASE_LOST
+                return _step(answer)
             row = tx.one(_BEGIN_STEP, params)
             if row is None:
                 held = tx.scalar(_HELD, params)
@@ -869,11 +868,11 @@ class JobStore:
             }
             if tx.dialect == "postgresql":
                 # One statement: the outcome, the recovery reset and the event.
-                ended = tx.scalar(
+                rows = tx.last(
                     _END_STEP_PG,
                     {**params, "event": event, "reset": status == StepStatus.SUCCEEDED},
                 )
-                return bool(ended)
+                return bool(rows[0][0])
             if tx.execute(_END_STEP, params).rowcount != 1:
                 return False
             if status == StepStatus.SUCCEEDED:

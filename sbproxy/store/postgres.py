@@ -343,16 +343,37 @@ class PgConnection:
                 _local.connection = None
         return self._send(text, params)
 
-    def _send(self, text: str, params: Any) -> _Cursor:
-        """Send ``text`` with the statements held back before it; the last one's rows."""
+    def execute_and_commit(self, sql: str, params: Any = (), *, hints: bool = False) -> _Cursor:
+        """Run one statement and ``COMMIT`` in one query (one round trip with the held
+        ``BEGIN``); its rows. ``hints``: commit with ``synchronous_commit = off``
+        (:meth:`~sbproxy.store.connection.Transaction.hint_only`). The transaction is over
+        when this returns: the ``COMMIT`` that follows has nothing to do.
+
+        Raises:
+            ConstraintViolation | psycopg.Error: as :meth:`execute`; the transaction is then
+                left failed (the ``COMMIT`` did not run) for the caller's ``ROLLBACK``.
+        """
+        if hints:
+            self._held.append("SET LOCAL synchronous_commit = off")
+        result = self._send(translate(sql), params, commit=True)
+        self._sent = False
+        _local.connection = None
+        return result
+
+    def _send(self, text: str, params: Any, *, commit: bool = False) -> _Cursor:
+        """Send ``text`` with the statements held back before it (and ``COMMIT`` after it
+        when ``commit``); ``text``'s rows."""
         held, self._held = self._held, []
-        first = not self._sent and bool(held) and held[0].startswith("BEGIN")
-        query = "; ".join([*held, text]) if held else text
+        # Run again on a fresh connection only what cannot have committed.
+        first = not commit and not self._sent and bool(held) and held[0].startswith("BEGIN")
+        parts = [*held, text, "COMMIT"] if commit else [*held, text]
+        query = "; ".join(parts)
+        skip = 1 if commit else 0
         connection = self._connection or self._live()
         self._sent = True
         try:
             try:
-                result = _run(connection, query, params)
+                result = _run(connection, query, params, skip=skip)
             except psycopg.OperationalError:
                 # A connection the server dropped while idle says so only when used. When
                 # this query opens the transaction, nothing of it took effect (no COMMIT in
@@ -360,7 +381,7 @@ class PgConnection:
                 if not first or not connection.broken:
                     raise
                 connection = self._live()
-                result = _run(connection, query, params)
+                result = _run(connection, query, params, skip=skip)
         except psycopg.IntegrityError as exc:
             raise ConstraintViolation(str(exc)) from exc
         except psycopg.OperationalError as exc:
@@ -397,14 +418,19 @@ _HELD_BACK = ("SAVEPOINT ", "RELEASE ", "SET LOCAL ")
 _NOTHING = _Cursor(-1, [])
 
 
-def _run(connection: psycopg.Connection[Any], text: str, params: Any) -> _Cursor:
+def _run(connection: psycopg.Connection[Any], text: str, params: Any, *, skip: int = 0) -> _Cursor:
+    """Run ``text`` (one statement or several); the answer of the last but ``skip``."""
     with connection.cursor() as cursor:
         cursor.execute(text, _params(params))
-        # Several statements in one query: the answer is the last one's.
+        answers = [_answer(cursor)]
         while cursor.nextset():
-            pass
-        rows = cursor.fetchall() if cursor.description is not None else []
-        return _Cursor(cursor.rowcount, rows)
+            answers.append(_answer(cursor))
+        return answers[-1 - skip]
+
+
+def _answer(cursor: Any) -> _Cursor:
+    rows = cursor.fetchall() if cursor.description is not None else []
+    return _Cursor(cursor.rowcount, rows)
 
 
 def _params(params: Any) -> Any:
