@@ -356,7 +356,11 @@ async def test_a_last_statement_travels_with_its_commit_in_one_round_trip(
     assert await rows(database) == [1]
     # A write in which nothing reached the server sends nothing at all.
     sent.take()
-    assert await database.write(lambda tx: None) is None
+
+    def nothing(tx: Transaction) -> str:
+        return "nothing"
+
+    assert await database.write(nothing) == "nothing"
     assert sent.take() == []
 
 
@@ -404,10 +408,12 @@ async def test_a_step_start_and_end_are_one_round_trip_each_and_only_the_end_wai
     claimed = await store.claim(owner="w", lease_ms=60_000)
     assert claimed is not None
     sent = SentQueries(monkeypatch)
-    fence = {"owner": "w", "attempt": claimed.attempt}
-    started = await store.begin_step(job.id, seq=0, name="s", **fence)
+    attempt = claimed.attempt
+    started = await store.begin_step(job.id, owner="w", attempt=attempt, seq=0, name="s")
     [start] = sent.take()
-    assert await store.end_step(job.id, seq=0, name="s", output_json="1", **fence)
+    assert await store.end_step(
+        job.id, owner="w", attempt=attempt, seq=0, name="s", output_json="1"
+    )
     [end] = sent.take()
     assert start.startswith(f"BEGIN; {ASYNC_COMMIT}; WITH started AS (INSERT INTO steps")
     assert start.endswith("; COMMIT")
