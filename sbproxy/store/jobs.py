@@ -791,7 +791,9 @@ class JobStore:
         """Record that step ``seq`` starts (inserting it, or counting a re-run).
 
         The insert is fenced: it happens only while ``owner``'s claim ``attempt`` holds the
-        job and no cancellation was requested, checked in the same statement.
+        job and no cancellation was requested, checked in the same statement. It is a hint
+        (``Transaction.hint_only``): on PostgreSQL its commit does not wait for the WAL flush,
+        the step's end flushes it (``postgres.py``).
 
         Returns:
             The step as recorded; or, having recorded nothing, ``StepRefusal.CANCELLED``

@@ -21,6 +21,20 @@ Choices (the issue's note):
   on SQLite. Writers run ``READ COMMITTED`` (every write is a compare-and-set ``UPDATE ...
   WHERE``, which PostgreSQL re-checks on the newest row version after a lock wait); readers
   run ``REPEATABLE READ READ ONLY``, one snapshot per read as on SQLite.
+* **Round trips, not fsyncs, are what a step costs here** (``benchmarks/journal.py``: a
+  step was two transactions of four and five round trips each). Statements that answer
+  nothing are held and sent with the next one (:class:`PgConnection`); the hot writes -- a
+  step's start and end, a submit, a claim -- are one statement each on PostgreSQL (data-
+  modifying ``WITH`` clauses, ``jobs.py``), sent together with their ``COMMIT``
+  (``Transaction.last``): one round trip per transaction when it has the writer to itself.
+* **A step's start does not wait for the WAL flush** (``Transaction.hint_only``:
+  ``SET LOCAL synchronous_commit = off``, only when every write of the transaction is a
+  hint). It is visible at once, so fencing and readers see it as any other row; the WAL is
+  one sequence, so the step's end (a synchronous commit) flushes it too. What a crash of
+  the *server* can lose is a start whose step has not ended: the idempotent step runs
+  again, as after any crash mid-step. The one thing a reader could notice: that start's
+  ``step`` event, once seen in a stream, may be gone after such a crash, and its ``seq``
+  handed out again (PostgreSQL's sequences roll back with unflushed WAL).
 * **Leases on the server's clock**: :class:`DatabaseLeaseTime` reads ``clock_timestamp()``
   inside the write transaction after taking a transaction-scoped advisory lock, so lease
   stamps are serialised across hosts exactly as SQLite's write lock serialises them on one
