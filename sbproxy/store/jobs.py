@@ -621,23 +621,27 @@ class JobStore:
         def work(tx: Transaction) -> tuple[sqlite3.Row, int] | None:
             now = self.clock()
             ended = now if status in TERMINAL_JOB_STATUSES else None
-            row = tx.one(
-                _FINISH,
-                {
-                    "status": status.value,
-                    "output": output_json,
-                    "code": error.code if error else None,
-                    "message": _bounded(error.message) if error else None,
-                    "now": now,
-                    "ended": ended,
-                    "id": job_id,
-                    "owner": owner,
-                    "attempt": attempt,
-                },
-            )
-            if row is None:
-                return None
-            _event(tx, job_id, "status", data, now)
+            params = {
+                "status": status.value,
+                "output": output_json,
+                "code": error.code if error else None,
+                "message": _bounded(error.message) if error else None,
+                "now": now,
+                "ended": ended,
+                "id": job_id,
+                "owner": owner,
+                "attempt": attempt,
+            }
+            if tx.dialect == "postgresql":
+                # The outcome and its event in one statement.
+                row = tx.one(_FINISH_PG, {**params, "event": _event_json(data)})
+                if row is None:
+                    return None
+            else:
+                row = tx.one(_FINISH, params)
+                if row is None:
+                    return None
+                _event(tx, job_id, "status", data, now)
             if prune:
                 _prune(tx, keep=int(keep_finished or 0))
             return row, now
@@ -964,6 +968,12 @@ _FINISH = (
     " updated_at_ms = :now, ended_at_ms = :ended"
     f" WHERE id = :id AND {_FENCE}"
     " RETURNING *"
+)
+_FINISH_PG = (
+    f"WITH finished AS ({_FINISH}),"  # noqa: S608 - fixed text
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT id, :now, 'status', :event FROM finished)"
+    " SELECT * FROM finished"
 )
 _PROGRESS = (
     "UPDATE jobs SET progress_json = :progress, updated_at_ms = :now"  # noqa: S608 - fixed text
