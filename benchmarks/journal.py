@@ -30,19 +30,26 @@ that a noisy neighbour hits all of them alike. It prints ONE JSON object on stdo
 * ``raw_sqlite_commit_ms``: a one-row ``BEGIN IMMEDIATE`` commit through the stdlib driver
   (WAL, FULL and NORMAL), the floor that fsync sets, measured in every round too (as many
   commits as a contender ran steps);
+* ``claims``: claims per second with 4 processes competing for one journal's queue of
+  ``--claim-jobs`` jobs (each process opens the journal, they start together at a barrier
+  and claim until none is left), on SQLite and, with ``--postgres``, on PostgreSQL;
+  ``claimed_twice`` must be 0;
 * ``environment``: versions, CPUs, and the directory and file system of the journals
   (tmpfs makes fsync free: point ``--dir`` at a real disk).
 
 Usage: ``python benchmarks/journal.py [--jobs 40] [--steps 5] [--warmup 2] [--rounds 4]
-[--dir PATH] [--dbos-journal default|wal] [--no-dbos]``.
+[--dir PATH] [--dbos-journal default|wal] [--no-dbos] [--postgres auto|URL]
+[--claim-jobs 400]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.metadata
 import importlib.util
 import json
+import multiprocessing
 import os
 import platform
 import sqlite3
@@ -58,6 +65,7 @@ import anyio
 from pydantic import BaseModel
 
 from sbproxy.store import Synchronous
+from sbproxy.store.journal import open_journal
 from sbproxy.workflows import Registry, StepContext, WorkflowContext, WorkflowEngine, step
 
 registry = Registry()
@@ -399,6 +407,80 @@ class PostgresDatabases:
             self.server.stop()
 
 
+# Claims: processes competing for one journal's queue, and the jobs queued for them.
+CLAIMERS = 4
+CLAIM_LEASE_MS = 600_000
+
+
+def _claimer(location: str, owner: str, start: Any) -> tuple[list[str], float, float]:
+    """One competing process: open the journal, wait at ``start`` (a barrier of every
+    claimer), then claim queued jobs until none is left; the ids it won, and when it began
+    and ended (``time.time()``)."""
+
+    async def claim_all() -> tuple[list[str], float, float]:
+        store = await open_journal(location)
+        won: list[str] = []
+        try:
+            start.wait()
+            began = time.time()
+            while (job := await store.claim(owner=owner, lease_ms=CLAIM_LEASE_MS)) is not None:
+                won.append(job.id)
+            return won, began, time.time()
+        finally:
+            await store.close()
+
+    return anyio.run(claim_all)
+
+
+def measure_claims(location: str, *, jobs: int, processes: int = CLAIMERS) -> dict[str, Any]:
+    """``processes`` processes claiming ``jobs`` queued jobs of one journal at once.
+
+    Returns claims per second (all processes together, first start to last end), how many
+    each won, and ``claimed_twice`` (jobs more than one process claimed: must be 0).
+    """
+
+    async def queue_jobs() -> None:
+        store = await open_journal(location)
+        try:
+            for _ in range(jobs):
+                await store.submit(kind="bench-claim", workflow_version=1, input_json="{}")
+        finally:
+            await store.close()
+
+    anyio.run(queue_jobs)
+    context = multiprocessing.get_context("spawn")
+    with (
+        context.Manager() as manager,
+        concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool,
+    ):
+        start = manager.Barrier(processes)
+        futures = [
+            pool.submit(_claimer, location, f"claimer-{index}", start) for index in range(processes)
+        ]
+        results = [future.result() for future in futures]
+    won = [ids for ids, _, _ in results]
+    every = [job_id for ids in won for job_id in ids]
+    wall = max(end for _, _, end in results) - min(began for _, began, _ in results)
+    return {
+        "processes": processes,
+        "jobs": jobs,
+        "claimed": len(every),
+        "claimed_twice": len(every) - len(set(every)),
+        "per_process": [len(ids) for ids in won],
+        "wall_s": round(wall, 3),
+        "claims_per_s": round(len(every) / wall, 1) if wall > 0 else None,
+    }
+
+
+def _all_claims(root: Path, postgres: PostgresDatabases | None, *, jobs: int) -> dict[str, Any]:
+    """:func:`measure_claims` on a fresh SQLite journal and, when given, a PostgreSQL one."""
+    (root / "claims").mkdir()
+    claims = {"sqlite": measure_claims(str(root / "claims" / "journal.db"), jobs=jobs)}
+    if postgres is not None:
+        claims["postgresql"] = measure_claims(postgres.create(), jobs=jobs)
+    return claims
+
+
 def _filesystem(path: Path) -> str | None:
     """The type of the file system holding ``path`` (Linux ``/proc/mounts``), if known."""
     try:
@@ -524,6 +606,12 @@ def main() -> None:
         "binaries, or a URL whose role may CREATE DATABASE; DBOS then runs on PostgreSQL, its "
         "production configuration (one DBOS per process: its SQLite run is left out)",
     )
+    parser.add_argument(
+        "--claim-jobs",
+        type=int,
+        default=400,
+        help=f"jobs queued for the claims figure ({CLAIMERS} processes competing; 0: skip)",
+    )
     args = parser.parse_args()
     if args.jobs < 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("--jobs, --steps and --rounds must be at least 1, --warmup at least 0")
@@ -556,8 +644,11 @@ def main() -> None:
         floors: list[Any] = [RawCommits(mode, directory=root) for mode in ("FULL", "NORMAL")]
         if postgres is not None:
             floors.append(RawPgCommits(postgres.create()))
+        claims: dict[str, Any] | None = None
         try:
             anyio.run(_measure_all, contenders, floors, args.jobs, args.warmup, args.rounds)
+            if args.claim_jobs > 0:
+                claims = _all_claims(root, postgres, jobs=args.claim_jobs)
         finally:
             for floor in floors:
                 floor.close()
@@ -581,6 +672,7 @@ def main() -> None:
         "dbos_skipped": dbos_skipped,
         "sbproxy_over_dbos": _comparison(full, dbos) if dbos else _comparison(full, None),
         "postgresql": on_postgres,
+        "claims": claims,
         "full_over_normal": {
             "step_overhead_p50": _ratio(
                 full["step_overhead_ms"]["p50"], normal["step_overhead_ms"]["p50"]

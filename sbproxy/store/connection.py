@@ -114,7 +114,7 @@ class Transaction:
     so fixed statement texts are parsed once per connection.
     """
 
-    __slots__ = ("_connection", "_hooks", "dialect")
+    __slots__ = ("_connection", "_hooks", "alone", "dialect", "hint")
 
     def __init__(self, connection: DriverConnection, hooks: Sequence[StatementHook]) -> None:
         self._connection = connection
@@ -122,6 +122,23 @@ class Transaction:
         # ``sqlite`` or ``postgresql``: the few statements that differ ask (a claim's
         # ``FOR UPDATE SKIP LOCKED``).
         self.dialect: str = getattr(connection, "dialect", "sqlite")
+        # Whether the running request said it writes only hints (:meth:`hint_only`), and
+        # whether it has the transaction to itself (the writer says; see :meth:`last`).
+        self.hint = False
+        self.alone = False
+
+    def hint_only(self) -> None:
+        """Say that this request writes only hints: records whose loss in a crash of the
+        database server changes no outcome (a step's start: the idempotent step runs again).
+
+        On PostgreSQL a transaction whose every request said so commits with
+        ``synchronous_commit = off``: ``COMMIT`` returns before the server flushed its WAL.
+        The WAL is one sequence, so the next synchronous commit on that server -- a step's
+        end, at the latest -- flushes this one too; and the record is visible at once, so
+        fencing reads it as any other. Never for what a caller must not lose: a step's
+        end, a job's outcome, a claim or lease, a revision. SQLite ignores it.
+        """
+        self.hint = True
 
     def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
         """Run one statement; its cursor (``rowcount``: rows an UPDATE/INSERT/DELETE changed).
@@ -140,6 +157,22 @@ class Transaction:
             hook(sql)
         cursor: sqlite3.Cursor = self._connection.executemany(sql, rows)
         return cursor
+
+    def last(self, sql: str, params: Params = ()) -> list[sqlite3.Row]:
+        """Run the request's last statement and return its rows (as :meth:`all`).
+
+        On PostgreSQL, when the request has the transaction to itself, the statement goes in
+        one query with the ``COMMIT`` -- one round trip for the whole transaction -- so the
+        request must run nothing after it (the writer's own ``COMMIT`` then has nothing
+        left to do). Elsewhere it is :meth:`all`.
+        """
+        commit_with = getattr(self._connection, "execute_and_commit", None)
+        if not self.alone or commit_with is None:
+            return self.all(sql, params)
+        for hook in self._hooks:
+            hook(sql)
+        rows: list[sqlite3.Row] = commit_with(sql, params, hints=self.hint).fetchall()
+        return rows
 
     def all(self, sql: str, params: Params = ()) -> list[sqlite3.Row]:
         """Every row the statement returns (rows index by position and by column name)."""
@@ -345,8 +378,12 @@ class WriterThread(ConnectionThread):
         began = time.perf_counter()
         self.tallies.began([began - request.queued_at for request in group])
 
-    def _commit(self, connection: DriverConnection, writes: int) -> None:
+    def _commit(self, connection: DriverConnection, writes: int, *, hints: bool = False) -> None:
+        """``COMMIT``; without waiting for the WAL flush on PostgreSQL when ``hints`` (every
+        write of it said :meth:`Transaction.hint_only`)."""
         started = time.perf_counter()
+        if hints and getattr(connection, "dialect", "sqlite") == "postgresql":
+            connection.execute("SET LOCAL synchronous_commit = off")
         connection.execute("COMMIT")
         self.tallies.committed(seconds=time.perf_counter() - started, writes=writes)
         self.commits += 1
@@ -388,8 +425,13 @@ class WriterThread(ConnectionThread):
         def attempt() -> Any:
             self._begin(connection, (request,))
             try:
-                value = work(transaction)
-                self._commit(connection, 1)
+                transaction.hint = False
+                transaction.alone = True
+                try:
+                    value = work(transaction)
+                finally:
+                    transaction.alone = False
+                self._commit(connection, 1, hints=transaction.hint)
             except BaseException:
                 if connection.in_transaction:
                     connection.execute("ROLLBACK")
@@ -426,12 +468,14 @@ class WriterThread(ConnectionThread):
         """Several requests, one transaction and one ``COMMIT``; on any failure but a
         constraint one savepoint undid, the whole group runs again one request at a time."""
         outcomes: list[tuple[Any, BaseException | None]] = []
+        hints = True
         try:
             self._begin(connection, group)
             for request in group:
                 work = request.work
                 assert work is not None  # noqa: S101 - the close request never gets here
                 connection.execute("SAVEPOINT grouped")
+                transaction.hint = False
                 try:
                     value = work(transaction)
                 except sqlite3.IntegrityError as exc:
@@ -442,8 +486,9 @@ class WriterThread(ConnectionThread):
                     outcomes.append((None, exc))
                     continue
                 connection.execute("RELEASE grouped")
+                hints = hints and transaction.hint
                 outcomes.append((value, None))
-            self._commit(connection, len(group))
+            self._commit(connection, len(group), hints=hints)
         except BaseException:  # noqa: BLE001 - each request is rerun alone to meet its own
             if connection.in_transaction:
                 connection.execute("ROLLBACK")

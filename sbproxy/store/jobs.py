@@ -337,23 +337,22 @@ class JobStore:
                     return SubmitOutcome(job=_job(existing), created=False)
             now = self.clock()
             job_id = str(ULID())
-            row = tx.one(
-                "INSERT INTO jobs (id, kind, workflow_version, subject, input_json,"
-                " idempotency_key, status, trace_context, created_at_ms, updated_at_ms, node)"
-                " VALUES (:id, :kind, :version, :subject, :input, :key, 'queued', :trace,"
-                " :now, :now, :node) RETURNING *",
-                {
-                    "id": job_id,
-                    "kind": kind,
-                    "version": workflow_version,
-                    "subject": subject,
-                    "input": input_json,
-                    "key": idempotency_key,
-                    "trace": trace,
-                    "now": now,
-                    "node": self.node,
-                },
-            )
+            params = {
+                "id": job_id,
+                "kind": kind,
+                "version": workflow_version,
+                "subject": subject,
+                "input": input_json,
+                "key": idempotency_key,
+                "trace": trace,
+                "now": now,
+                "node": self.node,
+            }
+            if tx.dialect == "postgresql":
+                # The job and its event in one statement, sent with the COMMIT.
+                [created] = tx.last(_SUBMIT_PG, {**params, "event": _QUEUED_EVENT})
+                return SubmitOutcome(job=_job(created), created=True)
+            row = tx.one(_SUBMIT, params)
             assert row is not None  # noqa: S101 - an INSERT ... RETURNING returns its row
             _event(tx, job_id, "status", {"status": "queued"}, now)
             return SubmitOutcome(job=_job(row), created=True)
@@ -410,18 +409,21 @@ class JobStore:
             # Read inside the write lock: every lease stamped before is already committed, so
             # no observer ever sees a renewal later than its own reading of the clock.
             lease_now = self.lease_clock()
-            row = tx.one(
-                _CLAIM,
-                {
-                    "owner": owner,
-                    "clock": lease_now.clock,
-                    "deadline": lease_now.ms + lease_ms,
-                    "lease_ms": lease_ms,
-                    "now": now,
-                    "id": target,
-                    "node": self.node,
-                },
-            )
+            params = {
+                "owner": owner,
+                "clock": lease_now.clock,
+                "deadline": lease_now.ms + lease_ms,
+                "lease_ms": lease_ms,
+                "now": now,
+                "id": target,
+                "node": self.node,
+            }
+            if tx.dialect == "postgresql":
+                # The claim and its event in one statement, sent with the COMMIT: the lease
+                # lock taken above is held for one round trip less.
+                claimed = tx.last(_CLAIM_PG, {**params, "event": _RUNNING_EVENT})
+                return _job(claimed[0]) if claimed else None
+            row = tx.one(_CLAIM, params)
             if row is None:
                 return None
             _event(tx, target, "status", {"status": "running"}, now)
@@ -626,23 +628,27 @@ class JobStore:
         def work(tx: Transaction) -> tuple[sqlite3.Row, int] | None:
             now = self.clock()
             ended = now if status in TERMINAL_JOB_STATUSES else None
-            row = tx.one(
-                _FINISH,
-                {
-                    "status": status.value,
-                    "output": output_json,
-                    "code": error.code if error else None,
-                    "message": _bounded(error.message) if error else None,
-                    "now": now,
-                    "ended": ended,
-                    "id": job_id,
-                    "owner": owner,
-                    "attempt": attempt,
-                },
-            )
-            if row is None:
-                return None
-            _event(tx, job_id, "status", data, now)
+            params = {
+                "status": status.value,
+                "output": output_json,
+                "code": error.code if error else None,
+                "message": _bounded(error.message) if error else None,
+                "now": now,
+                "ended": ended,
+                "id": job_id,
+                "owner": owner,
+                "attempt": attempt,
+            }
+            if tx.dialect == "postgresql":
+                # The outcome and its event in one statement.
+                row = tx.one(_FINISH_PG, {**params, "event": _event_json(data)})
+                if row is None:
+                    return None
+            else:
+                row = tx.one(_FINISH, params)
+                if row is None:
+                    return None
+                _event(tx, job_id, "status", data, now)
             if prune:
                 _prune(tx, keep=int(keep_finished or 0))
             return row, now
@@ -796,7 +802,9 @@ class JobStore:
         """Record that step ``seq`` starts (inserting it, or counting a re-run).
 
         The insert is fenced: it happens only while ``owner``'s claim ``attempt`` holds the
-        job and no cancellation was requested, checked in the same statement.
+        job and no cancellation was requested, checked in the same statement. It is a hint
+        (``Transaction.hint_only``): on PostgreSQL its commit does not wait for the WAL flush,
+        the step's end flushes it (``postgres.py``).
 
         Returns:
             The step as recorded; or, having recorded nothing, ``StepRefusal.CANCELLED``
@@ -815,6 +823,15 @@ class JobStore:
                 "owner": owner,
                 "attempt": attempt,
             }
+            # A step's start is a hint (a start lost in a crash of the server only means
+            # the idempotent step runs again); its end, below, is never one.
+            tx.hint_only()
+            if tx.dialect == "postgresql":
+                # One statement, one round trip: the start, its event and the fence's answer.
+                answer = tx.last(_BEGIN_STEP_PG, {**params, "event": event})[0]
+                if answer["job_id"] is None:
+                    return StepRefusal.CANCELLED if answer["held"] else StepRefusal.LEASE_LOST
+                return _step(answer)
             row = tx.one(_BEGIN_STEP, params)
             if row is None:
                 held = tx.scalar(_HELD, params)
@@ -864,6 +881,13 @@ class JobStore:
                 "owner": owner,
                 "attempt": attempt,
             }
+            if tx.dialect == "postgresql":
+                # One statement: the outcome, the recovery reset and the event.
+                rows = tx.last(
+                    _END_STEP_PG,
+                    {**params, "event": event, "reset": status == StepStatus.SUCCEEDED},
+                )
+                return bool(rows[0][0])
             if tx.execute(_END_STEP, params).rowcount != 1:
                 return False
             if status == StepStatus.SUCCEEDED:
@@ -902,6 +926,28 @@ _CLAIM = (
     " started_at_ms = COALESCE(started_at_ms, :now), updated_at_ms = :now"
     f" WHERE id = :id AND status = 'queued' AND {_THIS_NODE} RETURNING *"
 )
+_SUBMIT = (
+    "INSERT INTO jobs (id, kind, workflow_version, subject, input_json,"
+    " idempotency_key, status, trace_context, created_at_ms, updated_at_ms, node)"
+    " VALUES (:id, :kind, :version, :subject, :input, :key, 'queued', :trace,"
+    " :now, :now, :node) RETURNING *"
+)
+# PostgreSQL: a write and its event as one statement (data-modifying WITH clauses, which
+# SQLite lacks): the same rows as the statement above followed by _INSERT_EVENT.
+_QUEUED_EVENT = _event_json({"status": "queued"})
+_RUNNING_EVENT = _event_json({"status": "running"})
+_SUBMIT_PG = (
+    f"WITH created AS ({_SUBMIT}),"  # noqa: S608 - fixed text
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT id, :now, 'status', :event FROM created)"
+    " SELECT * FROM created"
+)
+_CLAIM_PG = (
+    f"WITH claimed AS ({_CLAIM}),"  # noqa: S608 - fixed text
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT id, :now, 'status', :event FROM claimed)"
+    " SELECT * FROM claimed"
+)
 _HEARTBEAT = (
     f"UPDATE jobs SET {_SET_LEASE}, updated_at_ms = :now"  # noqa: S608 - fixed text
     f" WHERE id = :id AND {_FENCE}"
@@ -933,6 +979,12 @@ _FINISH = (
     f" WHERE id = :id AND {_FENCE}"
     " RETURNING *"
 )
+_FINISH_PG = (
+    f"WITH finished AS ({_FINISH}),"  # noqa: S608 - fixed text
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT id, :now, 'status', :event FROM finished)"
+    " SELECT * FROM finished"
+)
 _PROGRESS = (
     "UPDATE jobs SET progress_json = :progress, updated_at_ms = :now"  # noqa: S608 - fixed text
     f" WHERE id = :id AND {_FENCE}"
@@ -953,6 +1005,27 @@ _END_STEP = (
     " error_code = :code, error_message = :message, ended_at_ms = :now"
     " WHERE job_id = :id AND seq = :seq AND status = 'running'"
     f" AND {_STEP_FENCE}"
+)
+# PostgreSQL runs a step's start and end as one statement each (data-modifying WITH
+# clauses, which SQLite lacks): the same writes, fences and events as the texts above.
+_BEGIN_STEP_PG = (
+    f"WITH started AS ({_BEGIN_STEP}),"  # noqa: S608 - fixed text
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT job_id, :now, 'step', :event FROM started)"
+    f" SELECT started.*, EXISTS ({_HELD}) AS held"
+    " FROM (SELECT 1) AS one LEFT JOIN started ON TRUE"
+)
+_END_STEP_PG = (
+    "WITH ended AS (UPDATE steps SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
+    " error_code = :code, error_message = :message, ended_at_ms = :now"
+    " WHERE job_id = :id AND seq = :seq AND status = 'running'"
+    f" AND {_STEP_FENCE} RETURNING job_id),"
+    " reset AS (UPDATE jobs SET recoveries = 0"
+    f" WHERE id = :id AND :reset AND {_FENCE} AND recoveries != 0"
+    " AND EXISTS (SELECT 1 FROM ended)),"
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT job_id, :now, 'step', :event FROM ended)"
+    " SELECT count(*) FROM ended"
 )
 _RESET_RECOVERIES = (
     f"UPDATE jobs SET recoveries = 0 WHERE id = :id AND {_FENCE} AND recoveries != 0"  # noqa: S608 - fixed text

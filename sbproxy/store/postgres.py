@@ -21,6 +21,20 @@ Choices (the issue's note):
   on SQLite. Writers run ``READ COMMITTED`` (every write is a compare-and-set ``UPDATE ...
   WHERE``, which PostgreSQL re-checks on the newest row version after a lock wait); readers
   run ``REPEATABLE READ READ ONLY``, one snapshot per read as on SQLite.
+* **Round trips, not fsyncs, are what a step costs here** (``benchmarks/journal.py``: a
+  step was two transactions of four and five round trips each). Statements that answer
+  nothing are held and sent with the next one (:class:`PgConnection`); the hot writes -- a
+  step's start and end, a submit, a claim -- are one statement each on PostgreSQL (data-
+  modifying ``WITH`` clauses, ``jobs.py``), sent together with their ``COMMIT``
+  (``Transaction.last``): one round trip per transaction when it has the writer to itself.
+* **A step's start does not wait for the WAL flush** (``Transaction.hint_only``:
+  ``SET LOCAL synchronous_commit = off``, only when every write of the transaction is a
+  hint). It is visible at once, so fencing and readers see it as any other row; the WAL is
+  one sequence, so the step's end (a synchronous commit) flushes it too. What a crash of
+  the *server* can lose is a start whose step has not ended: the idempotent step runs
+  again, as after any crash mid-step. The one thing a reader could notice: that start's
+  ``step`` event, once seen in a stream, may be gone after such a crash, and its ``seq``
+  handed out again (PostgreSQL's sequences roll back with unflushed WAL).
 * **Leases on the server's clock**: :class:`DatabaseLeaseTime` reads ``clock_timestamp()``
   inside the write transaction after taking a transaction-scoped advisory lock, so lease
   stamps are serialised across hosts exactly as SQLite's write lock serialises them on one
@@ -244,6 +258,13 @@ class PgConnection:
     transaction begins on a broken connection; a statement on a lost connection raises
     :class:`JournalUnavailable`.
 
+    **Round trips.** Statements that answer nothing -- ``BEGIN``, ``SAVEPOINT``, ``RELEASE``,
+    ``SET LOCAL`` -- are not sent on their own: they are held and sent in one query string
+    with the next statement that answers something (the simple query protocol runs them in
+    order, and stops at the first that fails), or with the ``COMMIT``. A transaction of one
+    statement therefore costs two round trips (``BEGIN; stmt`` and ``COMMIT``), not four, and
+    a transaction in which nothing reached the server ends without any.
+
     Args:
         target: The server.
         read_only: Reader connection: ``BEGIN`` opens a ``REPEATABLE READ READ ONLY``
@@ -256,6 +277,10 @@ class PgConnection:
         self.target = target
         self.read_only = read_only
         self._connection: psycopg.Connection[Any] | None = None
+        # Statements held back for the next one sent (see the class docstring), and whether
+        # anything of the open transaction reached the server yet.
+        self._held: list[str] = []
+        self._sent = False
         self._connect_now()
 
     def _connect_now(self) -> None:
@@ -295,7 +320,9 @@ class PgConnection:
 
     @property
     def in_transaction(self) -> bool:
-        """Whether a transaction is open (or failed and not yet rolled back)."""
+        """Whether a transaction is open (begun here, or failed and not yet rolled back)."""
+        if self._held:
+            return True
         connection = self._connection
         if connection is None or connection.closed or connection.broken:
             return False
@@ -305,31 +332,76 @@ class PgConnection:
         """Run one statement (SQLite's text); its rows, fetched at once."""
         text = translate(sql)
         if text == "BEGIN":
-            connection = self._live()
-            if self.read_only:
-                text = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
+            self._live()
+            self._held = [
+                "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if self.read_only else "BEGIN"
+            ]
+            self._sent = False
             _local.connection = self
-        else:
-            connection = self._connection or self._live()
+            return _NOTHING
+        if text.startswith(_HELD_BACK):
+            self._held.append(text)
+            return _NOTHING
+        if text in ("COMMIT", "ROLLBACK"):
+            try:
+                if not self._sent:
+                    # Nothing of this transaction reached the server: nothing to end.
+                    self._held.clear()
+                    return _NOTHING
+                if text == "ROLLBACK":
+                    self._held.clear()
+                return self._send(text, ())
+            finally:
+                self._held.clear()
+                self._sent = False
+                _local.connection = None
+        return self._send(text, params)
+
+    def execute_and_commit(self, sql: str, params: Any = (), *, hints: bool = False) -> _Cursor:
+        """Run one statement and ``COMMIT`` in one query (one round trip with the held
+        ``BEGIN``); its rows. ``hints``: commit with ``synchronous_commit = off``
+        (:meth:`~sbproxy.store.connection.Transaction.hint_only`). The transaction is over
+        when this returns: the ``COMMIT`` that follows has nothing to do.
+
+        Raises:
+            ConstraintViolation | psycopg.Error: as :meth:`execute`; the transaction is then
+                left failed (the ``COMMIT`` did not run) for the caller's ``ROLLBACK``.
+        """
+        if hints:
+            self._held.append("SET LOCAL synchronous_commit = off")
+        result = self._send(translate(sql), params, commit=True)
+        self._sent = False
+        _local.connection = None
+        return result
+
+    def _send(self, text: str, params: Any, *, commit: bool = False) -> _Cursor:
+        """Send ``text`` with the statements held back before it (and ``COMMIT`` after it
+        when ``commit``); ``text``'s rows."""
+        held, self._held = self._held, []
+        # Run again on a fresh connection only what cannot have committed.
+        first = not commit and not self._sent and bool(held) and held[0].startswith("BEGIN")
+        parts = [*held, text, "COMMIT"] if commit else [*held, text]
+        query = "; ".join(parts)
+        skip = 1 if commit else 0
+        connection = self._connection or self._live()
+        self._sent = True
         try:
             try:
-                result = _run(connection, text, params)
+                result = _run(connection, query, params, skip=skip)
             except psycopg.OperationalError:
-                # A connection the server dropped while idle says so only when used: a
-                # BEGIN changes nothing, so it is run again on a fresh connection.
-                if not text.startswith("BEGIN") or not connection.broken:
+                # A connection the server dropped while idle says so only when used. When
+                # this query opens the transaction, nothing of it took effect (no COMMIT in
+                # it, and a lost connection rolls back), so it runs again on a fresh one.
+                if not first or not connection.broken:
                     raise
                 connection = self._live()
-                result = _run(connection, text, params)
+                result = _run(connection, query, params, skip=skip)
         except psycopg.IntegrityError as exc:
             raise ConstraintViolation(str(exc)) from exc
         except psycopg.OperationalError as exc:
             if connection.broken or connection.closed:
                 raise self.target.unavailable(exc) from exc
             raise
-        finally:
-            if text in ("COMMIT", "ROLLBACK"):
-                _local.connection = None
         return result
 
     def executemany(self, sql: str, rows: Iterable[Any]) -> _Cursor:
@@ -341,15 +413,11 @@ class PgConnection:
 
     def database_ms(self) -> int:
         """The server's ``clock_timestamp()`` in epoch ms, after taking the lease lock."""
-        connection = self._connection
-        assert connection is not None  # noqa: S101 - only inside an open transaction
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT pg_advisory_xact_lock(%s),"
-                " (extract(epoch FROM clock_timestamp()) * 1000)::bigint",
-                (LEASE_LOCK_KEY,),
-            )
-            row = cursor.fetchone()
+        row = self._send(
+            "SELECT pg_advisory_xact_lock(%s),"
+            " (extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+            (LEASE_LOCK_KEY,),
+        ).fetchone()
         assert row is not None  # noqa: S101 - a SELECT without FROM returns its row
         return int(row[1])
 
@@ -359,11 +427,24 @@ class PgConnection:
             self._connection = None
 
 
-def _run(connection: psycopg.Connection[Any], text: str, params: Any) -> _Cursor:
+# Statements that answer nothing and may wait for the next one (``PgConnection``).
+_HELD_BACK = ("SAVEPOINT ", "RELEASE ", "SET LOCAL ")
+_NOTHING = _Cursor(-1, [])
+
+
+def _run(connection: psycopg.Connection[Any], text: str, params: Any, *, skip: int = 0) -> _Cursor:
+    """Run ``text`` (one statement or several); the answer of the last but ``skip``."""
     with connection.cursor() as cursor:
         cursor.execute(text, _params(params))
-        rows = cursor.fetchall() if cursor.description is not None else []
-        return _Cursor(cursor.rowcount, rows)
+        answers = [_answer(cursor)]
+        while cursor.nextset():
+            answers.append(_answer(cursor))
+        return answers[-1 - skip]
+
+
+def _answer(cursor: Any) -> _Cursor:
+    rows = cursor.fetchall() if cursor.description is not None else []
+    return _Cursor(cursor.rowcount, rows)
 
 
 def _params(params: Any) -> Any:

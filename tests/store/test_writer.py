@@ -18,7 +18,15 @@ import anyio.lowlevel
 import pytest
 from anyio.abc import TaskGroup
 
-from sbproxy.store import Database, StoreError, Transaction
+from sbproxy.store import (
+    Database,
+    JobStore,
+    StepRecord,
+    StepStatus,
+    StoreError,
+    Transaction,
+    postgres,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -279,3 +287,141 @@ async def test_write_tallies_count_group_sizes(database: Database) -> None:
     _, _, groups = database.write_tallies.snapshot()
     assert groups.count == groups_before.count + 2  # the holder alone, then eight together
     assert groups.total_s == groups_before.total_s + 9
+
+
+# -- PostgreSQL: round trips and commits that need not wait for the WAL ---------------------
+
+
+class SentQueries:
+    """The query strings the PostgreSQL connections send (a spy on the real send: every
+    query still runs on the server)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.queries: list[str] = []
+        real = postgres._run
+
+        def spy(connection: Any, text: str, params: Any, *, skip: int = 0) -> Any:
+            self.queries.append(text)
+            return real(connection, text, params, skip=skip)
+
+        monkeypatch.setattr(postgres, "_run", spy)
+
+    def take(self) -> list[str]:
+        taken, self.queries = self.queries, []
+        return taken
+
+
+def hinted(n: int, *, last: bool = False) -> Callable[[Transaction], int]:
+    def work(tx: Transaction) -> int:
+        tx.hint_only()
+        statement = "INSERT INTO t (n, by) VALUES (?, 'hint')"
+        if last:
+            tx.last(statement, (n,))
+        else:
+            tx.execute(statement, (n,))
+        return n
+
+    return work
+
+
+ASYNC_COMMIT = "SET LOCAL synchronous_commit = off"
+on_postgresql = pytest.mark.parametrize("journal_backend", ["postgresql"], indirect=True)
+
+
+@on_postgresql
+async def test_a_write_of_hints_alone_commits_without_waiting_for_the_wal(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent = SentQueries(monkeypatch)
+    assert await database.write(hinted(1)) == 1
+    assert await database.write(insert(2)) == 2
+    hint_queries, plain_queries = sent.take()[:2], sent.take()
+    assert sent.queries == []
+    # BEGIN travels with the first statement; the COMMIT of a hint says not to wait.
+    assert hint_queries[0].startswith("BEGIN; INSERT INTO t")
+    assert hint_queries[1] == f"{ASYNC_COMMIT}; COMMIT"
+    assert await rows(database) == [1, 2]
+    assert not any(ASYNC_COMMIT in query for query in plain_queries)
+
+
+@on_postgresql
+async def test_a_last_statement_travels_with_its_commit_in_one_round_trip(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent = SentQueries(monkeypatch)
+    assert await database.write(hinted(1, last=True)) == 1
+    [query] = sent.take()
+    assert query.startswith(f"BEGIN; {ASYNC_COMMIT}; INSERT INTO t")
+    assert query.endswith("; COMMIT")
+    assert await rows(database) == [1]
+    # A write in which nothing reached the server sends nothing at all.
+    sent.take()
+
+    def nothing(tx: Transaction) -> str:
+        return "nothing"
+
+    assert await database.write(nothing) == "nothing"
+    assert sent.take() == []
+
+
+@on_postgresql
+async def test_a_failed_last_statement_commits_nothing(database: Database) -> None:
+    assert await database.write(insert(1)) == 1
+
+    def duplicate_then_more(tx: Transaction) -> None:
+        tx.execute("INSERT INTO t (n, by) VALUES (2, 'w')")
+        tx.last("INSERT INTO t (n, by) VALUES (1, 'again')")
+
+    with pytest.raises(sqlite3.IntegrityError):
+        await database.write(duplicate_then_more)
+    # Neither statement of the failed write applied, and the writer goes on.
+    assert await database.write(insert(3)) == 3
+    assert await rows(database) == [1, 3]
+
+
+@on_postgresql
+@pytest.mark.parametrize(("second", "waits"), [("plain", True), ("hint", False)])
+async def test_a_group_commits_without_waiting_only_when_every_write_is_a_hint(
+    database: Database, monkeypatch: pytest.MonkeyPatch, second: str, waits: bool
+) -> None:
+    sent = SentQueries(monkeypatch)
+    writes = {1: hinted(1), 2: insert(2) if second == "plain" else hinted(2)}
+    commits_before = database.write_counts[1]
+    results = await hold_then(database, writes)
+    assert (results[1], results[2]) == (1, 2)
+    assert await rows(database) == [0, 1, 2]
+    queries = sent.take()
+    # The holder's write ran alone (no hint); the two queued behind it shared one COMMIT.
+    assert database.write_counts[1] - commits_before == 2
+    commits = [query for query in queries if query.endswith("COMMIT")]
+    assert len(commits) == 2
+    assert ASYNC_COMMIT not in commits[0]
+    assert (ASYNC_COMMIT not in commits[1]) == waits
+
+
+@on_postgresql
+async def test_a_step_start_and_end_are_one_round_trip_each_and_only_the_end_waits(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JobStore(database)
+    job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
+    claimed = await store.claim(owner="w", lease_ms=60_000)
+    assert claimed is not None
+    sent = SentQueries(monkeypatch)
+    attempt = claimed.attempt
+    started = await store.begin_step(job.id, owner="w", attempt=attempt, seq=0, name="s")
+    [start] = sent.take()
+    assert await store.end_step(
+        job.id, owner="w", attempt=attempt, seq=0, name="s", output_json="1"
+    )
+    [end] = sent.take()
+    assert start.startswith(f"BEGIN; {ASYNC_COMMIT}; WITH started AS (INSERT INTO steps")
+    assert start.endswith("; COMMIT")
+    assert end.startswith("BEGIN; WITH ended AS (UPDATE steps") and end.endswith("; COMMIT")
+    assert ASYNC_COMMIT not in end
+    # What they wrote: the step, its two events, and the start's answer.
+    assert isinstance(started, StepRecord) and started.attempts == 1
+    [step] = await store.steps(job.id)
+    assert (step.status, step.output_json) == (StepStatus.SUCCEEDED, "1")
+    events = [event.data for event in await store.events(job.id) if event.type == "step"]
+    assert [data["status"] for data in events] == ["running", "succeeded"]
