@@ -114,7 +114,7 @@ class Transaction:
     so fixed statement texts are parsed once per connection.
     """
 
-    __slots__ = ("_connection", "_hooks", "alone", "dialect", "hint")
+    __slots__ = ("_connection", "_hooks", "alone", "dialect")
 
     def __init__(self, connection: DriverConnection, hooks: Sequence[StatementHook]) -> None:
         self._connection = connection
@@ -122,23 +122,9 @@ class Transaction:
         # ``sqlite`` or ``postgresql``: the few statements that differ ask (a claim's
         # ``FOR UPDATE SKIP LOCKED``).
         self.dialect: str = getattr(connection, "dialect", "sqlite")
-        # Whether the running request said it writes only hints (:meth:`hint_only`), and
-        # whether it has the transaction to itself (the writer says; see :meth:`last`).
-        self.hint = False
+        # Whether the running request has the transaction to itself (the writer says; see
+        # :meth:`last`).
         self.alone = False
-
-    def hint_only(self) -> None:
-        """Say that this request writes only hints: records whose loss in a crash of the
-        database server changes no outcome (a step's start: the idempotent step runs again).
-
-        On PostgreSQL a transaction whose every request said so commits with
-        ``synchronous_commit = off``: ``COMMIT`` returns before the server flushed its WAL.
-        The WAL is one sequence, so the next synchronous commit on that server -- a step's
-        end, at the latest -- flushes this one too; and the record is visible at once, so
-        fencing reads it as any other. Never for what a caller must not lose: a step's
-        end, a job's outcome, a claim or lease, a revision. SQLite ignores it.
-        """
-        self.hint = True
 
     def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
         """Run one statement; its cursor (``rowcount``: rows an UPDATE/INSERT/DELETE changed).
@@ -171,7 +157,7 @@ class Transaction:
             return self.all(sql, params)
         for hook in self._hooks:
             hook(sql)
-        rows: list[sqlite3.Row] = commit_with(sql, params, hints=self.hint).fetchall()
+        rows: list[sqlite3.Row] = commit_with(sql, params).fetchall()
         return rows
 
     def all(self, sql: str, params: Params = ()) -> list[sqlite3.Row]:
@@ -378,12 +364,9 @@ class WriterThread(ConnectionThread):
         began = time.perf_counter()
         self.tallies.began([began - request.queued_at for request in group])
 
-    def _commit(self, connection: DriverConnection, writes: int, *, hints: bool = False) -> None:
-        """``COMMIT``; without waiting for the WAL flush on PostgreSQL when ``hints`` (every
-        write of it said :meth:`Transaction.hint_only`)."""
+    def _commit(self, connection: DriverConnection, writes: int) -> None:
+        """``COMMIT``, counted in the tallies (its seconds and the group's size)."""
         started = time.perf_counter()
-        if hints and getattr(connection, "dialect", "sqlite") == "postgresql":
-            connection.execute("SET LOCAL synchronous_commit = off")
         connection.execute("COMMIT")
         self.tallies.committed(seconds=time.perf_counter() - started, writes=writes)
         self.commits += 1
@@ -425,13 +408,12 @@ class WriterThread(ConnectionThread):
         def attempt() -> Any:
             self._begin(connection, (request,))
             try:
-                transaction.hint = False
                 transaction.alone = True
                 try:
                     value = work(transaction)
                 finally:
                     transaction.alone = False
-                self._commit(connection, 1, hints=transaction.hint)
+                self._commit(connection, 1)
             except BaseException:
                 if connection.in_transaction:
                     connection.execute("ROLLBACK")
@@ -468,14 +450,12 @@ class WriterThread(ConnectionThread):
         """Several requests, one transaction and one ``COMMIT``; on any failure but a
         constraint one savepoint undid, the whole group runs again one request at a time."""
         outcomes: list[tuple[Any, BaseException | None]] = []
-        hints = True
         try:
             self._begin(connection, group)
             for request in group:
                 work = request.work
                 assert work is not None  # noqa: S101 - the close request never gets here
                 connection.execute("SAVEPOINT grouped")
-                transaction.hint = False
                 try:
                     value = work(transaction)
                 except sqlite3.IntegrityError as exc:
@@ -486,9 +466,8 @@ class WriterThread(ConnectionThread):
                     outcomes.append((None, exc))
                     continue
                 connection.execute("RELEASE grouped")
-                hints = hints and transaction.hint
                 outcomes.append((value, None))
-            self._commit(connection, len(group), hints=hints)
+            self._commit(connection, len(group))
         except BaseException:  # noqa: BLE001 - each request is rerun alone to meet its own
             if connection.in_transaction:
                 connection.execute("ROLLBACK")

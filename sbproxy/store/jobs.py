@@ -802,9 +802,9 @@ class JobStore:
         """Record that step ``seq`` starts (inserting it, or counting a re-run).
 
         The insert is fenced: it happens only while ``owner``'s claim ``attempt`` holds the
-        job and no cancellation was requested, checked in the same statement. It is a hint
-        (``Transaction.hint_only``): on PostgreSQL its commit does not wait for the WAL flush,
-        the step's end flushes it (``postgres.py``).
+        job and no cancellation was requested, checked in the same statement. Its commit is
+        as durable as any other: a start a reader saw (its ``step`` event and ``seq``)
+        survives a crash of the database server.
 
         Returns:
             The step as recorded; or, having recorded nothing, ``StepRefusal.CANCELLED``
@@ -823,9 +823,6 @@ class JobStore:
                 "owner": owner,
                 "attempt": attempt,
             }
-            # A step's start is a hint (a start lost in a crash of the server only means
-            # the idempotent step runs again); its end, below, is never one.
-            tx.hint_only()
             if tx.dialect == "postgresql":
                 # One statement, one round trip: the start, its event and the fence's answer.
                 answer = tx.last(_BEGIN_STEP_PG, {**params, "event": event})[0]

@@ -311,37 +311,15 @@ class SentQueries:
         return taken
 
 
-def hinted(n: int, *, last: bool = False) -> Callable[[Transaction], int]:
+def last_insert(n: int) -> Callable[[Transaction], int]:
     def work(tx: Transaction) -> int:
-        tx.hint_only()
-        statement = "INSERT INTO t (n, by) VALUES (?, 'hint')"
-        if last:
-            tx.last(statement, (n,))
-        else:
-            tx.execute(statement, (n,))
+        tx.last("INSERT INTO t (n, by) VALUES (?, 'last')", (n,))
         return n
 
     return work
 
 
-ASYNC_COMMIT = "SET LOCAL synchronous_commit = off"
 on_postgresql = pytest.mark.parametrize("journal_backend", ["postgresql"], indirect=True)
-
-
-@on_postgresql
-async def test_a_write_of_hints_alone_commits_without_waiting_for_the_wal(
-    database: Database, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    sent = SentQueries(monkeypatch)
-    assert await database.write(hinted(1)) == 1
-    assert await database.write(insert(2)) == 2
-    hint_queries, plain_queries = sent.take()[:2], sent.take()
-    assert sent.queries == []
-    # BEGIN travels with the first statement; the COMMIT of a hint says not to wait.
-    assert hint_queries[0].startswith("BEGIN; INSERT INTO t")
-    assert hint_queries[1] == f"{ASYNC_COMMIT}; COMMIT"
-    assert await rows(database) == [1, 2]
-    assert not any(ASYNC_COMMIT in query for query in plain_queries)
 
 
 @on_postgresql
@@ -349,9 +327,10 @@ async def test_a_last_statement_travels_with_its_commit_in_one_round_trip(
     database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sent = SentQueries(monkeypatch)
-    assert await database.write(hinted(1, last=True)) == 1
+    assert await database.write(last_insert(1)) == 1
     [query] = sent.take()
-    assert query.startswith(f"BEGIN; {ASYNC_COMMIT}; INSERT INTO t")
+    assert query.startswith("BEGIN; INSERT INTO t")
+    assert "synchronous_commit" not in query
     assert query.endswith("; COMMIT")
     assert await rows(database) == [1]
     # A write in which nothing reached the server sends nothing at all.
@@ -380,27 +359,7 @@ async def test_a_failed_last_statement_commits_nothing(database: Database) -> No
 
 
 @on_postgresql
-@pytest.mark.parametrize(("second", "waits"), [("plain", True), ("hint", False)])
-async def test_a_group_commits_without_waiting_only_when_every_write_is_a_hint(
-    database: Database, monkeypatch: pytest.MonkeyPatch, second: str, waits: bool
-) -> None:
-    sent = SentQueries(monkeypatch)
-    writes = {1: hinted(1), 2: insert(2) if second == "plain" else hinted(2)}
-    commits_before = database.write_counts[1]
-    results = await hold_then(database, writes)
-    assert (results[1], results[2]) == (1, 2)
-    assert await rows(database) == [0, 1, 2]
-    queries = sent.take()
-    # The holder's write ran alone (no hint); the two queued behind it shared one COMMIT.
-    assert database.write_counts[1] - commits_before == 2
-    commits = [query for query in queries if query.endswith("COMMIT")]
-    assert len(commits) == 2
-    assert ASYNC_COMMIT not in commits[0]
-    assert (ASYNC_COMMIT not in commits[1]) == waits
-
-
-@on_postgresql
-async def test_a_step_start_and_end_are_one_round_trip_each_and_only_the_end_waits(
+async def test_a_step_start_and_end_are_one_round_trip_each_and_both_wait_for_the_wal(
     database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = JobStore(database)
@@ -415,10 +374,11 @@ async def test_a_step_start_and_end_are_one_round_trip_each_and_only_the_end_wai
         job.id, owner="w", attempt=attempt, seq=0, name="s", output_json="1"
     )
     [end] = sent.take()
-    assert start.startswith(f"BEGIN; {ASYNC_COMMIT}; WITH started AS (INSERT INTO steps")
+    assert start.startswith("BEGIN; WITH started AS (INSERT INTO steps")
     assert start.endswith("; COMMIT")
     assert end.startswith("BEGIN; WITH ended AS (UPDATE steps") and end.endswith("; COMMIT")
-    assert ASYNC_COMMIT not in end
+    # Neither commit gives up waiting for the WAL flush: a start a reader saw survives.
+    assert not any("synchronous_commit" in query for query in (start, end))
     # What they wrote: the step, its two events, and the start's answer.
     assert isinstance(started, StepRecord) and started.attempts == 1
     [step] = await store.steps(job.id)
