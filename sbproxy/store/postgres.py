@@ -28,10 +28,9 @@ Choices (the issue's note):
   modifying ``WITH`` clauses, ``jobs.py``), sent together with their ``COMMIT``
   (``Transaction.last``): one round trip per transaction when it has the writer to itself.
 * **Every commit waits for the WAL flush** (the server's ``synchronous_commit``, on by
-  default), a step's start included: letting the start commit without it (measured: about a
-  third more steps/s) could lose, in a crash of the server, a ``step`` event a reader had
-  already seen, and hand its ``seq`` out again (sequences roll back with unflushed WAL),
-  which would break the promise that ``seq`` only grows.
+  default), a step's start included: a start committed without it could be lost in a crash
+  of the server after a reader had seen its ``step`` event, and its ``seq`` handed out again
+  (sequences roll back with unflushed WAL), breaking the promise that ``seq`` only grows.
 * **Leases on the server's clock**: :class:`DatabaseLeaseTime` reads ``clock_timestamp()``
   inside the write transaction after taking a transaction-scoped advisory lock, so lease
   stamps are serialised across hosts exactly as SQLite's write lock serialises them on one
