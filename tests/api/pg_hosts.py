@@ -258,8 +258,8 @@ def journal_rows(url: str) -> dict[str, Any]:
     steps = query(url, "SELECT COUNT(*), COUNT(DISTINCT (job_id, seq)) FROM steps")[0]
     results = query(
         url,
-        "SELECT job_id, data_json::jsonb ->> 'seq', COUNT(*) FROM job_events"
+        "SELECT job_id, data_json::jsonb ->> 'name', COUNT(*) FROM job_events"
         " WHERE type = 'step' AND data_json::jsonb ->> 'status' = 'succeeded'"
-        " GROUP BY 1, 2 HAVING COUNT(*) > 1",
+        " GROUP BY job_id, data_json::jsonb ->> 'seq', 2 HAVING COUNT(*) > 1",
     )
     return {"jobs": jobs, "claims": claims, "steps": steps, "duplicate_results": results}

@@ -8,6 +8,7 @@ hosts; a SIGSTOPped host whose lease expired cannot write when it resumes.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -105,3 +106,90 @@ def test_four_hosts_pull_import_load_and_reload_at_once(
         " AND (input_json::jsonb -> 'local_files') <> '{}'::jsonb GROUP BY node ORDER BY node",
     )
     assert imports == [(f"node-{n}", 1) for n in "abcd"]  # each node imported once, itself
+
+
+PULL_POINTS = [
+    "step:plan:before",
+    "step:plan:committed",
+    f"step:fetch:{FILE}:before",
+    "download.write",
+    f"step:fetch:{FILE}:after",
+    f"step:fetch:{FILE}:committed",
+    "step:publish:before",
+    "step:publish:after",
+    "step:publish:committed",
+]
+LOAD_POINTS = [
+    "step:resolve:after",
+    "step:resolve:committed",
+    "step:pull:before",
+    "step:pull:committed",
+    "step:engine:committed",
+    "step:launch:before",
+    "engine.spawned",
+    "step:launch:after",
+    "step:launch:committed",
+]
+
+
+def node_jobs(url: str, node: str) -> list[tuple[str, str, str]]:
+    """``(kind, job id, status)`` of ``node``'s pull and load jobs, oldest first."""
+    return [
+        (kind, job_id, status)
+        for kind, job_id, status in query(
+            url,
+            "SELECT kind, id, status FROM jobs WHERE node = %s AND kind IN ('pull', 'load')"
+            " ORDER BY created_at_ms, id",
+            node,
+        )
+    ]
+
+
+@pytest.mark.parametrize("fault", PULL_POINTS + LOAD_POINTS)
+def test_a_host_killed_at_a_fault_point_is_finished_by_its_restart(
+    tmp_path: Path, postgres_server: PostgresServer, fault: str
+) -> None:
+    url = postgres_server.create_database()
+    pulled = tiny_gguf(tmp_path / "src", vocab=50)
+    catalog(tmp_path / "catalog.yaml", pulled, pulled)
+    with HfMirror() as mirror:
+        mirror.add_file(REPO, REVISION, FILE, pulled)
+        host = PgHost("node-k", tmp_path / "node-k", url, mirror.url)
+        killed = host.start(fault=fault)
+        try:
+            killed.wait(timeout=90)
+        finally:
+            host.stop()
+        assert killed.returncode == -signal.SIGKILL, host.output
+        before = node_jobs(url, "node-k")
+        assert "running" in {status for *_, status in before}, before
+        try:
+            host.start()  # the same node id, cache and journal
+            host.wait_ready("tiny")
+            assert host.chat().status_code == 200
+            poll(
+                lambda: {status for *_, status in node_jobs(url, "node-k")} == {"succeeded"},
+                timeout_s=30,
+                what="every job succeeded",
+            )
+        finally:
+            assert host.stop() == 0, host.output
+    after = node_jobs(url, "node-k")
+    # The interrupted jobs finished under their original ids. The only new job a restart
+    # may add is the load's pull of an artifact the killed run had already published
+    # (its pull job ended before the kill): a cache hit that fetched nothing.
+    assert after[: len(before)] == [(kind, job_id, "succeeded") for kind, job_id, _ in before]
+    new = after[len(before) :]
+    assert [kind for kind, *_ in new] in ([], ["pull"]), after
+    rows = journal_rows(url)
+    attempts = {job_id: attempt for job_id, _, _, _, attempt in rows["jobs"]}
+    assert rows["claims"] == attempts  # one claim per attempt
+    assert [attempts[job_id] for _, job_id, _ in new] == [1] * len(new)  # a fresh job
+    assert rows["steps"][0] == rows["steps"][1]  # one row per step
+    # No step's result is recorded twice, but for a launch recorded whose engine died with
+    # the host: the restart sees it gone (the step's observe) and launches again.
+    twice = [name for _, name, _ in rows["duplicate_results"]]
+    assert twice == (["launch"] if fault == "step:launch:committed" else []), rows
+    assert mirror.bytes_served() <= 2 * len(pulled)  # at most a partial and a full copy
+    snapshots = host.cache / "snapshots"
+    assert not [p for p in snapshots.iterdir() if p.name.startswith(".")]  # nothing half-done
