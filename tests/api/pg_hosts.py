@@ -28,6 +28,7 @@ from tests.model_host.runtime.support import write_gguf
 PASSWORD = "pg-hosts-admin-password"
 REPO = "mirror/tiny-GGUF"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
+IMP_REPO = "mirror/imp-GGUF"
 FILE = "tiny.gguf"
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -39,7 +40,7 @@ def tiny_gguf(root: Path, *, vocab: int) -> bytes:
 
 
 def catalog(path: Path, pulled: bytes, imported: bytes) -> None:
-    """``tiny`` (the mirror's ``hf:`` source) and ``tiny-imp`` (for ``models import``)."""
+    """``tiny`` (``hf:`` REPO) and ``tiny-imp`` (``hf:`` IMP_REPO, or ``models import``)."""
 
     def variant(data: bytes, source: str) -> dict[str, Any]:
         return {
@@ -63,7 +64,7 @@ def catalog(path: Path, pulled: bytes, imported: bytes) -> None:
         "catalog_revision": "pg-hosts-1",
         "models": {
             "tiny": {**model, "variants": [variant(pulled, f"hf:{REPO}")]},
-            "tiny-imp": {**model, "variants": [variant(imported, "hf:mirror/absent-GGUF")]},
+            "tiny-imp": {**model, "variants": [variant(imported, f"hf:{IMP_REPO}")]},
         },
     }
     path.write_text(yaml.safe_dump(document))
@@ -97,8 +98,9 @@ class PgHost:
         return self.root / "cache"
 
     @staticmethod
-    def deployment(model: str) -> dict[str, Any]:
-        return {"model": model, "variant": "q4_k_m", "pull": "on_boot", "warm": True}
+    def deployment(model: str, *, warm: bool = True) -> dict[str, Any]:
+        pull = "on_boot" if warm else "on_demand"
+        return {"model": model, "variant": "q4_k_m", "pull": pull, "warm": warm}
 
     def write(self, deployments: dict[str, dict[str, Any]]) -> None:
         """(Re)write ``sb.yml`` serving ``deployments``; the gateway routes ``tiny``."""
@@ -197,12 +199,13 @@ class PgHost:
         self.output = self.process.stderr.read()
         return self.output
 
-    def wait_ready(self, deployment: str, *, timeout_s: float = 90) -> None:
+    def wait_ready(self, deployment: str, *, timeout_s: float = 90, fail_fast: bool = True) -> None:
         """Poll the status route until ``deployment`` is ready; fail at once, with the status
         row and the host's stderr, when it fails or the host exits."""
         deadline = time.monotonic() + timeout_s
         while (state := self.states().get(deployment)) != "ready":
-            if state == "failed" or not self.alive() or time.monotonic() > deadline:
+            failed = fail_fast and state == "failed"
+            if failed or not self.alive() or time.monotonic() > deadline:
                 try:
                     row = self.admin_call("GET", "/admin/model-host/status").text
                 except httpx.HTTPError as exc:

@@ -203,6 +203,8 @@ class CommandsMixin:
 
     async def _job_of(self: RuntimeManager, command: Command) -> JobRecord:
         await command.assigned.wait()
+        if command.job_id is None and command.refused is not None:
+            raise command.refused
         if command.job_id is None:
             raise SbproxyError(
                 f"the {command.kind.value} command could not be submitted",
@@ -254,6 +256,8 @@ class CommandsMixin:
                 final = await self.engine.join(command.job_id)
                 await self._settle(queue.deployment, command, final)
         except SbproxyError as exc:  # the journal refused (a full disk): no traceback
+            if command.job_id is None:
+                command.refused = exc  # the caller gets this error (journal_unavailable: 503)
             logger.error(
                 "%s command of %s failed: %s [%s]",
                 command.kind.value,
