@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests.api.pg_hosts import (
@@ -306,3 +307,70 @@ def test_hosts_keep_serving_through_a_postgres_restart(
     rows = journal_rows(url)
     assert [job for job in rows["jobs"] if job[3] != "succeeded"] == []  # none lost or stuck
     assert rows["steps"][0] == rows["steps"][1]
+
+
+def test_a_stopped_host_whose_lease_expired_cannot_write_when_it_resumes(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    url = postgres_server.create_database()
+    pulled = tiny_gguf(tmp_path / "src", vocab=50)
+    catalog(tmp_path / "catalog.yaml", pulled, pulled)
+    with HfMirror() as mirror:
+        # About 40 s of download: the stopped host is in the middle of it.
+        mirror.add_file(REPO, REVISION, FILE, pulled, throttle_bps=len(pulled) // 40)
+        host = PgHost("node-s", tmp_path / "node-s", url, mirror.url)
+        process = host.start()
+        try:
+
+            def pulling() -> list[tuple[str, int, str]]:
+                try:
+                    return [
+                        (job_id, attempt, progress)
+                        for job_id, attempt, progress in query(
+                            url,
+                            "SELECT id, attempt, progress_json FROM jobs"
+                            " WHERE kind = 'pull' AND status = 'running'",
+                        )
+                        if progress and '"done": 0' not in progress
+                    ]
+                except psycopg.errors.UndefinedTable:  # the schema is still being made
+                    return []
+
+            poll(lambda: bool(pulling()), timeout_s=60, what="the pull under way")
+            ((job_id, first_attempt, _),) = pulling()
+            process.send_signal(signal.SIGSTOP)
+            mirror.entry(REPO, REVISION, FILE).throttle_bps = None
+            # Another runner of the same node: it waits for the lease to lapse on the
+            # database's clock (the stopped host's heartbeats stopped), then takes the job.
+            taken = subprocess.run(
+                [sys.executable, "-m", "sbproxy.cli", "models", "pull", "tiny",
+                 "--cache-dir", str(host.cache),
+                 "--catalog-file", str(tmp_path / "catalog.yaml"), "--format", "json"],
+                env={**host.env, "SBPROXY_JOURNAL_URL": url},
+                capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            assert taken.returncode == 0, taken.stderr
+            ((status, attempt),) = query(
+                url, "SELECT status, attempt FROM jobs WHERE id = %s", job_id
+            )
+            assert (status, attempt) == ("succeeded", first_attempt + 1)
+
+            process.send_signal(signal.SIGCONT)
+            host.wait_ready("tiny", timeout_s=60)  # the resumed host serves the pulled artifact
+            assert host.chat().status_code == 200
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+            code = host.stop()
+    assert code == 0, host.output
+    # The resumed host's writes for its old attempt were fenced off, and it said so.
+    assert f"job {job_id}: " in host.output and "no longer holds the job" in host.output
+    ((status, attempt),) = query(url, "SELECT status, attempt FROM jobs WHERE id = %s", job_id)
+    assert (status, attempt) == ("succeeded", first_attempt + 1)  # finished once, unchanged
+    rows = journal_rows(url)
+    assert rows["claims"][job_id] == first_attempt + 1  # one claim per attempt
+    assert rows["steps"][0] == rows["steps"][1]
+    assert rows["duplicate_results"] == []  # the stopped run recorded no result after resuming
+    snapshot = next((host.cache / "snapshots").iterdir())
+    files = list(snapshot.rglob("*.gguf"))
+    assert [p.read_bytes() for p in files] == [pulled]  # the published file is intact
