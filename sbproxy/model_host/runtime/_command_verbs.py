@@ -52,8 +52,9 @@ class CommandsMixin:
         seconds after (a job ``sbproxy jobs retry`` queued, or one the journal's recovery
         returned to the queue), so a queued runtime job never waits for a restart.
 
-        Never taken: a job running under another live process (pid and start time: only a
-        dead owner's work is adopted). Never run: a job of a deployment this host's
+        Never taken: another node's job (hosts sharing a journal); a job running under
+        another live process (pid and start time: only a dead owner's work is adopted).
+        Never run: a job of a deployment this host's
         configuration does not declare, or whose definition changed since the job was
         submitted (``config_digest`` of its input) -- those are ended ``cancelled`` with a
         ``superseded`` event that says why, since running them would start an engine no
@@ -66,6 +67,8 @@ class CommandsMixin:
             return []  # a command was submitting: its job may not be in its lane yet
         taken = []
         for job in sorted(jobs, key=lambda j: (j.created_at_ms, j.id)):
+            if job.node not in (None, self.engine.store.node):
+                continue  # another host's job on a shared journal: never adopted or ended here
             kind = _COMMAND_OF_KIND.get(job.kind)
             subject = job.subject or ""
             if kind is None or not subject.startswith("deployment:") or self._in_a_lane(job.id):
