@@ -257,8 +257,11 @@ class JobStore:
         return _job(row) if row else None
 
     async def find_active(self, idempotency_key: str) -> JobRecord | None:
-        """The unfinished (queued, running or parked) job holding ``idempotency_key``."""
-        row = await self.database.read(lambda tx: tx.one(_ACTIVE_BY_KEY, {"key": idempotency_key}))
+        """This node's unfinished (queued, running or parked) job holding ``idempotency_key``
+        (keys are per node: hosts sharing a journal never join each other's jobs)."""
+        row = await self.database.read(
+            lambda tx: tx.one(_ACTIVE_BY_KEY, {"key": idempotency_key, "node": self.node})
+        )
         return _job(row) if row else None
 
     async def list_jobs(
@@ -323,7 +326,7 @@ class JobStore:
         subject: str | None = None,
         trace_context: Mapping[str, str] | None = None,
     ) -> SubmitOutcome:
-        """Create a queued job, or return the unfinished job holding ``idempotency_key``.
+        """Create a queued job, or return this node's unfinished job holding ``idempotency_key``.
 
         The check and the insert share one ``BEGIN IMMEDIATE`` transaction and a partial
         unique index backs it, so concurrent submitters of one key get one job.
@@ -332,7 +335,7 @@ class JobStore:
 
         def work(tx: Transaction) -> SubmitOutcome:
             if idempotency_key is not None:
-                existing = tx.one(_ACTIVE_BY_KEY, {"key": idempotency_key})
+                existing = tx.one(_ACTIVE_BY_KEY, {"key": idempotency_key, "node": self.node})
                 if existing is not None:
                     return SubmitOutcome(job=_job(existing), created=False)
             now = self.clock()
@@ -910,7 +913,7 @@ class JobStore:
 _JOB_BY_ID = "SELECT * FROM jobs WHERE id = :id"
 _ACTIVE_BY_KEY = (
     "SELECT * FROM jobs WHERE idempotency_key = :key"  # noqa: S608 - fixed text
-    f" AND status IN {_in(ACTIVE_JOB_STATUSES)}"
+    f" AND status IN {_in(ACTIVE_JOB_STATUSES)} AND {_THIS_NODE}"
 )
 _STEPS_OF_JOB = "SELECT * FROM steps WHERE job_id = :id ORDER BY seq"
 _EVENTS_AFTER = (

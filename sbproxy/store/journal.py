@@ -62,6 +62,7 @@ class JobJournal(Protocol):
         clock: "Now" in epoch milliseconds, for the timestamps people read.
         lease_clock: The clock leases are stamped on and judged by.
         outcomes: Tallies of the jobs this process finished (metrics).
+        node: The node whose jobs this journal claims, recovers and joins (``node.py``).
         write_tallies: How this process's journal writes waited, committed and grouped
             (metrics).
     """
@@ -69,6 +70,7 @@ class JobJournal(Protocol):
     clock: Callable[[], int]
     lease_clock: LeaseClock
     outcomes: JobOutcomes
+    node: str
 
     @property
     def write_tallies(self) -> WriteTallies:

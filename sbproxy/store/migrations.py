@@ -181,6 +181,21 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             """,
         ),
     ),
+    (
+        8,
+        "idempotency keys are per node",
+        (
+            # Hosts sharing a journal each run their own node-local jobs: node B's pull or load
+            # of an artifact must not join node A's unfinished job with the same key (it would
+            # wait on work into another node's cache that B can never claim).
+            "DROP INDEX jobs_active_idempotency_key",
+            """
+            CREATE UNIQUE INDEX jobs_active_idempotency_key
+            ON jobs (COALESCE(node, ''), idempotency_key)
+            WHERE idempotency_key IS NOT NULL AND status IN ('queued', 'running', 'parked')
+            """,
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -43,6 +43,27 @@ async def test_only_the_recording_node_claims_a_job(database: Database) -> None:
     assert (claimed.id, claimed.node, claimed.status) == (job.id, "node-a", JobStatus.RUNNING)
 
 
+async def test_idempotency_keys_are_per_node(database: Database) -> None:
+    """Two nodes pulling one artifact (one key) get a job each: node B never joins node A's
+    node-local job, which only A can claim; within a node the key still joins."""
+    node_a = JobStore(database, node="node-a")
+    node_b = JobStore(database, node="node-b")
+    first = await node_a.submit(
+        kind="pull", workflow_version=1, input_json="{}", idempotency_key="d"
+    )
+    other = await node_b.submit(
+        kind="pull", workflow_version=1, input_json="{}", idempotency_key="d"
+    )
+    again = await node_b.submit(
+        kind="pull", workflow_version=1, input_json="{}", idempotency_key="d"
+    )
+    assert first.created and other.created and not again.created
+    assert (first.job.node, other.job.node) == ("node-a", "node-b")
+    assert again.job.id == other.job.id != first.job.id
+    found = await node_a.find_active("d")
+    assert found is not None and found.id == first.job.id
+
+
 async def test_a_dead_nodes_jobs_wait_for_it(database: Database) -> None:
     clock = Clock()
     node_a = JobStore(database, node="node-a", lease_clock=clock)

@@ -24,6 +24,8 @@ from enum import StrEnum
 
 import anyio
 
+from sbproxy.errors import SbproxyError
+
 __all__ = ["Command", "CommandKind", "CommandQueue"]
 
 
@@ -46,6 +48,7 @@ class Command:
         reason: Why (``request``, ``admin``, ``keep_alive``, ``engine_unhealthy``, ...).
         job_id: The durable job that carries it out, once submitted.
         superseded_by: The later command that made this one moot (a load after a stop).
+        refused: Why its job could not be submitted (e.g. ``journal_unavailable``), if so.
     """
 
     seq: int
@@ -56,6 +59,7 @@ class Command:
     # False once the command's launch is done: a later load must not join it (the engine
     # it started may already be gone).
     joinable: bool = True
+    refused: SbproxyError | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
     assigned: anyio.Event = field(default_factory=anyio.Event)
     _scopes: list[anyio.CancelScope] = field(default_factory=list)

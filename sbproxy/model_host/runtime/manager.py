@@ -1164,10 +1164,11 @@ class RuntimeManager:
         seconds after (a job ``sbproxy jobs retry`` queued, or one the journal's recovery
         returned to the queue), so a queued runtime job never waits for a restart.
 
-        Never taken: a job running under another live process (pid and start time: only a
-        dead owner's work is adopted). Never run: a job of a deployment this host's
-        configuration does not declare, or whose definition changed since the job was
-        submitted (``config_digest`` of its input) -- those are ended ``cancelled`` with a
+        Never taken: another node's job (hosts sharing a journal); a job running under
+        another live process (pid and start time: only a dead owner's work is adopted).
+        Never run: a job of a deployment this host's configuration does not declare, or
+        whose definition changed since the job was submitted (``config_digest`` of its
+        input) -- those are ended ``cancelled`` with a
         ``superseded`` event that says why, since running them would start an engine no
         configuration asks for.
         """
@@ -1178,6 +1179,8 @@ class RuntimeManager:
             return []  # a command was submitting: its job may not be in its lane yet
         taken = []
         for job in sorted(jobs, key=lambda j: (j.created_at_ms, j.id)):
+            if job.node not in (None, self.engine.store.node):
+                continue  # another host's job on a shared journal: never adopted or ended here
             kind = _COMMAND_OF_KIND.get(job.kind)
             subject = job.subject or ""
             if kind is None or not subject.startswith("deployment:") or self.lanes.holds(job.id):
@@ -1292,6 +1295,8 @@ class RuntimeManager:
 
     async def _job_of(self, command: Command) -> JobRecord:
         await command.assigned.wait()
+        if command.job_id is None and command.refused is not None:
+            raise command.refused
         if command.job_id is None:
             raise SbproxyError(
                 f"the {command.kind.value} command could not be submitted",
@@ -1339,6 +1344,8 @@ class RuntimeManager:
                 final = await self.engine.join(command.job_id)
                 await self._settle(queue.deployment, command, final)
         except SbproxyError as exc:  # the journal refused (a full disk): no traceback
+            if command.job_id is None:
+                command.refused = exc  # the caller gets this error (journal_unavailable: 503)
             logger.error(
                 "%s command of %s failed: %s [%s]",
                 command.kind.value,
