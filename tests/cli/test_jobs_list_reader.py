@@ -113,10 +113,15 @@ def test_an_older_journal_is_listed_by_the_store_which_migrates_it(tmp_path: Pat
     journal = root / "jobs" / "journal.db"
     anyio.run(fill_varied_journal, journal)
     with sqlite3.connect(journal) as raw:
-        # Back to schema 4: before the recovery count (5), the job's node (6) and the
-        # shared revision documents (7).
+        # Back to schema 4: before the recovery count (5), the job's node (6), the
+        # shared revision documents (7) and idempotency keys per node (8).
         raw.execute("DELETE FROM schema_migrations WHERE version >= 5")
         raw.execute("DROP TABLE desired_revisions")
+        raw.execute("DROP INDEX jobs_active_idempotency_key")
+        raw.execute(
+            "CREATE UNIQUE INDEX jobs_active_idempotency_key ON jobs (idempotency_key) "
+            "WHERE idempotency_key IS NOT NULL AND status IN ('queued', 'running', 'parked')"
+        )
         raw.execute("ALTER TABLE jobs DROP COLUMN recoveries")
         raw.execute("ALTER TABLE jobs DROP COLUMN node")
     payload = json.loads(_list(root, "--format", "json"))

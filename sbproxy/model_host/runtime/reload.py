@@ -368,7 +368,9 @@ async def prepare_step(ctx: StepContext, request: PrepareInput) -> Prepared:
 async def store_step(ctx: StepContext, request: ReloadInput) -> StoreResult:
     """Compare-and-set the candidate into the ``admin_managed`` revision store.
 
-    Idempotency: a resumed job finds the store already at this digest and reports it.
+    Idempotency: a resumed job (the step's second run or later) finds the store already at
+    this digest and reports it; a first run always compares and sets, so of two hosts
+    writing the same content at once one wins and the other gets ``revision_conflict``.
 
     Raises:
         RevisionConflict: ``revision_conflict``.
@@ -379,7 +381,8 @@ async def store_step(ctx: StepContext, request: ReloadInput) -> StoreResult:
     store = revision_store(manager.compiled)
     current = await anyio.to_thread.run_sync(store.load)
     if (
-        current is not None
+        ctx.attempt > 1  # a first run wrote nothing: an equal revision is another writer's
+        and current is not None
         and desired_digest(current.deployments) == request.content_digest
         and current.revision == (request.expected_revision or 0) + 1
     ):  # written by this job before a crash
