@@ -14,9 +14,10 @@ fresh for every serve.
 ``--pairs`` rounds (default 3) each serve every contender once, in an order that rotates from
 round to round. In each serve, at 1 and 4 concurrent clients, the engine's own port
 (``direct``) and the gateway (``proxy``) are measured back to back (their order alternating
-by round): after one unmeasured stream, every client streams ``--streams-per-client`` chat
-completions (a fixed prompt, ``max_tokens`` ``--max-tokens`` (default 64), temperature 0,
-seed 42, ``stream_options.include_usage``) one after another, read with aiohttp. Per stream:
+by round): after one unmeasured one-token stream, ``--streams`` (default 4) chat completions
+are streamed, shared out among the clients (at 1 client one after another, at 4 one each),
+read with aiohttp: a fixed prompt, ``max_tokens`` ``--max-tokens`` (default 32), temperature
+0, seed 42, ``stream_options.include_usage``. Per stream:
 the time to the first token (the first event with content), the time to ``data: [DONE]``,
 the completion tokens (the usage event) and the decode rate ((tokens - 1) over first token
 to ``[DONE]``); per measurement their medians, the slowest stream, and the aggregate
@@ -178,25 +179,27 @@ def request_body(max_tokens: int) -> dict[str, Any]:
     }
 
 
-async def _streams(
-    url: str, body: dict[str, Any], clients: int, per_client: int
-) -> dict[str, Any]:
+async def _streams(url: str, body: dict[str, Any], clients: int, per_client: int) -> dict[str, Any]:
     """``clients`` concurrent clients, each streaming ``per_client`` completions in turn
-    (after one unmeasured stream); the figures of every stream and their summary."""
+    (after one unmeasured one-token stream); the figures of every stream and their summary."""
     import aiohttp
 
     payload = json.dumps(body).encode()
+    warm_up = json.dumps({**body, "max_tokens": 1}).encode()
     headers = {"Content-Type": "application/json", "Host": "localhost"}
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=clients), timeout=timeout
+        # A connection per stream: a server may close a kept-alive one after a stream, and
+        # a loopback connect (~0.1 ms) is noise against a stream of seconds.
+        connector=aiohttp.TCPConnector(limit=clients, force_close=True),
+        timeout=timeout,
     ) as session:
 
-        async def one() -> dict[str, float]:
+        async def one(data: bytes = payload) -> dict[str, float]:
             started = time.perf_counter()
             first = done = None
             tokens = 0
-            async with session.post(url, data=payload, headers=headers) as response:
+            async with session.post(url, data=data, headers=headers) as response:
                 if response.status != 200:
                     raise SystemExit(f"{url} answered {response.status}: {await response.text()}")
                 async for raw in response.content:  # one SSE line at a time, to the end
@@ -227,7 +230,7 @@ async def _streams(
         async def client() -> list[dict[str, float]]:
             return [await one() for _ in range(per_client)]
 
-        await one()  # warm-up: the connection, the engine's prompt cache
+        await one(warm_up)  # the connection, the engine's prompt cache
         started = time.perf_counter()
         streams = [s for c in await asyncio.gather(*(client() for _ in range(clients))) for s in c]
         wall = time.perf_counter() - started
@@ -246,12 +249,14 @@ async def _streams(
 
 
 def measure(
-    urls: dict[str, str], body: dict[str, Any], per_client: int, reverse: bool
+    urls: dict[str, str], body: dict[str, Any], streams: int, reverse: bool
 ) -> dict[str, Any]:
-    """Direct and proxied figures of one serve, per concurrency, back to back."""
+    """Direct and proxied figures of one serve, per concurrency, back to back: ``streams``
+    streams each, shared out among the clients (at least one each)."""
     figures: dict[str, Any] = {}
     order = TARGETS[::-1] if reverse else TARGETS
     for clients in CONCURRENCY:
+        per_client = max(1, streams // clients)
         runs = {
             target: asyncio.run(_streams(urls[target], body, clients, per_client))
             for target in order
@@ -308,8 +313,10 @@ def against_baseline(
         key = f"clients_{clients}"
         for target in TARGETS:
             for field, _ in FIGURES:
+                values = [r["current"][key][target][field] for r in rounds]
+                olds = [r[short][key][target][field] for r in rounds]
                 ratios[f"{key}.{target}.{field}"] = bench._spread(
-                    [r["current"][key][target][field] / r[short][key][target][field] for r in rounds]
+                    [new / old for new, old in zip(values, olds, strict=True)]
                 )
     checks: dict[str, Any] = {}
     for clients in CONCURRENCY:
@@ -332,7 +339,11 @@ def against_baseline(
 
 def engine_version(llama_server: Path) -> str:
     probe = subprocess.run(  # noqa: S603 - the built engine, our arguments
-        [str(llama_server), "--version"], capture_output=True, text=True, check=False
+        [str(llama_server), "--version"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LD_LIBRARY_PATH": str(llama_server.parent)},  # its shared libraries
+        check=False,
     )
     lines = (probe.stdout + probe.stderr).splitlines()
     return next((x.strip() for x in lines if x.startswith("version")), "unknown")
@@ -351,8 +362,10 @@ def main() -> None:
         help="compare with the gateway of this commit (repeatable)",
     )
     parser.add_argument("--pairs", type=int, default=3, help="rounds (each serves everyone)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--streams-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--streams", type=int, default=4, help="streams per measurement, shared by the clients"
+    )
     parser.add_argument("--tolerance", type=float, default=0.05, help="allowed ratio slack")
     parser.add_argument("--llama-server", help="the llama-server binary (default: the e2e build)")
     parser.add_argument("--gguf", help="the SmolLM2-135M-Instruct Q4_1 GGUF (default: cached)")
@@ -379,7 +392,9 @@ def main() -> None:
             order = names[index % len(names) :] + names[: index % len(names)]
             figures: dict[str, Any] = {"order": order, "load_average": os.getloadavg()}
             for name in order:
-                write = functools.partial(write_config, llama_server=llama_server, cache=caches[name])
+                write = functools.partial(
+                    write_config, llama_server=llama_server, cache=caches[name]
+                )
                 with bench.serving(
                     trees[name], tmp, write, ready_timeout_s=180, engine_program=llama_server
                 ) as (url, engine_port):
@@ -387,7 +402,7 @@ def main() -> None:
                         "direct": f"http://127.0.0.1:{engine_port}/v1/chat/completions",
                         "proxy": url,
                     }
-                    figures[name] = measure(urls, body, args.streams_per_client, index % 2 == 1)
+                    figures[name] = measure(urls, body, args.streams, index % 2 == 1)
             rounds.append(figures)
             print(f"round {index + 1}/{args.pairs} done", file=sys.stderr, flush=True)
     result = {
@@ -399,7 +414,7 @@ def main() -> None:
         "deployment": {"max_concurrency": MAX_CONCURRENCY, "max_context": 2048},
         "request": {k: v for k, v in body.items() if k != "messages"} | {"prompt": PROMPT},
         "pairs": args.pairs,
-        "streams_per_client": args.streams_per_client,
+        "streams_per_measurement": args.streams,
         "ratio_meaning": (
             "current over baseline, per round: tokens_per_s above 1 is faster, "
             "ttft_ms/done_ms below 1 is faster"
