@@ -14,7 +14,8 @@ fresh for every serve.
 ``--pairs`` rounds (default 3) each serve every contender once, in an order that rotates from
 round to round. In each serve, at 1 and 4 concurrent clients, the engine's own port
 (``direct``) and the gateway (``proxy``) are measured back to back (their order alternating
-by round): after one unmeasured one-token stream, ``--streams`` (default 4) chat completions
+by round): after as many unmeasured one-token streams at once as there are clients (every
+engine slot then holds the prompt), ``--streams`` (default 4) chat completions
 are streamed, shared out among the clients (at 1 client one after another, at 4 one each),
 read with aiohttp: a fixed prompt, ``max_tokens`` ``--max-tokens`` (default 32), temperature
 0, seed 42, ``stream_options.include_usage``. Per stream:
@@ -181,7 +182,8 @@ def request_body(max_tokens: int) -> dict[str, Any]:
 
 async def _streams(url: str, body: dict[str, Any], clients: int, per_client: int) -> dict[str, Any]:
     """``clients`` concurrent clients, each streaming ``per_client`` completions in turn
-    (after one unmeasured one-token stream); the figures of every stream and their summary."""
+    (after ``clients`` unmeasured one-token streams at once); the figures of every stream
+    and their summary."""
     import aiohttp
 
     payload = json.dumps(body).encode()
@@ -230,7 +232,9 @@ async def _streams(url: str, body: dict[str, Any], clients: int, per_client: int
         async def client() -> list[dict[str, float]]:
             return [await one() for _ in range(per_client)]
 
-        await one(warm_up)  # the connection, the engine's prompt cache
+        # As many at once as will be measured, so that every engine slot the measurement
+        # uses holds the prompt (llama-server caches it per slot) whichever target ran first.
+        await asyncio.gather(*(one(warm_up) for _ in range(clients)))
         started = time.perf_counter()
         streams = [s for c in await asyncio.gather(*(client() for _ in range(clients))) for s in c]
         wall = time.perf_counter() - started
@@ -403,6 +407,7 @@ def main() -> None:
                         "proxy": url,
                     }
                     figures[name] = measure(urls, body, args.streams, index % 2 == 1)
+                    figures[name]["load_average"] = os.getloadavg()
             rounds.append(figures)
             print(f"round {index + 1}/{args.pairs} done", file=sys.stderr, flush=True)
     result = {
