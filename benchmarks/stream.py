@@ -196,14 +196,23 @@ async def _streams(url: str, body: dict[str, Any], clients: int, per_client: int
         connector=aiohttp.TCPConnector(limit=clients, force_close=True),
         timeout=timeout,
     ) as session:
+        errors: list[str] = []
 
-        async def one(data: bytes = payload) -> dict[str, float]:
+        async def one(data: bytes = payload) -> dict[str, float] | None:
+            """One stream's figures; ``None`` (and the error kept) when it failed."""
+            try:
+                return await stream(data)
+            except (aiohttp.ClientError, ValueError, KeyError) as error:
+                errors.append(f"{type(error).__name__}: {error}")
+                return None
+
+        async def stream(data: bytes) -> dict[str, float]:
             started = time.perf_counter()
             first = done = None
             tokens = 0
             async with session.post(url, data=data, headers=headers) as response:
                 if response.status != 200:
-                    raise SystemExit(f"{url} answered {response.status}: {await response.text()}")
+                    raise ValueError(f"answered {response.status}: {await response.text()}")
                 async for raw in response.content:  # one SSE line at a time, to the end
                     line = raw.strip()
                     if not line.startswith(b"data: ") or done is not None:
@@ -221,7 +230,7 @@ async def _streams(url: str, body: dict[str, Any], clients: int, per_client: int
                     if event.get("usage"):
                         tokens = event["usage"]["completion_tokens"]
             if first is None or done is None or not tokens:
-                raise SystemExit(f"{url}: a stream without content, [DONE] or usage")
+                raise ValueError("a stream without content, [DONE] or usage")
             return {
                 "ttft_ms": (first - started) * 1000,
                 "done_ms": (done - started) * 1000,
@@ -229,17 +238,23 @@ async def _streams(url: str, body: dict[str, Any], clients: int, per_client: int
                 "stream_tokens_per_s": (tokens - 1) / (done - first) if tokens > 1 else 0.0,
             }
 
-        async def client() -> list[dict[str, float]]:
+        async def client() -> list[dict[str, float] | None]:
             return [await one() for _ in range(per_client)]
 
         # As many at once as will be measured, so that every engine slot the measurement
         # uses holds the prompt (llama-server caches it per slot) whichever target ran first.
         await asyncio.gather(*(one(warm_up) for _ in range(clients)))
+        errors.clear()
         started = time.perf_counter()
-        streams = [s for c in await asyncio.gather(*(client() for _ in range(clients))) for s in c]
+        ran = [s for c in await asyncio.gather(*(client() for _ in range(clients))) for s in c]
         wall = time.perf_counter() - started
+    streams = [s for s in ran if s is not None]
+    if not streams:
+        raise SystemExit(f"{url}: every stream failed: {errors}")
     return {
         "streams": len(streams),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
         "ttft_ms_p50": round(statistics.median(s["ttft_ms"] for s in streams), 2),
         "ttft_ms_max": round(max(s["ttft_ms"] for s in streams), 2),
         "done_ms_p50": round(statistics.median(s["done_ms"] for s in streams), 2),
