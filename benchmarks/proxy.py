@@ -60,11 +60,12 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parents[1]
+UPSTREAM_PROGRAM = Path(__file__).resolve()  # in the argv of the upstream engines
 PASSWORD = "bench-password"  # noqa: S105 - a throwaway loopback admin
 PUBLIC_MODEL = "bench-chat"
 CHAT_BODY = {"model": PUBLIC_MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -516,10 +517,11 @@ def extract(rev: str, directory: Path) -> Path:
     return directory
 
 
-def _kill_leftover_upstream(engine_port: int) -> None:
-    """SIGKILL the upstream of ``engine_port`` if its server left it behind (a server
-    killed after a shutdown that hung: engines run in their own session)."""
-    me = str(Path(__file__).resolve()).encode()
+def _kill_leftover_engine(engine_port: int, program: Path) -> None:
+    """SIGKILL the engine of ``engine_port`` (a process with ``program`` and the port in its
+    argv) if its server left it behind (a server killed after a shutdown that hung: engines
+    run in their own session)."""
+    me = str(program).encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -527,18 +529,28 @@ def _kill_leftover_upstream(engine_port: int) -> None:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if me in argv and b"upstream" in argv and str(engine_port).encode() in argv:
+        if me in argv and str(engine_port).encode() in argv:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
 @contextlib.contextmanager
-def serving(tree: Path | None, tmp: Path) -> Iterator[tuple[str, int]]:
+def serving(
+    tree: Path | None,
+    tmp: Path,
+    write: Callable[[Path, int, int], Path] = write_config,
+    *,
+    ready_timeout_s: float = 90,
+    engine_program: Path = UPSTREAM_PROGRAM,
+) -> Iterator[tuple[str, int]]:
     """``sbproxy serve`` of ``tree`` (an extracted package; ``None``: this checkout) with
-    the benchmark's deployment, ready: the gateway's chat URL and the engine's port."""
+    the configuration ``write(root, gateway_port, admin_port)`` returns (by default the
+    benchmark's deployment on the fast upstream; its one deployment must be warm and its
+    admin password :data:`PASSWORD`), ready: the gateway's chat URL and the engine's port.
+    An engine (``engine_program`` in its argv) a hung shutdown left behind is killed."""
     gateway_port, admin_port = free_port(), free_port()
     root = Path(tempfile.mkdtemp(prefix="serve-", dir=tmp))
-    config = write_config(root, gateway_port, admin_port)
+    config = write(root, gateway_port, admin_port)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
@@ -552,7 +564,7 @@ def serving(tree: Path | None, tmp: Path) -> Iterator[tuple[str, int]]:
         )
         engine_port = 0
         try:
-            engine_port = wait_ready(admin_port, process)
+            engine_port = wait_ready(admin_port, process, ready_timeout_s)
             yield f"http://127.0.0.1:{gateway_port}/v1/chat/completions", engine_port
             if process.poll() is not None:
                 raise SystemExit(f"sbproxy serve died during the run: {process.returncode}")
@@ -564,7 +576,7 @@ def serving(tree: Path | None, tmp: Path) -> Iterator[tuple[str, int]]:
                 process.kill()
                 process.wait()
                 if engine_port:
-                    _kill_leftover_upstream(engine_port)
+                    _kill_leftover_engine(engine_port, engine_program)
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
