@@ -218,10 +218,11 @@ def own_server() -> Iterator[PostgresServer]:
         pytest.param(
             True,
             marks=pytest.mark.xfail(
-                strict=True,
-                reason="known bug: a load acknowledged before the outage, whose pull was "
-                "running when PostgreSQL stopped, ends with its deployment failed "
-                "(journal_unavailable) and is not resumed once the server is back",
+                # Not strict: it passes when the pull happens to end before the stop.
+                strict=False,
+                reason="known bug (issue 19): a load acknowledged before the outage, whose "
+                "pull was running when PostgreSQL stopped, can end with its deployment failed "
+                "(journal_unavailable) and not be resumed once the server is back",
             ),
         ),
     ],
