@@ -86,7 +86,7 @@ from sbproxy.config import Route
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import AdmissionRejected
 from sbproxy.model_host.runtime.manager import RuntimeManager, Upstream
-from sbproxy.store import UsageStore
+from sbproxy.model_host.service import ModelHostService
 from sbproxy.telemetry import (
     ATTR_DEPLOYMENT,
     ATTR_INPUT_TOKENS,
@@ -338,7 +338,7 @@ class Gateway:
     _model_headers: dict[str, bytes] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.usage = UsageLedger(UsageStore(self.manager.runtime_store.database), self.keys.budgets)
+        self.usage = UsageLedger(ModelHostService.serving(self.manager).usage(), self.keys.budgets)
 
     async def open(self) -> None:
         """Create the shared upstream session (on the app's event loop) and load usage.
