@@ -189,7 +189,7 @@ def test_keep_alive_expiry(
         (1, 10.0, 10.0, 5.0, SwapDecision(SwapVerdict.WAIT, 0.0, wait_s=SWAP_RECHECK_S)),
         (2, 10.0, 12.0, 5.0, SwapDecision(SwapVerdict.WAIT, 2.0, wait_s=SWAP_RECHECK_S)),
         # Less left than a recheck: wait only what is left of the queue timeout.
-        (1, 10.0, 14.9, 5.0, SwapDecision(SwapVerdict.WAIT, 4.9, wait_s=pytest.approx(0.1))),
+        (1, 0.0, 4.875, 5.0, SwapDecision(SwapVerdict.WAIT, 4.875, wait_s=0.125)),
         # The wait ran out: insufficient_capacity, retryable after one queue timeout.
         (
             1,

@@ -107,14 +107,17 @@ def test_no_import_circle_inside_the_runtime() -> None:
     assert _runtime_cycles() == []
 
 
-def _manager_reads(node: ast.AST, attributes: set[str]) -> str | None:
-    """``manager.<attribute>`` when ``node`` reads one of ``attributes`` off a name or
-    attribute ending in ``manager`` (``manager.engine``, ``self.manager.compiled``, ...)."""
+def _manager_reads(path: Path, node: ast.AST, attributes: set[str]) -> str | None:
+    """``<file>:<line> reads manager.<attribute>`` when ``node`` reads one of ``attributes``
+    off a name or attribute ending in ``manager`` (``manager.engine``,
+    ``self.manager.compiled``, ...)."""
     if not isinstance(node, ast.Attribute) or node.attr not in attributes:
         return None
     owner = node.value
     name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
-    return f"{name}.{node.attr}" if name.endswith("manager") else None
+    if not name.endswith("manager"):
+        return None
+    return f"{path.name}:{node.lineno} reads {name}.{node.attr}"
 
 
 def _live_touches(path: Path) -> list[str]:
@@ -130,9 +133,9 @@ def _live_touches(path: Path) -> list[str]:
             and any(alias.name == "Deployment" for alias in node.names)
         ):
             found.append(f"{path.name}:{node.lineno} imports Deployment")
-        read = _manager_reads(node, LIVE_ATTRIBUTES)
+        read = _manager_reads(path, node, LIVE_ATTRIBUTES)
         if read is not None:
-            found.append(f"{path.name}:{node.lineno} reads {read}")
+            found.append(read)
     return found
 
 
@@ -158,19 +161,14 @@ def test_the_live_object_rule_sees_a_touch(tmp_path: Path) -> None:
 def _facade_bypasses(path: Path) -> list[str]:
     """Where ``path`` reads a manager internal the facade is there for."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    return [
-        f"{path.name}:{node.lineno} reads {read}"
-        for node in ast.walk(tree)
-        if (read := _manager_reads(node, MANAGER_INTERNALS)) is not None
-    ]
+    found = (_manager_reads(path, node, MANAGER_INTERNALS) for node in ast.walk(tree))
+    return [read for read in found if read is not None]
 
 
 def test_one_facade_reads_the_managers_cache_journal_and_configuration() -> None:
     """api/ and cli/ (the console, desired-state routes, metrics, jobs routes, the gateway's
     usage ledger) and the lockfile guard take a ModelHostService instead."""
-    outside = [
-        p for p in sorted(PACKAGE.rglob("*.py")) if RUNTIME not in p.parents and p != FACADE
-    ]
+    outside = [p for p in sorted(PACKAGE.rglob("*.py")) if RUNTIME not in p.parents and p != FACADE]
     assert any(p.parent.name == "api" for p in outside)
     bypasses = [found for path in outside for found in _facade_bypasses(path)]
     assert bypasses == []
