@@ -1,4 +1,5 @@
-"""The model host's use-case API for offline work (the CLI today, the admin API later).
+"""The model host's use-case API: the one facade the CLI (offline) and a serving host's
+admin API and console call alike (:meth:`ModelHostService.serving` takes it from the runtime).
 
 A :class:`ModelHostService` binds one cache root (and its job journal), one catalog and,
 optionally, one loaded configuration. Every mutation goes through a durable job: a pull
