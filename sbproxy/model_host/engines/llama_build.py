@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.artifacts.download import hash_file
 from sbproxy.model_host.artifacts.locks import hold
+from sbproxy.model_host.engines.archives import extract_safely
 from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.model_host.engines.process import minimal_env
 from sbproxy.model_host.registry import registry
@@ -188,12 +189,7 @@ def _extract(archive: Path, prefix: str, target: Path) -> None:
             raise EngineError(
                 f"{archive} has nothing under {prefix!r}", code="engine_provision_failed"
             )
-        try:
-            bundle.extractall(target, members=members, filter="data")
-        except tarfile.FilterError as exc:
-            raise EngineError(
-                f"{archive} contains an unsafe member: {exc}", code="engine_blocked"
-            ) from exc
+        extract_safely(archive, bundle, target, members)
 
 
 async def _run_logged(argv: list[str], *, log: Path, ctx: StepContext, cwd: Path) -> None:
