@@ -38,7 +38,13 @@ from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord,
 # migrations, tenacity) load when first used, so a process that only reads records
 # (``store.readonly``) never pays for them.
 _LAZY = {
-    "sbproxy.store.database": ("Database", "StoreError", "Synchronous", "Transaction"),
+    "sbproxy.store.database": (
+        "Database",
+        "StoreError",
+        "Synchronous",
+        "Transaction",
+        "journal_fault",
+    ),
     "sbproxy.store.journal": ("JobJournal", "open_journal"),
     "sbproxy.store.jobs": (
         "RECOVERY_EXHAUSTED",
@@ -51,7 +57,13 @@ _LAZY = {
     "sbproxy.store.usage": ("HOUR_MS", "UsageDelta", "UsageStore", "UsageTotals"),
 }
 if TYPE_CHECKING:
-    from sbproxy.store.database import Database, StoreError, Synchronous, Transaction
+    from sbproxy.store.database import (
+        Database,
+        StoreError,
+        Synchronous,
+        Transaction,
+        journal_fault,
+    )
     from sbproxy.store.jobs import (
         RECOVERY_EXHAUSTED,
         JobStore,
@@ -103,6 +115,7 @@ __all__ = [
     "UsageTotals",
     "boot_id",
     "journal_display",
+    "journal_fault",
     "journal_location",
     "open_journal",
     "system_lease_time",
