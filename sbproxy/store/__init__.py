@@ -32,7 +32,14 @@ from sbproxy.store.lifecycle import (
 from sbproxy.store.location import ENV_JOURNAL_URL, journal_display, journal_location
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
 from sbproxy.store.readonly import JournalReader, ReaderDeclined
-from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
+from sbproxy.store.records import (
+    EndedStep,
+    ErrorInfo,
+    EventRecord,
+    JobRecord,
+    StepRecord,
+    wall_clock_ms,
+)
 
 # The repositories and the database behind them (the write path: the writer thread,
 # migrations, tenacity) load when first used, so a process that only reads records
@@ -89,6 +96,7 @@ __all__ = [
     "CommittedRevision",
     "Database",
     "DurationHistogram",
+    "EndedStep",
     "ErrorInfo",
     "EventRecord",
     "JobJournal",

@@ -18,6 +18,7 @@ from tenacity import (
 
 from sbproxy.errors import SbproxyError, sole_error
 from sbproxy.store import (
+    EndedStep,
     ErrorInfo,
     JobJournal,
     JobRecord,
@@ -208,6 +209,9 @@ class WorkflowContext:
         self._state = state
         self._journal = dict(journal)
         self._seq = 0
+        # The last step that succeeded here, its result not journaled yet: it is recorded
+        # with the next step's start, or by settle() before the job's outcome.
+        self._ended: EndedStep | None = None
         self.job_id = state.job.id
         self.attempt = state.job.attempt
 
@@ -269,15 +273,21 @@ class WorkflowContext:
                 self.job_id,
                 step_name,
             )
+        ended, self._ended = self._ended, None
         started = await self._store.begin_step(
             self.job_id,
             owner=self._state.owner,
             attempt=self._state.attempt,
             seq=seq,
             name=step_name,
+            ending=ended,
         )
         if started == StepRefusal.LEASE_LOST:
-            raise self._state.lose_lease(f"start of step {step_name}")
+            what = f"end of step {ended.name} and " if ended else ""
+            raise self._state.lose_lease(f"{what}start of step {step_name}")
+        if ended is not None:
+            # Its result is durable: a crash from here on replays it, never reruns it.
+            fault_point(f"step:{ended.name}:committed")
         if started == StepRefusal.CANCELLED:
             self._state.cancel_requested = True
             raise JobCancelled(f"job {self.job_id} was cancelled before step {step_name}")
@@ -317,11 +327,25 @@ class WorkflowContext:
                 raise await self._failed(span, seq, step_name, exc) from exc
             encoded = definition.encode(result)
             fault_point(f"step:{step_name}:after")
-            await self._end(seq, step_name, output_json=encoded)
-        # The output is durable: a crash from here on replays this step, never reruns it.
-        fault_point(f"step:{step_name}:committed")
+        # The result is journaled with the next step's start (or by settle()): one commit
+        # per step. Until then a crash runs this step again, as a crash before its end did.
+        self._ended = EndedStep(seq=seq, name=step_name, output_json=encoded)
         # Return what a replay would return, so a resumed run sees identical values.
         return definition.decode(encoded)
+
+    async def settle(self) -> None:
+        """Journal the result of the last step that succeeded, if it is not yet (the
+        workflow body returned or raised after it): before the job's outcome is.
+
+        Raises:
+            LeaseLost: ``lease_lost`` when the write was fenced off.
+            SbproxyError: the journal's own failure (as :meth:`step`).
+        """
+        ended, self._ended = self._ended, None
+        if ended is None:
+            return
+        await self._end(ended.seq, ended.name, output_json=ended.output_json)
+        fault_point(f"step:{ended.name}:committed")
 
     async def _failed(
         self, span: trace.Span, seq: int, step_name: str, exc: Exception

@@ -33,7 +33,7 @@ from sbproxy.telemetry import (
     tracer,
 )
 from sbproxy.workflows.context import WorkflowContext, _JobState, journal_fault_in
-from sbproxy.workflows.declare import Registry
+from sbproxy.workflows.declare import Registry, WorkflowDef
 from sbproxy.workflows.errors import JobCancelled, LeaseLost, NondeterminismError, StepFailed
 
 __all__ = ["LeaseSettings", "execute"]
@@ -184,7 +184,7 @@ async def _run(
     async with anyio.create_task_group() as group:
         group.start_soon(_heartbeat, store, state, lease, group.cancel_scope)
         try:
-            result = await definition.fn(context, arg)
+            result = await _body(definition, context, arg)
             if context.journal_tail() > context.steps_run:
                 raise NondeterminismError(
                     f"job {job.id} journaled {context.journal_tail()} steps but the workflow "
@@ -212,6 +212,21 @@ async def _run(
         )
         raise fault
     return outcome
+
+
+async def _body(definition: WorkflowDef[Any, Any], context: WorkflowContext, arg: Any) -> Any:
+    """The workflow body's result, the last step's result journaled first -- also when the
+    body then raised (its error is the outcome, the completed step stays completed)."""
+    try:
+        result = await definition.fn(context, arg)
+    except LeaseLost:
+        raise
+    except Exception as exc:
+        if journal_fault_in(exc) is None:
+            await context.settle()
+        raise
+    await context.settle()
+    return result
 
 
 def _failure(job: JobRecord, exc: Exception) -> tuple[JobStatus, str | None, ErrorInfo]:
