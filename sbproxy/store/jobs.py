@@ -42,6 +42,7 @@ from sbproxy.store.lifecycle import (
 )
 from sbproxy.store.node import node_id
 from sbproxy.store.outcomes import JobOutcomes, WriteTallies
+from sbproxy.store.postgres import prepare_on_server
 from sbproxy.store.records import (
     EndedStep,
     ErrorInfo,
@@ -1075,6 +1076,21 @@ _TERMINAL_BEYOND = f"{_TERMINALS_NEWEST_FIRST} LIMIT 1 OFFSET :keep"
 _PRUNE_TERMINAL = (
     f"DELETE FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)} AND id NOT IN ("  # noqa: S608 - fixed text
     f" {_TERMINALS_NEWEST_FIRST} LIMIT :keep)"
+)
+
+# What every step and job runs, prepared on a PostgreSQL server (postgres.py).
+prepare_on_server(
+    _BEGIN_STEP_PG,
+    _END_STEP_PG,
+    _SUBMIT_PG,
+    _CLAIM_PG,
+    _FINISH_PG,
+    _TERMINAL_BEYOND,
+    _HEARTBEAT,
+    _PROGRESS,
+    _INSERT_EVENT,
+    _JOB_BY_ID,
+    _STEPS_OF_JOB,
 )
 
 
