@@ -392,8 +392,10 @@ class WorkflowEngine:
         return await self._outlast(lambda: self._join(job_id, poll_s=poll_s))
 
     async def _join(self, job_id: str, *, poll_s: float) -> JobRecord:
+        if self._worker_kinds is None:  # no worker loop: this process runs it (or waits)
+            return await self._run_here(job_id, poll_s=poll_s)
         job = await self.get(job_id)
-        if self._worker_kinds is not None and job.kind in self._worker_kinds:
+        if job.kind in self._worker_kinds:
             self.executions["joined"] += 1
             while not (job.terminal or job.status == JobStatus.PARKED):
                 await anyio.sleep(poll_s)
