@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.postgres import PostgresServer, postgres_bin_dir
+from tests.support.postgres import MISSING, PostgresServer, postgres_bin_dir, running_server
 
 
 @pytest.fixture
@@ -38,18 +38,20 @@ def _no_proxy_from_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
 def postgres_server() -> Iterator[PostgresServer]:
     """One real PostgreSQL server for the session (Debian's ``postgresql`` package, a
     throw-away cluster under a temporary directory, a free loopback port); removed after."""
-    bin_dir = postgres_bin_dir()
-    if bin_dir is None:
-        pytest.fail(
-            "PostgreSQL's initdb is not installed: `bash scripts/test.sh` installs Debian's "
-            "postgresql package (apt-get install postgresql)"
-        )
-    server = PostgresServer(bin_dir)
-    server.start()
-    try:
+    if postgres_bin_dir() is None:
+        pytest.fail(MISSING)
+    with running_server() as server:
         yield server
-    finally:
-        server.stop()
+
+
+@pytest.fixture
+def own_postgres_server() -> Iterator[PostgresServer]:
+    """A real PostgreSQL server of this test's own, which it may stop and restart under a
+    journal (``stop_server`` / ``start_server``) without touching the session's."""
+    if postgres_bin_dir() is None:
+        pytest.fail(MISSING)
+    with running_server() as server:
+        yield server
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

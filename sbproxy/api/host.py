@@ -109,7 +109,9 @@ async def open_host(
     except BaseException:
         host_lock.release()
         raise
-    engine = WorkflowEngine(journal, registry, resources=[cache])
+    # A serving host outlasts a journal that cannot record (its server away, its disk
+    # full): its runs hold their claims and resume, its loads wait instead of failing.
+    engine = WorkflowEngine(journal, registry, resources=[cache], wait_out_journal_faults=True)
     try:
         manager = RuntimeManager(
             compiled=compiled,

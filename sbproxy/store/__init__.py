@@ -32,13 +32,26 @@ from sbproxy.store.lifecycle import (
 from sbproxy.store.location import ENV_JOURNAL_URL, journal_display, journal_location
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
 from sbproxy.store.readonly import JournalReader, ReaderDeclined
-from sbproxy.store.records import ErrorInfo, EventRecord, JobRecord, StepRecord, wall_clock_ms
+from sbproxy.store.records import (
+    EndedStep,
+    ErrorInfo,
+    EventRecord,
+    JobRecord,
+    StepRecord,
+    wall_clock_ms,
+)
 
 # The repositories and the database behind them (the write path: the writer thread,
 # migrations, tenacity) load when first used, so a process that only reads records
 # (``store.readonly``) never pays for them.
 _LAZY = {
-    "sbproxy.store.database": ("Database", "StoreError", "Synchronous", "Transaction"),
+    "sbproxy.store.database": (
+        "Database",
+        "StoreError",
+        "Synchronous",
+        "Transaction",
+        "journal_fault",
+    ),
     "sbproxy.store.journal": ("JobJournal", "open_journal"),
     "sbproxy.store.jobs": (
         "RECOVERY_EXHAUSTED",
@@ -51,7 +64,13 @@ _LAZY = {
     "sbproxy.store.usage": ("HOUR_MS", "UsageDelta", "UsageStore", "UsageTotals"),
 }
 if TYPE_CHECKING:
-    from sbproxy.store.database import Database, StoreError, Synchronous, Transaction
+    from sbproxy.store.database import (
+        Database,
+        StoreError,
+        Synchronous,
+        Transaction,
+        journal_fault,
+    )
     from sbproxy.store.jobs import (
         RECOVERY_EXHAUSTED,
         JobStore,
@@ -77,6 +96,7 @@ __all__ = [
     "CommittedRevision",
     "Database",
     "DurationHistogram",
+    "EndedStep",
     "ErrorInfo",
     "EventRecord",
     "JobJournal",
@@ -103,6 +123,7 @@ __all__ = [
     "UsageTotals",
     "boot_id",
     "journal_display",
+    "journal_fault",
     "journal_location",
     "open_journal",
     "system_lease_time",

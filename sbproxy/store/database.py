@@ -56,9 +56,22 @@ from sbproxy.store.connection import (
 )
 from sbproxy.store.leaseclock import LeaseClock, system_lease_time
 from sbproxy.store.outcomes import WriteTallies
-from sbproxy.store.postgres import DatabaseLeaseTime, PgConnection, PgTarget, is_postgres_url
+from sbproxy.store.postgres import (
+    DatabaseLeaseTime,
+    JournalUnavailable,
+    PgConnection,
+    PgTarget,
+    is_postgres_url,
+)
 
-__all__ = ["Database", "StoreError", "Synchronous", "Transaction", "journal_error"]
+__all__ = [
+    "Database",
+    "StoreError",
+    "Synchronous",
+    "Transaction",
+    "journal_error",
+    "journal_fault",
+]
 
 Synchronous = Literal["FULL", "NORMAL"]
 T = TypeVar("T")
@@ -81,6 +94,22 @@ class StoreError(SbproxyError):
 
     default_code = "store_failed"
     default_retryable = True
+
+
+def journal_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` says the journal itself could not be used -- its PostgreSQL server is
+    away (``journal_unavailable``), its file system is full (``disk_full``), its file or
+    driver failed (``store_failed``) -- rather than anything about what was asked of it.
+
+    Such an error is never a job's outcome (it could not even be recorded): the run that
+    meets it stops, the job keeps its claim in the journal, and it resumes once the journal
+    answers (``sbproxy.workflows``). A PostgreSQL error about the statement itself (one that
+    carries a ``sqlstate`` outside the connection classes, e.g. a value a column refuses) is
+    not a fault of the journal.
+    """
+    if isinstance(exc, JournalUnavailable):
+        return True
+    return isinstance(exc, StoreError) and "sqlstate" not in exc.details
 
 
 def _unwritable_reason(directory: Path) -> str | None:

@@ -42,7 +42,9 @@ from sbproxy.store.lifecycle import (
 )
 from sbproxy.store.node import node_id
 from sbproxy.store.outcomes import JobOutcomes, WriteTallies
+from sbproxy.store.postgres import prepare_on_server
 from sbproxy.store.records import (
+    EndedStep,
     ErrorInfo,
     EventRecord,
     JobRecord,
@@ -55,6 +57,7 @@ from sbproxy.store.records import step_from_row as _step
 
 __all__ = [
     "RECOVERY_EXHAUSTED",
+    "EndedStep",
     "ErrorInfo",
     "EventRecord",
     "JobRecord",
@@ -800,24 +803,38 @@ class JobStore:
     # -- the journal -----------------------------------------------------------------------
 
     async def begin_step(
-        self, job_id: str, *, owner: str, attempt: int, seq: int, name: str
+        self,
+        job_id: str,
+        *,
+        owner: str,
+        attempt: int,
+        seq: int,
+        name: str,
+        ending: EndedStep | None = None,
     ) -> StepRecord | StepRefusal:
-        """Record that step ``seq`` starts (inserting it, or counting a re-run).
+        """Record that step ``seq`` starts (inserting it, or counting a re-run), after
+        recording the result of the step before it (``ending``) in the same transaction.
 
         The insert is fenced: it happens only while ``owner``'s claim ``attempt`` holds the
         job and no cancellation was requested, checked in the same statement. Its commit is
         as durable as any other: a start a reader saw (its ``step`` event and ``seq``)
-        survives a crash of the database server.
+        survives a crash of the database server. ``ending`` is recorded as :meth:`end_step`
+        records a success (fenced the same way) before the start, its event first: one
+        commit for one step's end and the next one's start.
 
         Returns:
-            The step as recorded; or, having recorded nothing, ``StepRefusal.CANCELLED``
-            (cancellation was requested) or ``StepRefusal.LEASE_LOST`` (the claim no longer
-            holds the job: stop).
+            The step as recorded; or, having recorded no start, ``StepRefusal.CANCELLED``
+            (cancellation was requested; ``ending`` is recorded) or
+            ``StepRefusal.LEASE_LOST`` (the claim no longer holds the job: nothing was
+            recorded; stop).
         """
         event = _event_json({"seq": seq, "name": name, "status": "running"})
+        ended = _Ending.success(job_id, owner, attempt, ending) if ending else None
 
         def work(tx: Transaction) -> StepRecord | StepRefusal:
             now = self.clock()
+            if ended is not None and not ended.write(tx, now, last=False):
+                return StepRefusal.LEASE_LOST
             params = {
                 "id": job_id,
                 "seq": seq,
@@ -861,41 +878,8 @@ class JobStore:
         Returns:
             ``False``, having written nothing, when the claim no longer holds the job.
         """
-        status = StepStatus.FAILED if error else StepStatus.SUCCEEDED
-        data: dict[str, Any] = {"seq": seq, "name": name, "status": status.value}
-        if error:
-            data["error"] = {"code": error.code, "message": error.message}
-        event = _event_json(data)
-        message = _bounded(error.message) if error else None
-
-        def work(tx: Transaction) -> bool:
-            now = self.clock()
-            params = {
-                "status": status.value,
-                "output": output_json,
-                "code": error.code if error else None,
-                "message": message,
-                "now": now,
-                "id": job_id,
-                "seq": seq,
-                "owner": owner,
-                "attempt": attempt,
-            }
-            if tx.dialect == "postgresql":
-                # One statement: the outcome, the recovery reset and the event.
-                rows = tx.last(
-                    _END_STEP_PG,
-                    {**params, "event": event, "reset": status == StepStatus.SUCCEEDED},
-                )
-                return bool(rows[0][0])
-            if tx.execute(_END_STEP, params).rowcount != 1:
-                return False
-            if status == StepStatus.SUCCEEDED:
-                tx.execute(_RESET_RECOVERIES, params)
-            tx.execute(_INSERT_EVENT, (job_id, now, "step", event))
-            return True
-
-        return await self.database.write(work)
+        ending = _Ending(job_id, owner, attempt, seq, name, output_json, error)
+        return await self.database.write(lambda tx: ending.write(tx, self.clock(), last=True))
 
     # -- retention -------------------------------------------------------------------------
 
@@ -905,6 +889,60 @@ class JobStore:
         Returns how many were deleted (their steps and events go with them).
         """
         return await self.database.write(lambda tx: _prune(tx, keep=keep))
+
+
+class _Ending:
+    """One step's outcome, as :meth:`JobStore.end_step` records it (also inside
+    :meth:`JobStore.begin_step`'s transaction)."""
+
+    __slots__ = ("event", "params")
+
+    def __init__(
+        self,
+        job_id: str,
+        owner: str,
+        attempt: int,
+        seq: int,
+        name: str,
+        output_json: str | None,
+        error: ErrorInfo | None,
+    ) -> None:
+        status = StepStatus.FAILED if error else StepStatus.SUCCEEDED
+        data: dict[str, Any] = {"seq": seq, "name": name, "status": status.value}
+        if error:
+            data["error"] = {"code": error.code, "message": error.message}
+        self.event = _event_json(data)
+        self.params: dict[str, Any] = {
+            "status": status.value,
+            "output": output_json,
+            "code": error.code if error else None,
+            "message": _bounded(error.message) if error else None,
+            "id": job_id,
+            "seq": seq,
+            "owner": owner,
+            "attempt": attempt,
+        }
+
+    @classmethod
+    def success(cls, job_id: str, owner: str, attempt: int, ended: EndedStep) -> _Ending:
+        return cls(job_id, owner, attempt, ended.seq, ended.name, ended.output_json, None)
+
+    def write(self, tx: Transaction, now: int, *, last: bool) -> bool:
+        """Record it in ``tx`` (``last``: nothing follows in the transaction); whether the
+        claim held (``False``: nothing was written)."""
+        params = {**self.params, "now": now}
+        succeeded = params["status"] == StepStatus.SUCCEEDED.value
+        if tx.dialect == "postgresql":
+            # One statement: the outcome, the recovery reset and the event.
+            run = tx.last if last else tx.all
+            rows = run(_END_STEP_PG, {**params, "event": self.event, "reset": succeeded})
+            return bool(rows[0][0])
+        if tx.execute(_END_STEP, params).rowcount != 1:
+            return False
+        if succeeded:
+            tx.execute(_RESET_RECOVERIES, params)
+        tx.execute(_INSERT_EVENT, (params["id"], now, "step", self.event))
+        return True
 
 
 # -- statements ------------------------------------------------------------------------------
@@ -1038,6 +1076,21 @@ _TERMINAL_BEYOND = f"{_TERMINALS_NEWEST_FIRST} LIMIT 1 OFFSET :keep"
 _PRUNE_TERMINAL = (
     f"DELETE FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)} AND id NOT IN ("  # noqa: S608 - fixed text
     f" {_TERMINALS_NEWEST_FIRST} LIMIT :keep)"
+)
+
+# What every step and job runs, prepared on a PostgreSQL server (postgres.py).
+prepare_on_server(
+    _BEGIN_STEP_PG,
+    _END_STEP_PG,
+    _SUBMIT_PG,
+    _CLAIM_PG,
+    _FINISH_PG,
+    _TERMINAL_BEYOND,
+    _HEARTBEAT,
+    _PROGRESS,
+    _INSERT_EVENT,
+    _JOB_BY_ID,
+    _STEPS_OF_JOB,
 )
 
 

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from sbproxy.store.database import Database, Synchronous
 from sbproxy.store.jobs import (
+    EndedStep,
     ErrorInfo,
     EventRecord,
     JobRecord,
@@ -152,7 +153,14 @@ class JobJournal(Protocol):
     # -- a runner's writes (fenced) --------------------------------------------------------
 
     async def begin_step(
-        self, job_id: str, *, owner: str, attempt: int, seq: int, name: str
+        self,
+        job_id: str,
+        *,
+        owner: str,
+        attempt: int,
+        seq: int,
+        name: str,
+        ending: EndedStep | None = None,
     ) -> StepRecord | StepRefusal: ...
 
     async def end_step(

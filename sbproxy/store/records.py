@@ -17,6 +17,7 @@ from sbproxy.store.leaseclock import LeaseStamp
 from sbproxy.store.lifecycle import TERMINAL_JOB_STATUSES, JobStatus, StepStatus
 
 __all__ = [
+    "EndedStep",
     "ErrorInfo",
     "EventRecord",
     "JobRecord",
@@ -191,6 +192,22 @@ class StepRecord:
             "started_at_ms": self.started_at_ms,
             "ended_at_ms": self.ended_at_ms,
         }
+
+
+@dataclass(frozen=True)
+class EndedStep:
+    """A step that succeeded, whose result a runner records together with the start of the
+    job's next step (one commit; ``JobStore.begin_step``'s ``ending``).
+
+    Attributes:
+        seq: The step's position in the journal.
+        name: Its journal name.
+        output_json: Its result, encoded.
+    """
+
+    seq: int
+    name: str
+    output_json: str
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,17 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from sbproxy.errors import SbproxyError
-from sbproxy.store import ErrorInfo, JobJournal, JobRecord, StepRecord, StepRefusal, StepStatus
+from sbproxy.errors import SbproxyError, sole_error
+from sbproxy.store import (
+    EndedStep,
+    ErrorInfo,
+    JobJournal,
+    JobRecord,
+    StepRecord,
+    StepRefusal,
+    StepStatus,
+    journal_fault,
+)
 from sbproxy.telemetry import ATTR_JOB_ID, ATTR_JOB_KIND, ATTR_STEP, ATTR_STEP_ATTEMPT, tracer
 from sbproxy.workflows.declare import StepDef
 from sbproxy.workflows.errors import (
@@ -46,12 +55,22 @@ PROGRESS_INTERVAL_S = 0.25
 RETRY_MESSAGE_CHARS = 300
 
 
+def journal_fault_in(exc: BaseException) -> SbproxyError | None:
+    """The journal's own failure that ``exc`` is (or, a task group's, wraps alone), else
+    ``None`` (see :func:`sbproxy.store.journal_fault`)."""
+    error = sole_error(exc)
+    return error if error is not None and journal_fault(error) else None
+
+
 def _is_retryable(exc: BaseException) -> bool:
-    # A lost lease is "retryable" for the job (another run resumes it), never for this run.
+    # A lost lease is "retryable" for the job (another run resumes it), never for this run;
+    # so is a journal that cannot record (the run stops and resumes; a retry could not even
+    # announce itself).
     return (
         isinstance(exc, SbproxyError)
         and exc.retryable
         and not isinstance(exc, JobCancelled | LeaseLost)
+        and not journal_fault(exc)
     )
 
 
@@ -190,6 +209,9 @@ class WorkflowContext:
         self._state = state
         self._journal = dict(journal)
         self._seq = 0
+        # The last step that succeeded here, its result not journaled yet: it is recorded
+        # with the next step's start, or by settle() before the job's outcome.
+        self._ended: EndedStep | None = None
         self.job_id = state.job.id
         self.attempt = state.job.attempt
 
@@ -217,6 +239,9 @@ class WorkflowContext:
             StepFailed: the step failed permanently or ran out of retries (its reason code).
             LeaseLost: ``lease_lost``: a fenced journal write changed nothing because this
                 run no longer holds the job; nothing more is written.
+            SbproxyError: the journal's own failure (``journal_unavailable``, ``disk_full``,
+                ``store_failed``; :func:`~sbproxy.store.journal_fault`), as itself: the step
+                is not retried and nothing more is written; the run stops, holding its claim.
         """
         seq = self._seq
         self._seq += 1
@@ -248,15 +273,21 @@ class WorkflowContext:
                 self.job_id,
                 step_name,
             )
+        ended, self._ended = self._ended, None
         started = await self._store.begin_step(
             self.job_id,
             owner=self._state.owner,
             attempt=self._state.attempt,
             seq=seq,
             name=step_name,
+            ending=ended,
         )
         if started == StepRefusal.LEASE_LOST:
-            raise self._state.lose_lease(f"start of step {step_name}")
+            what = f"end of step {ended.name} and " if ended else ""
+            raise self._state.lose_lease(f"{what}start of step {step_name}")
+        if ended is not None:
+            # Its result is durable: a crash from here on replays it, never reruns it.
+            fault_point(f"step:{ended.name}:committed")
         if started == StepRefusal.CANCELLED:
             self._state.cancel_requested = True
             raise JobCancelled(f"job {self.job_id} was cancelled before step {step_name}")
@@ -286,28 +317,51 @@ class WorkflowContext:
             except JobCancelled as exc:
                 await self._end(seq, step_name, error=ErrorInfo(exc.code, exc.message))
                 raise
-            except SbproxyError as exc:
-                span.set_status(trace.StatusCode.ERROR, exc.code)
-                # The step's record says what happened; the advice (remediation) goes with
-                # the job's error only, so a reader following the job meets it once.
-                await self._end(seq, step_name, error=ErrorInfo(exc.code, exc.message))
-                raise StepFailed(
-                    f"step {step_name} failed: {exc}", code=exc.code, retryable=False
-                ) from exc
             except Exception as exc:
-                span.set_status(trace.StatusCode.ERROR, "internal")
-                message = f"{type(exc).__name__}: {exc}"
-                await self._end(seq, step_name, error=ErrorInfo("internal", message))
-                raise StepFailed(
-                    f"step {step_name} crashed: {message}", code="internal", retryable=False
-                ) from exc
+                fault = journal_fault_in(exc)
+                if fault is not None:
+                    # The journal could not record (a write or a read met it away): nothing
+                    # more of this step is written; the run stops, and the job resumes from
+                    # its last recorded step.
+                    raise fault from None
+                raise await self._failed(span, seq, step_name, exc) from exc
             encoded = definition.encode(result)
             fault_point(f"step:{step_name}:after")
-            await self._end(seq, step_name, output_json=encoded)
-        # The output is durable: a crash from here on replays this step, never reruns it.
-        fault_point(f"step:{step_name}:committed")
+        # The result is journaled with the next step's start (or by settle()): one commit
+        # per step. Until then a crash runs this step again, as a crash before its end did.
+        self._ended = EndedStep(seq=seq, name=step_name, output_json=encoded)
         # Return what a replay would return, so a resumed run sees identical values.
         return definition.decode(encoded)
+
+    async def settle(self) -> None:
+        """Journal the result of the last step that succeeded, if it is not yet (the
+        workflow body returned or raised after it): before the job's outcome is.
+
+        Raises:
+            LeaseLost: ``lease_lost`` when the write was fenced off.
+            SbproxyError: the journal's own failure (as :meth:`step`).
+        """
+        ended, self._ended = self._ended, None
+        if ended is None:
+            return
+        await self._end(ended.seq, ended.name, output_json=ended.output_json)
+        fault_point(f"step:{ended.name}:committed")
+
+    async def _failed(
+        self, span: trace.Span, seq: int, step_name: str, exc: Exception
+    ) -> StepFailed:
+        """Journal the step's failure ``exc``; the :class:`StepFailed` the workflow sees, with
+        the step's reason code (``internal`` for a crash)."""
+        if isinstance(exc, SbproxyError):
+            span.set_status(trace.StatusCode.ERROR, exc.code)
+            # The step's record says what happened; the advice (remediation) goes with the
+            # job's error only, so a reader following the job meets it once.
+            await self._end(seq, step_name, error=ErrorInfo(exc.code, exc.message))
+            return StepFailed(f"step {step_name} failed: {exc}", code=exc.code, retryable=False)
+        span.set_status(trace.StatusCode.ERROR, "internal")
+        message = f"{type(exc).__name__}: {exc}"
+        await self._end(seq, step_name, error=ErrorInfo("internal", message))
+        return StepFailed(f"step {step_name} crashed: {message}", code="internal", retryable=False)
 
     async def _end(
         self,

@@ -10,6 +10,13 @@ lease), returns it to the queue and finishes it from its last completed step.
 Recovery is bounded: a job taken from a dead or lapsed runner ``max_recoveries`` times in a
 row without completing a step (one that crashes its process every time it runs) is not
 re-queued again but ends ``failed`` with ``recovery_exhausted``; ``retry`` revives it.
+
+A journal that cannot record (its PostgreSQL server away, its disk full: ``journal_fault``)
+stops a run without an outcome (``executor.py``). A serving host's engine
+(``wait_out_journal_faults``) then waits for the journal with jittered backoff (tenacity),
+takes its claim up again (a fenced heartbeat) and resumes the job under the same id from its
+last recorded step; its worker loop and its joins wait through the outage too. Any other
+engine (a CLI process) raises the error at once: its job stays resumable.
 """
 
 from __future__ import annotations
@@ -18,10 +25,17 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_never,
+    wait_random_exponential,
+)
 
 from sbproxy.errors import SbproxyError
 from sbproxy.store import (
@@ -35,6 +49,7 @@ from sbproxy.store import (
     open_journal,
 )
 from sbproxy.telemetry import current_carrier
+from sbproxy.workflows.context import journal_fault_in
 from sbproxy.workflows.declare import Registry, WorkflowDef
 from sbproxy.workflows.errors import JobNotFound, WorkflowError
 from sbproxy.workflows.executor import LeaseSettings, execute
@@ -52,6 +67,7 @@ def _found(job: JobRecord | None, job_id: str) -> JobRecord:
 
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Finished jobs kept for inspection; active jobs are never pruned. The reference keeps 256.
 DEFAULT_HISTORY_LIMIT = 256
@@ -59,6 +75,35 @@ DEFAULT_HISTORY_LIMIT = 256
 # crash that a rerun survives (a killed process, a reboot) needs one; three in a row that die
 # before finishing a single step point at the job, not at bad luck.
 DEFAULT_MAX_RECOVERIES = 3
+# Waiting out a journal that cannot record: jittered exponential backoff from a quarter
+# second, at most this long between tries (each try: one heartbeat or one read).
+OUTAGE_WAIT_MAX_S = 5.0
+
+
+def _journal_fault(exc: BaseException) -> bool:
+    return journal_fault_in(exc) is not None
+
+
+def _log_outage(state: RetryCallState) -> None:
+    failure = state.outcome.exception() if state.outcome is not None else None
+    fault = journal_fault_in(failure) if failure is not None else None
+    logger.warning(
+        "the journal cannot be used (%s); trying again in %.1f s",
+        f"{fault} [{fault.code}]" if fault is not None else failure,
+        state.upcoming_sleep,
+    )
+
+
+def _outlasting() -> AsyncRetrying:
+    """Tries of one journal operation until the journal answers (no bound; a fault is
+    logged before each wait, anything else is raised at once)."""
+    return AsyncRetrying(
+        retry=retry_if_exception(_journal_fault),
+        wait=wait_random_exponential(multiplier=0.25, max=OUTAGE_WAIT_MAX_S),
+        stop=stop_never,
+        before_sleep=_log_outage,
+        reraise=True,
+    )
 
 
 class WorkflowEngine:
@@ -73,6 +118,9 @@ class WorkflowEngine:
         max_recoveries: How many times in a row recovery may take a job from a dead or
             lapsed runner without a step completing in between; the next time it ends
             ``failed`` with ``recovery_exhausted``. ``None``: no bound.
+        wait_out_journal_faults: Whether a journal that cannot record is waited out (a
+            serving host: runs resume, joins and the worker loop wait) instead of raised
+            (module docstring).
 
     Raises:
         ValueError: ``max_recoveries`` is negative.
@@ -87,10 +135,12 @@ class WorkflowEngine:
         history_limit: int = DEFAULT_HISTORY_LIMIT,
         resources: Sequence[object] = (),
         max_recoveries: int | None = DEFAULT_MAX_RECOVERIES,
+        wait_out_journal_faults: bool = False,
     ) -> None:
         if max_recoveries is not None and max_recoveries < 0:
             raise ValueError(f"max_recoveries must be at least 0, not {max_recoveries}")
         self.max_recoveries = max_recoveries
+        self.wait_out_journal_faults = wait_out_journal_faults
         # Kinds a worker loop of this process takes while it runs (None: no loop); jobs of
         # those kinds are joined, never run by the caller (see join()).
         self._worker_kinds: frozenset[str] | None = None
@@ -120,6 +170,7 @@ class WorkflowEngine:
         history_limit: int = DEFAULT_HISTORY_LIMIT,
         resources: Sequence[object] = (),
         max_recoveries: int | None = DEFAULT_MAX_RECOVERIES,
+        wait_out_journal_faults: bool = False,
     ) -> WorkflowEngine:
         """Open the journal at ``path`` (creating it) and return an engine over it (the
         arguments as for the constructor); ``path`` is the SQLite file or a
@@ -131,6 +182,7 @@ class WorkflowEngine:
             history_limit=history_limit,
             resources=resources,
             max_recoveries=max_recoveries,
+            wait_out_journal_faults=wait_out_journal_faults,
         )
 
     async def close(self) -> None:
@@ -334,9 +386,16 @@ class WorkflowEngine:
         Raises:
             JobNotFound: ``job_not_found``.
             WorkflowError: ``unknown_workflow`` when this process cannot run the job's kind.
+            SbproxyError: the journal's own failure (``journal_unavailable``, ``disk_full``)
+                -- unless the engine waits those out (``wait_out_journal_faults``).
         """
+        return await self._outlast(lambda: self._join(job_id, poll_s=poll_s))
+
+    async def _join(self, job_id: str, *, poll_s: float) -> JobRecord:
+        if self._worker_kinds is None:  # no worker loop: this process runs it (or waits)
+            return await self._run_here(job_id, poll_s=poll_s)
         job = await self.get(job_id)
-        if self._worker_kinds is not None and job.kind in self._worker_kinds:
+        if job.kind in self._worker_kinds:
             self.executions["joined"] += 1
             while not (job.terminal or job.status == JobStatus.PARKED):
                 await anyio.sleep(poll_s)
@@ -403,7 +462,45 @@ class WorkflowEngine:
 
     async def _execute(self, job: JobRecord) -> JobRecord:
         """Run a job this worker claimed; the outcome's transaction also prunes finished
-        history (only when this run ended it: a run that lost its lease writes nothing)."""
+        history (only when this run ended it: a run that lost its lease writes nothing).
+
+        A run stopped by the journal's own failure is resumed here when the engine waits
+        those out: once the journal answers, a fenced heartbeat takes the same claim up
+        again and the job runs on from its last recorded step; when the claim is gone
+        (recovery re-queued the job after its lease lapsed) the job as stored is returned.
+        """
+        resumed = False
+
+        async def run() -> JobRecord:
+            nonlocal resumed
+            if resumed and not await self._take_up(job):
+                return await self.get(job.id)
+            resumed = True
+            return await self._run_claimed(job)
+
+        return await self._outlast(run)
+
+    async def _outlast(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """``operation()``, tried again through a journal's outage when the engine waits
+        those out (raised at once otherwise)."""
+        if not self.wait_out_journal_faults:
+            return await operation()
+        async for attempt in _outlasting():
+            with attempt:
+                return await operation()
+        raise AssertionError("unreachable")  # pragma: no cover - tenacity reraises
+
+    async def _take_up(self, job: JobRecord) -> bool:
+        """Renew this worker's claim on ``job`` after its run stopped; whether it still
+        holds it (``False``: recovery gave the job to another claim)."""
+        held = await self.store.heartbeat(
+            job.id, owner=self.identity.owner, attempt=job.attempt, lease_ms=self.lease.lease_ms
+        )
+        if held:
+            logger.info("job %s (%s): the journal answers again; resuming it", job.id, job.kind)
+        return held
+
+    async def _run_claimed(self, job: JobRecord) -> JobRecord:
         return await execute(
             job,
             store=self.store,
@@ -429,6 +526,12 @@ class WorkflowEngine:
         it returns once nothing is queued or running here; otherwise it runs until
         cancelled. Kinds in ``exclude`` are left to whoever runs them in order (the runtime
         manager runs its deployments' jobs itself).
+
+        Raises:
+            SbproxyError: the journal's own failure met by a recovery pass or a claim
+                (``disk_full``, ``journal_unavailable``): the loop and the runs it holds
+                end -- unless the engine waits those out (``wait_out_journal_faults``):
+                then the loop waits for the journal and its runs go on.
         """
         limiter = anyio.Semaphore(concurrency)
         kinds = tuple(kind for kind in self.registry.kinds() if kind not in exclude)
@@ -449,17 +552,25 @@ class WorkflowEngine:
                 running -= 1
                 limiter.release()
 
+        async def next_job() -> JobRecord | None:
+            nonlocal last_recovery
+            now = anyio.current_time()
+            if now - last_recovery >= recovery_s:
+                last_recovery = now
+                await self.recover()
+            return await self.store.claim(
+                owner=self.identity.owner, lease_ms=self.lease.lease_ms, kinds=kinds
+            )
+
         try:
             async with anyio.create_task_group() as group:
                 while True:
-                    now = anyio.current_time()
-                    if now - last_recovery >= recovery_s:
-                        last_recovery = now
-                        await self.recover()
                     await limiter.acquire()
-                    job = await self.store.claim(
-                        owner=self.identity.owner, lease_ms=self.lease.lease_ms, kinds=kinds
-                    )
+                    try:
+                        job = await self._outlast(next_job)
+                    except BaseException:
+                        limiter.release()
+                        raise
                     if job is None:
                         limiter.release()
                         if until_idle and running == 0:

@@ -4,6 +4,13 @@ Every journal write of a run is fenced on its claim (lease owner and attempt, se
 ``sbproxy.store.jobs``). The first write that changes nothing -- the heartbeat, a step's
 start, progress or end, the outcome -- means recovery gave the job to another run: this run
 raises (or notes) :class:`LeaseLost`, stops, and writes nothing more.
+
+A journal that cannot record -- its server away, its disk full (``journal_fault``) -- is
+never the job's outcome: the run stops where it met it and :func:`execute` raises that
+error, writing nothing; the job stays ``running`` under this claim, for the engine to resume
+once the journal answers (or for recovery, once the lease lapses). A heartbeat that meets it
+is skipped: the lease may still hold when the journal is back, and the next fenced write
+tells.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ from sbproxy.telemetry import (
     link_from_carrier,
     tracer,
 )
-from sbproxy.workflows.context import WorkflowContext, _JobState
-from sbproxy.workflows.declare import Registry
+from sbproxy.workflows.context import WorkflowContext, _JobState, journal_fault_in
+from sbproxy.workflows.declare import Registry, WorkflowDef
 from sbproxy.workflows.errors import JobCancelled, LeaseLost, NondeterminismError, StepFailed
 
 __all__ = ["LeaseSettings", "execute"]
@@ -55,15 +62,26 @@ async def _heartbeat(
 ) -> None:
     while True:
         await anyio.sleep(lease.heartbeat_s)
-        alive = await store.heartbeat(
-            state.job.id, owner=state.owner, attempt=state.attempt, lease_ms=lease.lease_ms
-        )
+        try:
+            alive = await store.heartbeat(
+                state.job.id, owner=state.owner, attempt=state.attempt, lease_ms=lease.lease_ms
+            )
+            if alive and not state.cancel_requested:
+                state.cancel_requested = await store.cancel_requested(state.job.id)
+        except SbproxyError as exc:
+            if journal_fault_in(exc) is None:
+                raise
+            logger.warning(
+                "job %s: heartbeat skipped, the journal cannot record it: %s [%s]",
+                state.job.id,
+                exc,
+                exc.code,
+            )
+            continue
         if not alive:
             state.lose_lease("heartbeat")
             scope.cancel()
             return
-        if not state.cancel_requested and await store.cancel_requested(state.job.id):
-            state.cancel_requested = True
 
 
 async def execute(
@@ -91,6 +109,11 @@ async def execute(
     Returns:
         The job as stored afterwards. If the lease was lost to recovery the record shows
         the new owner's view; this run wrote nothing after losing it.
+
+    Raises:
+        SbproxyError: the journal's own failure (``journal_unavailable``, ``disk_full``,
+            ``store_failed``), met by a step, the workflow or the outcome's write: nothing of
+            it is recorded and the job stays ``running`` under this claim (module docstring).
     """
     link = link_from_carrier(job.trace_context)
     with tracer().start_as_current_span(
@@ -157,35 +180,64 @@ async def _run(
     context = WorkflowContext(store=store, state=state, journal=journal)
     result: Any = None
     outcome: tuple[JobStatus | None, str | None, ErrorInfo | None] = (None, None, None)
+    fault: SbproxyError | None = None
     async with anyio.create_task_group() as group:
         group.start_soon(_heartbeat, store, state, lease, group.cancel_scope)
         try:
-            result = await definition.fn(context, arg)
+            result = await _body(definition, context, arg)
             if context.journal_tail() > context.steps_run:
                 raise NondeterminismError(
                     f"job {job.id} journaled {context.journal_tail()} steps but the workflow "
                     f"now finishes after {context.steps_run}"
                 )
             outcome = (JobStatus.SUCCEEDED, definition.result.dump_json(result).decode(), None)
-        except NondeterminismError as exc:
-            outcome = (JobStatus.PARKED, None, ErrorInfo(exc.code, str(exc)))
-        except JobCancelled as exc:
-            outcome = (JobStatus.CANCELLED, None, ErrorInfo(exc.code, exc.message))
-        except StepFailed as exc:
-            outcome = (JobStatus.FAILED, None, ErrorInfo(exc.code, exc.message))
         except LeaseLost:
             outcome = (None, None, None)
-        except SbproxyError as exc:
-            outcome = (JobStatus.FAILED, None, ErrorInfo(exc.code, str(exc)))
-        except Exception as exc:
-            logger.exception("job %s: workflow %s crashed", job.id, job.kind)
-            outcome = (
-                JobStatus.FAILED,
-                None,
-                ErrorInfo("internal", f"{type(exc).__name__}: {exc}"),
-            )
+        except Exception as exc:  # noqa: BLE001 - each is an outcome (_failure logs a crash)
+            fault = journal_fault_in(exc)
+            if fault is None:
+                outcome = _failure(job, exc)
         finally:
             group.cancel_scope.cancel()
     if state.lease_lost:
         return None, None, None
+    if fault is not None:
+        logger.warning(
+            "job %s (%s): the journal cannot record this run: %s [%s]; the job keeps its "
+            "claim and resumes from its last recorded step",
+            job.id,
+            job.kind,
+            fault,
+            fault.code,
+        )
+        raise fault
     return outcome
+
+
+async def _body(definition: WorkflowDef[Any, Any], context: WorkflowContext, arg: Any) -> Any:
+    """The workflow body's result, the last step's result journaled first -- also when the
+    body then raised (its error is the outcome, the completed step stays completed)."""
+    try:
+        result = await definition.fn(context, arg)
+    except LeaseLost:
+        raise
+    except Exception as exc:
+        if journal_fault_in(exc) is None:
+            await context.settle()
+        raise
+    await context.settle()
+    return result
+
+
+def _failure(job: JobRecord, exc: Exception) -> tuple[JobStatus, str | None, ErrorInfo]:
+    """The outcome of a workflow body that raised ``exc`` (not the journal's fault)."""
+    if isinstance(exc, NondeterminismError):
+        return JobStatus.PARKED, None, ErrorInfo(exc.code, str(exc))
+    if isinstance(exc, JobCancelled):
+        return JobStatus.CANCELLED, None, ErrorInfo(exc.code, exc.message)
+    if isinstance(exc, StepFailed):
+        return JobStatus.FAILED, None, ErrorInfo(exc.code, exc.message)
+    if isinstance(exc, SbproxyError):
+        return JobStatus.FAILED, None, ErrorInfo(exc.code, str(exc))
+    logger.error("job %s: workflow %s crashed", job.id, job.kind, exc_info=exc)
+    return JobStatus.FAILED, None, ErrorInfo("internal", f"{type(exc).__name__}: {exc}")

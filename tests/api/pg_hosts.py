@@ -82,7 +82,6 @@ class PgHost:
     admin: int = field(default_factory=free_port)
     process: subprocess.Popen[str] | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
-    output: str = field(default="", init=False)  # its stderr, once it exited
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -92,6 +91,16 @@ class PgHost:
     @property
     def config(self) -> Path:
         return self.root / "sb.yml"
+
+    @property
+    def log(self) -> Path:
+        """Where its stderr goes (every run of it, appended)."""
+        return self.root / "serve.log"
+
+    @property
+    def output(self) -> str:
+        """Its stderr so far (read while it runs, too)."""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     @property
     def cache(self) -> Path:
@@ -151,13 +160,14 @@ class PgHost:
         env = self.env
         if fault:
             env["SBPROXY_FAULT_POINTS"] = fault
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(self.config)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        with self.log.open("a") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(self.config)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                text=True,
+            )
         return self.process
 
     def admin_call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
@@ -189,16 +199,6 @@ class PgHost:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def stderr(self) -> str:
-        if self.process is None or self.process.stderr is None:
-            return ""
-        if self.process.poll() is None:
-            return "(still running)"
-        if self.process.stderr.closed:
-            return self.output
-        self.output = self.process.stderr.read()
-        return self.output
-
     def wait_ready(self, deployment: str, *, timeout_s: float = 90, fail_fast: bool = True) -> None:
         """Poll the status route until ``deployment`` is ready; fail at once, with the status
         row and the host's stderr, when it fails or the host exits."""
@@ -212,7 +212,7 @@ class PgHost:
                     row = repr(exc)
                 self.stop()
                 raise AssertionError(
-                    f"{self.node}: {deployment} is {state}, not ready\n{row}\n{self.stderr()}"
+                    f"{self.node}: {deployment} is {state}, not ready\n{row}\n{self.output}"
                 )
             time.sleep(0.05)
 
@@ -228,9 +228,6 @@ class PgHost:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        self.stderr()  # kept for a failure message
-        if process.stderr is not None:
-            process.stderr.close()
         return process.returncode
 
 

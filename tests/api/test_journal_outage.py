@@ -4,14 +4,13 @@ naming ``host:port``, and once the server is back the same host runs the mutatio
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.api.support import ADMIN, TINY, served
-from tests.support.postgres import PostgresServer, postgres_bin_dir
+from tests.support.postgres import PostgresServer
 
 pytestmark = pytest.mark.anyio
 
@@ -24,23 +23,10 @@ async def chat(gateway_url: str) -> httpx.Response:
         )
 
 
-@pytest.fixture
-def own_server() -> Iterator[PostgresServer]:
-    """A server of this test's own: it is stopped and restarted under the host."""
-    bin_dir = postgres_bin_dir()
-    assert bin_dir is not None, "scripts/test.sh installs Debian's postgresql package"
-    server = PostgresServer(bin_dir)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 async def test_serving_goes_on_while_the_journal_is_away(
-    tmp_path: Path, own_server: PostgresServer
+    tmp_path: Path, own_postgres_server: PostgresServer
 ) -> None:
-    url = own_server.create_database()
+    url = own_postgres_server.create_database()
     host = {"journal": {"url": url}, "cache": {"budget_gib": 1}}
     warm = {"tiny": {**TINY, "warm": True}}
     async with (
@@ -50,16 +36,16 @@ async def test_serving_goes_on_while_the_journal_is_away(
         assert (await admin.post(f"{s.admin_url}/admin/model-host/gc")).status_code == 200
         assert (await chat(s.gateway_url)).status_code == 200  # loaded (its load job done)
 
-        own_server.stop_server("fast")
+        own_postgres_server.stop_server("fast")
         refused = await admin.post(f"{s.admin_url}/admin/model-host/gc")
         assert refused.status_code == 503, refused.text
         assert refused.json()["code"] == "journal_unavailable"
-        assert f"127.0.0.1:{own_server.port}" in refused.text, refused.text
+        assert f"127.0.0.1:{own_postgres_server.port}" in refused.text, refused.text
         status = await admin.get(f"{s.admin_url}/admin/model-host/status")
         assert status.status_code == 200
         answer = await chat(s.gateway_url)
         assert answer.status_code == 200, answer.text  # the loaded engine still serves
 
-        own_server.start_server()
+        own_postgres_server.start_server()
         again = await admin.post(f"{s.admin_url}/admin/model-host/gc")
         assert again.status_code == 200, again.text

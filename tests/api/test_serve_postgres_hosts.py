@@ -11,7 +11,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,8 +30,8 @@ from tests.api.pg_hosts import (
     query,
     tiny_gguf,
 )
-from tests.support.hf_server import HfMirror
-from tests.support.postgres import PostgresServer, postgres_bin_dir
+from tests.support.hf_server import HfMirror, resolve_path
+from tests.support.postgres import PostgresServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -198,44 +197,23 @@ def test_a_host_killed_at_a_fault_point_is_finished_by_its_restart(
     assert not [p for p in snapshots.iterdir() if p.name.startswith(".")]  # nothing half-done
 
 
-@pytest.fixture
-def own_server() -> Iterator[PostgresServer]:
-    """A PostgreSQL server of this test's own: it is stopped and restarted under the hosts."""
-    bin_dir = postgres_bin_dir()
-    assert bin_dir is not None, "scripts/test.sh installs Debian's postgresql package"
-    server = PostgresServer(bin_dir)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def test_hosts_keep_serving_through_a_postgres_restart(
-    tmp_path: Path, own_server: PostgresServer
+    tmp_path: Path, own_postgres_server: PostgresServer
 ) -> None:
-    url = own_server.create_database()
-    pulled, imported = tiny_gguf(tmp_path / "src", vocab=50), tiny_gguf(tmp_path / "imp", vocab=60)
-    catalog(tmp_path / "catalog.yaml", pulled, imported)
+    url = own_postgres_server.create_database()
+    pulled = tiny_gguf(tmp_path / "src", vocab=50)
+    catalog(tmp_path / "catalog.yaml", pulled, pulled)
     with HfMirror() as mirror:
         mirror.add_file(REPO, REVISION, FILE, pulled)
-        # A pull that is still running when the server stops (about 4 s).
-        mirror.add_file(IMP_REPO, REVISION, FILE, imported, throttle_bps=len(imported) // 4)
         hosts = [PgHost(f"node-{n}", tmp_path / f"node-{n}", url, mirror.url) for n in "ab"]
         try:
             for host in hosts:
-                host.write(
-                    {
-                        "tiny": host.deployment("tiny"),
-                        "imp": host.deployment("tiny-imp", warm=False),
-                    }
-                )
                 host.start()
             for host in hosts:
                 host.wait_ready("tiny")
             acknowledged = {}
-            # A load still running at the outage is not resumed yet (issue 19's named gap),
-            # so the loads acknowledged here end before the server stops.
+            # Loads acknowledged and finished before the outage (one in flight through it:
+            # the next test).
             for host in hosts:
                 answer = host.admin_call(
                     "POST", "/admin/model-host/load", json={"deployment": "tiny"}
@@ -249,7 +227,7 @@ def test_hosts_keep_serving_through_a_postgres_restart(
                 timeout_s=30, what="both loads done",
             )  # fmt: skip
 
-            own_server.stop_server("fast")
+            own_postgres_server.stop_server("fast")
             for host in hosts:
                 assert host.chat().status_code == 200  # the loaded engine keeps serving
                 assert host.admin_call("GET", "/admin/model-host/status").status_code == 200
@@ -258,11 +236,11 @@ def test_hosts_keep_serving_through_a_postgres_restart(
                 )
                 assert refused.status_code == 503, refused.text
                 assert refused.json()["code"] == "journal_unavailable", refused.text
-                assert f"127.0.0.1:{own_server.port}" in refused.text
+                assert f"127.0.0.1:{own_postgres_server.port}" in refused.text
                 assert host.chat().status_code == 200  # a refused mutation changed nothing
                 assert host.alive(), host.output
 
-            own_server.start_server()
+            own_postgres_server.start_server()
             for host in hosts:
                 again = host.admin_call(
                     "POST", "/admin/model-host/load", json={"deployment": "tiny"}
@@ -282,6 +260,103 @@ def test_hosts_keep_serving_through_a_postgres_restart(
     rows = journal_rows(url)
     assert [job for job in rows["jobs"] if job[3] != "succeeded"] == []  # none lost or stuck
     assert rows["steps"][0] == rows["steps"][1]
+
+
+def test_a_load_in_flight_through_a_postgres_outage_is_resumed_under_its_id(
+    tmp_path: Path, own_postgres_server: PostgresServer
+) -> None:
+    url = own_postgres_server.create_database()
+    pulled, imported = tiny_gguf(tmp_path / "src", vocab=50), tiny_gguf(tmp_path / "imp", vocab=60)
+    catalog(tmp_path / "catalog.yaml", pulled, imported)
+    with HfMirror() as mirror:
+        mirror.add_file(REPO, REVISION, FILE, pulled)
+        # Every download of imp's file stops half-way until released: both pulls are in
+        # flight when the server stops, and finish while it is away.
+        held = mirror.add_file(IMP_REPO, REVISION, FILE, imported, hold_after=len(imported) // 2)
+        hosts = [PgHost(f"node-{n}", tmp_path / f"node-{n}", url, mirror.url) for n in "ab"]
+        try:
+            for host in hosts:
+                host.write(
+                    {
+                        "tiny": host.deployment("tiny"),
+                        "imp": host.deployment("tiny-imp", warm=False),
+                    }
+                )
+                host.start()
+            for host in hosts:
+                host.wait_ready("tiny")
+            acknowledged = {}
+            for host in hosts:
+                answer = host.admin_call(
+                    "POST", "/admin/model-host/load", json={"deployment": "imp"}
+                )
+                assert answer.status_code == 202, answer.text
+                acknowledged[host.node] = answer.json()["job_id"]
+            poll(lambda: held.holding == 2, timeout_s=30, what="both imp pulls held mid-way")
+            pulls = dict(
+                query(
+                    url,
+                    "SELECT node, id FROM jobs WHERE kind = 'pull' AND status = 'running'"
+                    " AND input_json LIKE %s",
+                    "%tiny-imp%",
+                )
+            )
+
+            own_postgres_server.stop_server("fast")
+            held.release()
+            whole = resolve_path(IMP_REPO, REVISION, FILE)
+            poll(
+                lambda: mirror.bytes_served(whole) >= 2 * len(imported),
+                timeout_s=30,
+                what="both imp downloads done while the journal is away",
+            )
+            # Each pull's next journal write (the download's last progress) met the outage.
+            for host in hosts:
+                said = f"job {pulls[host.node]} (pull)"
+                poll(
+                    lambda host=host, said=said: any(  # type: ignore[misc]
+                        said in line and "[journal_unavailable]" in line
+                        for line in host.output.splitlines()
+                    ),
+                    timeout_s=30,
+                    what=f"{host.node}'s pull met the outage",
+                )
+                assert host.chat().status_code == 200  # what was loaded keeps serving
+            own_postgres_server.start_server()
+
+            for host in hosts:
+                host.wait_ready("imp", timeout_s=90)
+            ids = list(acknowledged.values())
+            poll(
+                lambda: query(url, "SELECT COUNT(*) FROM jobs WHERE id = ANY(%s)"
+                              " AND status = 'succeeded'", ids) == [(2,)],
+                timeout_s=30, what="both acknowledged loads succeeded",
+            )  # fmt: skip
+        finally:
+            codes = [host.stop() for host in hosts]
+    assert codes == [0, 0], [host.output for host in hosts]
+    rows = journal_rows(url)
+    # Nothing acknowledged was lost or failed: the loads finished under the ids they were
+    # acknowledged with, and each node's imp pull under its one job.
+    assert [job for job in rows["jobs"] if job[3] != "succeeded"] == []
+    imp_pulls = query(
+        url,
+        "SELECT node, id, output_json::jsonb -> 'transferred_bytes' FROM jobs"
+        " WHERE kind = 'pull' AND input_json LIKE %s ORDER BY created_at_ms, id",
+        "%tiny-imp%",
+    )
+    # The acknowledged pulls finished under their ids; a load resumed after its pull ended
+    # may join the artifact once more, which is a cache hit that fetches nothing.
+    for node, job_id in pulls.items():
+        mine = [(pull, sent) for owner, pull, sent in imp_pulls if owner == node]
+        assert mine[0][0] == job_id, imp_pulls
+        assert [sent for _, sent in mine[1:]] == [0] * (len(mine) - 1), imp_pulls
+    assert mirror.bytes_served(whole) == 2 * len(imported)  # each host downloaded it once
+    assert rows["steps"][0] == rows["steps"][1]
+    assert rows["duplicate_results"] == []
+    for host in hosts:
+        snapshot = [p for p in (host.cache / "snapshots").rglob(FILE) if p.read_bytes() == imported]
+        assert len(snapshot) == 1, host.node
 
 
 def test_a_stopped_host_whose_lease_expired_cannot_write_when_it_resumes(

@@ -13,6 +13,7 @@ import pytest
 from sbproxy.store import (
     RECOVERY_EXHAUSTED,
     Database,
+    EndedStep,
     ErrorInfo,
     JobStatus,
     JobStore,
@@ -100,6 +101,11 @@ async def test_every_write_of_a_claim_that_recovery_took_changes_nothing(
     )
     assert (
         await store.begin_step(job_id, owner="w", attempt=1, seq=1, name="next")
+        == StepRefusal.LEASE_LOST
+    )
+    ending = EndedStep(seq=0, name="fetch", output_json='"old"')
+    assert (
+        await store.begin_step(job_id, owner="w", attempt=1, seq=1, name="next", ending=ending)
         == StepRefusal.LEASE_LOST
     )
     assert not await store.finish(
@@ -233,3 +239,30 @@ async def test_without_a_bound_recovery_always_requeues(store: JobStore, clock: 
         assert await store.requeue_expired() == [job_id]
     job = await store.get(job_id)
     assert job is not None and (job.status, job.recoveries) == (JobStatus.QUEUED, 5)
+
+
+async def test_a_step_end_rides_in_the_next_start_s_commit(store: JobStore) -> None:
+    job_id = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job.id
+    assert await store.claim(owner="w", lease_ms=LEASE_MS, job_id=job_id) is not None
+    assert isinstance(
+        await store.begin_step(job_id, owner="w", attempt=1, seq=0, name="a"), StepRecord
+    )
+    commits = store.database.write_counts
+    ending = EndedStep(seq=0, name="a", output_json='"A"')
+    started = await store.begin_step(job_id, owner="w", attempt=1, seq=1, name="b", ending=ending)
+    assert isinstance(started, StepRecord) and (started.seq, started.attempts) == (1, 1)
+    assert store.database.write_counts == (commits[0] + 1, commits[1] + 1)  # one commit
+    steps = [(s.seq, s.status, s.output_json) for s in await store.steps(job_id)]
+    assert steps == [(0, "succeeded", '"A"'), (1, "running", None)]
+    events = [
+        (e.data["seq"], e.data["status"]) for e in await store.events(job_id) if e.type == "step"
+    ]
+    assert events == [(0, "running"), (0, "succeeded"), (1, "running")]  # the end first
+
+    # Cancelled before the next start: the ending is still recorded, the start is not.
+    await store.request_cancel(job_id)
+    ending = EndedStep(seq=1, name="b", output_json='"B"')
+    refused = await store.begin_step(job_id, owner="w", attempt=1, seq=2, name="c", ending=ending)
+    assert refused == StepRefusal.CANCELLED
+    steps = [(s.seq, s.status, s.output_json) for s in await store.steps(job_id)]
+    assert steps == [(0, "succeeded", '"A"'), (1, "succeeded", '"B"')]

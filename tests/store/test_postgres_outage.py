@@ -4,34 +4,19 @@ lost, and the same store reconnects by itself once the server is back."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from sbproxy.errors import SbproxyError
 from sbproxy.store import Database, JobStatus, JobStore
-from tests.support.postgres import PostgresServer, postgres_bin_dir
+from tests.support.postgres import PostgresServer
 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def own_server() -> Iterator[PostgresServer]:
-    """A server of this test's own: it is stopped and restarted under the store."""
-    bin_dir = postgres_bin_dir()
-    assert bin_dir is not None, "scripts/test.sh installs Debian's postgresql package"
-    server = PostgresServer(bin_dir)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 async def test_a_lost_server_is_journal_unavailable_and_the_store_resumes(
-    own_server: PostgresServer,
+    own_postgres_server: PostgresServer,
 ) -> None:
-    url = own_server.create_database().replace("postgres@", "postgres:pw-never-shown@")
+    url = own_postgres_server.create_database().replace("postgres@", "postgres:pw-never-shown@")
     database = await Database.open(url)
     store = JobStore(database)
     try:
@@ -39,7 +24,7 @@ async def test_a_lost_server_is_journal_unavailable_and_the_store_resumes(
         claimed = await store.claim(owner="w", lease_ms=60_000)
         assert claimed is not None
 
-        own_server.stop_server("fast")
+        own_postgres_server.stop_server("fast")
         for attempt in (
             store.submit(kind="demo", workflow_version=1, input_json="{}"),
             store.get(acknowledged.id),
@@ -49,11 +34,11 @@ async def test_a_lost_server_is_journal_unavailable_and_the_store_resumes(
             assert refused.value.code == "journal_unavailable"
             assert refused.value.retryable
             message = str(refused.value)
-            assert f"127.0.0.1:{own_server.port}" in message
+            assert f"127.0.0.1:{own_postgres_server.port}" in message
             assert "pw-never-shown" not in message
             assert "\n" not in refused.value.message
 
-        own_server.start_server()
+        own_postgres_server.start_server()
         # The same store, its threads' connections reopened at their next transaction.
         assert await store.begin_step(
             acknowledged.id, owner="w", attempt=claimed.attempt, seq=0, name="s"

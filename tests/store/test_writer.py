@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -298,13 +298,21 @@ class SentQueries:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.queries: list[str] = []
-        real = postgres._run
+        real, real_prepared = postgres._run, postgres._run_prepared
 
         def spy(connection: Any, text: str, params: Any, *, skip: int = 0) -> Any:
             self.queries.append(text)
             return real(connection, text, params, skip=skip)
 
+        def spy_prepared(
+            connection: Any, held: Sequence[str], text: str, params: Any, tail: Sequence[str]
+        ) -> Any:
+            # One pipeline, one round trip: shown as the statements it sends, in order.
+            self.queries.append("; ".join([*held, text, *tail]))
+            return real_prepared(connection, held, text, params, tail)
+
         monkeypatch.setattr(postgres, "_run", spy)
+        monkeypatch.setattr(postgres, "_run_prepared", spy_prepared)
 
     def take(self) -> list[str]:
         taken, self.queries = self.queries, []

@@ -94,6 +94,9 @@ class FileEntry:
         redirect_to: Another mirror (a CDN): answer 302 with ``Location`` at the same
             ``resolve`` URL on it. :meth:`HfMirror.add_file` registers the content there.
         require_token: Answer 401 unless ``Authorization: Bearer <token>`` is sent.
+        hold_after: Stop every body at this byte offset of the file until :meth:`release`
+            (a download held mid-way, deterministically); :attr:`holding` counts the
+            responses waiting there now.
     """
 
     repo: str
@@ -116,10 +119,17 @@ class FileEntry:
     throttle_bps: int | None = None
     redirect_to: HfMirror | None = None
     require_token: str | None = None
+    hold_after: int | None = None
     # Bookkeeping, guarded by the owning mirror's lock.
     served_count: int = 0
     cuts_done: int = 0
     delays_done: int = 0
+    holding: int = 0
+    released: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def release(self) -> None:
+        """Let the bodies held at :attr:`hold_after` (and any later one) go on."""
+        self.released.set()
 
     def read(self, offset: int, length: int) -> bytes:
         """The served bytes ``[offset, offset + length)``, faults (``wrong_bytes``) applied."""
@@ -274,6 +284,7 @@ class HfMirror:
         throttle_bps: int | None = None,
         redirect_to: HfMirror | None = None,
         require_token: str | None = None,
+        hold_after: int | None = None,
     ) -> FileEntry:
         """Register (or replace) a file; the knobs are :class:`FileEntry`'s.
 
@@ -325,6 +336,7 @@ class HfMirror:
             throttle_bps=throttle_bps,
             redirect_to=redirect_to,
             require_token=require_token,
+            hold_after=hold_after,
         )
         with self._lock:
             self._files[(repo, revision, path)] = entry
@@ -397,6 +409,19 @@ class HfMirror:
                 return 0.0
             entry.delays_done += 1
             return entry.delay_s
+
+    def _hold(self, entry: FileEntry) -> bool:
+        """Wait at ``entry.hold_after`` until released; ``False`` when the mirror stops."""
+        with self._lock:
+            entry.holding += 1
+        try:
+            while not entry.released.wait(0.05):
+                if self._stopping.is_set():
+                    return False
+            return True
+        finally:
+            with self._lock:
+                entry.holding -= 1
 
     def _claim_failure(self, entry: FileEntry) -> int | None:
         """The scripted status this request gets, consumed from ``fail_statuses``."""
@@ -689,14 +714,23 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_body(
         self, entry: FileEntry, record: RecordedRequest, first: int, length: int
     ) -> None:
-        if entry.source is not None and not entry.wrong_bytes and not entry.throttle_bps:
+        plain = not (entry.wrong_bytes or entry.throttle_bps or entry.hold_after is not None)
+        if entry.source is not None and plain:
             self._sendfile(entry.source, record, first, length)
             return
         rate = entry.throttle_bps
         chunk_size = _SEND_CHUNK if not rate else max(1, min(_SEND_CHUNK, rate // 20))
         began, sent = time.monotonic(), 0
+        hold = entry.hold_after
         while sent < length:
-            chunk = entry.read(first + sent, min(chunk_size, length - sent))
+            wanted = min(chunk_size, length - sent)
+            if hold is not None and first + sent >= hold:
+                hold = None
+                if not entry.released.is_set() and not self._server.mirror._hold(entry):
+                    raise ConnectionAbortedError("mirror stopping")
+            elif hold is not None:
+                wanted = min(wanted, hold - first - sent)  # stop exactly at the hold
+            chunk = entry.read(first + sent, wanted)
             if not chunk:
                 raise ConnectionAbortedError("source file shrank while serving")
             if rate:

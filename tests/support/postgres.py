@@ -8,7 +8,9 @@ system's own clusters are never touched: the data directory, socket directory an
 this server's own, and :meth:`stop` (``pg_ctl stop -m immediate``) removes all of it.
 
 Each test gets a fresh database: :meth:`create_database` clones ``template_sbproxy`` (an empty
-database made once), which takes a few milliseconds.
+database made once), which takes a few milliseconds. :func:`running_server` starts a server of
+the caller's own (the ``own_postgres_server`` fixture): a test that stops and restarts it
+under a journal (an outage) never disturbs the session's shared server.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["PostgresServer", "postgres_bin_dir"]
+__all__ = ["MISSING", "PostgresServer", "postgres_bin_dir", "running_server"]
 
 _DEBIAN_BIN = Path("/usr/lib/postgresql")
 SERVICE_USER = "postgres"
@@ -42,6 +44,27 @@ def postgres_bin_dir() -> Path | None:
         key=lambda p: int(p.name) if p.name.isdigit() else 0,
     )
     return versions[-1] / "bin" if versions else None
+
+
+MISSING = (
+    "PostgreSQL's initdb is not installed: `bash scripts/test.sh` installs Debian's "
+    "postgresql package (apt-get install postgresql)"
+)
+
+
+@contextlib.contextmanager
+def running_server() -> Iterator[PostgresServer]:
+    """A started server of the caller's own, stopped and removed on exit (see the module
+    docstring; :class:`RuntimeError` when PostgreSQL is missing or does not start)."""
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        raise RuntimeError(MISSING)
+    server = PostgresServer(bin_dir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
 
 
 def _free_port() -> int:

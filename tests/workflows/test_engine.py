@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from sbproxy.errors import SbproxyError
-from sbproxy.store import JobStatus
+from sbproxy.store import JobStatus, JobStore
 from sbproxy.workflows import (
     LeaseSettings,
     Registry,
@@ -164,8 +164,10 @@ async def test_the_committed_point_passes_once_the_output_is_journaled(journal: 
         await first.join(submitted.job.id)
     assert died.group_contains(Boom)
     await first.close()
-    # Step one's output had committed; step two had not begun.
-    assert seen == [[(0, "one", "succeeded")]]
+    # Step one's output had committed, in one commit with step two's start; step two's
+    # body had not run.
+    assert seen == [[(0, "one", "succeeded"), (1, "two", "running")]]
+    assert calls == {"one": 1}
 
     disarm_all()
     passed: list[str] = []
@@ -181,6 +183,31 @@ async def test_the_committed_point_passes_once_the_output_is_journaled(journal: 
     assert (job.status, job.output, job.attempt) == (JobStatus.SUCCEEDED, {"n": 50}, 2)
     assert calls == {"one": 1, "two": 1}  # the committed step was replayed, not rerun
     assert passed == ["two"]  # a replayed step commits nothing, so passes no point
+
+
+async def test_a_step_costs_one_commit(journal: Path | str) -> None:
+    registry = Registry()
+
+    @registry.workflow("chain", version=1)
+    async def chain(ctx: WorkflowContext, arg: Count) -> Count:
+        for index in range(4):
+            arg = await ctx.step(one, arg, name=f"one:{index}")
+        return arg
+
+    engine = await WorkflowEngine.open(journal, registry, lease=LeaseSettings(lease_s=60))
+    try:
+        store = engine.store
+        assert isinstance(store, JobStore)
+        submitted = await engine.submit(chain, Count(n=0))
+        before = store.database.write_counts
+        job = await engine.join(submitted.job.id)
+        writes, commits = store.database.write_counts
+    finally:
+        await engine.close()
+    assert (job.status, job.output) == (JobStatus.SUCCEEDED, {"n": 4})
+    # The claim, the first start, three ends each with the next start, the last end and
+    # the outcome: four steps, four commits of their own (eight before the ends rode).
+    assert (writes - before[0], commits - before[1]) == (7, 7)
 
 
 async def test_changed_step_sequence_parks_the_job(journal: Path | str) -> None:

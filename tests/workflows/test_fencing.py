@@ -208,9 +208,11 @@ async def test_the_same_owner_claiming_again_fences_off_its_own_older_claim(
             assert (job.lease_owner, job.attempt) == (engine.identity.owner, 2)
             events_before = await engine.store.last_event_seq(job_id)
             runner.gate(1)[1].set()  # the older claim's step ends first
-            # Until it has tried to journal that end (and was fenced off, or -- the bug --
-            # was not, and overwrote the step).
-            while not any("end of step work changed nothing" in m for m in caplog.messages):
+            # Until it has tried to journal that end (with the next step's start, and was
+            # fenced off, or -- the bug -- was not, and overwrote the step).
+            while not any(
+                "end of step work" in m and "changed nothing" in m for m in caplog.messages
+            ):
                 if await journal_of(engine, job_id) != [("work", "running", 2, None)]:
                     break
                 await anyio.sleep(0.01)
