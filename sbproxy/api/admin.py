@@ -62,6 +62,7 @@ from sbproxy.api.errors import (
 )
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Disconnects, Rejections, build_registry
+from sbproxy.api.peers import PeerDispatch
 from sbproxy.api.protection import host_service
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger, usage_handlers
@@ -105,6 +106,7 @@ class Admin:
         disconnects: Client disconnects counted by the gateway (for ``/metrics``).
         config: The configuration file's state (default: from ``manager``).
         activity: The gateway's recent requests (the console's Activity page).
+        peers: The gateway's peer dispatch, on a host with a fleet (for ``/metrics``).
     """
 
     manager: RuntimeManager
@@ -117,6 +119,7 @@ class Admin:
     disconnects: Disconnects | None = None
     config: ConfigState | None = None
     activity: Activity = field(default_factory=Activity)
+    peers: PeerDispatch | None = None
 
     def __post_init__(self) -> None:
         if self.config is None:
@@ -128,7 +131,11 @@ class Admin:
         self._networks = tuple(ipaddress.ip_network(n, strict=False) for n in self.allowlist)
         if self.registry is None:
             self.registry = build_registry(
-                self.manager, self.rejections, usage=self.usage, disconnects=self.disconnects
+                self.manager,
+                self.rejections,
+                usage=self.usage,
+                disconnects=self.disconnects,
+                peers=self.peers,
             )
 
     def allowed(self, client: str | None) -> None:

@@ -13,6 +13,7 @@ import anyio
 import uvicorn
 
 from sbproxy.api import Admin, Gateway, KeyPlane, Routing, create_admin_app, create_gateway_app
+from sbproxy.api.peers import PeerDispatch
 from sbproxy.api.server import Listener
 from sbproxy.config import ApiKeyRecord, Route
 from tests.model_host.runtime.host import Host, runtime_host
@@ -53,7 +54,9 @@ async def served(
     keys: Sequence[ApiKeyRecord] = (),
     model_host: dict[str, Any] | None = None,
     routes: Sequence[Route] = ROUTES,
+    fleet: PeerDispatch | None = None,
 ) -> AsyncIterator[Served]:
+    """``fleet``: the gateway's peer dispatch (a host of a fleet)."""
     async with (
         runtime_host(
             root,
@@ -64,7 +67,10 @@ async def served(
         anyio.create_task_group() as group,
     ):
         gateway = Gateway(
-            manager=host.manager, routing=Routing(tuple(routes)), keys=KeyPlane(list(keys))
+            manager=host.manager,
+            routing=Routing(tuple(routes)),
+            keys=KeyPlane(list(keys)),
+            fleet=fleet,
         )
         admin = Admin(
             manager=host.manager,
@@ -74,6 +80,7 @@ async def served(
             usage=gateway.usage,
             disconnects=gateway.disconnects,
             activity=gateway.activity,
+            peers=fleet,
         )
         servers = [
             Listener(
