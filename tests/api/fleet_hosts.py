@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from sbproxy.api.peers import PeerDispatch
-from sbproxy.config import ApiKeyRecord
+from sbproxy.config import ApiKeyRecord, Route
 from sbproxy.fleet.routing import PeerReplica, RoutingTable
-from tests.api.support import TINY, Served, served
+from tests.api.support import ROUTES, TINY, Served, served
 
 CREDENTIAL = "fleet-credential-for-tests-0123456789"
 COOLDOWN_S = 5.0
@@ -109,6 +109,7 @@ async def fleet_of(
     modes: dict[str, str] | None = None,
     keys: Sequence[ApiKeyRecord] = (),
     credential: str | None = CREDENTIAL,
+    routes: Sequence[Route] = ROUTES,
 ) -> AsyncIterator[Fleet]:
     """Members ``names`` (node ids), each served from ``root/<name>``; those in ``hosting``
     run deployment ``tiny`` (stand-in engine in ``mode`` plus ``modes[name]``, logging its
@@ -132,6 +133,7 @@ async def fleet_of(
                     mode=faults,
                     keys=keys,
                     fleet=dispatch,
+                    routes=routes,
                 )
             )
             fleet.members[name] = Member(
