@@ -68,6 +68,7 @@ from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger, usage_handlers
 from sbproxy.catalog import Catalog
 from sbproxy.errors import SbproxyError
+from sbproxy.fleet.view import FleetStatus
 from sbproxy.model_host.flows import (
     GcInput,
     GcReport,
@@ -106,7 +107,9 @@ class Admin:
         disconnects: Client disconnects counted by the gateway (for ``/metrics``).
         config: The configuration file's state (default: from ``manager``).
         activity: The gateway's recent requests (the console's Activity page).
-        peers: The gateway's peer dispatch, on a host with a fleet (for ``/metrics``).
+        peers: The gateway's peer dispatch, on a host with a fleet (for ``/metrics`` and
+            the console's fleet page).
+        fleet: The fleet's state, on a host of a fleet (the console's fleet page).
     """
 
     manager: RuntimeManager
@@ -120,6 +123,7 @@ class Admin:
     config: ConfigState | None = None
     activity: Activity = field(default_factory=Activity)
     peers: PeerDispatch | None = None
+    fleet: FleetStatus | None = None
 
     def __post_init__(self) -> None:
         if self.config is None:
@@ -470,7 +474,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             *desired_handlers(manager, config),
             jobs_router(manager.engine, admin.spawn),
             *usage_handlers(admin.usage),
-            console_router(manager, admin.activity),
+            console_router(manager, admin.activity, fleet=admin.fleet, peers=admin.peers),
         ],
     )
     return Litestar(

@@ -62,6 +62,7 @@ from sbproxy.api.shutdown import Shutdown
 from sbproxy.config import CompiledConfig, FleetConfig
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.routing import FleetDirectory
+from sbproxy.fleet.view import FleetStatus
 from sbproxy.model_host.lockfile import lock_guard
 from sbproxy.model_host.runtime.reload import reload_from_source
 
@@ -165,11 +166,12 @@ def build_servers(
     *,
     stop: Shutdown | None = None,
     directory: FleetDirectory | None = None,
+    fleet_status: FleetStatus | None = None,
 ) -> tuple[list[Listener], Gateway, Admin | None]:
     """The gateway listener and, when enabled, the admin listener of ``compiled``; with
     ``stop``, each app is guarded so that its requests end cleanly at the drain deadline;
     with ``directory`` (a fleet's routing table), the gateway serves every deployment of the
-    fleet (:mod:`sbproxy.api.peers`)."""
+    fleet (:mod:`sbproxy.api.peers`); with ``fleet_status``, the console shows the fleet."""
     proxy = compiled.config.proxy
     deadline_s = max(1, round(host.manager.shutdown_deadline_s))
     rejections = Rejections()
@@ -236,6 +238,7 @@ def build_servers(
             config=host.config,
             activity=gateway.activity,
             peers=gateway.fleet,
+            fleet=fleet_status,
         )
         tls = settings.tls
         servers.append(
@@ -351,6 +354,7 @@ async def serve(
     lockfile: Path | None = None,
     listener_fields: Mapping[str, str] | None = None,
     directory: FleetDirectory | None = None,
+    fleet_status: FleetStatus | None = None,
 ) -> None:
     """Run the host of ``compiled`` until SIGTERM or SIGINT (see the module docstring).
 
@@ -368,6 +372,7 @@ async def serve(
         listener_fields: Passed to :func:`check_listeners` (the flags ``run`` names).
         directory: The fleet's routing table, on a host of a fleet: the gateway serves
             every deployment of the fleet, through peers where needed.
+        fleet_status: The fleet's state, for the console's fleet page.
 
     Raises:
         SbproxyError: ``port_in_use``, ``port_not_permitted``, ``bind_address_unavailable``
@@ -394,6 +399,7 @@ async def serve(
                 watch_config=watch_config,
                 lockfile=lockfile,
                 directory=directory,
+                fleet_status=fleet_status,
             )
             if not stop.requested:
                 # Only a stop signal (or ``stop_self``) ends a healthy host; anything else
@@ -429,6 +435,7 @@ async def _serve_host(
     watch_config: bool,
     lockfile: Path | None,
     directory: FleetDirectory | None = None,
+    fleet_status: FleetStatus | None = None,
 ) -> None:
     """Open the host, serve until ``stop`` stops the listeners, shut the host down within
     what is left of the budget (the arguments are :func:`serve`'s).
@@ -441,7 +448,9 @@ async def _serve_host(
         stop.follow(host.manager)
         if lockfile is not None:
             host.manager.config_guard = lock_guard(lockfile, host.manager)
-        servers, _, _ = build_servers(compiled, host, stop=stop, directory=directory)
+        servers, _, _ = build_servers(
+            compiled, host, stop=stop, directory=directory, fleet_status=fleet_status
+        )
         stop.attach(servers)
         watcher_stopped = anyio.Event()
         async with anyio.create_task_group() as group:

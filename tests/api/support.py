@@ -16,6 +16,7 @@ from sbproxy.api import Admin, Gateway, KeyPlane, Routing, create_admin_app, cre
 from sbproxy.api.peers import PeerDispatch
 from sbproxy.api.server import Listener
 from sbproxy.config import ApiKeyRecord, Route
+from sbproxy.fleet.view import FleetStatus
 from tests.model_host.runtime.host import Host, runtime_host
 
 ADMIN = ("admin", "correct horse battery staple")
@@ -55,8 +56,10 @@ async def served(
     model_host: dict[str, Any] | None = None,
     routes: Sequence[Route] = ROUTES,
     fleet: PeerDispatch | None = None,
+    fleet_status: FleetStatus | None = None,
 ) -> AsyncIterator[Served]:
-    """``fleet``: the gateway's peer dispatch (a host of a fleet)."""
+    """``fleet``: the gateway's peer dispatch (a host of a fleet); ``fleet_status``: what the
+    console's fleet page shows."""
     async with (
         runtime_host(
             root,
@@ -81,6 +84,7 @@ async def served(
             disconnects=gateway.disconnects,
             activity=gateway.activity,
             peers=fleet,
+            fleet=fleet_status,
         )
         servers = [
             Listener(
