@@ -37,6 +37,13 @@ request -- re-encoding only those bodies -- and, when the client had not asked f
 relay drops that usage-only event: the client sees exactly the stream it asked for (see
 :mod:`sbproxy.api.relay` for a stream that ends without ``usage``).
 
+Several hosts (:mod:`sbproxy.api.peers`): on a host of a fleet (``Gateway.fleet``), a request
+for a deployment with no ready replica here goes to a peer host's gateway -- the one with the
+fewest outstanding requests -- and its answer comes back byte for byte (``x-sbproxy-route-class:
+peer``); a peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet credential) is
+served here only, with no key, budget or usage. A single host never looks at any of it: with
+no fleet the request path is the one above.
+
 Origin matching (``Host`` without its port, case-insensitive):
 
 1. an origin with exactly that name;
@@ -524,14 +531,7 @@ class Gateway:
             )
 
         def ended(outcome: str | None) -> None:
-            if outcome == CLIENT_DISCONNECTED:
-                self.disconnects.record(deployment)
-                if note is not None:
-                    note.status = CLIENT_CLOSED
-            if note is not None:
-                note.first_token_at = relay.first_event_at
-                if outcome is not None:
-                    note.outcome = outcome
+            self.stream_ended(deployment, note, relay, outcome)
 
         relay = StreamRelay(
             response,
@@ -543,6 +543,20 @@ class Gateway:
             on_end=ended,
         )
         return _EventStream(response.status, self.model_header(route.public_model), relay)
+
+    def stream_ended(
+        self, deployment: str, note: AccessNote | None, relay: StreamRelay, outcome: str | None
+    ) -> None:
+        """Count and note how a relayed stream ended (``outcome`` as
+        :class:`StreamRelay` reports it: ``None``, or why it ended early)."""
+        if outcome == CLIENT_DISCONNECTED:
+            self.disconnects.record(deployment)
+            if note is not None:
+                note.status = CLIENT_CLOSED
+        if note is not None:
+            note.first_token_at = relay.first_event_at
+            if outcome is not None:
+                note.outcome = outcome
 
     def fleet_caller(
         self, fleet: PeerDispatch, scope: Scope, authorization: str | None
@@ -634,14 +648,7 @@ class Gateway:
 
         def ended(outcome: str | None) -> None:
             fleet.record(answer.replica, _PEER_OUTCOMES.get(outcome or "", PeerOutcome.ANSWERED))
-            if outcome == CLIENT_DISCONNECTED:
-                self.disconnects.record(deployment)
-                if note is not None:
-                    note.status = CLIENT_CLOSED
-            if note is not None:
-                note.first_token_at = relay.first_event_at
-                if outcome is not None:
-                    note.outcome = outcome
+            self.stream_ended(deployment, note, relay, outcome)
 
         relay = StreamRelay(
             response,
