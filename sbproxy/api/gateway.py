@@ -402,8 +402,14 @@ class Gateway:
         await self.usage.stop()
 
     def availability(self, deployment: str) -> dict[str, object]:
-        """``{state: ready|cold|unavailable, ready_replicas, desired_replicas}``."""
-        return self.manager.snapshot(deployment).availability()
+        """``{state: ready|cold|unavailable, ready_replicas, desired_replicas}``; on a host of
+        a fleet, of the fleet's replicas (:meth:`PeerDispatch.availability`)."""
+        if self.fleet is None:
+            return self.manager.snapshot(deployment).availability()
+        local = None
+        if deployment in self.manager.compiled.deployments:
+            local = self.manager.snapshot(deployment).availability()
+        return self.fleet.availability(deployment, local=local)
 
     async def admit(self, route: Route, caller: Caller) -> Upstream:
         """Admit one request of ``caller`` to ``route``'s deployment.

@@ -260,6 +260,29 @@ class PeerDispatch:
                 peer_ready = True
         return known and placed_here and not peer_ready
 
+    def availability(
+        self, deployment: str, *, local: dict[str, object] | None
+    ) -> dict[str, object]:
+        """What ``/v1/models`` says of ``deployment`` on a host of a fleet:
+        ``{state: ready|cold|unavailable, ready_replicas, desired_replicas}`` over the
+        replicas the table lists (``ready`` when one is ready -- here, or a peer's in this
+        gateway's rotation; ``cold`` when one is placed here and can start); ``local``
+        (this host's own availability, ``None`` when it lacks the deployment) for one the
+        table does not list."""
+        table = self.directory.routing()
+        replicas = table.for_deployment(deployment)
+        if not replicas:
+            return local or {"state": "unavailable", "ready_replicas": 0, "desired_replicas": 0}
+        now = self.clock()
+        ready = sum(
+            r.ready and (r.node_id == table.local_node_id or self._in_rotation(r.node_id, now))
+            for r in replicas
+        )
+        startable = local is not None and local.get("state") != "unavailable"
+        placed_here = startable and any(r.node_id == table.local_node_id for r in replicas)
+        state = "ready" if ready else "cold" if placed_here else "unavailable"
+        return {"state": state, "ready_replicas": ready, "desired_replicas": len(replicas)}
+
     def pick(self, deployment: str, tried: set[str]) -> PeerReplica | None:
         """The ready peer replica of ``deployment`` with the fewest outstanding requests,
         among those in rotation and not in ``tried`` (node ids); ``None`` when none is left."""

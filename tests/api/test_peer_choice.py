@@ -116,3 +116,33 @@ def test_a_reload_takes_the_new_credential_and_keeps_the_rotation() -> None:
 def test_no_ready_replica_is_retryable() -> None:
     error = NoReadyReplica("none", details={"deployment": "tiny"})
     assert (error.code, error.retryable) == ("no_ready_replica", True)
+
+
+COLD = {"state": "cold", "ready_replicas": 0, "desired_replicas": 1}
+
+
+@pytest.mark.parametrize(
+    ("replicas", "local", "expected"),
+    [
+        ((), None, ("unavailable", 0, 0)),
+        ((), COLD, ("cold", 0, 1)),  # not the fleet's: this host's own
+        ((rep("b"), rep("c")), None, ("ready", 2, 2)),
+        ((rep("b"), rep("c", ready=False)), None, ("ready", 1, 2)),
+        ((rep("a", ready=False), rep("b", ready=False)), COLD, ("cold", 0, 2)),
+        ((rep("b", ready=False),), COLD, ("unavailable", 0, 1)),  # placed elsewhere only
+        ((rep("a", ready=False),), {**COLD, "state": "unavailable"}, ("unavailable", 0, 1)),
+    ],
+)
+def test_what_the_model_list_says_of_a_fleet_deployment(
+    replicas: tuple[PeerReplica, ...],
+    local: dict[str, object] | None,
+    expected: tuple[str, int, int],
+) -> None:
+    found = dispatch(*replicas).availability("tiny", local=local)
+    assert (found["state"], found["ready_replicas"], found["desired_replicas"]) == expected
+
+
+def test_a_peer_out_of_rotation_is_not_counted_ready() -> None:
+    chooser = dispatch(rep("b"), rep("c"))
+    chooser.out_of_rotation(rep("b"), "test")
+    assert chooser.availability("tiny", local=None)["ready_replicas"] == 1

@@ -49,6 +49,21 @@ async def test_a_host_without_the_deployment_answers_through_a_peer(tmp_path: Pa
         assert fleet["a"].dispatch.in_flight("b", "tiny") == 0
 
 
+async def test_the_model_list_of_a_host_without_the_deployment_shows_the_fleets(
+    tmp_path: Path,
+) -> None:
+    async with fleet_of(tmp_path) as fleet:
+        fleet.route("a", [fleet.replica("b"), fleet.replica("c", ready=False)])
+        async with httpx.AsyncClient(base_url=fleet["a"].host.gateway_url) as http:
+            listed = (await http.get("/v1/models")).json()["data"]
+        assert [m["id"] for m in listed] == ["tiny-chat"]
+        assert listed[0]["availability"] == {
+            "state": "ready",
+            "ready_replicas": 1,
+            "desired_replicas": 2,
+        }
+
+
 async def test_a_local_replica_is_served_first_however_busy_the_peers_say_it_is(
     tmp_path: Path,
 ) -> None:
