@@ -27,7 +27,9 @@ peer's bytes: the answer's status, body and stream are relayed unchanged.
 Retries: another replica is tried only while nothing has reached the client -- when the
 peer cannot be reached or fails before its answer's headers (the peer is then out of this
 gateway's rotation at once, for ``peer_cooldown_ms`` on an injected monotonic clock, before
-membership notices), or when it answers 502/503 and another replica is left. Once a stream's
+membership notices), or when it answers 502/503 and another replica is left. A peer that does
+not answer within the deployment's limit (its own supervision would have answered by then,
+so it is hung) leaves the rotation too; that request gets 504 ``engine_timeout``. Once a stream's
 headers went out, a peer that fails ends the stream with an ``upstream_unavailable`` error
 event, as an engine failing mid-stream does (:mod:`sbproxy.api.relay`).
 
@@ -109,7 +111,7 @@ class PeerOutcome(StrEnum):
     REFUSED = "refused"  # 502/503 before any byte reached the client; the next replica tried
     UNREACHABLE = "unreachable"  # failed before its answer's headers; out of rotation
     CUT = "cut"  # its stream failed after the first byte reached the client
-    TIMED_OUT = "timed_out"  # a supervision limit ran out waiting for it
+    TIMED_OUT = "timed_out"  # a limit ran out waiting for it (before its answer: out of rotation)
     CLIENT_GONE = "client_gone"  # the client went away first
 
 
@@ -321,7 +323,7 @@ class PeerDispatch:
         """Take ``replica``'s node out of this gateway's rotation for ``cooldown_s``."""
         self._out[replica.node_id] = self.clock() + self.cooldown_s
         logger.warning(
-            "peer %s (%s) failed before answering (%s): out of rotation for %g s",
+            "peer %s (%s) failed before its answer (%s): out of rotation for %g s",
             replica.node_id,
             replica.base_url,
             why,
@@ -460,7 +462,9 @@ class PeerDispatch:
         limit_s: float,
     ) -> None:
         """End a dispatch its client left, or whose limit ran out, before the answer was
-        handed on (``current``: the replica being tried then).
+        handed on (``current``: the replica being tried then). A peer that let the limit
+        run out -- longer than its own supervision allows the engine -- is hung: out of
+        rotation.
 
         Raises:
             EngineTimeout: ``engine_timeout`` when the limit ran out.
@@ -468,11 +472,14 @@ class PeerDispatch:
         if answer is not None:
             answer.response.close()
             answer.ticket.release()
+        if bound.disconnected:
+            if current is not None:
+                self.record(current, PeerOutcome.CLIENT_GONE)
+            return
         if current is not None:
-            gone = bound.disconnected
-            self.record(current, PeerOutcome.CLIENT_GONE if gone else PeerOutcome.TIMED_OUT)
-        if not bound.disconnected:
-            raise engine_timeout(deployment, limit, limit_s)
+            self.record(current, PeerOutcome.TIMED_OUT)
+            self.out_of_rotation(current, f"no answer within {limit.value}")
+        raise engine_timeout(deployment, limit, limit_s)
 
     async def _try(
         self,

@@ -110,10 +110,11 @@ async def fleet_of(
     keys: Sequence[ApiKeyRecord] = (),
     credential: str | None = CREDENTIAL,
     routes: Sequence[Route] = ROUTES,
+    tiny: dict[str, Any] = TINY,
 ) -> AsyncIterator[Fleet]:
     """Members ``names`` (node ids), each served from ``root/<name>``; those in ``hosting``
-    run deployment ``tiny`` (stand-in engine in ``mode`` plus ``modes[name]``, logging its
-    requests), the others
+    run deployment ``tiny`` (configured as ``tiny``; stand-in engine in ``mode`` plus
+    ``modes[name]``, logging its requests), the others
     have no deployment. Every table lists the hosting members' replicas, ready and idle."""
     fleet = Fleet()
     async with AsyncExitStack() as stack:
@@ -129,7 +130,7 @@ async def fleet_of(
             host = await stack.enter_async_context(
                 served(
                     root / name,
-                    deployments={"tiny": TINY} if name in hosting else {},
+                    deployments={"tiny": tiny} if name in hosting else {},
                     mode=faults,
                     keys=keys,
                     fleet=dispatch,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -16,7 +18,7 @@ from sbproxy.api.peers import PEER_HOP
 from sbproxy.config import ApiKeyRecord
 from sbproxy.fleet.routing import PeerReplica
 from tests.api.fleet_hosts import COOLDOWN_S, CREDENTIAL, Fleet, fleet_of
-from tests.api.support import ADMIN
+from tests.api.support import ADMIN, TINY
 from tests.model_host.engines.support import free_port
 from tests.model_host.runtime.support import until
 
@@ -178,6 +180,35 @@ async def test_a_dead_peer_is_retried_elsewhere_and_left_out_until_its_cool_down
         assert (await post(a.host.gateway_url, CHAT)).status_code == 200
         assert a.dispatch.tries[("tiny", "d", "unreachable")] == 2
         assert served_by(fleet) == {"a": 0, "b": 4, "c": 0}
+
+
+async def test_a_hung_peer_runs_out_the_limit_and_leaves_the_rotation(tmp_path: Path) -> None:
+    # a knows the deployment (its limits) but the table places it elsewhere only: on a peer
+    # that accepts connections and never answers (its listen backlog takes them).
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        port = hung.getsockname()[1]
+        tiny = {**TINY, "request_timeout_ms": 1000}
+        async with fleet_of(tmp_path, hosting=("a",), names=("a",), tiny=tiny) as fleet:
+            a = fleet["a"]
+            a.directory.replicas = {
+                "tiny": (PeerReplica("tiny", "h", f"http://127.0.0.1:{port}", 1, True, 0, 0),)
+            }
+            started = time.monotonic()
+            answer = await post(a.host.gateway_url, CHAT)
+            waited = time.monotonic() - started
+            assert answer.status_code == 504
+            assert answer.json()["error"]["code"] == "engine_timeout"
+            # The deployment's limit plus the margin that lets a live peer answer first.
+            assert 1.5 < waited < 10, waited
+            assert a.dispatch.tries == {("tiny", "h", "timed_out"): 1}
+            assert a.dispatch.out_now() == ["h"]
+            assert a.dispatch.in_flight("h", "tiny") == 0
+            answer = await post(a.host.gateway_url, CHAT)
+            assert answer.status_code == 503
+            assert answer.json()["error"]["code"] == "no_ready_replica"
+            assert fleet["a"].engine_requests() == []  # never started here
 
 
 async def test_a_peer_refusing_before_its_answer_is_retried_on_another(tmp_path: Path) -> None:
