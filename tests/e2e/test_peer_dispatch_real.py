@@ -60,6 +60,7 @@ def events(stream: bytes) -> list[Any]:
 async def test_a_host_without_the_model_streams_it_from_a_real_peer(
     tmp_path: Path, llama_server: Path, smol_cache: Path
 ) -> None:
+    (tmp_path / "b").mkdir()
     config, gateway, admin = write_config(
         tmp_path / "b",
         llama_server=llama_server,
