@@ -500,15 +500,13 @@ class Gateway:
         note, span = _annotate(scope, route, caller)
         if hop is None:
             self.usage.check(caller.name)
-            if fleet is not None and not fleet.serves_here(
-                deployment, known=deployment in self.manager.compiled.deployments
-            ):
+            if fleet is not None and not self.serves_here(fleet, deployment):
                 return await self.forward_to_peer(
                     request, route, fleet, caller=caller, host=host, path=path, head=head,
                     body=body, span=span, note=note,
                 )  # fmt: skip
         else:
-            self.hop_here(deployment)
+            self.hop_here(fleet, deployment)
         body, strip_usage = self.prepare(path, head, body, route)
         if hop is not None:
             # The calling host counts usage: it gets the usage event and drops it for its
@@ -579,16 +577,26 @@ class Gateway:
             return self.keys.authenticate(authorization), None
         return fleet.admit_hop(authorization, priority), hop
 
-    def hop_here(self, deployment: str) -> None:
-        """Check that a peer hop's deployment has a replica here (a hop is never passed on).
+    def serves_here(self, fleet: PeerDispatch, deployment: str) -> bool:
+        """Whether this node serves ``deployment`` itself (:meth:`PeerDispatch.serves_here`):
+        a client's request goes to a peer otherwise, a peer's hop is refused."""
+        return fleet.serves_here(
+            deployment,
+            known=deployment in self.manager.compiled.deployments,
+            running=lambda: self.manager.snapshot(deployment).routable,
+        )
+
+    def hop_here(self, fleet: PeerDispatch | None, deployment: str) -> None:
+        """Check that a peer hop's deployment is served here (a hop is never passed on).
 
         Raises:
             NoReadyReplica: ``no_ready_replica`` (503, retryable: the caller tries another).
         """
-        if deployment not in self.manager.compiled.deployments:
+        assert fleet is not None  # noqa: S101 - a hop is only read on a host of a fleet
+        if not self.serves_here(fleet, deployment):
             raise NoReadyReplica(
-                f"deployment {deployment!r} has no replica on this node (a peer hop is served "
-                "here or not at all)",
+                f"deployment {deployment!r} has no ready replica on this node (a peer hop is "
+                "served here or not at all)",
                 details={"deployment": deployment},
             )
 

@@ -4,13 +4,17 @@ has no ready replica of its own (issue 20, "Peer dispatch"; ARCHITECTURE.md "Sev
 Where a request goes (:meth:`PeerDispatch.serves_here`), from the fleet's routing table
 (:class:`~sbproxy.fleet.routing.RoutingTable`, a snapshot the directory keeps):
 
-1. a ready replica on this node: served here, as a single host serves it;
+1. the replica placed on this node, when the table lists it ready (ready, or idle and
+   loadable) or its engine runs here now: served here, as a single host serves it;
 2. else the ready replica of a peer with the fewest outstanding requests -- the ``active`` and
    ``queued`` counts the replica last reported plus this gateway's own requests in flight to
    it, so that several gateways do not all pile onto one replica between two reports; ties
    take turns;
-3. else, when this node has the deployment (a cold replica), here: the runtime starts it;
-4. else 503 ``no_ready_replica`` (retryable).
+3. else 503 ``no_ready_replica`` (retryable). The gateway never starts a replica the table
+   lists as not ready (its node may have fenced itself); the fleet starts placements.
+
+A deployment the table does not list is not the fleet's: the host serves it as a single
+host does.
 
 Between hosts: the request goes to the peer's gateway with the same path, the client's own
 body (the peer completes it for its engine, as for its own clients) and ``Host``, plus
@@ -18,7 +22,7 @@ body (the peer completes it for its engine, as for its own clients) and ``Host``
 the admin password, never logged), ``X-Sbproxy-Peer-Hop: <this node id>`` and
 ``X-Sbproxy-Peer-Priority: <the caller's class>``. A host receiving a hop checks the
 credential (401 ``peer_unauthorized`` otherwise), serves it only locally (never a second
-hop; 503 ``no_ready_replica`` when the deployment is not here), checks no key and no budget
+hop; 503 ``no_ready_replica`` when rule 1 does not hold here), checks no key and no budget
 and counts no usage: usage and budgets are counted once, on the host the client called, from
 the answer the peer relays (a stream always carries its ``usage`` event between hosts; the
 calling gateway drops it when its client had not asked for it). The client's bytes are the
@@ -238,39 +242,35 @@ class PeerDispatch:
 
     # -- the calling side --------------------------------------------------------------------
 
-    def serves_here(self, deployment: str, *, known: bool) -> bool:
-        """Whether this node serves a request for ``deployment`` (rules 1 and 3 of the module
-        docstring); ``known``: this node's runtime has the deployment.
+    def serves_here(self, deployment: str, *, known: bool, running: Callable[[], bool]) -> bool:
+        """Whether this node serves a request for ``deployment`` itself (rule 1 of the
+        module docstring).
 
         A deployment the table does not list is not the fleet's: this host serves it as a
-        single host would (when ``known``). One the table lists is served here only from a
-        replica placed here: a ready one first, a starting one when no peer's is ready.
+        single host would, when its runtime has it (``known``). One the table lists is
+        served here only from the replica placed here (listed under this node), when the
+        table says it is ready or its engine is running here now (``running``: the table
+        lags a load by up to a heartbeat). Never otherwise: a replica the table lists as not
+        ready may be on a node that fenced itself, whose engines must stay stopped.
         """
         table = self.directory.routing()
         replicas = table.for_deployment(deployment)
         if not replicas:
             return known
         local = table.local_node_id
-        now = self.clock()
-        placed_here = peer_ready = False
         for replica in replicas:
             if replica.node_id == local:
-                if replica.ready:
-                    return known
-                placed_here = True
-            elif replica.ready and self._in_rotation(replica.node_id, now):
-                peer_ready = True
-        return known and placed_here and not peer_ready
+                return known and (replica.ready or running())
+        return False
 
     def availability(
         self, deployment: str, *, local: dict[str, object] | None
     ) -> dict[str, object]:
         """What ``/v1/models`` says of ``deployment`` on a host of a fleet:
-        ``{state: ready|cold|unavailable, ready_replicas, desired_replicas}`` over the
-        replicas the table lists (``ready`` when one is ready -- here, or a peer's in this
-        gateway's rotation; ``cold`` when one is placed here and can start); ``local``
-        (this host's own availability, ``None`` when it lacks the deployment) for one the
-        table does not list."""
+        ``{state: ready|unavailable, ready_replicas, desired_replicas}`` over the replicas the
+        table lists (``ready`` when one is ready: here, or a peer's in this gateway's
+        rotation); ``local`` (this host's own availability, ``None`` when it lacks the
+        deployment) for one the table does not list."""
         table = self.directory.routing()
         replicas = table.for_deployment(deployment)
         if not replicas:
@@ -280,9 +280,7 @@ class PeerDispatch:
             r.ready and (r.node_id == table.local_node_id or self._in_rotation(r.node_id, now))
             for r in replicas
         )
-        startable = local is not None and local.get("state") != "unavailable"
-        placed_here = startable and any(r.node_id == table.local_node_id for r in replicas)
-        state = "ready" if ready else "cold" if placed_here else "unavailable"
+        state = "ready" if ready else "unavailable"
         return {"state": state, "ready_replicas": ready, "desired_replicas": len(replicas)}
 
     def pick(self, deployment: str, tried: set[str]) -> PeerReplica | None:
@@ -295,8 +293,8 @@ class PeerDispatch:
         fewest = 0
         for replica in table.for_deployment(deployment):
             node = replica.node_id
-            if node == local or not replica.ready or node in tried:
-                continue
+            if node == local or not replica.ready or not replica.base_url or node in tried:
+                continue  # a node that advertises no URL cannot be reached
             if not self._in_rotation(node, now):
                 continue
             outstanding = replica.active + replica.queued + self._in_flight[(node, deployment)]
@@ -495,8 +493,9 @@ class PeerDispatch:
         its answer was in hand."""
         response: aiohttp.ClientResponse | None = None
         started = asyncio.get_running_loop().time()
+        url = replica.base_url.rstrip("/") + path
         try:
-            response = await session.post(replica.base_url + path, data=body, headers=headers)
+            response = await session.post(url, data=body, headers=headers)
             data: bytes | None = None
             if not (streamed and response.content_type == "text/event-stream"):
                 data = await response.read()

@@ -31,28 +31,32 @@ def dispatch(*replicas: PeerReplica, clock: Clock | None = None) -> PeerDispatch
 
 
 @pytest.mark.parametrize(
-    ("replicas", "known", "here"),
+    ("replicas", "known", "running", "here"),
     [
         # Not a fleet deployment: this host's own, as on a single host.
-        ((), True, True),
-        ((), False, False),
-        # A ready replica here beats any peer, however idle.
-        ((rep("a", active=50), rep("b")), True, True),
-        # The table lists one here, but the runtime does not know the deployment (yet).
-        ((rep("a"), rep("b")), False, False),
-        # Placed here, not ready: a ready peer's first ...
-        ((rep("a", ready=False), rep("b")), True, False),
-        # ... and here (a cold start) when no peer's is ready.
-        ((rep("a", ready=False), rep("b", ready=False)), True, True),
-        # Placed elsewhere only: never started here, even when known.
-        ((rep("b"),), True, False),
-        ((rep("b", ready=False),), True, False),
+        ((), True, False, True),
+        ((), False, False, False),
+        # The replica placed here, ready: served here, however idle the peers are.
+        ((rep("a", active=50), rep("b")), True, False, True),
+        # The table lists one here, but this host's runtime lacks the deployment (yet).
+        ((rep("a"), rep("b")), False, False, False),
+        # Placed here, listed not ready: a peer's ...
+        ((rep("a", ready=False), rep("b")), True, False, False),
+        # ... or none: never started by a request (its node may have fenced itself) ...
+        ((rep("a", ready=False), rep("b", ready=False)), True, False, False),
+        ((rep("a", ready=False),), True, False, False),
+        # ... unless its engine runs here now (the table lags a load by a heartbeat).
+        ((rep("a", ready=False), rep("b")), True, True, True),
+        # Placed elsewhere only: never served here, even with an engine still running.
+        ((rep("b"),), True, True, False),
+        ((rep("b", ready=False),), True, False, False),
     ],
 )
 def test_where_a_request_is_served(
-    replicas: tuple[PeerReplica, ...], known: bool, here: bool
+    replicas: tuple[PeerReplica, ...], known: bool, running: bool, here: bool
 ) -> None:
-    assert dispatch(*replicas).serves_here("tiny", known=known) is here
+    found = dispatch(*replicas).serves_here("tiny", known=known, running=lambda: running)
+    assert found is here
 
 
 def test_the_fewest_outstanding_ready_peer_is_picked_and_ties_take_turns() -> None:
@@ -68,6 +72,12 @@ def test_the_fewest_outstanding_ready_peer_is_picked_and_ties_take_turns() -> No
     assert chooser.pick("tiny", {"c", "d"}) == rep("b", active=1, queued=1)
     assert chooser.pick("tiny", {"b", "c", "d"}) is None
     assert chooser.pick("other", set()) is None
+
+
+def test_a_peer_that_advertises_no_url_is_never_picked() -> None:
+    unreachable = PeerReplica("tiny", "b", "", 1, True, 0, 0)
+    assert dispatch(unreachable, rep("c", active=9)).pick("tiny", set()) == rep("c", active=9)
+    assert dispatch(unreachable).pick("tiny", set()) is None
 
 
 def test_a_failed_peer_is_out_of_rotation_for_the_cool_down_only() -> None:
@@ -128,9 +138,9 @@ COLD = {"state": "cold", "ready_replicas": 0, "desired_replicas": 1}
         ((), COLD, ("cold", 0, 1)),  # not the fleet's: this host's own
         ((rep("b"), rep("c")), None, ("ready", 2, 2)),
         ((rep("b"), rep("c", ready=False)), None, ("ready", 1, 2)),
-        ((rep("a", ready=False), rep("b", ready=False)), COLD, ("cold", 0, 2)),
-        ((rep("b", ready=False),), COLD, ("unavailable", 0, 1)),  # placed elsewhere only
-        ((rep("a", ready=False),), {**COLD, "state": "unavailable"}, ("unavailable", 0, 1)),
+        # Listed, none ready: nothing answers now (the gateway starts no fleet replica).
+        ((rep("a", ready=False), rep("b", ready=False)), COLD, ("unavailable", 0, 2)),
+        ((rep("b", ready=False),), COLD, ("unavailable", 0, 1)),
     ],
 )
 def test_what_the_model_list_says_of_a_fleet_deployment(

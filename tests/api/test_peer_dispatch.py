@@ -80,7 +80,9 @@ async def test_a_local_replica_is_served_first_however_busy_the_peers_say_it_is(
 
 
 async def test_the_peer_with_the_fewest_outstanding_requests_is_picked(tmp_path: Path) -> None:
-    async with fleet_of(tmp_path, mode="token_delay_s=0.5") as fleet:
+    # Streams of 25 s (5 tokens, 5 s apart): the two held open below are still in flight
+    # when the last request is picked, however slow the machine.
+    async with fleet_of(tmp_path, mode="token_delay_s=5") as fleet:
         a = fleet["a"]
         # The counts the replicas reported: b is busier.
         fleet.route("a", [fleet.replica("b", active=2, queued=1), fleet.replica("c", active=1)])
@@ -98,10 +100,12 @@ async def test_the_peer_with_the_fewest_outstanding_requests_is_picked(tmp_path:
             http.stream("POST", "/v1/chat/completions", json=STREAM) as first,
             http.stream("POST", "/v1/chat/completions", json=STREAM) as second,
         ):
-            for stream in (first, second):
-                async for line in stream.aiter_lines():
-                    if line.startswith("data:"):
-                        break  # the stream is in flight
+            # Each stream read to its first event, its reader kept: an abandoned reader closes
+            # its response whenever it is collected, and the stream would end then.
+            readers = [first.aiter_lines(), second.aiter_lines()]
+            for reader in readers:
+                while not (await anext(reader)).startswith("data:"):
+                    pass
             assert a.dispatch.in_flight("b", "tiny") == 2
             fleet.route("a", [fleet.replica("b"), fleet.replica("c", active=1)])
             assert (await post(a.host.gateway_url, CHAT)).status_code == 200
@@ -312,15 +316,36 @@ async def test_a_hop_is_never_passed_on(tmp_path: Path) -> None:
         assert answer.status_code == 503
         assert answer.json()["error"]["code"] == "no_ready_replica"
         assert answer.headers["retry-after"]
-        # b has one: served locally even when b's table says its own replica is not ready
-        # and c's is.
+        # b runs its replica (warmed by a request of its own client): a hop is served there
+        # even when b's table, a heartbeat behind, still lists it not ready and c's ready.
+        assert (await post(fleet["b"].host.gateway_url, CHAT)).status_code == 200
         fleet.route("b", [fleet.replica("b", ready=False), fleet.replica("c")])
         answer = await post(fleet["b"].host.gateway_url, CHAT, **hop)
         assert answer.status_code == 200
         assert answer.headers["x-sbproxy-route-class"] == "local"
-        assert served_by(fleet) == {"a": 0, "b": 1, "c": 0}
+        assert served_by(fleet) == {"a": 0, "b": 2, "c": 0}
         assert not fleet["a"].dispatch.tries
         assert not fleet["b"].dispatch.tries
+
+
+async def test_a_replica_listed_not_ready_is_never_started_by_a_request(tmp_path: Path) -> None:
+    # b's table lists its own replica not ready (as a node that fenced itself lists it) and
+    # no other: neither b's client nor a peer's hop starts b's engine.
+    async with fleet_of(tmp_path) as fleet:
+        b = fleet["b"]
+        fleet.route("b", [fleet.replica("b", ready=False), fleet.replica("c", ready=False)])
+        hop = {PEER_HOP: "a", "Authorization": f"Bearer {CREDENTIAL}"}
+        for headers in ({}, hop):
+            answer = await post(b.host.gateway_url, CHAT, **headers)
+            assert answer.status_code == 503
+            assert answer.json()["error"]["code"] == "no_ready_replica"
+        assert b.host.host.manager.snapshot("tiny").generation == 0  # never launched
+        assert served_by(fleet) == {"a": 0, "b": 0, "c": 0}
+        # Listed ready again (idle and loadable): the next request starts it.
+        fleet.route("b", [fleet.replica("b"), fleet.replica("c", ready=False)])
+        answer = await post(b.host.gateway_url, CHAT)
+        assert answer.status_code == 200
+        assert answer.headers["x-sbproxy-route-class"] == "local"
 
 
 async def test_no_ready_replica_anywhere_is_a_retryable_503(tmp_path: Path) -> None:

@@ -84,5 +84,5 @@ async def test_a_credential_without_a_directory_takes_hops_and_knows_no_peer(
         assert isinstance(fleet.directory, LoneDirectory)
         table = fleet.directory.routing()
         assert (table.local_node_id, dict(table.replicas)) == ("n1", {})
-        assert fleet.serves_here("tiny", known=True)
+        assert fleet.serves_here("tiny", known=True, running=lambda: False)
         fleet.admit_hop(f"Bearer {CREDENTIAL}", None)
