@@ -56,6 +56,7 @@ Anything else is a 404 ``unknown_origin``.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -96,10 +97,11 @@ from sbproxy.api.relay import (
 from sbproxy.api.supervision import ExchangeBound, Limit, engine_timeout
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger
-from sbproxy.config import Route
+from sbproxy.config import DeploymentConfig, Route
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import AdmissionRejected
 from sbproxy.model_host.runtime.manager import RuntimeManager, Upstream
+from sbproxy.model_host.runtime.state import DeploymentStatus
 from sbproxy.store import UsageStore
 from sbproxy.telemetry import (
     ATTR_DEPLOYMENT,
@@ -370,6 +372,9 @@ class Gateway:
     # Peer dispatch (sbproxy/api/peers.py); None: a single host, whose request path never
     # looks at the fleet.
     fleet: PeerDispatch | None = None
+    # The deployments of the configuration in force, by id (handed over at start and at each
+    # committed reload, as the routes are): which ones this host has, and their limits.
+    deployments: Mapping[str, DeploymentConfig] = field(default_factory=dict)
     usage: UsageLedger = field(init=False)
     _urls: dict[tuple[str, str], URL] = field(default_factory=dict, init=False, repr=False)
     _model_headers: dict[str, bytes] = field(default_factory=dict, init=False, repr=False)
@@ -406,10 +411,10 @@ class Gateway:
         a fleet, of the fleet's replicas (:meth:`PeerDispatch.availability`)."""
         if self.fleet is None:
             return self.manager.snapshot(deployment).availability()
-        local = None
-        if deployment in self.manager.compiled.deployments:
-            local = self.manager.snapshot(deployment).availability()
-        return self.fleet.availability(deployment, local=local)
+        local = self.local_status(deployment)
+        return self.fleet.availability(
+            deployment, local=local.availability() if local is not None else None
+        )
 
     async def admit(self, route: Route, caller: Caller) -> Upstream:
         """Admit one request of ``caller`` to ``route``'s deployment.
@@ -580,11 +585,22 @@ class Gateway:
     def serves_here(self, fleet: PeerDispatch, deployment: str) -> bool:
         """Whether this node serves ``deployment`` itself (:meth:`PeerDispatch.serves_here`):
         a client's request goes to a peer otherwise, a peer's hop is refused."""
-        return fleet.serves_here(
-            deployment,
-            known=deployment in self.manager.compiled.deployments,
-            running=lambda: self.manager.snapshot(deployment).routable,
-        )
+
+        def running() -> bool:
+            status = self.local_status(deployment)
+            return status is not None and status.routable
+
+        return fleet.serves_here(deployment, known=deployment in self.deployments, running=running)
+
+    def local_status(self, deployment: str) -> DeploymentStatus | None:
+        """This host's runtime status of ``deployment``; ``None`` when it has none (on a
+        host of a fleet, a deployment placed elsewhere only)."""
+        if deployment not in self.deployments:
+            return None
+        try:
+            return self.manager.snapshot(deployment)
+        except SbproxyError:  # unknown_deployment: a reload is removing it
+            return None
 
     def hop_here(self, fleet: PeerDispatch | None, deployment: str) -> None:
         """Check that a peer hop's deployment is served here (a hop is never passed on).
@@ -633,7 +649,7 @@ class Gateway:
                 self.session,
                 request.receive,
                 deployment=deployment,
-                config=self.manager.compiled.deployments.get(deployment),
+                config=self.deployments.get(deployment),
                 caller=caller,
                 host=host,
                 path=path,

@@ -183,6 +183,7 @@ def build_servers(
         rejections=rejections,
         disconnects=disconnects,
         fleet=peer_dispatch(compiled, directory) if directory is not None else None,
+        deployments=compiled.deployments,
     )
     if gateway.fleet is None and _credential(compiled) is not None:
         # A host with the fleet credential takes peer hops even before it knows its peers.
@@ -192,6 +193,7 @@ def build_servers(
     def swap(candidate: CompiledConfig) -> None:
         keys = KeyPlane(list(candidate.config.proxy.api_keys))
         gateway.routing = Routing(candidate.routes)
+        gateway.deployments = candidate.deployments
         gateway.keys = keys
         if gateway.fleet is not None:  # the same rotation and counts, the new credential
             gateway.fleet.configure(

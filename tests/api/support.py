@@ -74,6 +74,7 @@ async def served(
             routing=Routing(tuple(routes)),
             keys=KeyPlane(list(keys)),
             fleet=fleet,
+            deployments=host.manager.compiled.deployments,
         )
         admin = Admin(
             manager=host.manager,
