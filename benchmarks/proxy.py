@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import io
 import json
 import os
 import platform
@@ -57,14 +56,14 @@ import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
-ROOT = Path(__file__).resolve().parents[1]
+from baseline import ROOT, checkout, extract, spread
+
 UPSTREAM_PROGRAM = Path(__file__).resolve()  # in the argv of the upstream engines
 PASSWORD = "bench-password"  # noqa: S105 - a throwaway loopback admin
 PUBLIC_MODEL = "bench-chat"
@@ -479,42 +478,8 @@ def compare(direct: dict[str, Any], proxied: dict[str, Any]) -> dict[str, Any]:
 
 COMPARED = (("chat", CHAT_BODY), ("chat_stream", STREAM_BODY))
 RATIO_FIELDS = ("requests_per_s", "p50_ms")
-
-
-def git(*args: str) -> str:
-    return subprocess.run(  # noqa: S603 - git on PATH, our arguments
-        ["git", "-C", str(ROOT), *args],  # noqa: S607
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-
-
-def extract(rev: str, directory: Path) -> Path:
-    """``rev``'s ``sbproxy`` package, extracted into ``directory`` (which is returned)."""
-    archive = subprocess.run(  # noqa: S603 - git on PATH, our arguments
-        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "sbproxy"],  # noqa: S607
-        capture_output=True,
-        check=True,
-    ).stdout
-    directory.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(directory, filter="data")
-    probe = subprocess.run(
-        [sys.executable, "-c", "import sbproxy.cli.main, sbproxy.api.gateway"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(directory)},
-        cwd=directory,
-        check=False,
-    )
-    if probe.returncode != 0:
-        raise SystemExit(
-            f"commit {rev} cannot be imported with this environment ({sys.executable}); "
-            "install what it needs beside the current dependencies (an older commit may use "
-            f"packages since dropped):\n{probe.stderr[-2000:]}"
-        )
-    return directory
+# What a baseline commit must import under this interpreter to be served.
+IMPORTED = ("sbproxy.cli.main", "sbproxy.api.gateway")
 
 
 def _kill_leftover_engine(engine_port: int, program: Path) -> None:
@@ -579,26 +544,15 @@ def serving(
                     _kill_leftover_engine(engine_port, engine_program)
 
 
-def _spread(values: list[float]) -> dict[str, Any]:
-    return {
-        "per_pair": [round(v, 3) for v in values],
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
-
-
 def compare_commits(args: argparse.Namespace, wrk: str | None) -> dict[str, Any]:
     """The ``--baseline-commit`` comparison (see the module docstring)."""
-    head = git("rev-parse", "--short", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    baselines = {git("rev-parse", "--short", rev): rev for rev in args.baseline_commit}
+    head, dirty, baselines = checkout(args.baseline_commit)
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sbproxy-bench-") as tmp_name:
         tmp = Path(tmp_name)
         trees: dict[str, Path | None] = {"current": None}
         for short in baselines:
-            trees[short] = extract(short, tmp / "trees" / short)
+            trees[short] = extract(short, tmp / "trees" / short, imports=IMPORTED)
         names = list(trees)
         for index in range(args.pairs):
             order = names[index % len(names) :] + names[: index % len(names)]
@@ -625,7 +579,7 @@ def compare_commits(args: argparse.Namespace, wrk: str | None) -> dict[str, Any]
                         r["current"][scenario][key][field] / r[short][scenario][key][field]
                         for r in rounds
                     ]
-                    ratios[f"{scenario}.{key}.{field}"] = _spread(values)
+                    ratios[f"{scenario}.{key}.{field}"] = spread(values, per="per_pair")
         checks = {
             metric: {
                 "target": f">= {args.min_ratio}",

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import io
 import json
 import os
 import platform
@@ -64,7 +63,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -74,8 +72,8 @@ from typing import Any
 
 import httpx
 import yaml
+from baseline import ROOT, checkout, compile_package, extract, spread
 
-ROOT = Path(__file__).resolve().parents[1]
 SBPROXY = Path(sys.executable).parent / "sbproxy"
 REPO = "bench/random-GGUF"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -157,13 +155,6 @@ class Server:
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=10)
-
-
-def compile_package() -> None:
-    """Compile sbproxy's bytecode (``__pycache__``, ignored by git) as a wheel install does."""
-    subprocess.run(  # noqa: S603 - our own fixed argv
-        [sys.executable, "-m", "compileall", "-q", str(ROOT / "sbproxy")], check=True
-    )
 
 
 PROXY_VARIABLES = {
@@ -373,40 +364,6 @@ def marginal(small: dict[str, Any], large: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- baselines
 
 
-def git(*args: str) -> str:
-    return subprocess.run(  # noqa: S603 - git on PATH, our arguments
-        ["git", "-C", str(ROOT), *args],  # noqa: S607
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-
-
-def extract(rev: str, directory: Path) -> Path:
-    """``rev``'s ``sbproxy`` package, extracted into ``directory`` and compiled."""
-    archive = subprocess.run(  # noqa: S603 - git on PATH, our arguments
-        ["git", "-C", str(ROOT), "archive", "--format=tar", rev, "sbproxy"],  # noqa: S607
-        capture_output=True,
-        check=True,
-    ).stdout
-    directory.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(directory, filter="data")
-    subprocess.run(  # noqa: S603 - this interpreter, our arguments
-        [sys.executable, "-m", "compileall", "-q", str(directory / "sbproxy")], check=True
-    )
-    return directory
-
-
-def _spread(values: list[float]) -> dict[str, Any]:
-    return {
-        "per_round": [round(v, 3) for v in values],
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
-
-
 def _through_proxy(stack: contextlib.ExitStack, work: Path) -> dict[str, str]:
     """Start a real forward proxy (``proxy.py``) for the run: the env that uses it."""
     sys.path.insert(0, str(ROOT))
@@ -418,9 +375,7 @@ def _through_proxy(stack: contextlib.ExitStack, work: Path) -> dict[str, str]:
 
 def compare_commits(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--baseline-commit`` comparison (see the module docstring)."""
-    head = git("rev-parse", "--short", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    baselines = {git("rev-parse", "--short", rev): rev for rev in args.baseline_commit}
+    head, dirty, baselines = checkout(args.baseline_commit)
     (size_mib,) = args.size_mib if len(args.size_mib) == 1 else (min(args.size_mib),)
     rounds: list[dict[str, Any]] = []
     with (
@@ -430,7 +385,7 @@ def compare_commits(args: argparse.Namespace) -> dict[str, Any]:
         work = Path(temp)
         trees: dict[str, Path | None] = {"current": None}
         for short in baselines:
-            trees[short] = extract(short, work / "trees" / short)
+            trees[short] = extract(short, work / "trees" / short, compile_bytecode=True)
         proxied = _through_proxy(stack, work) if args.through_proxy else None
         source = work / FILENAME
         sha256 = generate(source, size_mib)
@@ -469,12 +424,12 @@ def compare_commits(args: argparse.Namespace) -> dict[str, Any]:
     against: dict[str, Any] = {}
     for short, rev in baselines.items():
         ratios = {
-            field: _spread([r["current"][field] / r[short][field] for r in rounds])
+            field: spread([r["current"][field] / r[short][field] for r in rounds])
             for field in fields
         }
         # CPU seconds of the whole pull process, baseline over current (above 1: the current
         # pull costs less CPU): steadier than wall time on a machine others load.
-        ratios["cpu_baseline_over_current"] = _spread(
+        ratios["cpu_baseline_over_current"] = spread(
             [r[short]["cpu_s"] / r["current"]["cpu_s"] for r in rounds]
         )
         of_medians = {  # cpu_s: current over baseline, below 1 is cheaper

@@ -54,7 +54,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from baseline import ROOT, checkout, extract, spread
+
 MODEL = "smollm2-135m-instruct"
 VARIANT = "q4_1"
 DEPLOYMENT = "smol"
@@ -334,8 +335,8 @@ def against_baseline(
             for field, _ in FIGURES:
                 values = [r["current"][key][target][field] for r in rounds]
                 olds = [r[short][key][target][field] for r in rounds]
-                ratios[f"{key}.{target}.{field}"] = bench._spread(
-                    [new / old for new, old in zip(values, olds, strict=True)]
+                ratios[f"{key}.{target}.{field}"] = spread(
+                    [new / old for new, old in zip(values, olds, strict=True)], per="per_pair"
                 )
     checks: dict[str, Any] = {}
     for clients in CONCURRENCY:
@@ -393,16 +394,14 @@ def main() -> None:
     llama_server = find_llama_server(args.llama_server)
     gguf = find_gguf(args.gguf)
     body = request_body(args.max_tokens)
-    head = bench.git("rev-parse", "--short", "HEAD")
-    dirty = bool(bench.git("status", "--porcelain", "--untracked-files=no"))
-    baselines = {bench.git("rev-parse", "--short", rev): rev for rev in args.baseline_commit}
+    head, dirty, baselines = checkout(args.baseline_commit)
     rounds: list[dict[str, Any]] = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="sbproxy-stream-") as tmp_name:
         tmp = Path(tmp_name)
         trees: dict[str, Path | None] = {"current": None}
         for short in baselines:
-            trees[short] = bench.extract(short, tmp / "trees" / short)
+            trees[short] = extract(short, tmp / "trees" / short, imports=bench.IMPORTED)
         caches = {name: tmp / "caches" / name for name in trees}
         for name, tree in trees.items():
             import_model(tree, gguf, caches[name])

@@ -63,22 +63,16 @@ from sbproxy.api.errors import (
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Disconnects, Rejections, build_registry
 from sbproxy.api.peers import PeerDispatch
-from sbproxy.api.protection import host_service
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger, usage_handlers
 from sbproxy.catalog import Catalog
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.view import FleetStatus
 from sbproxy.model_host.flows import (
-    GcInput,
-    GcReport,
-    RemoveInput,
     RemoveOutput,
-    artifact_subject,
-    gc_workflow,
-    remove_workflow,
 )
 from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.service import ModelHostService
 from sbproxy.store import JobRecord, JobStatus
 
 __all__ = ["Admin", "create_admin_app"]
@@ -127,7 +121,8 @@ class Admin:
 
     def __post_init__(self) -> None:
         if self.config is None:
-            self.config = ConfigState.of(self.manager.compiled, revision=self.manager.revision)
+            service = ModelHostService.serving(self.manager)
+            self.config = ConfigState.of(service.served, revision=service.revision)
             self.manager.on_commit.append(self.config.on_commit)
         self._user = hashlib.sha256(self.username.encode()).digest()
         self._secret = hashlib.sha256(self.password.encode()).digest()
@@ -308,12 +303,12 @@ def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     @get("/model-host/catalog", sync_to_thread=False)
     def catalog() -> dict[str, object]:
         """The catalog in force: models and variants, metadata only."""
-        return catalog_document(host_service(manager).catalog)
+        return catalog_document(ModelHostService.serving(manager).catalog)
 
     @get("/model-host/files")
     async def files() -> dict[str, object]:
         """The verified artifact cache; ``resident`` marks the artifact of a ready deployment."""
-        service = host_service(manager)
+        service = ModelHostService.serving(manager)
         published, total = await anyio.to_thread.run_sync(
             lambda: (service.cached(), service.cache.blob_bytes())
         )
@@ -344,7 +339,7 @@ def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
                 code="invalid_artifact_digest",
             )
         details = {"artifact_digest": digest}
-        service = host_service(manager)
+        service = ModelHostService.serving(manager)
         metadata = await anyio.to_thread.run_sync(lambda: service.cache.read_metadata(digest))
         if metadata is None:
             raise SbproxyError(
@@ -353,13 +348,7 @@ def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
         protected = service.protected()
         if digest in protected:
             raise _blocked(digest, protected[digest])
-        submitted = await service.engine.submit(
-            remove_workflow,
-            RemoveInput(digest=digest, protected=protected),
-            idempotency_key=f"remove:{digest}",
-            subject=artifact_subject(digest),
-        )
-        job = await service.engine.join(submitted.job.id)
+        job = await service.remove_digest(digest)
         if job.status != JobStatus.SUCCEEDED:
             if job.error is not None and job.error.code == "removal_blocked":
                 reason = job.error.message.rpartition(_BLOCKED_MARKER)[2].strip() or "protected"
@@ -376,7 +365,7 @@ def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     @post("/model-host/gc", status_code=200)
     async def gc() -> dict[str, object]:
         """Protected LRU collection down to ``cache.budget_gib`` (a ``gc`` job, awaited)."""
-        service = host_service(manager)
+        service = ModelHostService.serving(manager)
         budget = service.budget_bytes()  # floor(GiB x 2^30), as the reference sizes it
         if budget is None:
             raise SbproxyError(
@@ -384,15 +373,9 @@ def cache_handlers(manager: RuntimeManager) -> list[HTTPRouteHandler]:
                 code="no_cache_budget",
                 remediation="Set proxy.model_host.cache.budget_gib.",
             )
-        submitted = await service.engine.submit(
-            gc_workflow,
-            GcInput(budget_bytes=budget, protected=service.protected()),
-            idempotency_key=f"gc:{budget}",
-        )
-        job = await service.engine.join(submitted.job.id)
-        if job.status != JobStatus.SUCCEEDED:
+        report, job = await service.gc(budget_bytes=budget)
+        if report is None:
             raise _job_failed(job, "cache collection")
-        report = GcReport.model_validate(job.output)
         return {**report.model_dump(mode="json"), "job_id": job.id}
 
     return [catalog, files, remove_artifact, gc]
@@ -472,7 +455,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             reset,
             *cache_handlers(manager),
             *desired_handlers(manager, config),
-            jobs_router(manager.engine, admin.spawn),
+            jobs_router(lambda: ModelHostService.serving(manager), admin.spawn),
             *usage_handlers(admin.usage),
             console_router(manager, admin.activity, fleet=admin.fleet, peers=admin.peers),
         ],

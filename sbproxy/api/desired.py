@@ -40,7 +40,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from sbproxy.api.config_state import ConfigState, ReloadSource
 from sbproxy.api.errors import InvalidBody, admin_error, status_for
-from sbproxy.config import DeploymentConfig
+from sbproxy.config import CompiledConfig, DeploymentConfig
 from sbproxy.config._rules import Identifier
 from sbproxy.config.model_host import Authority
 from sbproxy.errors import ConfigError, SbproxyError
@@ -53,6 +53,7 @@ from sbproxy.model_host.runtime.reload import (
     revision_store,
     with_deployments,
 )
+from sbproxy.model_host.service import ModelHostService
 
 __all__ = ["desired_handlers"]
 
@@ -223,11 +224,11 @@ def _reload_body(body: bytes) -> str | None:
     return wanted
 
 
-def _source_mismatch(wanted: str | None, manager: RuntimeManager) -> SbproxyError | None:
+def _source_mismatch(wanted: str | None, served: CompiledConfig) -> SbproxyError | None:
     """``source_mismatch`` when a reload names another file than the one served."""
     if wanted is None:
         return None
-    running = manager.compiled.source
+    running = served.source
     if running is not None and Path(wanted).resolve() == running.resolve():
         return None
     return SbproxyError(
@@ -246,10 +247,11 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
     @get("/model-host/deployments")
     async def get_deployments() -> dict[str, object]:
         """The authoritative desired deployments and their revision."""
-        host = manager.compiled.model_host
+        service = ModelHostService.serving(manager)
+        host = service.served.model_host
         authority = host.authority if host else Authority.FILE_MANAGED
         if authority == Authority.ADMIN_MANAGED:
-            stored = await anyio.to_thread.run_sync(revision_store(manager.compiled).load)
+            stored = await anyio.to_thread.run_sync(revision_store(service.served).load)
             return {
                 "schema_version": 1,
                 "authority": authority.value,
@@ -258,12 +260,12 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
                 "content_digest": stored.content_digest if stored else None,
                 "deployments": dict(stored.deployments) if stored else {},
             }
-        desired = desired_of(manager.compiled)
+        desired = desired_of(service.served)
         return {
             "schema_version": 1,
             "authority": authority.value,
             "read_only": True,
-            "revision": manager.revision,
+            "revision": service.revision,
             "content_digest": desired_digest(desired),
             "deployments": desired,
         }
@@ -271,8 +273,9 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
     @put("/model-host/deployments", status_code=200)
     async def put_deployments(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
         """Replace the ``admin_managed`` desired deployments (compare-and-set)."""
+        served = ModelHostService.serving(manager).served
         try:
-            store = revision_store(manager.compiled)
+            store = revision_store(served)
         except SbproxyError as exc:
             return _failure(exc)
         body = await request.body()
@@ -294,7 +297,7 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
                     details={"expected_revision": expected, "actual_revision": actual},
                 )
             )
-        candidate = with_deployments(manager.compiled, deployments)
+        candidate = with_deployments(served, deployments)
         try:
             job_id, report = await reload(
                 manager,
@@ -315,7 +318,7 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
         """Re-read the configuration file and apply it through the reload transaction."""
         wanted = _reload_body(await request.body())
         source = ReloadSource.ADMIN if wanted is None else ReloadSource.APPLY
-        mismatch = _source_mismatch(wanted, manager)
+        mismatch = _source_mismatch(wanted, ModelHostService.serving(manager).served)
         if mismatch is not None:
             return _failure(mismatch)  # not a reload of this host's file: nothing recorded
         try:
@@ -325,11 +328,12 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
             return _failure(exc)
         config.committed(source, job_id=job_id, revision=report.revision)
         answer = _answer(job_id, report)
-        host = manager.compiled.model_host
+        served = ModelHostService.serving(manager).served  # as the reload left it
+        host = served.model_host
         if host is not None and host.authority == Authority.ADMIN_MANAGED:
             # One meaning of "revision" on every route: the store's (deployments come
             # from the store here; the file supplies routes, keys and policy).
-            stored = await anyio.to_thread.run_sync(revision_store(manager.compiled).load)
+            stored = await anyio.to_thread.run_sync(revision_store(served).load)
             answer["revision"] = stored.revision if stored else None
             answer["content_digest"] = stored.content_digest if stored else None
         return Response(answer, status_code=200)

@@ -5,7 +5,8 @@ model) is resolved to a deployment, the runtime manager admits it (starting a co
 when needed), and the body is forwarded unchanged to the engine over one shared
 :class:`aiohttp.ClientSession` -- the measured fastest client for this hop
 (``measured-here.md``, "The proxy's hot path"); llama-server ignores ``model``, so the body is
-not re-encoded. Answers carry the public model name in ``model``.
+not re-encoded. A request that meets a kept-alive connection the engine closed is sent again
+on another (:mod:`sbproxy.api.engine_client`). Answers carry the public model name in ``model``.
 
 Streaming (``"stream": true``) is relayed event by event as the engine writes it
 (:class:`~sbproxy.api.relay.StreamRelay`). The admission permit is released, and the
@@ -69,6 +70,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from opentelemetry import trace
 from yarl import URL
 
+from sbproxy.api import engine_client
 from sbproxy.api.access import (
     CLIENT_CLOSED,
     CLIENT_DISCONNECTED,
@@ -102,7 +104,7 @@ from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import AdmissionRejected
 from sbproxy.model_host.runtime.manager import RuntimeManager, Upstream
 from sbproxy.model_host.runtime.state import DeploymentStatus
-from sbproxy.store import UsageStore
+from sbproxy.model_host.service import ModelHostService
 from sbproxy.telemetry import (
     ATTR_DEPLOYMENT,
     ATTR_INPUT_TOKENS,
@@ -380,7 +382,7 @@ class Gateway:
     _model_headers: dict[str, bytes] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.usage = UsageLedger(UsageStore(self.manager.runtime_store.database), self.keys.budgets)
+        self.usage = UsageLedger(ModelHostService.serving(self.manager).usage(), self.keys.budgets)
 
     async def open(self) -> None:
         """Create the shared upstream session (on the app's event loop) and load usage.
@@ -389,14 +391,7 @@ class Gateway:
             StoreError: ``store_failed`` when the usage of the current periods cannot be read.
         """
         if self.session is None:
-            self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=False),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                auto_decompress=False,
-                # Every request the session sends is a JSON body; as a default header it is
-                # not merged per request.
-                headers={"Content-Type": "application/json"},
-            )
+            self.session = engine_client.engine_session()
         await self.usage.start()
 
     async def close(self) -> None:
@@ -729,7 +724,9 @@ class Gateway:
                 limit, limit_s = _first_limit(upstream, streamed=streamed)
                 bound.set_deadline(started + limit_s)
                 assert self.session is not None  # noqa: S101 - opened at app startup
-                response = await self.session.post(self.url(upstream.base_url, path), data=body)
+                response = await engine_client.post(
+                    self.session, self.url(upstream.base_url, path), body
+                )
                 if not (streamed and response.content_type == "text/event-stream"):
                     data = await response.read()
         except aiohttp.ClientError as exc:

@@ -29,8 +29,8 @@ from litestar.response import Stream
 from ulid import ULID
 
 from sbproxy.api.errors import ApiError, InvalidJobId
+from sbproxy.model_host.service import ModelHostService
 from sbproxy.store import JobRecord, JobStatus
-from sbproxy.workflows import WorkflowEngine
 
 __all__ = ["jobs_router"]
 
@@ -75,23 +75,26 @@ def _job(job: JobRecord) -> dict[str, Any]:
 
 
 def jobs_router(
-    engine: WorkflowEngine, spawn: Callable[[Callable[[], Awaitable[object]]], None]
+    service: Callable[[], ModelHostService],
+    spawn: Callable[[Callable[[], Awaitable[object]]], None],
 ) -> Router:
-    """The ``/model-host/jobs`` routes over ``engine`` (mounted under ``/admin``); ``spawn``
-    starts background work (a retried job)."""
+    """The ``/model-host/jobs`` routes over the jobs of the facade ``service()`` returns (one
+    per request; mounted under ``/admin``); ``spawn`` starts background work (a retried
+    job)."""
 
     @get("/")
     async def list_jobs() -> dict[str, Any]:
         """Active and retained jobs, oldest first."""
-        jobs = await engine.store.list_jobs(limit=LIST_LIMIT)
+        jobs = await service().jobs(limit=LIST_LIMIT)
         jobs.sort(key=lambda job: (job.created_at_ms, job.id))
         return {"schema_version": 1, "jobs": [job.to_dict() for job in jobs]}
 
     @get("/{job_id:str}")
     async def show_job(job_id: FromPath[str]) -> dict[str, Any]:
         """One job with its journal steps."""
-        job = await engine.get(check_job_id(job_id))
-        steps = await engine.steps(job.id)
+        facade = service()
+        job = await facade.job(check_job_id(job_id))
+        steps = await facade.job_steps(job.id)
         body = _job(job)
         body["steps"] = [entry.to_dict() for entry in steps]
         return body
@@ -103,7 +106,8 @@ def jobs_router(
         after: FromQuery[str | None] = None,
     ) -> Stream:
         """Follow a job's events as SSE (see the module docstring)."""
-        job = await engine.get(check_job_id(job_id))
+        facade = service()
+        job = await facade.job(check_job_id(job_id))
         raw = request.headers.get("last-event-id", after)
         after_seq: int | None = None
         if raw is not None:
@@ -118,9 +122,9 @@ def jobs_router(
             yield b": connected\n\n"
             if after_seq is None:
                 yield _frame({"type": "job", **_job(job)})
-            async for event in engine.follow(job.id, after_seq=after_seq or 0):
+            async for event in facade.follow_job(job.id, after_seq=after_seq or 0):
                 yield _frame(event.to_dict(), seq=event.seq)
-            final = await engine.get(job.id)
+            final = await facade.job(job.id)
             yield _frame({"type": "job", **_job(final)})
 
         return Stream(
@@ -132,18 +136,19 @@ def jobs_router(
     @post("/{job_id:str}/cancel", status_code=200)
     async def cancel_job(job_id: FromPath[str]) -> dict[str, Any]:
         """Request cancellation (immediate when queued, cooperative when running)."""
-        return _job(await engine.cancel(check_job_id(job_id)))
+        return _job(await service().cancel_job(check_job_id(job_id)))
 
     @post("/{job_id:str}/retry", status_code=200)
     async def retry_job(job_id: FromPath[str]) -> dict[str, Any]:
         """Re-queue a failed or parked job; the worker loop resumes it."""
-        job = await engine.retry(check_job_id(job_id))
+        facade = service()
+        job = await facade.retry_job(check_job_id(job_id))
         if job.status != JobStatus.QUEUED:
             raise JobNotRetryable(
                 f"job {job_id} is {job.status.value}; only failed or parked jobs can be retried",
                 details={"job_id": job_id},
             )
-        spawn(lambda: engine.join(job.id))
+        spawn(lambda: facade.run(job))
         return _job(job)
 
     return Router(

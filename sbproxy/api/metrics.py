@@ -71,6 +71,7 @@ from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import DeviceInfo, probe_devices
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.state import DeploymentState
+from sbproxy.model_host.service import ModelHostService
 
 __all__ = ["Disconnects", "Rejections", "build_registry"]
 
@@ -264,16 +265,17 @@ class _PeerCollector(Collector):
 
 
 class _JobCollector(Collector):
-    def __init__(self, manager: RuntimeManager) -> None:
-        self.outcomes = manager.engine.store.outcomes
+    def __init__(self, service: ModelHostService) -> None:
+        self.service = service
 
     def collect(self) -> Iterator[Metric]:
+        counts, histograms = self.service.job_outcomes()
         jobs = CounterMetricFamily(
             "sbproxy_jobs",
             "Jobs brought to a terminal status by this process, by workflow and status.",
             labels=["workflow", "status"],
         )
-        for (workflow, status), count in sorted(self.outcomes.counts().items()):
+        for (workflow, status), count in sorted(counts.items()):
             jobs.add_metric([workflow, status], count)
         yield jobs
         durations = HistogramMetricFamily(
@@ -281,7 +283,7 @@ class _JobCollector(Collector):
             "Seconds from a job's first start to its end, by workflow.",
             labels=["workflow"],
         )
-        for workflow, histogram in sorted(self.outcomes.durations().items()):
+        for workflow, histogram in sorted(histograms.items()):
             durations.add_metric(
                 [workflow], buckets=histogram.cumulative(), sum_value=histogram.total_s
             )
@@ -292,11 +294,11 @@ class _JournalCollector(Collector):
     """The journal writer's contention: a busy host shows in the wait, a slow disk in the
     commit, and how many writes shared each commit in the group size."""
 
-    def __init__(self, manager: RuntimeManager) -> None:
-        self.tallies = manager.engine.store.write_tallies
+    def __init__(self, service: ModelHostService) -> None:
+        self.service = service
 
     def collect(self) -> Iterator[Metric]:
-        waits, commits, groups = self.tallies.snapshot()
+        waits, commits, groups = self.service.journal_writes()
         for name, text, histogram in (
             (
                 "sbproxy_journal_write_wait_seconds",
@@ -334,8 +336,10 @@ def build_registry(
     scrape."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_HostCollector(manager, rejections, devices))
-    registry.register(_JobCollector(manager))
-    registry.register(_JournalCollector(manager))
+    # Only the journal's tallies are read there, which a reload does not change.
+    journal = ModelHostService.serving(manager)
+    registry.register(_JobCollector(journal))
+    registry.register(_JournalCollector(journal))
     registry.register(_RuntimeCollector(manager))
     if usage is not None:
         registry.register(_UsageCollector(usage))

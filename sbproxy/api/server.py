@@ -65,6 +65,7 @@ from sbproxy.fleet.routing import FleetDirectory
 from sbproxy.fleet.view import FleetStatus
 from sbproxy.model_host.lockfile import lock_guard
 from sbproxy.model_host.runtime.reload import reload_from_source
+from sbproxy.model_host.service import ModelHostService
 
 __all__ = ["Listener", "build_servers", "loop_options", "run_served", "serve"]
 
@@ -305,7 +306,7 @@ async def _watch_config(
     event, checked every 50 ms, ends the wait early), so the server sets ``stopped`` before
     cancelling this task; otherwise a shutdown would wait out the poll interval.
     """
-    source = host.manager.compiled.source
+    source = ModelHostService.serving(host.manager).served.source
     if source is None:
         return
 
@@ -449,7 +450,7 @@ async def _serve_host(
     async with open_host(compiled, cache_dir=cache_dir, stop=stop) as host:
         stop.follow(host.manager)
         if lockfile is not None:
-            host.manager.config_guard = lock_guard(lockfile, host.manager)
+            host.manager.config_guard = lock_guard(lockfile, ModelHostService.serving(host.manager))
         servers, _, _ = build_servers(
             compiled, host, stop=stop, directory=directory, fleet_status=fleet_status
         )

@@ -51,7 +51,6 @@ from sbproxy.catalog import (
     Catalog,
     EngineKind,
     ResolvedArtifact,
-    load_catalog,
     pinned_artifact,
 )
 from sbproxy.config import CompiledConfig
@@ -59,7 +58,6 @@ from sbproxy.errors import CatalogError, ResolutionError, SbproxyError
 from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.artifacts.cache import CacheState, fsync_dir
 from sbproxy.model_host.artifacts.errors import CacheCorrupt
-from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.service import ModelHostService, Selection
 
 __all__ = [
@@ -657,8 +655,13 @@ def _unlocked(
     return checks
 
 
-def lock_guard(path: Path, manager: RuntimeManager) -> Callable[[CompiledConfig], Awaitable[None]]:
+def lock_guard(
+    path: Path, service: ModelHostService
+) -> Callable[[CompiledConfig], Awaitable[None]]:
     """A reload guard for ``serve --locked``: a configuration that drifts from the lock is refused.
+
+    ``service`` is the serving host's facade (its cache root and journal); each candidate is
+    checked under its own catalog (:meth:`ModelHostService.with_config`).
 
     The lock holds for the server's whole life, not only at start: every file reload
     (``SIGHUP``, the watcher, ``POST /admin/reload``, ``sbproxy apply``) first verifies the
@@ -671,15 +674,7 @@ def lock_guard(path: Path, manager: RuntimeManager) -> Callable[[CompiledConfig]
     """
 
     def check(candidate: CompiledConfig) -> LockReport:
-        host = candidate.model_host
-        catalog_file = Path(host.catalog_file) if host is not None and host.catalog_file else None
-        service = ModelHostService(
-            layout=manager.layout,
-            catalog=load_catalog(catalog_file),
-            engine=manager.engine,
-            config=candidate,
-        )
-        return verify_lock(read_lock(path), service)
+        return verify_lock(read_lock(path), service.with_config(candidate))
 
     async def guard(candidate: CompiledConfig) -> None:
         report = await anyio.to_thread.run_sync(check, candidate)

@@ -1,4 +1,5 @@
-"""The model host's use-case API for offline work (the CLI today, the admin API later).
+"""The model host's use-case API: the one facade the CLI (offline) and a serving host's
+admin API and console call alike (:meth:`ModelHostService.serving` takes it from the runtime).
 
 A :class:`ModelHostService` binds one cache root (and its job journal), one catalog and,
 optionally, one loaded configuration. Every mutation goes through a durable job: a pull
@@ -15,10 +16,11 @@ which then finds nothing cached, instead of leaving the killed job ``running`` f
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -32,6 +34,7 @@ from sbproxy.catalog import (
     resolve_artifact,
 )
 from sbproxy.config import CompiledConfig
+from sbproxy.errors import SbproxyError
 from sbproxy.model_host.artifacts import (
     ArtifactCache,
     CachedMetadata,
@@ -39,6 +42,7 @@ from sbproxy.model_host.artifacts import (
     PartialDownload,
 )
 from sbproxy.model_host.artifacts.errors import CacheCorrupt, OfflineArtifactMissing
+from sbproxy.model_host.engine_logs import LogTail, log_generations, read_tail
 from sbproxy.model_host.flows import (
     GcInput,
     GcPreview,
@@ -64,11 +68,18 @@ from sbproxy.model_host.runtime import probe_worker
 from sbproxy.store import (
     ACTIVE_JOB_STATUSES,
     TERMINAL_JOB_STATUSES,
+    DurationHistogram,
+    EventRecord,
     JobRecord,
     JobStatus,
+    StepRecord,
+    UsageStore,
     journal_location,
 )
 from sbproxy.workflows import Staleness, WorkflowEngine, owner_is_gone
+
+if TYPE_CHECKING:
+    from sbproxy.model_host.runtime.manager import RuntimeManager
 
 __all__ = ["ArtifactJob", "ModelHostService", "PartialReport", "Selection", "open_service"]
 
@@ -155,6 +166,12 @@ class ModelHostService:
         config: The loaded configuration, if any.
         protection: Where a serving host's protection comes from (its runtime: configured
             and resident artifacts); ``None`` offline (the configured deployments).
+        revision: On a serving host, the runtime's committed revision when the facade was
+            taken (``None`` offline, or before the first commit).
+
+    On a serving host, api/ takes a facade per request with :meth:`serving`: the runtime
+    manager's cache root, journal, catalog and configuration are read there and nowhere else
+    outside the runtime.
     """
 
     layout: CacheLayout
@@ -162,7 +179,65 @@ class ModelHostService:
     engine: WorkflowEngine
     config: CompiledConfig | None = None
     protection: Callable[[], dict[str, str]] | None = None
+    revision: int | None = None
+    _usage: UsageStore | None = field(default=None, repr=False)
     _worker: WorkerProfile | None = field(default=None, repr=False)
+
+    @classmethod
+    def serving(cls, manager: RuntimeManager) -> ModelHostService:
+        """The facade over a serving host's runtime as it is now: its cache root, journal,
+        catalog, configuration and revision (a reload may change the last three, so take one
+        per request), with the runtime's protection (configured and resident artifacts)."""
+        return cls(
+            layout=manager.layout,
+            catalog=manager.catalog,
+            engine=manager.engine,
+            config=manager.compiled,
+            protection=manager.artifact_protection,
+            revision=manager.revision,
+            _usage=UsageStore(manager.runtime_store.database),
+        )
+
+    @property
+    def served(self) -> CompiledConfig:
+        """The configuration in force (on a serving host: the one its runtime runs).
+
+        Raises:
+            SbproxyError: ``no_config_source`` when no configuration is loaded.
+        """
+        if self.config is None:
+            raise SbproxyError(
+                "no configuration is loaded",
+                code="no_config_source",
+                remediation="Start the host with a configuration file (`sbproxy serve -f`).",
+            )
+        return self.config
+
+    def usage(self) -> UsageStore:
+        """The per-key token usage kept in a serving host's journal database.
+
+        Raises:
+            SbproxyError: ``not_serving`` on a facade not taken with :meth:`serving`.
+        """
+        if self._usage is None:
+            raise SbproxyError("token usage is kept by a serving host only", code="not_serving")
+        return self._usage
+
+    def with_config(self, candidate: CompiledConfig) -> ModelHostService:
+        """This facade's cache root and journal under ``candidate`` and the catalog it names
+        (operator file or built-in): what a reload guard checks a candidate with.
+
+        Raises:
+            CatalogError: ``invalid_catalog``.
+        """
+        host = candidate.model_host
+        catalog_file = Path(host.catalog_file) if host is not None and host.catalog_file else None
+        return ModelHostService(
+            layout=self.layout,
+            catalog=load_catalog(catalog_file),
+            engine=self.engine,
+            config=candidate,
+        )
 
     @property
     def cache(self) -> ArtifactCache:
@@ -318,6 +393,76 @@ class ModelHostService:
                 "that job.",
             )
 
+    async def jobs(
+        self,
+        *,
+        statuses: Sequence[JobStatus] = (),
+        kind: str | None = None,
+        limit: int = 100,
+    ) -> list[JobRecord]:
+        """Jobs in the journal, newest first, filtered by status and kind; at most ``limit``
+        (-1: all)."""
+        return await self.engine.store.list_jobs(statuses=statuses, kind=kind, limit=limit)
+
+    async def job(self, job_id: str) -> JobRecord:
+        """The job ``job_id``.
+
+        Raises:
+            JobNotFound: ``job_not_found``.
+        """
+        return await self.engine.get(job_id)
+
+    async def job_steps(self, job_id: str) -> list[StepRecord]:
+        """The step journal of ``job_id``, in order."""
+        return await self.engine.steps(job_id)
+
+    async def job_events(
+        self, job_id: str, *, after_seq: int = 0, limit: int = 500
+    ) -> list[EventRecord]:
+        """Up to ``limit`` events of ``job_id`` after sequence number ``after_seq``, oldest
+        first."""
+        return await self.engine.store.events(job_id, after_seq=after_seq, limit=limit)
+
+    def follow_job(self, job_id: str, *, after_seq: int = 0) -> AsyncIterator[EventRecord]:
+        """The events of ``job_id`` after ``after_seq`` as they are written, until the job
+        is finished.
+
+        Raises:
+            JobNotFound: ``job_not_found``.
+        """
+        return self.engine.follow(job_id, after_seq=after_seq)
+
+    async def cancel_job(self, job_id: str) -> JobRecord:
+        """Request cancellation of ``job_id`` (at once when queued or parked, cooperative when
+        running); the job after the request.
+
+        Raises:
+            JobNotFound: ``job_not_found``.
+        """
+        return await self.engine.cancel(job_id)
+
+    async def retry_job(self, job_id: str) -> JobRecord:
+        """Re-queue ``job_id`` when it failed or is parked (it resumes after its last
+        completed step); the job after the request (unchanged when it was not retryable).
+
+        Raises:
+            JobNotFound: ``job_not_found``.
+        """
+        return await self.engine.retry(job_id)
+
+    def job_outcomes(
+        self,
+    ) -> tuple[dict[tuple[str, str], int], dict[str, DurationHistogram]]:
+        """Jobs this process brought to a terminal status: ``(workflow, status) -> count``
+        and ``workflow -> histogram`` of seconds from first start to end (copies)."""
+        outcomes = self.engine.store.outcomes
+        return outcomes.counts(), outcomes.durations()
+
+    def journal_writes(self) -> tuple[DurationHistogram, DurationHistogram, DurationHistogram]:
+        """This process's journal writes: seconds waited before a transaction, seconds per
+        commit, and writes per commit (copies)."""
+        return self.engine.store.write_tallies.snapshot()
+
     async def run(self, job: JobRecord) -> JobRecord:
         """Run ``job`` here (or wait for its live owner) until it finishes."""
         return await self.engine.join(job.id)
@@ -368,13 +513,20 @@ class ModelHostService:
             return self._removal(digest, resumed[-1])
         if state.kind == "missing":
             return RemoveOutput(artifact_digest=digest, removed=False, reclaimed_bytes=0), None
+        return self._removal(digest, await self.remove_digest(digest, stale=stale))
+
+    async def remove_digest(self, digest: str, *, stale: bool = False) -> JobRecord:
+        """Run the ``remove`` job of the published artifact ``digest`` (joined when one is
+        unfinished), leaving :meth:`protected` artifacts alone; the job as it ended (failed
+        with ``removal_blocked`` when the artifact is protected or in use). ``stale`` as in
+        :meth:`remove`."""
         submitted = await self.engine.submit(
             remove_workflow,
             RemoveInput(digest=digest, protected=self.protected(), stale=stale),
             idempotency_key=f"remove:{digest}",
-            subject=subject,
+            subject=artifact_subject(digest),
         )
-        return self._removal(digest, await self.engine.join(submitted.job.id))
+        return await self.engine.join(submitted.job.id)
 
     @staticmethod
     def _removal(digest: str, job: JobRecord) -> tuple[RemoveOutput, JobRecord]:
@@ -521,6 +673,16 @@ class ModelHostService:
                 )
             )
         return reports
+
+    def engine_logs(self) -> dict[str, list[int]]:
+        """Deployment -> the engine generations whose output is kept, newest first.
+        Blocking: lists the logs directory."""
+        return log_generations(self.layout.logs)
+
+    def engine_log(self, deployment: str, generation: int) -> LogTail:
+        """The redacted end of ``deployment``'s engine generation ``generation`` output (an
+        empty tail when there is none). Blocking: reads the file."""
+        return read_tail(self.layout.engine_log(deployment, generation))
 
     async def verify(self, metadata: CachedMetadata, *, full: bool) -> str | None:
         """Re-verify one published artifact; the corruption reason, or None when intact."""

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from sbproxy.api.activity import Activity, RequestRecord
-from sbproxy.api.console.views import Series, chart_svg, read_tail, subject_label
+from sbproxy.api.console.views import Series, chart_svg, subject_label
+from sbproxy.model_host.engine_logs import read_tail
 from tests.api.support import ADMIN, served
 from tests.api.test_admin import admin_client, wait_job
 

@@ -1,7 +1,8 @@
 """The console's routes under ``/admin/ui`` (mounted on the guarded admin router).
 
 Pages are rendered on the server from the runtime's frozen snapshots
-(:meth:`RuntimeManager.status`), the job journal, the activity ring and the cache; the
+(:meth:`RuntimeManager.status`), the activity ring, and the job journal, engine logs and
+cache as the model-host facade (:meth:`ModelHostService.serving`) reads them; the
 page script (``static/console.js``) refreshes deployment states, sends actions and follows
 job events over the jobs SSE stream.
 
@@ -39,18 +40,16 @@ from sbproxy.api.console.views import (
     format_age_ms,
     format_bytes,
     format_ms,
-    log_files,
-    read_tail,
     subject_label,
 )
 from sbproxy.api.errors import CrossSiteRequest, InvalidBody
 from sbproxy.api.jobs import check_job_id
 from sbproxy.api.peers import PeerDispatch
-from sbproxy.api.protection import host_service
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.view import FleetStatus, FleetView
 from sbproxy.model_host.runtime import probe_devices
 from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.service import ModelHostService
 from sbproxy.store import JobRecord, JobStatus, wall_clock_ms
 
 __all__ = ["CONSOLE_HEADER", "console_router", "console_sampler", "console_templates"]
@@ -134,10 +133,10 @@ def _job_row(job: JobRecord, names: Mapping[str, str] | None = None) -> dict[str
     }
 
 
-def _artifact_names(manager: RuntimeManager, jobs: Sequence[JobRecord]) -> dict[str, str]:
+def _artifact_names(service: ModelHostService, jobs: Sequence[JobRecord]) -> dict[str, str]:
     """Artifact digest -> ``model:variant``, from the published cache and the pulls in
     ``jobs`` (a remove or gc job's input names only the digest). Blocking: reads the cache."""
-    names = host_service(manager).artifact_names()
+    names = service.artifact_names()
     for job in jobs:
         named = artifact_name(job.input)
         if named is not None:
@@ -219,7 +218,6 @@ def _deployment_routes(manager: RuntimeManager, activity: Activity) -> list[HTTP
 
 def _job_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     """The jobs list and a job's detail."""
-    engine = manager.engine
 
     @get("/jobs")
     async def jobs(
@@ -229,8 +227,9 @@ def _job_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
         """Jobs, newest first, filtered by status and kind."""
         statuses = (JobStatus(status),) if status in set(JobStatus) else ()
         chosen_kind = kind.strip() if kind and kind.strip() else None
-        listed = await engine.store.list_jobs(statuses=statuses, kind=chosen_kind, limit=JOBS_SHOWN)
-        names = await anyio.to_thread.run_sync(_artifact_names, manager, listed)
+        service = ModelHostService.serving(manager)
+        listed = await service.jobs(statuses=statuses, kind=chosen_kind, limit=JOBS_SHOWN)
+        names = await anyio.to_thread.run_sync(_artifact_names, service, listed)
         return Template(
             "jobs.html",
             context={
@@ -246,12 +245,13 @@ def _job_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     @get("/jobs/{job_id:str}")
     async def job_detail(job_id: FromPath[str]) -> Template:
         """One job: its steps, attempts, error, progress and latest events, then live."""
-        job = await engine.get(check_job_id(job_id))
-        steps = await engine.steps(job.id)
+        service = ModelHostService.serving(manager)
+        job = await service.job(check_job_id(job_id))
+        steps = await service.job_steps(job.id)
         events: list[dict[str, Any]] = []
         last_seq = 0
         for _ in range(40):  # bounded: at most 40 pages of 500 events
-            page = await engine.store.events(job.id, after_seq=last_seq, limit=500)
+            page = await service.job_events(job.id, after_seq=last_seq, limit=500)
             if not page:
                 break
             last_seq = page[-1].seq
@@ -261,7 +261,7 @@ def _job_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
                 {"id": e.seq, "at_ms": e.at_ms, "type": e.type, "data": e.to_dict()} for e in page
             )
             events = [*events, *shown][-EVENTS_SHOWN:]
-        names = await anyio.to_thread.run_sync(_artifact_names, manager, [job])
+        names = await anyio.to_thread.run_sync(_artifact_names, service, [job])
         return Template(
             "job.html",
             context={
@@ -325,7 +325,6 @@ def _activity_routes(activity: Activity) -> list[HTTPRouteHandler]:
 
 def _log_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     """The engine-output page."""
-    logs_dir = manager.layout.root / "logs"
 
     @get("/logs")
     async def logs(
@@ -333,7 +332,8 @@ def _log_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
         generation: Annotated[int | None, QueryParameter(ge=0)] = None,
     ) -> Template:
         """The bounded, redacted tail of each deployment's engine log."""
-        found = await anyio.to_thread.run_sync(log_files, logs_dir)
+        service = ModelHostService.serving(manager)
+        found = await anyio.to_thread.run_sync(service.engine_logs)
         known = {entry.deployment: entry.generation for entry in manager.status()}
         panels = []
         for name in sorted(set(known) | set(found)):
@@ -345,7 +345,7 @@ def _log_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
                 current = known.get(name)
                 chosen = current if current in generations else next(iter(generations), None)
             tail = (
-                await anyio.to_thread.run_sync(read_tail, logs_dir / f"{name}-g{chosen}.log")
+                await anyio.to_thread.run_sync(service.engine_log, name, chosen)
                 if chosen is not None and chosen in generations
                 else None
             )
@@ -369,7 +369,7 @@ def _cache_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     @get("/cache")
     async def cache() -> Template:
         """Artifacts with sizes and flags, budget use, and what gc and prune would delete."""
-        service = host_service(manager)
+        service = ModelHostService.serving(manager)
         overview = await service.overview()
         protected, preview, budget = overview.protected, overview.gc_preview, overview.budget_bytes
         used = overview.used_bytes

@@ -1,39 +1,25 @@
-"""Pure helpers of the console's pages: log tails, SVG charts, display formats.
+"""Pure helpers of the console's pages: SVG charts, display formats, job subjects.
 
-Nothing here does network or runtime I/O; :func:`read_tail` reads one file.
+Nothing here does I/O.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 from markupsafe import Markup, escape
 
-from sbproxy.redact import redact
-
 __all__ = [
-    "TAIL_BYTES",
-    "TAIL_LINES",
     "Series",
     "chart_svg",
     "format_age_ms",
     "format_bytes",
     "format_ms",
-    "log_files",
-    "read_tail",
     "subject_label",
 ]
-
-# The engine-output page shows at most the last 64 KiB, and of those the last 200 lines.
-TAIL_BYTES: Final = 64 * 1024
-TAIL_LINES: Final = 200
-_LOG_NAME = re.compile(r"(?P<deployment>.+)-g(?P<generation>\d+)\.log")
-
 
 ARTIFACT_SUBJECT: Final = "artifact:sha256:"
 DIGEST_SHOWN: Final = 12
@@ -110,57 +96,6 @@ def format_age_ms(value: int | None) -> str:
         return f"{minutes} min {secs} s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes} min"
-
-
-def log_files(logs_dir: Path) -> dict[str, list[int]]:
-    """Engine logs under ``logs_dir`` (``<deployment>-g<generation>.log``): the generations
-    of each deployment, newest first."""
-    found: dict[str, list[int]] = {}
-    try:
-        names = [entry.name for entry in logs_dir.iterdir() if entry.is_file()]
-    except FileNotFoundError:
-        return found
-    for name in names:
-        match = _LOG_NAME.fullmatch(name)
-        if match is not None:
-            found.setdefault(match["deployment"], []).append(int(match["generation"]))
-    for generations in found.values():
-        generations.sort(reverse=True)
-    return found
-
-
-@dataclass(frozen=True)
-class Tail:
-    """The end of one log: ``text`` (redacted, not yet HTML-escaped), whether older output
-    was left out, and the file's size."""
-
-    text: str
-    truncated: bool
-    size_bytes: int
-
-
-def read_tail(path: Path, *, max_bytes: int = TAIL_BYTES, max_lines: int = TAIL_LINES) -> Tail:
-    """The last ``max_lines`` lines within the last ``max_bytes`` of ``path``, with secrets
-    redacted (:func:`sbproxy.redact.redact`). A missing file is an empty tail.
-
-    A cut that falls inside a line drops that partial line; undecodable bytes become U+FFFD.
-    """
-    try:
-        with path.open("rb") as handle:
-            size = handle.seek(0, 2)
-            start = max(0, size - max_bytes)
-            handle.seek(start)
-            data = handle.read(max_bytes)
-    except FileNotFoundError:
-        return Tail(text="", truncated=False, size_bytes=0)
-    truncated = start > 0
-    if truncated:
-        data = data.partition(b"\n")[2]
-    lines = data.decode("utf-8", errors="replace").splitlines()
-    if len(lines) > max_lines:
-        lines = lines[-max_lines:]
-        truncated = True
-    return Tail(text=redact("\n".join(lines)), truncated=truncated, size_bytes=size)
 
 
 @dataclass(frozen=True)

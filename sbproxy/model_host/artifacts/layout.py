@@ -2,8 +2,8 @@
 
 ``<root>/blobs/sha256/<hex>``, ``<root>/snapshots/<artifact digest>/``,
 ``<root>/metadata/<artifact digest>.json``, ``<root>/partials/``, ``<root>/locks/``,
-``<root>/jobs/journal.db`` (the SQLite job journal shared by server and CLI processes) and
-``<root>/engines/``.
+``<root>/jobs/journal.db`` (the SQLite job journal shared by server and CLI processes),
+``<root>/engines/`` and ``<root>/logs/<deployment>-g<generation>.log`` (engine output).
 """
 
 from __future__ import annotations
@@ -61,6 +61,15 @@ class CacheLayout:
     def engines(self) -> Path:
         """Acquired or built engine binaries."""
         return self.root / "engines"
+
+    @property
+    def logs(self) -> Path:
+        """Engine output, one file per deployment generation."""
+        return self.root / "logs"
+
+    def engine_log(self, deployment: str, generation: int) -> Path:
+        """The output file of ``deployment``'s engine generation ``generation``."""
+        return self.logs / f"{deployment}-g{generation}.log"
 
 
 def unusable_cache_dir(root: Path, exc: OSError, *, at: Path | None = None) -> SbproxyError:

@@ -37,6 +37,7 @@ from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.artifacts.download import read_timeout_s
 from sbproxy.model_host.artifacts.errors import TransportError
 from sbproxy.model_host.artifacts.proxies import proxy_settings, refused
+from sbproxy.model_host.engines.archives import extract_safely
 from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.model_host.engines.llama_build import BuildOutput, published_build, version_of
 from sbproxy.model_host.registry import registry
@@ -168,12 +169,7 @@ def _find_server(root: Path) -> Path | None:
 def _unpack(archive: Path, target: Path) -> Path:
     target.mkdir(parents=True)
     with tarfile.open(archive, "r:gz") as bundle:
-        try:
-            bundle.extractall(target, filter="data")
-        except tarfile.FilterError as exc:
-            raise EngineError(
-                f"{archive} contains an unsafe member: {exc}", code="engine_blocked"
-            ) from exc
+        extract_safely(archive, bundle, target)
     server = _find_server(target)
     if server is None:
         raise EngineError(f"{archive} has no llama-server", code="engine_provision_failed")

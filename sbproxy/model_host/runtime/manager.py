@@ -93,8 +93,11 @@ from sbproxy.model_host.runtime.memory import MemoryEstimate, estimate_memory, r
 from sbproxy.model_host.runtime.policy import (
     Attempts,
     ProbeVerdict,
+    SwapDecision,
+    SwapVerdict,
     Verdict,
     after_failed_spawn,
+    after_no_room,
     after_probe,
     backoff_of,
     keep_alive_due,
@@ -139,9 +142,6 @@ RUNTIME_JOB_KINDS = ("load", "drain", "reset")
 
 # How often a running host looks for runtime jobs it does not hold yet, seconds.
 ADOPT_POLL_S = 0.5
-
-# Longest a swap waits before it re-reads which resident generations block it, seconds.
-SWAP_RECHECK_S = 0.25
 
 _COMMAND_OF_KIND = {
     "load": CommandKind.LOAD,
@@ -915,18 +915,22 @@ class RuntimeManager:
                     break
                 except AdmissionRejected as exc:
                     blockers = self._busy_blockers(key, estimate)
-                    left = timeout_s - (self.clock.now() - started)
-                    if not blockers or left <= 0:
-                        raise self._no_room(found, exc, blockers, started, timeout_s) from None
+                    decision = after_no_room(
+                        busy_blockers=len(blockers),
+                        started=started,
+                        now=self.clock.now(),
+                        timeout_s=timeout_s,
+                    )
+                    if decision.verdict is SwapVerdict.REFUSE:
+                        raise self._no_room(found, exc, blockers, decision) from None
                     # Hold only generations that serve: a starting one must let its first
                     # waiters in, or it would be evicted before it served.
                     held.extend(b for b in blockers if b not in held and b.hold())
                     found.swap_wait(True)
                     # Woken when a gate goes idle, a reservation is freed or a state
-                    # changes; re-checked at least every SWAP_RECHECK_S so that a blocker
-                    # that starts serving gets held.
+                    # changes; looked at again after ``wait_s`` at the latest.
                     changed = self._capacity
-                    with anyio.move_on_after(min(left, SWAP_RECHECK_S)):
+                    with anyio.move_on_after(decision.wait_s):
                         await changed.wait()
             for victim in plan.victims:
                 evicted = self._live.get(victim.key.deployment)
@@ -944,13 +948,12 @@ class RuntimeManager:
         found: Deployment,
         exc: AdmissionRejected,
         blockers: list[Deployment],
-        started: float,
-        timeout_s: float,
+        decision: SwapDecision,
     ) -> AdmissionRejected:
-        """The refusal of a reservation: with blockers it would fit once they idle
-        (retryable; ``Retry-After`` says when to look again: one queue timeout)."""
+        """The refusal of a reservation, as :func:`after_no_room` decided it (with blockers:
+        it would fit once they idle, so it is retryable after ``retry_after_ms``)."""
         waited = (
-            f"; waited {self.clock.now() - started:.1f} s for "
+            f"; waited {decision.waited_s:.1f} s for "
             f"{', '.join(b.deployment for b in blockers)} to go idle"
             if blockers
             else ""
@@ -959,8 +962,8 @@ class RuntimeManager:
             AdmissionReason.INSUFFICIENT_CAPACITY,
             exc.message + waited,
             deployment=found.deployment,
-            retry_after_ms=max(1000, round(timeout_s * 1000)),
-            retryable=bool(blockers),
+            retry_after_ms=decision.retry_after_ms,
+            retryable=decision.retryable,
         )
 
     def _busy_blockers(self, key: ResidencyKey, estimate: MemoryEstimate) -> list[Deployment]:
@@ -1000,7 +1003,7 @@ class RuntimeManager:
         return LaunchSpec(
             request=request,
             executable=executable,
-            log_path=self.layout.root / "logs" / f"{found.deployment}-g{found.generation}.log",
+            log_path=self.layout.engine_log(found.deployment, found.generation),
             label=f"{found.deployment}/{found.generation}",
             ready_timeout_s=timeout_s,
         )

@@ -11,7 +11,11 @@ saw and carries out what comes back, so every rule is table-tested without an en
 * :func:`start_timeout_s` -- the readiness bound of one launch;
 * :func:`after_probe` -- a maintenance probe's outcome: healthy, one more miss, or lost
   (after :data:`HEALTH_MISSES` misses, or at once when the engine exited);
-* :func:`keep_alive_due` -- whether an idle ready deployment's keep-alive ran out.
+* :func:`keep_alive_due` -- whether an idle ready deployment's keep-alive ran out;
+* :func:`after_no_room` -- a reservation did not fit: wait for the busy generations that
+  block it to go idle (a swap wait, looked at again every :data:`SWAP_RECHECK_S`), or refuse
+  with ``insufficient_capacity`` -- retryable after one queue timeout when busy generations
+  were in the way (the wait ran out), final when nothing could make room.
 """
 
 from __future__ import annotations
@@ -27,11 +31,15 @@ from sbproxy.model_host.runtime.state import DeploymentState, LaunchBackoff
 __all__ = [
     "HEALTH_MISSES",
     "PORT_RETRIES",
+    "SWAP_RECHECK_S",
     "Attempts",
     "LaunchDecision",
     "ProbeVerdict",
+    "SwapDecision",
+    "SwapVerdict",
     "Verdict",
     "after_failed_spawn",
+    "after_no_room",
     "after_probe",
     "backoff_of",
     "jittered",
@@ -47,6 +55,10 @@ PORT_RETRIES = 3
 # A non-ready answer is re-probed this many times before the engine is declared unhealthy
 # (reference 7.6: a single missed probe never fails a ready engine).
 HEALTH_MISSES = 3
+
+# Longest a swap waits before it re-reads which resident generations block it, seconds (a
+# blocker that starts serving meanwhile must be held).
+SWAP_RECHECK_S = 0.25
 
 
 def backoff_of(config: DeploymentConfig, override: LaunchBackoff | None = None) -> LaunchBackoff:
@@ -177,4 +189,56 @@ def keep_alive_due(
         state is DeploymentState.READY
         and not commands_pending
         and keep_alive_expired(gate, keep_alive_s, now)
+    )
+
+
+class SwapVerdict(StrEnum):
+    """What to do when a reservation does not fit now."""
+
+    WAIT = "wait"
+    REFUSE = "refuse"
+
+
+@dataclass(frozen=True, slots=True)
+class SwapDecision:
+    """:func:`after_no_room`'s answer.
+
+    Attributes:
+        verdict: Wait (hold the blockers, look again) or refuse.
+        waited_s: Seconds the reservation has waited so far.
+        wait_s: For ``wait``: the longest to wait before looking again, seconds.
+        retryable: For ``refuse``: whether a retry can succeed (busy generations were in the
+            way; they may be idle by then), so the refusal is a 503 with ``Retry-After``.
+        retry_after_ms: For ``refuse``: when to look again, ms (one queue timeout, at least
+            one second).
+    """
+
+    verdict: SwapVerdict
+    waited_s: float
+    wait_s: float = 0.0
+    retryable: bool = False
+    retry_after_ms: int = 0
+
+
+def after_no_room(
+    *, busy_blockers: int, started: float, now: float, timeout_s: float
+) -> SwapDecision:
+    """Decide after a reservation found no room, given how many busy or transient
+    generations block it (``0``: nothing that idles would make room -- pinned deployments,
+    or an estimate larger than the device), when the reservation started and the runtime's
+    clock now (seconds), and the deployment's queue timeout (seconds).
+
+    Waiting is bounded by the queue timeout: past it, a swap wait is refused like a request
+    that queued too long (issue 22: 503 ``insufficient_capacity``, retryable, with
+    ``Retry-After``).
+    """
+    waited = now - started
+    left = timeout_s - waited
+    if busy_blockers and left > 0:
+        return SwapDecision(SwapVerdict.WAIT, waited, wait_s=min(left, SWAP_RECHECK_S))
+    return SwapDecision(
+        SwapVerdict.REFUSE,
+        waited,
+        retryable=busy_blockers > 0,
+        retry_after_ms=max(1000, round(timeout_s * 1000)),
     )

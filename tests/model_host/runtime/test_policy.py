@@ -10,10 +10,14 @@ from sbproxy.model_host.runtime.launcher import Probe
 from sbproxy.model_host.runtime.policy import (
     HEALTH_MISSES,
     PORT_RETRIES,
+    SWAP_RECHECK_S,
     Attempts,
     ProbeVerdict,
+    SwapDecision,
+    SwapVerdict,
     Verdict,
     after_failed_spawn,
+    after_no_room,
     after_probe,
     backoff_of,
     jittered,
@@ -175,4 +179,62 @@ def test_keep_alive_expiry(
     assert (
         keep_alive_due(state, commands_pending=pending, gate=gate, keep_alive_s=keep_alive, now=now)
         is due
+    )
+
+
+@pytest.mark.parametrize(
+    ("blockers", "started", "now", "timeout_s", "expected"),
+    [
+        # Busy generations in the way and time left: hold them and look again soon.
+        (1, 10.0, 10.0, 5.0, SwapDecision(SwapVerdict.WAIT, 0.0, wait_s=SWAP_RECHECK_S)),
+        (2, 10.0, 12.0, 5.0, SwapDecision(SwapVerdict.WAIT, 2.0, wait_s=SWAP_RECHECK_S)),
+        # Less left than a recheck: wait only what is left of the queue timeout.
+        (1, 0.0, 4.875, 5.0, SwapDecision(SwapVerdict.WAIT, 4.875, wait_s=0.125)),
+        # The wait ran out: insufficient_capacity, retryable after one queue timeout.
+        (
+            1,
+            10.0,
+            15.0,
+            5.0,
+            SwapDecision(SwapVerdict.REFUSE, 5.0, retryable=True, retry_after_ms=5000),
+        ),
+        (
+            1,
+            10.0,
+            40.0,
+            5.0,
+            SwapDecision(SwapVerdict.REFUSE, 30.0, retryable=True, retry_after_ms=5000),
+        ),
+        # Nothing that idles would make room (pinned, or too large): refused at once, final.
+        (
+            0,
+            10.0,
+            10.0,
+            5.0,
+            SwapDecision(SwapVerdict.REFUSE, 0.0, retryable=False, retry_after_ms=5000),
+        ),
+        # A queue timeout under a second still asks for a one-second Retry-After.
+        (
+            1,
+            0.0,
+            0.2,
+            0.2,
+            SwapDecision(SwapVerdict.REFUSE, 0.2, retryable=True, retry_after_ms=1000),
+        ),
+        # A zero queue timeout never waits.
+        (
+            3,
+            0.0,
+            0.0,
+            0.0,
+            SwapDecision(SwapVerdict.REFUSE, 0.0, retryable=True, retry_after_ms=1000),
+        ),
+    ],
+)
+def test_after_no_room(
+    blockers: int, started: float, now: float, timeout_s: float, expected: SwapDecision
+) -> None:
+    assert (
+        after_no_room(busy_blockers=blockers, started=started, now=now, timeout_s=timeout_s)
+        == expected
     )

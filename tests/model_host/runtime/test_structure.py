@@ -1,7 +1,9 @@
 """Structural rules of the runtime package (issue 21's "done means"), kept by reading the
 source: no import circle inside ``runtime/``, no ``mypy: disable-error-code`` in it, no
-function over 60 lines (docstrings excluded), and no module outside it touching a live
-runtime object (the deployments, staging, lanes, residency, launcher or outbox)."""
+function over 60 lines (docstrings excluded), no module outside it touching a live
+runtime object (the deployments, staging, lanes, residency, launcher or outbox), and one
+facade: outside the runtime, only ``model_host/service.py`` reads the manager's cache root,
+journal, configuration, catalog or stores."""
 
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ LIVE_MODULES = {
 }
 LIVE_ATTRIBUTES = {"deployment", "deployments", "staging", "lanes", "residency", "launcher"}
 LIVE_ATTRIBUTES |= {"outbox", "slot", "slots", "staged", "_live", "tallies"}
+
+# What the model-host facade (ModelHostService.serving) reads off a serving manager: api/,
+# cli/ and the rest of the package go through the facade for these.
+FACADE = PACKAGE / "model_host" / "service.py"
+MANAGER_INTERNALS = {"engine", "layout", "compiled", "catalog", "cache", "runtime_store", "worker"}
 
 
 def _function_lengths(path: Path) -> list[tuple[str, int]]:
@@ -100,6 +107,19 @@ def test_no_import_circle_inside_the_runtime() -> None:
     assert _runtime_cycles() == []
 
 
+def _manager_reads(path: Path, node: ast.AST, attributes: set[str]) -> str | None:
+    """``<file>:<line> reads manager.<attribute>`` when ``node`` reads one of ``attributes``
+    off a name or attribute ending in ``manager`` (``manager.engine``,
+    ``self.manager.compiled``, ...)."""
+    if not isinstance(node, ast.Attribute) or node.attr not in attributes:
+        return None
+    owner = node.value
+    name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+    if not name.endswith("manager"):
+        return None
+    return f"{path.name}:{node.lineno} reads {name}.{node.attr}"
+
+
 def _live_touches(path: Path) -> list[str]:
     """Where ``path`` imports a live runtime module or reads a live attribute of a
     manager (``manager.deployment(...)``, ``host.manager.staging``, ...)."""
@@ -113,11 +133,9 @@ def _live_touches(path: Path) -> list[str]:
             and any(alias.name == "Deployment" for alias in node.names)
         ):
             found.append(f"{path.name}:{node.lineno} imports Deployment")
-        if isinstance(node, ast.Attribute) and node.attr in LIVE_ATTRIBUTES:
-            owner = node.value
-            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
-            if name.endswith("manager"):
-                found.append(f"{path.name}:{node.lineno} reads {name}.{node.attr}")
+        read = _manager_reads(path, node, LIVE_ATTRIBUTES)
+        if read is not None:
+            found.append(read)
     return found
 
 
@@ -137,4 +155,34 @@ def test_the_live_object_rule_sees_a_touch(tmp_path: Path) -> None:
     assert _live_touches(probe) == [
         "reader.py:1 imports sbproxy.model_host.runtime.deployment",
         "reader.py:3 reads manager.deployment",
+    ]
+
+
+def _facade_bypasses(path: Path) -> list[str]:
+    """Where ``path`` reads a manager internal the facade is there for."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = (_manager_reads(path, node, MANAGER_INTERNALS) for node in ast.walk(tree))
+    return [read for read in found if read is not None]
+
+
+def test_one_facade_reads_the_managers_cache_journal_and_configuration() -> None:
+    """api/ and cli/ (the console, desired-state routes, metrics, jobs routes, the gateway's
+    usage ledger) and the lockfile guard take a ModelHostService instead."""
+    outside = [p for p in sorted(PACKAGE.rglob("*.py")) if RUNTIME not in p.parents and p != FACADE]
+    assert any(p.parent.name == "api" for p in outside)
+    bypasses = [found for path in outside for found in _facade_bypasses(path)]
+    assert bypasses == []
+
+
+def test_the_facade_rule_sees_a_bypass(tmp_path: Path) -> None:
+    probe = tmp_path / "page.py"
+    probe.write_text(
+        "def f(manager, host):\n"
+        "    logs = manager.layout.root / 'logs'\n"
+        "    return manager.engine.store, host.manager.compiled, manager.status()\n"
+    )
+    assert sorted(_facade_bypasses(probe)) == [
+        "page.py:2 reads manager.layout",
+        "page.py:3 reads manager.compiled",
+        "page.py:3 reads manager.engine",
     ]

@@ -1,0 +1,74 @@
+"""The gateway's HTTP client to its engines: one pooled aiohttp session, and a POST that
+survives a kept-alive connection the engine closed.
+
+An engine closes a kept-alive connection that stays idle for a few seconds: llama-server
+(cpp-httplib's ``CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND``) and vLLM (uvicorn's
+``timeout_keep_alive``) both after 5 s. aiohttp keeps an idle connection 15 s by default,
+so a request could be written onto a connection the engine had just closed: the engine's
+kernel answers with a reset, and the request failed with ``ClientOSError`` or
+``ServerDisconnectedError`` (a 502 ``upstream_unavailable`` at the client) although the
+engine was healthy. Two measures, as HTTP clients commonly take them:
+
+* the pool drops a connection after :data:`KEEPALIVE_S` idle, below the engines' idle
+  close, so it does not hand out one the engine is about to close;
+* :func:`post` sends a request once more when it failed on an established connection
+  before any answer arrived -- the failure a stale kept-alive connection gives. aiohttp does
+  the same by itself for idempotent methods only (RFC 9112, 9.3.1); an engine's completion
+  changes nothing in the engine but compute, and a connection that was reset before an
+  answer was not served, so it is sent again too. A connection that cannot be opened
+  (``ClientConnectorError``: the engine is gone) is not retried.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+import aiohttp
+from yarl import URL
+
+__all__ = ["ENGINE_IDLE_CLOSE_S", "KEEPALIVE_S", "engine_session", "post"]
+
+logger = logging.getLogger(__name__)
+
+# How long llama-server and vLLM keep an idle connection open, seconds (see above).
+ENGINE_IDLE_CLOSE_S: Final = 5.0
+# How long the gateway's pool keeps an idle connection to an engine, seconds: below the
+# engines' idle close, with margin for a request on its way.
+KEEPALIVE_S: Final = 4.0
+
+
+def engine_session() -> aiohttp.ClientSession:
+    """A session for the gateway's requests to engines (create it on the serving loop):
+    unbounded pool, connections kept :data:`KEEPALIVE_S` idle, no total timeout (the
+    gateway's supervision limits bound each request), 10 s to connect, bodies passed on
+    as the engine encoded them, every request a JSON body."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        auto_decompress=False,
+        # As a default header it is not merged per request.
+        headers={"Content-Type": "application/json"},
+    )
+
+
+async def post(session: aiohttp.ClientSession, url: URL, body: bytes) -> aiohttp.ClientResponse:
+    """POST ``body`` to ``url``; the response with its headers read.
+
+    Sent a second time, on another connection, when the first try failed on an established
+    connection before the answer's headers (see the module docstring).
+
+    Raises:
+        aiohttp.ClientError: the engine could not be reached, or the second try failed too.
+    """
+    try:
+        return await session.post(url, data=body)
+    except aiohttp.ClientConnectorError:
+        raise
+    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+        logger.info(
+            "engine at %s closed the connection under a request (%s); sending it again",
+            url.authority,
+            type(exc).__name__,
+        )
+    return await session.post(url, data=body)
