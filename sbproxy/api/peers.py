@@ -57,7 +57,9 @@ from typing import Final
 
 import aiohttp
 from litestar.types import Receive, Scope
+from yarl import URL
 
+from sbproxy.api import engine_client
 from sbproxy.api.errors import ApiError
 from sbproxy.api.keys import Caller
 from sbproxy.api.relay import UpstreamUnavailable
@@ -493,9 +495,9 @@ class PeerDispatch:
         its answer was in hand."""
         response: aiohttp.ClientResponse | None = None
         started = asyncio.get_running_loop().time()
-        url = replica.base_url.rstrip("/") + path
+        url = URL(replica.base_url.rstrip("/") + path)
         try:
-            response = await session.post(url, data=body, headers=headers)
+            response = await engine_client.post(session, url, body, headers=headers)
             data: bytes | None = None
             if not (streamed and response.content_type == "text/event-stream"):
                 data = await response.read()
