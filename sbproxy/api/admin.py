@@ -62,10 +62,12 @@ from sbproxy.api.errors import (
 )
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Disconnects, Rejections, build_registry
+from sbproxy.api.peers import PeerDispatch
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger, usage_handlers
 from sbproxy.catalog import Catalog
 from sbproxy.errors import SbproxyError
+from sbproxy.fleet.view import FleetStatus
 from sbproxy.model_host.flows import (
     RemoveOutput,
 )
@@ -99,6 +101,9 @@ class Admin:
         disconnects: Client disconnects counted by the gateway (for ``/metrics``).
         config: The configuration file's state (default: from ``manager``).
         activity: The gateway's recent requests (the console's Activity page).
+        peers: The gateway's peer dispatch, on a host with a fleet (for ``/metrics`` and
+            the console's fleet page).
+        fleet: The fleet's state, on a host of a fleet (the console's fleet page).
     """
 
     manager: RuntimeManager
@@ -111,6 +116,8 @@ class Admin:
     disconnects: Disconnects | None = None
     config: ConfigState | None = None
     activity: Activity = field(default_factory=Activity)
+    peers: PeerDispatch | None = None
+    fleet: FleetStatus | None = None
 
     def __post_init__(self) -> None:
         if self.config is None:
@@ -123,7 +130,11 @@ class Admin:
         self._networks = tuple(ipaddress.ip_network(n, strict=False) for n in self.allowlist)
         if self.registry is None:
             self.registry = build_registry(
-                self.manager, self.rejections, usage=self.usage, disconnects=self.disconnects
+                self.manager,
+                self.rejections,
+                usage=self.usage,
+                disconnects=self.disconnects,
+                peers=self.peers,
             )
 
     def allowed(self, client: str | None) -> None:
@@ -446,7 +457,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             *desired_handlers(manager, config),
             jobs_router(lambda: ModelHostService.serving(manager), admin.spawn),
             *usage_handlers(admin.usage),
-            console_router(manager, admin.activity),
+            console_router(manager, admin.activity, fleet=admin.fleet, peers=admin.peers),
         ],
     )
     return Litestar(

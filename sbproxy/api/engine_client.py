@@ -22,6 +22,7 @@ engine was healthy. Two measures, as HTTP clients commonly take them:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Final
 
 import aiohttp
@@ -52,8 +53,16 @@ def engine_session() -> aiohttp.ClientSession:
     )
 
 
-async def post(session: aiohttp.ClientSession, url: URL, body: bytes) -> aiohttp.ClientResponse:
-    """POST ``body`` to ``url``; the response with its headers read.
+async def post(
+    session: aiohttp.ClientSession,
+    url: URL,
+    body: bytes,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> aiohttp.ClientResponse:
+    """POST ``body`` to ``url`` (with ``headers`` besides the session's); the response with
+    its headers read. A peer host's gateway is reached the same way (its server closes an
+    idle connection after 5 s too: uvicorn's ``timeout_keep_alive``).
 
     Sent a second time, on another connection, when the first try failed on an established
     connection before the answer's headers (see the module docstring).
@@ -62,7 +71,7 @@ async def post(session: aiohttp.ClientSession, url: URL, body: bytes) -> aiohttp
         aiohttp.ClientError: the engine could not be reached, or the second try failed too.
     """
     try:
-        return await session.post(url, data=body)
+        return await session.post(url, data=body, headers=headers)
     except aiohttp.ClientConnectorError:
         raise
     except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
@@ -71,4 +80,4 @@ async def post(session: aiohttp.ClientSession, url: URL, body: bytes) -> aiohttp
             url.authority,
             type(exc).__name__,
         )
-    return await session.post(url, data=body)
+    return await session.post(url, data=body, headers=headers)

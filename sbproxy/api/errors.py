@@ -130,6 +130,8 @@ _STATUS: Final[dict[str, int]] = {
     "invalid_last_event_id": 400,
     "invalid_artifact_digest": 400,
     "unauthorized": 401,
+    # A peer hop without the fleet credential (sbproxy/api/peers.py).
+    "peer_unauthorized": 401,
     "cross_site_request": 403,
     "model_not_found": 404,
     "unknown_origin": 404,

@@ -38,6 +38,13 @@ request -- re-encoding only those bodies -- and, when the client had not asked f
 relay drops that usage-only event: the client sees exactly the stream it asked for (see
 :mod:`sbproxy.api.relay` for a stream that ends without ``usage``).
 
+Several hosts (:mod:`sbproxy.api.peers`): on a host of a fleet (``Gateway.fleet``), a request
+for a deployment with no ready replica here goes to a peer host's gateway -- the one with the
+fewest outstanding requests -- and its answer comes back byte for byte (``x-sbproxy-route-class:
+peer``); a peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet credential) is
+served here only, with no key, budget or usage. A single host never looks at any of it: with
+no fleet the request path is the one above.
+
 Origin matching (``Host`` without its port, case-insensitive):
 
 1. an origin with exactly that name;
@@ -50,6 +57,7 @@ Anything else is a 404 ``unknown_origin``.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -80,14 +88,22 @@ from sbproxy.api.errors import (
 )
 from sbproxy.api.keys import Caller, KeyPlane
 from sbproxy.api.metrics import Disconnects, Rejections
-from sbproxy.api.relay import StreamRelay, UpstreamUnavailable, Usage, rewrite_answer
+from sbproxy.api.peers import NoReadyReplica, PeerDispatch, PeerOutcome, peer_headers
+from sbproxy.api.relay import (
+    StreamRelay,
+    UpstreamUnavailable,
+    Usage,
+    answer_usage,
+    rewrite_answer,
+)
 from sbproxy.api.supervision import ExchangeBound, Limit, engine_timeout
 from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger
-from sbproxy.config import Route
+from sbproxy.config import DeploymentConfig, Route
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import AdmissionRejected
 from sbproxy.model_host.runtime.manager import RuntimeManager, Upstream
+from sbproxy.model_host.runtime.state import DeploymentStatus
 from sbproxy.model_host.service import ModelHostService
 from sbproxy.telemetry import (
     ATTR_DEPLOYMENT,
@@ -108,6 +124,14 @@ _URLS_KEPT: Final = 64
 # Statuses whose answer has no body (as Litestar's ASGIResponse treats them).
 _NO_BODY: Final = frozenset({204, 304})
 _ROUTE_CLASS: Final = (b"x-sbproxy-route-class", b"local")
+# How a peer's relayed stream ended, as a try's outcome.
+_PEER_OUTCOMES: Final = {
+    "upstream_unavailable": PeerOutcome.CUT,
+    "engine_timeout": PeerOutcome.TIMED_OUT,
+    CLIENT_DISCONNECTED: PeerOutcome.CLIENT_GONE,
+}
+# An answer a peer host served (sbproxy/api/peers.py).
+_PEER_CLASS: Final = (b"x-sbproxy-route-class", b"peer")
 
 
 def _request_headers(scope: Scope) -> tuple[str | None, str | None, bytes | None]:
@@ -198,6 +222,7 @@ _STREAM_HEADERS: Final = (
     (b"x-accel-buffering", b"no"),
     (b"content-type", b"text/event-stream; charset=utf-8"),
 )
+_PEER_STREAM_HEADERS: Final = (_PEER_CLASS, *_STREAM_HEADERS[1:])
 
 
 class _EventStream:
@@ -210,6 +235,7 @@ class _EventStream:
     disconnect counted by :class:`StreamRelay`); the relay is closed in any case."""
 
     __slots__ = ("model_header", "relay", "status")
+    stream_headers: tuple[tuple[bytes, bytes], ...] = _STREAM_HEADERS
 
     def __init__(self, status: int, model_header: bytes, relay: StreamRelay) -> None:
         self.status = status
@@ -223,7 +249,10 @@ class _EventStream:
                 {
                     "type": "http.response.start",
                     "status": self.status,
-                    "headers": [(b"x-sbproxy-logical-model", self.model_header), *_STREAM_HEADERS],
+                    "headers": [
+                        (b"x-sbproxy-logical-model", self.model_header),
+                        *self.stream_headers,
+                    ],
                 }
             )
             events = relay.events()
@@ -238,6 +267,13 @@ class _EventStream:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await relay.close()
+
+
+class _PeerEventStream(_EventStream):
+    """A stream a peer host serves, relayed as it comes."""
+
+    __slots__ = ()
+    stream_headers = _PEER_STREAM_HEADERS
 
 
 def host_of(header: str | None) -> str:
@@ -335,6 +371,12 @@ class Gateway:
     disconnects: Disconnects = field(default_factory=Disconnects)
     session: aiohttp.ClientSession | None = None
     activity: Activity = field(default_factory=Activity)
+    # Peer dispatch (sbproxy/api/peers.py); None: a single host, whose request path never
+    # looks at the fleet.
+    fleet: PeerDispatch | None = None
+    # The deployments of the configuration in force, by id (handed over at start and at each
+    # committed reload, as the routes are): which ones this host has, and their limits.
+    deployments: Mapping[str, DeploymentConfig] = field(default_factory=dict)
     usage: UsageLedger = field(init=False)
     _urls: dict[tuple[str, str], URL] = field(default_factory=dict, init=False, repr=False)
     _model_headers: dict[str, bytes] = field(default_factory=dict, init=False, repr=False)
@@ -360,8 +402,14 @@ class Gateway:
         await self.usage.stop()
 
     def availability(self, deployment: str) -> dict[str, object]:
-        """``{state: ready|cold|unavailable, ready_replicas, desired_replicas}``."""
-        return self.manager.snapshot(deployment).availability()
+        """``{state: ready|cold|unavailable, ready_replicas, desired_replicas}``; on a host of
+        a fleet, of the fleet's replicas (:meth:`PeerDispatch.availability`)."""
+        if self.fleet is None:
+            return self.manager.snapshot(deployment).availability()
+        local = self.local_status(deployment)
+        return self.fleet.availability(
+            deployment, local=local.availability() if local is not None else None
+        )
 
     async def admit(self, route: Route, caller: Caller) -> Upstream:
         """Admit one request of ``caller`` to ``route``'s deployment.
@@ -440,23 +488,30 @@ class Gateway:
         """
         scope = request.scope
         authorization, host, length = _request_headers(scope)
-        caller = self.keys.authenticate(authorization)
+        fleet = self.fleet
+        if fleet is None:
+            caller, hop = self.keys.authenticate(authorization), None
+        else:
+            caller, hop = self.fleet_caller(fleet, scope, authorization)
         body = await read_body(request.receive, length)
         head = decode_head(body)
         route = self.routing.route(host, head.model)
         deployment = route.deployment
-        note = access_note(scope)
-        if note is not None:
-            note.deployment = deployment
-            note.key_name = caller.name
-        span = trace.get_current_span() if enabled() else None
-        if span is not None:
-            span.set_attribute(ATTR_DEPLOYMENT, deployment)
-            span.set_attribute(ATTR_MODEL, route.public_model)
-            if caller.name is not None:
-                span.set_attribute(ATTR_KEY_NAME, caller.name)
-        self.usage.check(caller.name)
+        note, span = _annotate(scope, route, caller)
+        if hop is None:
+            self.usage.check(caller.name)
+            if fleet is not None and not self.serves_here(fleet, deployment):
+                return await self.forward_to_peer(
+                    request, route, fleet, caller=caller, host=host, path=path, head=head,
+                    body=body, span=span, note=note,
+                )  # fmt: skip
+        else:
+            self.hop_here(fleet, deployment)
         body, strip_usage = self.prepare(path, head, body, route)
+        if hop is not None:
+            # The calling host counts usage: it gets the usage event and drops it for its
+            # client as needed.
+            strip_usage = False
         try:
             answer = await self.exchange(
                 request, route, caller=caller, path=path, body=body, streamed=head.stream
@@ -473,21 +528,14 @@ class Gateway:
             content_type = response.content_type
             if content_type == "application/json":
                 data, usage = rewrite_answer(data, route.public_model)
-                if usage is not None:
+                if usage is not None and hop is None:
                     self.count(caller, usage, span, note)
             return _PlainAnswer(
                 response.status, self.model_header(route.public_model), content_type, data
             )
 
         def ended(outcome: str | None) -> None:
-            if outcome == CLIENT_DISCONNECTED:
-                self.disconnects.record(deployment)
-                if note is not None:
-                    note.status = CLIENT_CLOSED
-            if note is not None:
-                note.first_token_at = relay.first_event_at
-                if outcome is not None:
-                    note.outcome = outcome
+            self.stream_ended(deployment, note, relay, outcome)
 
         relay = StreamRelay(
             response,
@@ -495,10 +543,148 @@ class Gateway:
             route.public_model,
             started=answer.started,
             strip_usage=strip_usage,
-            on_usage=lambda usage: self.count(caller, usage, span, note),
+            on_usage=(lambda usage: self.count(caller, usage, span, note)) if hop is None else None,
             on_end=ended,
         )
         return _EventStream(response.status, self.model_header(route.public_model), relay)
+
+    def stream_ended(
+        self, deployment: str, note: AccessNote | None, relay: StreamRelay, outcome: str | None
+    ) -> None:
+        """Count and note how a relayed stream ended (``outcome`` as
+        :class:`StreamRelay` reports it: ``None``, or why it ended early)."""
+        if outcome == CLIENT_DISCONNECTED:
+            self.disconnects.record(deployment)
+            if note is not None:
+                note.status = CLIENT_CLOSED
+        if note is not None:
+            note.first_token_at = relay.first_event_at
+            if outcome is not None:
+                note.outcome = outcome
+
+    def fleet_caller(
+        self, fleet: PeerDispatch, scope: Scope, authorization: str | None
+    ) -> tuple[Caller, str | None]:
+        """The caller of a request to a fleet's gateway and, for a peer host's request, the
+        calling node id: a peer hop presents the fleet credential instead of a key.
+
+        Raises:
+            Unauthorized: ``unauthorized`` (a client's request without a valid key).
+            PeerUnauthorized: ``peer_unauthorized`` (a hop without the fleet credential).
+        """
+        hop, priority = peer_headers(scope)
+        if hop is None:
+            return self.keys.authenticate(authorization), None
+        return fleet.admit_hop(authorization, priority), hop
+
+    def serves_here(self, fleet: PeerDispatch, deployment: str) -> bool:
+        """Whether this node serves ``deployment`` itself (:meth:`PeerDispatch.serves_here`):
+        a client's request goes to a peer otherwise, a peer's hop is refused."""
+
+        def running() -> bool:
+            status = self.local_status(deployment)
+            return status is not None and status.routable
+
+        return fleet.serves_here(deployment, known=deployment in self.deployments, running=running)
+
+    def local_status(self, deployment: str) -> DeploymentStatus | None:
+        """This host's runtime status of ``deployment``; ``None`` when it has none (on a
+        host of a fleet, a deployment placed elsewhere only)."""
+        if deployment not in self.deployments:
+            return None
+        try:
+            return self.manager.snapshot(deployment)
+        except SbproxyError:  # unknown_deployment: a reload is removing it
+            return None
+
+    def hop_here(self, fleet: PeerDispatch | None, deployment: str) -> None:
+        """Check that a peer hop's deployment is served here (a hop is never passed on).
+
+        Raises:
+            NoReadyReplica: ``no_ready_replica`` (503, retryable: the caller tries another).
+        """
+        assert fleet is not None  # noqa: S101 - a hop is only read on a host of a fleet
+        if not self.serves_here(fleet, deployment):
+            raise NoReadyReplica(
+                f"deployment {deployment!r} has no ready replica on this node (a peer hop is "
+                "served here or not at all)",
+                details={"deployment": deployment},
+            )
+
+    async def forward_to_peer(
+        self,
+        request: Request[Any, Any, Any],
+        route: Route,
+        fleet: PeerDispatch,
+        *,
+        caller: Caller,
+        host: str | None,
+        path: str,
+        head: Head,
+        body: bytes,
+        span: trace.Span | None,
+        note: AccessNote | None,
+    ) -> ASGIApp:
+        """Relay one request to a peer host's replica (:mod:`sbproxy.api.peers`): the
+        client's body as it came (checked here first), the peer's answer back byte for byte,
+        its usage counted here.
+
+        Raises:
+            InvalidRequest: ``invalid_request`` (400) -- never forwarded.
+            NoReadyReplica: ``no_ready_replica`` (503).
+            UpstreamUnavailable: ``upstream_unavailable`` (502): no peer answered.
+            EngineTimeout: ``engine_timeout`` (504).
+        """
+        deployment = route.deployment
+        check_body(path, head)
+        strip_usage = head.stream and path == "/v1/chat/completions" and ask_for_usage(head)[1]
+        assert self.session is not None  # noqa: S101 - opened at app startup
+        try:
+            answer = await fleet.dispatch(
+                self.session,
+                request.receive,
+                deployment=deployment,
+                config=self.deployments.get(deployment),
+                caller=caller,
+                host=host,
+                path=path,
+                body=body,
+                streamed=head.stream,
+            )
+        except SbproxyError as exc:
+            if note is not None:
+                note.outcome = exc.code
+            raise
+        if answer is None:
+            return self.client_gone(deployment, note)
+        response = answer.response
+        model_header = self.model_header(route.public_model)
+        if answer.data is not None:
+            if response.content_type == "application/json" and response.status < 400:
+                usage = answer_usage(answer.data)
+                if usage is not None:
+                    self.count(caller, usage, span, note)
+            plain = _PlainAnswer(response.status, model_header, response.content_type, answer.data)
+            plain.headers[1] = _PEER_CLASS
+            retry_after = response.headers.get("Retry-After")
+            if retry_after is not None:
+                plain.headers.append((b"retry-after", retry_after.encode("latin-1")))
+            return plain
+
+        def ended(outcome: str | None) -> None:
+            fleet.record(answer.replica, _PEER_OUTCOMES.get(outcome or "", PeerOutcome.ANSWERED))
+            self.stream_ended(deployment, note, relay, outcome)
+
+        relay = StreamRelay(
+            response,
+            answer.ticket,
+            route.public_model,
+            started=answer.started,
+            strip_usage=strip_usage,
+            on_usage=lambda usage: self.count(caller, usage, span, note),
+            on_end=ended,
+        )
+        return _PeerEventStream(response.status, model_header, relay)
 
     async def exchange(
         self,
@@ -588,6 +774,24 @@ class Gateway:
         if span is not None:
             span.set_attribute(ATTR_INPUT_TOKENS, usage[0])
             span.set_attribute(ATTR_OUTPUT_TOKENS, usage[1])
+
+
+def _annotate(
+    scope: Scope, route: Route, caller: Caller
+) -> tuple[AccessNote | None, trace.Span | None]:
+    """The request's access-log note and span (when tracing is on), with its deployment,
+    model and key name written on them."""
+    note = access_note(scope)
+    if note is not None:
+        note.deployment = route.deployment
+        note.key_name = caller.name
+    span = trace.get_current_span() if enabled() else None
+    if span is not None:
+        span.set_attribute(ATTR_DEPLOYMENT, route.deployment)
+        span.set_attribute(ATTR_MODEL, route.public_model)
+        if caller.name is not None:
+            span.set_attribute(ATTR_KEY_NAME, caller.name)
+    return note, span
 
 
 def _first_limit(upstream: Upstream, *, streamed: bool) -> tuple[Limit, float]:

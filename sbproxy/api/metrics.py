@@ -25,6 +25,13 @@ Gateway and job metrics (this project's own names, outside the reference's table
 * ``sbproxy_gateway_client_disconnects_total{deployment}`` (counter): gateway requests whose
   client went away before its answer ended -- while queued for admission, while the engine
   worked on a plain answer, or in the middle of a stream (counted by the gateway);
+* ``sbproxy_gateway_peer_requests_total{deployment,node,outcome}`` (counter): each try this
+  gateway made at a peer host's replica (peer dispatch, :mod:`sbproxy.api.peers`), by how it
+  ended: ``answered``, ``refused`` (502/503, the next replica tried), ``unreachable``
+  (failed before its answer; the peer left the rotation), ``cut`` (its stream failed after
+  the first byte), ``timed_out``, ``client_gone``; and
+  ``sbproxy_gateway_peers_out_of_rotation`` (gauge): peers this gateway keeps out of its
+  rotation now -- both only on a host with a fleet;
 * ``sbproxy_jobs_total{workflow,status}`` (counter): jobs this process brought to a terminal
   status (``succeeded``, ``failed``, ``cancelled``);
 * ``sbproxy_job_duration_seconds{workflow}`` (histogram): seconds from a job's first start
@@ -58,6 +65,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from sbproxy.api.peers import PeerDispatch
 from sbproxy.api.usage import UsageLedger
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.runtime import DeviceInfo, probe_devices
@@ -235,6 +243,27 @@ class _DisconnectCollector(Collector):
         yield counted
 
 
+class _PeerCollector(Collector):
+    def __init__(self, peers: PeerDispatch) -> None:
+        self.peers = peers
+
+    def collect(self) -> Iterator[Metric]:
+        tries = CounterMetricFamily(
+            "sbproxy_gateway_peer_requests",
+            "Tries at peer hosts' replicas (peer dispatch), by deployment, node and outcome.",
+            labels=["deployment", "node", "outcome"],
+        )
+        for (deployment, node, outcome), count in sorted(self.peers.tries.items()):
+            tries.add_metric([deployment, node, outcome], count)
+        yield tries
+        yield GaugeMetricFamily(
+            "sbproxy_gateway_peers_out_of_rotation",
+            "Peer hosts this gateway keeps out of its rotation now (they failed a request "
+            "before answering).",
+            value=len(self.peers.out_now()),
+        )
+
+
 class _JobCollector(Collector):
     def __init__(self, service: ModelHostService) -> None:
         self.service = service
@@ -299,10 +328,12 @@ def build_registry(
     *,
     usage: UsageLedger | None = None,
     disconnects: Disconnects | None = None,
+    peers: PeerDispatch | None = None,
     devices: Callable[[], Sequence[DeviceInfo]] = probe_devices,
 ) -> CollectorRegistry:
     """A registry whose collectors read ``manager`` (and NVML), the job store's tallies, and
-    the gateway's usage ledger and client disconnects (when given) at each scrape."""
+    the gateway's usage ledger, client disconnects and peer dispatch (when given) at each
+    scrape."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_HostCollector(manager, rejections, devices))
     # Only the journal's tallies are read there, which a reload does not change.
@@ -314,4 +345,6 @@ def build_registry(
         registry.register(_UsageCollector(usage))
     if disconnects is not None:
         registry.register(_DisconnectCollector(disconnects))
+    if peers is not None:
+        registry.register(_PeerCollector(peers))
     return registry

@@ -35,7 +35,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Final
+from typing import Final, Protocol
 
 import aiohttp
 import msgspec
@@ -43,12 +43,13 @@ import msgspec
 from sbproxy.api.access import CLIENT_DISCONNECTED
 from sbproxy.api.errors import ApiError, stream_error_event
 from sbproxy.api.supervision import Limit, StreamDeadlines, engine_timeout
-from sbproxy.model_host.runtime.manager import Upstream
 
 __all__ = [
+    "RelayUpstream",
     "StreamRelay",
     "UpstreamUnavailable",
     "Usage",
+    "answer_usage",
     "rewrite_answer",
     "rewrite_event",
     "rewrite_model",
@@ -107,6 +108,15 @@ def rewrite_answer(data: bytes, public_model: str) -> tuple[bytes, Usage | None]
         return data, usage
     document["model"] = public_model
     return _ENCODER.encode(document), usage
+
+
+def answer_usage(data: bytes) -> Usage | None:
+    """The usage a plain JSON answer reports, if any; ``data`` itself is not changed (a peer's
+    answer goes to the client byte for byte)."""
+    try:
+        return usage_of(_DECODER.decode(data))
+    except (msgspec.DecodeError, RecursionError):
+        return None
 
 
 def rewrite_model(data: bytes, public_model: str) -> bytes:
@@ -179,6 +189,27 @@ def split_events(pending: bytes) -> tuple[list[tuple[bytes, bytes]], bytes]:
     return events, pending[start:]
 
 
+class RelayUpstream(Protocol):
+    """Where a relayed stream comes from, as :class:`StreamRelay` uses it: a local engine's
+    :class:`~sbproxy.model_host.runtime.manager.Upstream`, or a peer host's gateway
+    (:mod:`sbproxy.api.peers`)."""
+
+    @property
+    def deployment(self) -> str: ...
+    @property
+    def request_timeout_s(self) -> float: ...
+    @property
+    def first_token_timeout_s(self) -> float: ...
+    @property
+    def stall_timeout_s(self) -> float: ...
+
+    def report(self, *, timed_out: bool) -> None:
+        """Say how the exchange ended (first call wins)."""
+
+    def release(self) -> None:
+        """Free what the exchange held (idempotent)."""
+
+
 class StreamRelay:
     """One streamed answer: yields complete SSE events under the stream's limits, frees
     everything exactly once, reports the stream's usage once (see the module docstring for
@@ -186,7 +217,8 @@ class StreamRelay:
 
     Args:
         response: The engine's streamed response (headers read).
-        upstream: The admitted engine; reported and released exactly once.
+        upstream: The admitted engine (or the peer serving the request); reported and
+            released exactly once.
         public_model: Written into each event's ``model``.
         started: Loop time (seconds) the request was sent upstream.
         strip_usage: Drop the usage-only event (the gateway asked for it, not the client).
@@ -200,7 +232,7 @@ class StreamRelay:
     def __init__(
         self,
         response: aiohttp.ClientResponse,
-        upstream: Upstream,
+        upstream: RelayUpstream,
         public_model: str,
         *,
         started: float,

@@ -57,9 +57,12 @@ from sbproxy.api.gateway import Gateway, Routing, create_gateway_app
 from sbproxy.api.host import ServedHost, open_host
 from sbproxy.api.keys import KeyPlane
 from sbproxy.api.metrics import Disconnects, Rejections
+from sbproxy.api.peers import LoneDirectory, PeerDispatch
 from sbproxy.api.shutdown import Shutdown
-from sbproxy.config import CompiledConfig
+from sbproxy.config import CompiledConfig, FleetConfig
 from sbproxy.errors import SbproxyError
+from sbproxy.fleet.routing import FleetDirectory
+from sbproxy.fleet.view import FleetStatus
 from sbproxy.model_host.lockfile import lock_guard
 from sbproxy.model_host.runtime.reload import reload_from_source
 from sbproxy.model_host.service import ModelHostService
@@ -134,11 +137,42 @@ def check_listeners(compiled: CompiledConfig, *, fields: Mapping[str, str] | Non
                 ) from None
 
 
+def _fleet(compiled: CompiledConfig) -> FleetConfig:
+    return compiled.model_host.fleet if compiled.model_host is not None else FleetConfig()
+
+
+def _credential(compiled: CompiledConfig) -> str | None:
+    credential = _fleet(compiled).credential
+    return credential.get_secret_value() if credential is not None else None
+
+
+def _node_id(compiled: CompiledConfig) -> str:
+    node = compiled.model_host.node.id if compiled.model_host is not None else None
+    return node or "local"
+
+
+def peer_dispatch(compiled: CompiledConfig, directory: FleetDirectory) -> PeerDispatch:
+    """The gateway's peer dispatch over ``directory``, with the fleet credential and
+    cool-down of ``compiled`` (``proxy.model_host.fleet``)."""
+    return PeerDispatch(
+        directory,
+        credential=_credential(compiled),
+        cooldown_s=_fleet(compiled).peer_cooldown_ms / 1000,
+    )
+
+
 def build_servers(
-    compiled: CompiledConfig, host: ServedHost, *, stop: Shutdown | None = None
+    compiled: CompiledConfig,
+    host: ServedHost,
+    *,
+    stop: Shutdown | None = None,
+    directory: FleetDirectory | None = None,
+    fleet_status: FleetStatus | None = None,
 ) -> tuple[list[Listener], Gateway, Admin | None]:
     """The gateway listener and, when enabled, the admin listener of ``compiled``; with
-    ``stop``, each app is guarded so that its requests end cleanly at the drain deadline."""
+    ``stop``, each app is guarded so that its requests end cleanly at the drain deadline;
+    with ``directory`` (a fleet's routing table), the gateway serves every deployment of the
+    fleet (:mod:`sbproxy.api.peers`); with ``fleet_status``, the console shows the fleet."""
     proxy = compiled.config.proxy
     deadline_s = max(1, round(host.manager.shutdown_deadline_s))
     rejections = Rejections()
@@ -149,12 +183,24 @@ def build_servers(
         keys=KeyPlane(list(proxy.api_keys)),
         rejections=rejections,
         disconnects=disconnects,
+        fleet=peer_dispatch(compiled, directory) if directory is not None else None,
+        deployments=compiled.deployments,
     )
+    if gateway.fleet is None and _credential(compiled) is not None:
+        # A host with the fleet credential takes peer hops even before it knows its peers.
+        directory = LoneDirectory(_node_id(compiled))
+        gateway.fleet = peer_dispatch(compiled, directory)
 
     def swap(candidate: CompiledConfig) -> None:
         keys = KeyPlane(list(candidate.config.proxy.api_keys))
         gateway.routing = Routing(candidate.routes)
+        gateway.deployments = candidate.deployments
         gateway.keys = keys
+        if gateway.fleet is not None:  # the same rotation and counts, the new credential
+            gateway.fleet.configure(
+                credential=_credential(candidate),
+                cooldown_s=_fleet(candidate).peer_cooldown_ms / 1000,
+            )
         # The ledger re-sums each key's window under its new budget (pending usage first).
         host.manager.background(lambda: gateway.usage.reconfigure(keys.budgets))
 
@@ -194,6 +240,8 @@ def build_servers(
             disconnects=disconnects,
             config=host.config,
             activity=gateway.activity,
+            peers=gateway.fleet,
+            fleet=fleet_status,
         )
         tls = settings.tls
         servers.append(
@@ -308,6 +356,8 @@ async def serve(
     watch_config: bool = False,
     lockfile: Path | None = None,
     listener_fields: Mapping[str, str] | None = None,
+    directory: FleetDirectory | None = None,
+    fleet_status: FleetStatus | None = None,
 ) -> None:
     """Run the host of ``compiled`` until SIGTERM or SIGINT (see the module docstring).
 
@@ -323,6 +373,9 @@ async def serve(
         lockfile: ``serve --locked``: every file reload must still match this lockfile
             (``lock_drift`` refuses it and changes nothing); the start was checked already.
         listener_fields: Passed to :func:`check_listeners` (the flags ``run`` names).
+        directory: The fleet's routing table, on a host of a fleet: the gateway serves
+            every deployment of the fleet, through peers where needed.
+        fleet_status: The fleet's state, for the console's fleet page.
 
     Raises:
         SbproxyError: ``port_in_use``, ``port_not_permitted``, ``bind_address_unavailable``
@@ -348,6 +401,8 @@ async def serve(
                 watch=watch,
                 watch_config=watch_config,
                 lockfile=lockfile,
+                directory=directory,
+                fleet_status=fleet_status,
             )
             if not stop.requested:
                 # Only a stop signal (or ``stop_self``) ends a healthy host; anything else
@@ -382,6 +437,8 @@ async def _serve_host(
     watch: Callable[[ServedHost], Coroutine[Any, Any, None]] | None,
     watch_config: bool,
     lockfile: Path | None,
+    directory: FleetDirectory | None = None,
+    fleet_status: FleetStatus | None = None,
 ) -> None:
     """Open the host, serve until ``stop`` stops the listeners, shut the host down within
     what is left of the budget (the arguments are :func:`serve`'s).
@@ -394,7 +451,9 @@ async def _serve_host(
         stop.follow(host.manager)
         if lockfile is not None:
             host.manager.config_guard = lock_guard(lockfile, ModelHostService.serving(host.manager))
-        servers, _, _ = build_servers(compiled, host, stop=stop)
+        servers, _, _ = build_servers(
+            compiled, host, stop=stop, directory=directory, fleet_status=fleet_status
+        )
         stop.attach(servers)
         watcher_stopped = anyio.Event()
         async with anyio.create_task_group() as group:

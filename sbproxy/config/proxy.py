@@ -210,6 +210,20 @@ class ProxyConfig(ConfigModel):
                     (("api_keys", index, "name"), f"duplicate key name {record.name!r}")
                 )
             names.add(record.name)
+        credential = self.model_host.fleet.credential if self.model_host is not None else None
+        password = self.admin.password
+        if (
+            credential is not None
+            and password is not None
+            and credential.get_secret_value() == password.get_secret_value()
+        ):
+            problems.append(
+                (
+                    ("model_host", "fleet", "credential"),
+                    "the fleet credential must not be the admin password (peers would hold "
+                    "the admin login); give each its own secret",
+                )
+            )
         if problems:
             raise RuleViolation(problems)
         return self

@@ -13,8 +13,10 @@ import anyio
 import uvicorn
 
 from sbproxy.api import Admin, Gateway, KeyPlane, Routing, create_admin_app, create_gateway_app
+from sbproxy.api.peers import PeerDispatch
 from sbproxy.api.server import Listener
 from sbproxy.config import ApiKeyRecord, Route
+from sbproxy.fleet.view import FleetStatus
 from tests.model_host.runtime.host import Host, runtime_host
 
 ADMIN = ("admin", "correct horse battery staple")
@@ -53,7 +55,11 @@ async def served(
     keys: Sequence[ApiKeyRecord] = (),
     model_host: dict[str, Any] | None = None,
     routes: Sequence[Route] = ROUTES,
+    fleet: PeerDispatch | None = None,
+    fleet_status: FleetStatus | None = None,
 ) -> AsyncIterator[Served]:
+    """``fleet``: the gateway's peer dispatch (a host of a fleet); ``fleet_status``: what the
+    console's fleet page shows."""
     async with (
         runtime_host(
             root,
@@ -64,7 +70,11 @@ async def served(
         anyio.create_task_group() as group,
     ):
         gateway = Gateway(
-            manager=host.manager, routing=Routing(tuple(routes)), keys=KeyPlane(list(keys))
+            manager=host.manager,
+            routing=Routing(tuple(routes)),
+            keys=KeyPlane(list(keys)),
+            fleet=fleet,
+            deployments=host.manager.compiled.deployments,
         )
         admin = Admin(
             manager=host.manager,
@@ -74,6 +84,8 @@ async def served(
             usage=gateway.usage,
             disconnects=gateway.disconnects,
             activity=gateway.activity,
+            peers=fleet,
+            fleet=fleet_status,
         )
         servers = [
             Listener(

@@ -138,3 +138,37 @@ def test_cluster_authority_is_still_refused_with_a_fleet_block(errors_at: Errors
         with_host("    authority: cluster_authority\n    node: {id: n1}\n    fleet: {}\n")
     )
     assert "not available in this version" in found["proxy.model_host.authority"]
+
+
+def test_the_fleet_credential_comes_from_the_environment_and_is_never_shown() -> None:
+    secret = "fleet-secret-0123456789abcdef"
+    host = load(
+        with_host("    fleet: {credential: '${FLEET_CREDENTIAL}', peer_cooldown_ms: 750}\n"),
+        env={"FLEET_CREDENTIAL": secret},
+    ).model_host
+    assert host is not None
+    assert host.fleet.credential is not None
+    assert host.fleet.credential.get_secret_value() == secret
+    assert host.fleet.peer_cooldown_ms == 750
+    assert secret not in repr(host.fleet)
+    defaults = load(BASE).model_host
+    assert defaults is not None
+    assert (defaults.fleet.credential, defaults.fleet.peer_cooldown_ms) == (None, 5_000)
+
+
+def test_a_short_fleet_credential_is_refused_without_echoing_it(errors_at: ErrorsAt) -> None:
+    found = errors_at(with_host("    fleet: {credential: 'hunter2-short'}\n"))
+    message = found["proxy.model_host.fleet.credential"]
+    assert "at least 16 characters" in message
+    assert "hunter2" not in message
+
+
+def test_the_fleet_credential_must_not_be_the_admin_password(errors_at: ErrorsAt) -> None:
+    secret = "the-same-secret-0123456789"
+    text = with_host(f"    fleet: {{credential: '{secret}'}}\n").replace(
+        "proxy:\n", f"proxy:\n  admin: {{enabled: true, password: '{secret}'}}\n", 1
+    )
+    found = errors_at(text)
+    message = found["proxy.model_host.fleet.credential"]
+    assert "must not be the admin password" in message
+    assert secret not in message

@@ -2,7 +2,8 @@
 
 Deployments (with load, stop, drain and reset and their jobs' live progress), jobs (list and
 detail, live from the durable event stream), recent gateway activity with charts, engine
-output (bounded, redacted log tails) and the cache (budget use and a gc dry run). The pages
+output (bounded, redacted log tails), the cache (budget use and a gc dry run) and, on a host
+of a fleet, the fleet (nodes, replicas, controller, placement jobs). The pages
 sit behind the admin router's guard (allowlist and HTTP Basic). Every asset is served from
 this package: no CDN, no build step.
 

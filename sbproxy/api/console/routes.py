@@ -37,13 +37,16 @@ from sbproxy.api.console.views import (
     Series,
     artifact_name,
     chart_svg,
+    format_age_ms,
     format_bytes,
     format_ms,
     subject_label,
 )
 from sbproxy.api.errors import CrossSiteRequest, InvalidBody
 from sbproxy.api.jobs import check_job_id
+from sbproxy.api.peers import PeerDispatch
 from sbproxy.errors import SbproxyError
+from sbproxy.fleet.view import FleetStatus, FleetView
 from sbproxy.model_host.runtime import probe_devices
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.service import ModelHostService
@@ -64,6 +67,7 @@ def console_templates() -> TemplateConfig[JinjaTemplateEngine]:
     environment = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=True)
     environment.filters["bytes"] = format_bytes
     environment.filters["when"] = format_ms
+    environment.filters["age"] = format_age_ms
     return TemplateConfig(engine=JinjaTemplateEngine.from_environment(environment))
 
 
@@ -399,8 +403,54 @@ def _cache_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     return [cache]
 
 
-def console_router(manager: RuntimeManager, activity: Activity) -> Router:
-    """The ``/ui`` routes (pages, actions, static assets), to mount under ``/admin``."""
+def _fleet_groups(view: FleetView) -> list[dict[str, Any]]:
+    """Per deployment of ``view``: its replicas, how many are ready, how many are desired."""
+    groups = []
+    for deployment in view.deployments():
+        replicas = view.replicas_of(deployment)
+        groups.append(
+            {
+                "deployment": deployment,
+                "replicas": sorted(replicas, key=lambda r: r.node_id),
+                "ready": sum(r.state == "ready" for r in replicas),
+                "desired": view.desired.get(deployment, 0),
+            }
+        )
+    return groups
+
+
+def _fleet_routes(fleet: FleetStatus | None, peers: PeerDispatch | None) -> list[HTTPRouteHandler]:
+    """The fleet page."""
+
+    @get("/fleet")
+    async def fleet_page() -> Template:
+        """Nodes with state and heartbeat age, replicas per deployment, the controller, the
+        placement jobs in progress, and the peers this gateway keeps out of rotation."""
+        context: dict[str, Any] = {"page": "fleet", "in_fleet": fleet is not None}
+        if fleet is not None:
+            try:
+                view = await fleet.view()
+            except SbproxyError as exc:
+                context["error"] = {"code": exc.code, "message": exc.message}
+            else:
+                context["view"] = view
+                context["deployments"] = _fleet_groups(view)
+                context["out_of_rotation"] = set(peers.out_now()) if peers is not None else set()
+        return Template("fleet.html", context=context)
+
+    return [fleet_page]
+
+
+def console_router(
+    manager: RuntimeManager,
+    activity: Activity,
+    *,
+    fleet: FleetStatus | None = None,
+    peers: PeerDispatch | None = None,
+) -> Router:
+    """The ``/ui`` routes (pages, actions, static assets), to mount under ``/admin``; the
+    fleet page reads ``fleet`` (and ``peers``, this gateway's rotation) on a host of a
+    fleet."""
     static = create_static_files_router(
         path="/static", directories=[HERE / "static"], name="console:static"
     )
@@ -412,6 +462,7 @@ def console_router(manager: RuntimeManager, activity: Activity) -> Router:
             *_activity_routes(activity),
             *_log_routes(manager),
             *_cache_routes(manager),
+            *_fleet_routes(fleet, peers),
             static,
         ],
         include_in_schema=False,

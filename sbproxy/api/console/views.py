@@ -15,6 +15,7 @@ from markupsafe import Markup, escape
 __all__ = [
     "Series",
     "chart_svg",
+    "format_age_ms",
     "format_bytes",
     "format_ms",
     "subject_label",
@@ -78,6 +79,23 @@ def format_ms(value: int | None) -> str:
     if value is None:
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(value / 1000))
+
+
+def format_age_ms(value: int | None) -> str:
+    """A duration in milliseconds for people: ``850 ms``, ``4.2 s``, ``3 min 5 s``,
+    ``2 h 10 min``; ``None`` -> ``-``."""
+    if value is None:
+        return "-"
+    if value < 1000:
+        return f"{value} ms"
+    seconds = value / 1000
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
 
 
 @dataclass(frozen=True)

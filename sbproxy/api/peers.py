@@ -1,0 +1,529 @@
+"""Peer dispatch: a gateway serves every deployment of the fleet, through a peer host when it
+has no ready replica of its own (issue 20, "Peer dispatch"; ARCHITECTURE.md "Several hosts").
+
+Where a request goes (:meth:`PeerDispatch.serves_here`), from the fleet's routing table
+(:class:`~sbproxy.fleet.routing.RoutingTable`, a snapshot the directory keeps):
+
+1. the replica placed on this node, when the table lists it ready (ready, or idle and
+   loadable) or its engine runs here now: served here, as a single host serves it;
+2. else the ready replica of a peer with the fewest outstanding requests -- the ``active`` and
+   ``queued`` counts the replica last reported plus this gateway's own requests in flight to
+   it, so that several gateways do not all pile onto one replica between two reports; ties
+   take turns;
+3. else 503 ``no_ready_replica`` (retryable). The gateway never starts a replica the table
+   lists as not ready (its node may have fenced itself); the fleet starts placements.
+
+A deployment the table does not list is not the fleet's: the host serves it as a single
+host does.
+
+Between hosts: the request goes to the peer's gateway with the same path, the client's own
+body (the peer completes it for its engine, as for its own clients) and ``Host``, plus
+``Authorization: Bearer <fleet credential>`` (``proxy.model_host.fleet.credential``, never
+the admin password, never logged), ``X-Sbproxy-Peer-Hop: <this node id>`` and
+``X-Sbproxy-Peer-Priority: <the caller's class>``. A host receiving a hop checks the
+credential (401 ``peer_unauthorized`` otherwise), serves it only locally (never a second
+hop; 503 ``no_ready_replica`` when rule 1 does not hold here), checks no key and no budget
+and counts no usage: usage and budgets are counted once, on the host the client called, from
+the answer the peer relays (a stream always carries its ``usage`` event between hosts; the
+calling gateway drops it when its client had not asked for it). The client's bytes are the
+peer's bytes: the answer's status, body and stream are relayed unchanged.
+
+Retries: another replica is tried only while nothing has reached the client -- when the
+peer cannot be reached or fails before its answer's headers (the peer is then out of this
+gateway's rotation at once, for ``peer_cooldown_ms`` on an injected monotonic clock, before
+membership notices), or when it answers 502/503 and another replica is left. A peer that does
+not answer within the deployment's limit (its own supervision would have answered by then,
+so it is hung) leaves the rotation too; that request gets 504 ``engine_timeout``. Once a stream's
+headers went out, a peer that fails ends the stream with an ``upstream_unavailable`` error
+event, as an engine failing mid-stream does (:mod:`sbproxy.api.relay`).
+
+Metrics (:func:`sbproxy.api.metrics.build_registry`):
+``sbproxy_gateway_peer_requests_total{deployment,node,outcome}`` -- each try at a peer, by
+:class:`PeerOutcome` -- and ``sbproxy_gateway_peers_out_of_rotation`` (gauge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Final
+
+import aiohttp
+from litestar.types import Receive, Scope
+from yarl import URL
+
+from sbproxy.api import engine_client
+from sbproxy.api.errors import ApiError
+from sbproxy.api.keys import Caller
+from sbproxy.api.relay import UpstreamUnavailable
+from sbproxy.api.supervision import ExchangeBound, Limit, engine_timeout
+from sbproxy.config import DeploymentConfig, PriorityClass
+from sbproxy.fleet.routing import FleetDirectory, PeerReplica, RoutingTable
+
+__all__ = [
+    "PEER_HOP",
+    "PEER_PRIORITY",
+    "LoneDirectory",
+    "NoReadyReplica",
+    "PeerAnswer",
+    "PeerDispatch",
+    "PeerOutcome",
+    "PeerTicket",
+    "PeerUnauthorized",
+    "peer_headers",
+]
+
+logger = logging.getLogger(__name__)
+
+PEER_HOP: Final = "X-Sbproxy-Peer-Hop"
+PEER_PRIORITY: Final = "X-Sbproxy-Peer-Priority"
+_HOP: Final = PEER_HOP.lower().encode()
+_PRIORITY: Final = PEER_PRIORITY.lower().encode()
+# Peer answers that leave the client untouched and are worth another replica.
+_REFUSALS: Final = frozenset({502, 503})
+# The calling gateway's limits on a peer exceed the deployment's own by this much, so that
+# the peer's supervision (which knows the engine) speaks first.
+_MARGIN_S: Final = 1.0
+_DEFAULTS: Final = (300.0, 120.0, 30.0)
+_PRIORITIES: Final = {p.value: p for p in PriorityClass}
+
+
+class PeerUnauthorized(ApiError):
+    """A peer hop without the fleet's credential (``peer_unauthorized``, HTTP 401)."""
+
+    default_code = "peer_unauthorized"
+
+
+class NoReadyReplica(ApiError):
+    """No replica of the deployment can take the request anywhere in the fleet
+    (``no_ready_replica``, HTTP 503, retryable)."""
+
+    default_code = "no_ready_replica"
+    default_retryable = True
+
+
+class PeerOutcome(StrEnum):
+    """How one try at a peer ended (the ``outcome`` label of
+    ``sbproxy_gateway_peer_requests_total``)."""
+
+    ANSWERED = "answered"  # its answer (any status) or its whole stream went to the client
+    REFUSED = "refused"  # 502/503 before any byte reached the client; the next replica tried
+    UNREACHABLE = "unreachable"  # failed before its answer's headers; out of rotation
+    CUT = "cut"  # its stream failed after the first byte reached the client
+    TIMED_OUT = "timed_out"  # a limit ran out waiting for it (before its answer: out of rotation)
+    CLIENT_GONE = "client_gone"  # the client went away first
+
+
+class LoneDirectory:
+    """The routing table of a host that takes peer hops but knows no peer (a fleet credential
+    and no fleet directory): every deployment is served here, as on a single host."""
+
+    def __init__(self, node_id: str) -> None:
+        self._table = RoutingTable(local_node_id=node_id, replicas={}, taken_at=time.monotonic())
+
+    def routing(self) -> RoutingTable:
+        """The empty table."""
+        return self._table
+
+
+def peer_headers(scope: Scope) -> tuple[str | None, str | None]:
+    """The ``X-Sbproxy-Peer-Hop`` and ``X-Sbproxy-Peer-Priority`` values of a request (read
+    only when a fleet is configured: a single host never looks)."""
+    hop: str | None = None
+    priority: str | None = None
+    for name, value in scope["headers"]:
+        if name == _HOP:
+            hop = value.decode("latin-1")
+        elif name == _PRIORITY:
+            priority = value.decode("latin-1")
+    return hop, priority
+
+
+@dataclass(slots=True)
+class PeerTicket:
+    """One request in flight to a peer replica: counted in this gateway's outstanding count of
+    that replica until :meth:`release`; the limits the relay applies to it (seconds)."""
+
+    deployment: str
+    node_id: str
+    request_timeout_s: float
+    first_token_timeout_s: float
+    stall_timeout_s: float
+    _in_flight: Counter[tuple[str, str]] = field(repr=False)
+    _released: bool = False
+
+    def report(self, *, timed_out: bool) -> None:
+        """Nothing to tell: the peer's own runtime counts its engine's outcomes."""
+
+    def release(self) -> None:
+        """No longer in flight (idempotent)."""
+        if not self._released:
+            self._released = True
+            self._in_flight[(self.node_id, self.deployment)] -= 1
+
+
+@dataclass(slots=True)
+class PeerAnswer:
+    """A peer's answer: whole (``data``), or a stream to relay (``data`` is ``None``)."""
+
+    replica: PeerReplica
+    ticket: PeerTicket
+    response: aiohttp.ClientResponse
+    started: float
+    data: bytes | None
+
+
+class PeerDispatch:
+    """This gateway's side of peer dispatch (see the module docstring).
+
+    One instance per gateway, used on its event loop only: the in-flight counts, the
+    rotation and the tallies are its own state.
+
+    Args:
+        directory: The fleet's routing table.
+        credential: The fleet credential; ``None``: no hop is accepted and none is sent.
+        cooldown_s: How long a failed peer stays out of rotation.
+        clock: Monotonic seconds (injected by tests).
+    """
+
+    def __init__(
+        self,
+        directory: FleetDirectory,
+        *,
+        credential: str | None,
+        cooldown_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.directory = directory
+        self.clock = clock
+        self.configure(credential=credential, cooldown_s=cooldown_s)
+        self._in_flight: Counter[tuple[str, str]] = Counter()
+        self._out: dict[str, float] = {}
+        self._turn = 0
+        self.tries: Counter[tuple[str, str, str]] = Counter()
+        """Tries at peers by ``(deployment, node, outcome)``."""
+
+    def configure(self, *, credential: str | None, cooldown_s: float) -> None:
+        """Take a (reloaded) fleet credential and cool-down; rotation and counts stay."""
+        self.cooldown_s = cooldown_s
+        self._digest = (
+            hashlib.sha256(credential.encode()).digest() if credential is not None else None
+        )
+        self._authorization = f"Bearer {credential}" if credential is not None else None
+
+    # -- the receiving side ------------------------------------------------------------------
+
+    def admit_hop(self, authorization: str | None, priority: str | None) -> Caller:
+        """The caller of a peer hop carrying this ``Authorization`` header: nameless (no key,
+        no budget, no usage here), with the class the calling gateway gave.
+
+        Raises:
+            PeerUnauthorized: ``peer_unauthorized`` without the fleet credential (or when
+                this host has none).
+        """
+        scheme, _, token = (authorization or "").partition(" ")
+        presented = hashlib.sha256(token.strip().encode()).digest()
+        if (
+            self._digest is None
+            or scheme.lower() != "bearer"
+            or not hmac.compare_digest(presented, self._digest)
+        ):
+            raise PeerUnauthorized(
+                "a peer hop needs the fleet credential (proxy.model_host.fleet.credential) "
+                "as Authorization: Bearer",
+                remediation="Give every host of the fleet the same fleet credential.",
+            )
+        return Caller(name=None, priority=_PRIORITIES.get(priority or "", PriorityClass.STANDARD))
+
+    # -- the calling side --------------------------------------------------------------------
+
+    def serves_here(self, deployment: str, *, known: bool, running: Callable[[], bool]) -> bool:
+        """Whether this node serves a request for ``deployment`` itself (rule 1 of the
+        module docstring).
+
+        A deployment the table does not list is not the fleet's: this host serves it as a
+        single host would, when its runtime has it (``known``). One the table lists is
+        served here only from the replica placed here (listed under this node), when the
+        table says it is ready or its engine is running here now (``running``: the table
+        lags a load by up to a heartbeat). Never otherwise: a replica the table lists as not
+        ready may be on a node that fenced itself, whose engines must stay stopped.
+        """
+        table = self.directory.routing()
+        replicas = table.for_deployment(deployment)
+        if not replicas:
+            return known
+        local = table.local_node_id
+        for replica in replicas:
+            if replica.node_id == local:
+                return known and (replica.ready or running())
+        return False
+
+    def availability(
+        self, deployment: str, *, local: dict[str, object] | None
+    ) -> dict[str, object]:
+        """What ``/v1/models`` says of ``deployment`` on a host of a fleet:
+        ``{state: ready|unavailable, ready_replicas, desired_replicas}`` over the replicas the
+        table lists (``ready`` when one is ready: here, or a peer's in this gateway's
+        rotation); ``local`` (this host's own availability, ``None`` when it lacks the
+        deployment) for one the table does not list."""
+        table = self.directory.routing()
+        replicas = table.for_deployment(deployment)
+        if not replicas:
+            return local or {"state": "unavailable", "ready_replicas": 0, "desired_replicas": 0}
+        now = self.clock()
+        ready = sum(
+            r.ready and (r.node_id == table.local_node_id or self._in_rotation(r.node_id, now))
+            for r in replicas
+        )
+        state = "ready" if ready else "unavailable"
+        return {"state": state, "ready_replicas": ready, "desired_replicas": len(replicas)}
+
+    def pick(self, deployment: str, tried: set[str]) -> PeerReplica | None:
+        """The ready peer replica of ``deployment`` with the fewest outstanding requests,
+        among those in rotation and not in ``tried`` (node ids); ``None`` when none is left."""
+        table = self.directory.routing()
+        local = table.local_node_id
+        now = self.clock()
+        best: list[PeerReplica] = []
+        fewest = 0
+        for replica in table.for_deployment(deployment):
+            node = replica.node_id
+            if node == local or not replica.ready or not replica.base_url or node in tried:
+                continue  # a node that advertises no URL cannot be reached
+            if not self._in_rotation(node, now):
+                continue
+            outstanding = replica.active + replica.queued + self._in_flight[(node, deployment)]
+            if not best or outstanding < fewest:
+                best, fewest = [replica], outstanding
+            elif outstanding == fewest:
+                best.append(replica)
+        if not best:
+            return None
+        self._turn += 1
+        return best[self._turn % len(best)]
+
+    def _in_rotation(self, node_id: str, now: float) -> bool:
+        until = self._out.get(node_id)
+        if until is None:
+            return True
+        if now >= until:
+            del self._out[node_id]
+            logger.info("peer %s is back in rotation", node_id)
+            return True
+        return False
+
+    def out_of_rotation(self, replica: PeerReplica, why: str) -> None:
+        """Take ``replica``'s node out of this gateway's rotation for ``cooldown_s``."""
+        self._out[replica.node_id] = self.clock() + self.cooldown_s
+        logger.warning(
+            "peer %s (%s) failed before its answer (%s): out of rotation for %g s",
+            replica.node_id,
+            replica.base_url,
+            why,
+            self.cooldown_s,
+        )
+
+    def out_now(self) -> list[str]:
+        """The node ids out of rotation now, sorted."""
+        now = self.clock()
+        return sorted(node for node in list(self._out) if not self._in_rotation(node, now))
+
+    def in_flight(self, node_id: str, deployment: str) -> int:
+        """This gateway's requests in flight to ``deployment`` on ``node_id``."""
+        return self._in_flight[(node_id, deployment)]
+
+    def record(self, replica: PeerReplica, outcome: PeerOutcome) -> None:
+        """Count one try at ``replica``."""
+        self.tries[(replica.deployment, replica.node_id, outcome.value)] += 1
+
+    def _ticket(self, replica: PeerReplica, config: DeploymentConfig | None) -> PeerTicket:
+        if config is None:
+            request_s, first_s, stall_s = _DEFAULTS
+        else:
+            request_s = config.request_timeout_ms / 1000
+            first_s = config.first_token_timeout_ms / 1000
+            stall_s = config.stall_timeout_ms / 1000
+        self._in_flight[(replica.node_id, replica.deployment)] += 1
+        return PeerTicket(
+            deployment=replica.deployment,
+            node_id=replica.node_id,
+            request_timeout_s=request_s + _MARGIN_S,
+            first_token_timeout_s=first_s + _MARGIN_S,
+            stall_timeout_s=stall_s + _MARGIN_S,
+            _in_flight=self._in_flight,
+        )
+
+    def _headers(self, caller: Caller, host: str | None) -> dict[str, str]:
+        assert self._authorization is not None  # noqa: S101 - checked by dispatch
+        headers = {
+            "Authorization": self._authorization,
+            PEER_HOP: self.directory.routing().local_node_id,
+            PEER_PRIORITY: caller.priority.value,
+        }
+        if host is not None:
+            headers["Host"] = host
+        return headers
+
+    async def dispatch(
+        self,
+        session: aiohttp.ClientSession,
+        receive: Receive,
+        *,
+        deployment: str,
+        config: DeploymentConfig | None,
+        caller: Caller,
+        host: str | None,
+        path: str,
+        body: bytes,
+        streamed: bool,
+    ) -> PeerAnswer | None:
+        """Send one request to the best peer replica of ``deployment``, and to the next while
+        nothing has reached the client (see the module docstring).
+
+        A plain answer comes back read whole (its ticket released); a stream with its
+        headers read, for the relay to finish (it releases the ticket).
+
+        Returns:
+            The answer; ``None`` when the client went away first (everything is freed).
+
+        Raises:
+            NoReadyReplica: ``no_ready_replica`` -- no peer replica to try (or no fleet
+                credential to reach one with).
+            UpstreamUnavailable: ``upstream_unavailable`` -- every replica tried failed.
+            EngineTimeout: ``engine_timeout`` -- the deployment's limit ran out first.
+        """
+        if self._authorization is None:
+            raise NoReadyReplica(
+                f"deployment {deployment!r} has no replica on this node, and this host has no "
+                "fleet credential to reach a peer's",
+                remediation="Set proxy.model_host.fleet.credential on every host.",
+                details={"deployment": deployment},
+            )
+        headers = self._headers(caller, host)
+        bound = ExchangeBound(receive)
+        tried: set[str] = set()
+        failed = False
+        answer: PeerAnswer | None = None
+        current: PeerReplica | None = None
+        limit, limit_s = Limit.REQUEST, 0.0
+        with bound:
+            replica = self.pick(deployment, tried)
+            while replica is not None:
+                tried.add(replica.node_id)
+                ticket = self._ticket(replica, config)
+                if len(tried) == 1:  # one deadline for every try
+                    limit, limit_s = _first_limit(ticket, streamed=streamed)
+                    bound.set_deadline(asyncio.get_running_loop().time() + limit_s)
+                current = replica
+                answer = await self._try(session, replica, ticket, headers, path, body, streamed)
+                current = None
+                if answer is None:
+                    failed = True
+                    replica = self.pick(deployment, tried)
+                    continue
+                replica = self.pick(deployment, tried) if _refused(answer) else None
+                if replica is not None:
+                    self.record(answer.replica, PeerOutcome.REFUSED)
+                    answer.ticket.release()
+                    answer = None
+        if bound.cancelled_caught:
+            self._cut_short(answer, current, bound, deployment, limit, limit_s)
+            return None
+        if answer is not None:
+            if answer.data is not None:
+                self.record(answer.replica, PeerOutcome.ANSWERED)
+                answer.ticket.release()
+            return answer
+        if not failed:
+            raise NoReadyReplica(
+                f"no replica of deployment {deployment!r} is ready in the fleet",
+                remediation="Check the fleet's placements: `sbproxy models ps --fleet`.",
+                details={"deployment": deployment, "retry_after_ms": 1000},
+            )
+        raise UpstreamUnavailable(
+            f"no replica of deployment {deployment!r} answered (tried {len(tried)} peer(s))",
+            details={"deployment": deployment},
+        )
+
+    def _cut_short(
+        self,
+        answer: PeerAnswer | None,
+        current: PeerReplica | None,
+        bound: ExchangeBound,
+        deployment: str,
+        limit: Limit,
+        limit_s: float,
+    ) -> None:
+        """End a dispatch its client left, or whose limit ran out, before the answer was
+        handed on (``current``: the replica being tried then). A peer that let the limit
+        run out -- longer than its own supervision allows the engine -- is hung: out of
+        rotation.
+
+        Raises:
+            EngineTimeout: ``engine_timeout`` when the limit ran out.
+        """
+        if answer is not None:
+            answer.response.close()
+            answer.ticket.release()
+        if bound.disconnected:
+            if current is not None:
+                self.record(current, PeerOutcome.CLIENT_GONE)
+            return
+        if current is not None:
+            self.record(current, PeerOutcome.TIMED_OUT)
+            self.out_of_rotation(current, f"no answer within {limit.value}")
+        raise engine_timeout(deployment, limit, limit_s)
+
+    async def _try(
+        self,
+        session: aiohttp.ClientSession,
+        replica: PeerReplica,
+        ticket: PeerTicket,
+        headers: dict[str, str],
+        path: str,
+        body: bytes,
+        streamed: bool,
+    ) -> PeerAnswer | None:
+        """One try at ``replica``; ``None`` (the peer out of rotation) when it failed before
+        its answer was in hand."""
+        response: aiohttp.ClientResponse | None = None
+        started = asyncio.get_running_loop().time()
+        url = URL(replica.base_url.rstrip("/") + path)
+        try:
+            response = await engine_client.post(session, url, body, headers=headers)
+            data: bytes | None = None
+            if not (streamed and response.content_type == "text/event-stream"):
+                data = await response.read()
+                response.release()
+        except aiohttp.ClientError as exc:
+            if response is not None:
+                response.close()
+            ticket.release()
+            self.out_of_rotation(replica, type(exc).__name__)
+            self.record(replica, PeerOutcome.UNREACHABLE)
+            return None
+        except BaseException:  # a cancellation: the deadline or the client (the caller knows)
+            if response is not None:
+                response.close()
+            ticket.release()
+            raise
+        return PeerAnswer(
+            replica=replica, ticket=ticket, response=response, started=started, data=data
+        )
+
+
+def _refused(answer: PeerAnswer) -> bool:
+    return answer.data is not None and answer.response.status in _REFUSALS
+
+
+def _first_limit(ticket: PeerTicket, *, streamed: bool) -> tuple[Limit, float]:
+    if streamed and ticket.first_token_timeout_s < ticket.request_timeout_s:
+        return Limit.FIRST_TOKEN, ticket.first_token_timeout_s
+    return Limit.REQUEST, ticket.request_timeout_s

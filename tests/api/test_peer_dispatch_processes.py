@@ -1,0 +1,134 @@
+"""Peer dispatch to real ``sbproxy serve`` processes (each its own cache, stand-in engine and
+fleet credential from the environment), killed with SIGKILL: a peer that dies after the
+first byte ends the client's stream with an error event and is not retried; a dead peer is
+retried elsewhere before the first byte and leaves the rotation."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from sbproxy.fleet.routing import PeerReplica
+from tests.api.fleet_hosts import CREDENTIAL, fleet_of
+from tests.api.test_serve import write_config
+from tests.model_host.engines.support import free_port
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+STREAM = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+@dataclass
+class Peer:
+    name: str
+    process: subprocess.Popen[str]
+    url: str
+    log: Path
+
+    def engine_requests(self) -> int:
+        return len(self.log.read_text().splitlines()) if self.log.exists() else 0
+
+    def kill(self) -> None:
+        """SIGKILL the host and the engines it started (nothing stops them otherwise)."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children = psutil.Process(self.process.pid).children(recursive=True)
+            self.process.kill()
+            self.process.wait()
+            for child in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+
+
+@contextlib.contextmanager
+def peer(root: Path, name: str) -> Iterator[Peer]:
+    """``sbproxy serve`` of deployment ``tiny`` (slow tokens), taking peer hops."""
+    gateway_port = free_port()
+    log = root / name / "requests.jsonl"
+    config = write_config(
+        root / name,
+        gateway_port,
+        free_port(),
+        mode=f"token_delay_s=0.3,requests_log={log}",
+        host={"node": {"id": name}, "fleet": {"credential": "${FLEET_CREDENTIAL}"}},
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "FLEET_CREDENTIAL": CREDENTIAL},
+    )
+    found = Peer(name=name, process=process, url=f"http://127.0.0.1:{gateway_port}", log=log)
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        assert "gateway listening" in line, line
+        yield found
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                found.kill()
+        if process.stderr is not None:
+            process.stderr.close()
+
+
+def replica(peer: Peer, *, active: int = 0) -> PeerReplica:
+    return PeerReplica(
+        deployment="tiny",
+        node_id=peer.name,
+        base_url=peer.url,
+        generation=1,
+        ready=True,
+        active=active,
+        queued=0,
+    )
+
+
+async def test_a_peer_killed_mid_stream_cuts_the_stream_and_is_then_retried_around(
+    tmp_path: Path,
+) -> None:
+    with peer(tmp_path, "b") as b, peer(tmp_path, "c") as c:
+        async with fleet_of(tmp_path, hosting=(), names=("a",)) as fleet:
+            a = fleet["a"]
+            fleet.route("a", [replica(b), replica(c, active=3)])
+            events: list[str] = []
+            async with (
+                httpx.AsyncClient(base_url=a.host.gateway_url, timeout=30) as http,
+                http.stream("POST", "/v1/chat/completions", json=STREAM) as stream,
+            ):
+                assert stream.status_code == 200
+                assert stream.headers["x-sbproxy-route-class"] == "peer"
+                async for line in stream.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    events.append(line)
+                    if len(events) == 1:
+                        b.kill()  # the whole host goes, mid-stream
+            assert '"model": "tiny-chat"' in events[0]
+            assert '"code": "upstream_unavailable"' in events[-1]
+            assert "[DONE]" not in "".join(events)
+            assert a.dispatch.tries[("tiny", "b", "cut")] == 1
+            assert c.engine_requests() == 0  # bytes had reached the client: no retry
+            assert a.dispatch.in_flight("b", "tiny") == 0
+            # The next request: b is still in the table (membership has not noticed), its
+            # port refuses; c answers, and b is out of a's rotation.
+            async with httpx.AsyncClient(base_url=a.host.gateway_url, timeout=30) as http:
+                answer = await http.post("/v1/chat/completions", json={**STREAM, "stream": False})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == "tiny-chat"
+            assert a.dispatch.tries[("tiny", "b", "unreachable")] == 1
+            assert a.dispatch.tries[("tiny", "c", "answered")] == 1
+            assert a.dispatch.out_now() == ["b"]
+            assert c.engine_requests() == 1
