@@ -60,6 +60,7 @@ from sbproxy.api.errors import (
     Unauthorized,
     admin_exception_handlers,
 )
+from sbproxy.api.fleet import fleet_admin_handlers
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Disconnects, Rejections, build_registry
 from sbproxy.api.protection import host_service
@@ -67,6 +68,7 @@ from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger, usage_handlers
 from sbproxy.catalog import Catalog
 from sbproxy.errors import SbproxyError
+from sbproxy.fleet.agent import FleetAgent
 from sbproxy.model_host.flows import (
     GcInput,
     GcReport,
@@ -105,6 +107,7 @@ class Admin:
         disconnects: Client disconnects counted by the gateway (for ``/metrics``).
         config: The configuration file's state (default: from ``manager``).
         activity: The gateway's recent requests (the console's Activity page).
+        fleet: The fleet agent of a ``cluster_authority`` host (``/admin/fleet/*``).
     """
 
     manager: RuntimeManager
@@ -117,6 +120,7 @@ class Admin:
     disconnects: Disconnects | None = None
     config: ConfigState | None = None
     activity: Activity = field(default_factory=Activity)
+    fleet: FleetAgent | None = None
 
     def __post_init__(self) -> None:
         if self.config is None:
@@ -128,7 +132,11 @@ class Admin:
         self._networks = tuple(ipaddress.ip_network(n, strict=False) for n in self.allowlist)
         if self.registry is None:
             self.registry = build_registry(
-                self.manager, self.rejections, usage=self.usage, disconnects=self.disconnects
+                self.manager,
+                self.rejections,
+                usage=self.usage,
+                disconnects=self.disconnects,
+                fleet=self.fleet,
             )
 
     def allowed(self, client: str | None) -> None:
@@ -461,6 +469,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             reset,
             *cache_handlers(manager),
             *desired_handlers(manager, config),
+            *fleet_admin_handlers(admin.fleet),
             jobs_router(manager.engine, admin.spawn),
             *usage_handlers(admin.usage),
             console_router(manager, admin.activity),

@@ -109,6 +109,7 @@ class PlacementRow:
     reserved_bytes: int
     state: str
     replaces: str | None
+    definition: dict[str, Any]
     epoch: int
     job_id: str
     updated_at_ms: int
@@ -126,6 +127,7 @@ class PlacementRow:
             "reserved_bytes": self.reserved_bytes,
             "state": self.state,
             "replaces": self.replaces,
+            "definition": self.definition,
             "epoch": self.epoch,
             "job_id": self.job_id,
             "updated_at_ms": self.updated_at_ms,
@@ -206,9 +208,10 @@ def _placement(row: Sequence[Any]) -> PlacementRow:
         reserved_bytes=int(row[7]),
         state=str(row[8]),
         replaces=row[9],
-        epoch=int(row[10]),
-        job_id=str(row[11]),
-        updated_at_ms=int(row[12]),
+        definition=json.loads(row[10]),
+        epoch=int(row[11]),
+        job_id=str(row[12]),
+        updated_at_ms=int(row[13]),
     )
 
 
@@ -218,7 +221,7 @@ _NODE_COLUMNS = (
 )
 _PLACEMENT_COLUMNS = (
     "id, deployment, replica, revision, node, devices_json, engine, reserved_bytes, state,"
-    " replaces, epoch, job_id, updated_at_ms"
+    " replaces, definition_json, epoch, job_id, updated_at_ms"
 )
 
 
@@ -569,10 +572,16 @@ class FleetStore:
         return bool(moved)
 
     def place(
-        self, lease: ControllerLease, decision: Mapping[str, Any], *, reserved_state: str
+        self,
+        lease: ControllerLease,
+        decision: Mapping[str, Any],
+        *,
+        definition: Mapping[str, Any],
+        reserved_state: str = "pending",
     ) -> tuple[str, str]:
         """Record a start or replace decision as a placement and a ``fleet.place`` job;
-        ``(placement_id, job_id)``.
+        ``(placement_id, job_id)``. ``definition`` is the deployment's definition (the JSON
+        of its ``DeploymentConfig``) the node runs for this placement.
 
         Raises:
             Deposed: the lease is no longer this controller's.
@@ -590,7 +599,7 @@ class FleetStore:
             )
             cursor.execute(
                 f"INSERT INTO fleet_placements ({_PLACEMENT_COLUMNS}, created_at_ms)"  # noqa: S608
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     placement_id,
                     decision["deployment"],
@@ -602,6 +611,7 @@ class FleetStore:
                     decision["reserved_bytes"],
                     reserved_state,
                     decision.get("replaces"),
+                    json.dumps(dict(definition), sort_keys=True),
                     lease.epoch,
                     job_id,
                     now,

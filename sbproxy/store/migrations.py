@@ -246,6 +246,7 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
                 reserved_bytes INTEGER NOT NULL,
                 state TEXT NOT NULL,
                 replaces TEXT,
+                definition_json TEXT NOT NULL,
                 epoch INTEGER NOT NULL,
                 job_id TEXT NOT NULL,
                 created_at_ms INTEGER NOT NULL,

@@ -117,11 +117,11 @@ def test_a_deposed_controller_s_writes_are_refused_by_the_database(url: str) -> 
     new = b.hold_controller("b", lease_ms=LEASE_MS)
     assert new is not None and new.epoch == old.epoch + 1
     with pytest.raises(Deposed) as refused:
-        a.place(old, _decision("n1"), reserved_state="pending")
+        a.place(old, _decision("n1"), definition={"model": "m"})
     assert refused.value.code == "controller_deposed"
     with pytest.raises(Deposed):
         a.move_node(old, "n1", from_state="ready", to="suspect")
-    placement, job = b.place(new, _decision("n1"), reserved_state="pending")
+    placement, job = b.place(new, _decision("n1"), definition={"model": "m"})
     snapshot = b.snapshot()
     assert [(p.id, p.epoch, p.job_id) for p in snapshot.placements] == [(placement, 2, job)]
     with pytest.raises(Deposed):
@@ -157,7 +157,7 @@ def test_node_side_placement_moves_are_the_named_node_s_only(url: str) -> None:
     _join(store, "n1")
     lease = store.hold_controller("c", lease_ms=LEASE_MS)
     assert lease is not None
-    placement, _ = store.place(lease, _decision("n1"), reserved_state="pending")
+    placement, _ = store.place(lease, _decision("n1"), definition={"model": "m"})
     assert store.placement_ready("n2", placement) is False
     assert store.placement_ready("n1", placement) is True
     assert store.placement_stopped("n1", placement) is False  # not stopping yet
