@@ -5,11 +5,13 @@ its node id, labels, short fleet timing and the fleet credential."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import psutil
 import yaml
 
 from tests.api.pg_hosts import PASSWORD, PgHost
@@ -84,27 +86,30 @@ class FleetHost(PgHost):
             return {}
         return dict(response.json()) if response.status_code == 200 else {}
 
-    def engine_pids(self) -> set[int]:
-        """The fake engines' pids this host's status reports (ready replicas)."""
-        found = set()
-        for row in self._status_rows():
-            pid = (row.get("extra") or {}).get("pid")
-            if pid:
-                found.add(int(pid))
+    def engines(self) -> list[psutil.Process]:
+        """Live engine processes this host started (the stand-in llama-server serving a model
+        from this host's cache), wherever they were re-parented."""
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            line = " ".join(process.info.get("cmdline") or [])
+            if "fake_llama_server" in line and str(self.cache) in line:
+                with contextlib.suppress(psutil.Error):
+                    if process.status() != psutil.STATUS_ZOMBIE:
+                        found.append(process)
         return found
 
-    def _status_rows(self) -> list[dict[str, Any]]:
-        try:
-            response = self.admin_call("GET", "/admin/model-host/status")
-        except httpx.HTTPError:
-            return []
-        return list(response.json()["deployments"]) if response.status_code == 200 else []
+    def deployments(self) -> dict[str, str]:
+        """This host's own deployments and their states (the live status route)."""
+        return self.states()
 
     def kill(self) -> None:
         """SIGKILL the host process (its engines stay orphaned until something stops them)."""
         assert self.process is not None
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
+        self.stderr()  # kept for a failure message
+        if self.process.stderr is not None:
+            self.process.stderr.close()
 
 
 def placements(host: FleetHost) -> list[dict[str, Any]]:
