@@ -30,6 +30,7 @@ from typing import Any
 import anyio.to_thread
 from litestar import Request, Response, get, post
 from litestar.handlers import HTTPRouteHandler
+from litestar.params import FromPath
 
 from sbproxy.api.errors import admin_error
 from sbproxy.errors import SbproxyError
@@ -111,7 +112,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
         )
 
     @get("/fleet/nodes/{node:str}")
-    async def node_show(node: str) -> Response[dict[str, object]]:
+    async def node_show(node: FromPath[str]) -> Response[dict[str, object]]:
         """One member, and the placements on it."""
         snapshot = await read()
         if isinstance(snapshot, Response) or agent is None:
@@ -128,7 +129,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
         return Response({"schema_version": 1, "node": found})
 
     @post("/fleet/nodes/{node:str}/{action:str}", status_code=202)
-    async def node_action(node: str, action: str) -> Response[dict[str, object]]:
+    async def node_action(node: FromPath[str], action: FromPath[str]) -> Response[dict[str, object]]:
         """Cordon, uncordon, drain or remove a member (a ``fleet.node`` job)."""
         if agent is None:
             return _disabled()
