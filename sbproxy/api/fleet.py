@@ -129,7 +129,9 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
         return Response({"schema_version": 1, "node": found})
 
     @post("/fleet/nodes/{node:str}/{action:str}", status_code=202)
-    async def node_action(node: FromPath[str], action: FromPath[str]) -> Response[dict[str, object]]:
+    async def node_action(
+        node: FromPath[str], action: FromPath[str]
+    ) -> Response[dict[str, object]]:
         """Cordon, uncordon, drain or remove a member (a ``fleet.node`` job)."""
         if agent is None:
             return _disabled()

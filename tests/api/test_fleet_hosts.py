@@ -20,9 +20,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.api.fleet_hosts import LOST_AFTER_MS, FleetHost, placements, ready_nodes
+from tests.api.fleet_hosts import (
+    CREDENTIAL,
+    LOST_AFTER_MS,
+    FleetHost,
+    placements,
+    ready_nodes,
+)
 from tests.api.pg_hosts import FILE, PASSWORD, REPO, REVISION, catalog, poll, query, tiny_gguf
 from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer, postgres_bin_dir
@@ -121,6 +128,12 @@ def test_a_two_replica_deployment_lands_on_two_nodes_and_each_serves(
         assert sorted(n["state"] for n in listed["nodes"]) == ["ready"] * 3
         ps = json.loads(cli(empty, "models", "ps", "--fleet").stdout)
         assert sorted(p["runtime"]["state"] for p in ps["placements"]) == ["ready", "ready"]
+        # The peer lease route answers the fleet credential only.
+        lease_url = f"http://127.0.0.1:{empty.gateway}/fleet/v1/lease"
+        refused = httpx.get(lease_url, headers={"Authorization": f"Bearer {PASSWORD}"})
+        assert (refused.status_code, refused.json()["code"]) == (401, "peer_unauthorized")
+        lease = httpx.get(lease_url, headers={"Authorization": f"Bearer {CREDENTIAL}"}).json()
+        assert lease == {"node_id": empty.node, "renewed_recently": True, "fenced": False}
         controller = next(h for h in hosts if h.node == listed["controller"]["holder"])
         metrics = controller.admin_call("GET", "/metrics").text
         assert 'sbproxy_fleet_replicas_ready{deployment="tiny"} 2.0' in metrics
