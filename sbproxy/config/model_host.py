@@ -460,11 +460,31 @@ class FleetConfig(ConfigModel):
     )
     credential: SecretStr | None = Field(
         default=None,
-        description="Shared secret the hosts of a fleet present to each other (header "
-        "Authorization: Bearer); never the admin password; use ${ENV} interpolation. "
-        "Without it a node cannot ask its peers before fencing itself, so it fences as soon "
-        "as it cannot renew." + _NOT_WIRED,
+        description="Shared secret the hosts of a fleet present to each other's gateways "
+        "(Authorization: Bearer, with the X-Sbproxy-Peer-Hop header), at least 16 "
+        "characters; give it as ${ENV} interpolation, never in clear. Never the admin "
+        "password. Absent: this host takes no peer hops (401 peer_unauthorized) and sends "
+        "none.",
     )
+    peer_cooldown_ms: int = Field(
+        default=5_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="How long a peer that failed a dispatched request before its first byte "
+        "stays out of this gateway's rotation, in milliseconds (membership notices a dead "
+        "node later, after lost_after_ms).",
+    )
+
+    @field_validator("credential")
+    @classmethod
+    def _long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value().strip()) < 16:
+            # The value is not echoed: it is a secret.
+            raise ValueError(
+                "must be at least 16 characters (a short shared secret lets anyone on the "
+                "network in as a peer); generate one, e.g. `openssl rand -hex 32`"
+            )
+        return value
 
     @model_validator(mode="after")
     def _timing_order(self) -> FleetConfig:

@@ -62,13 +62,14 @@ from sbproxy.fleet.placement import (
     plan,
 )
 from sbproxy.fleet.routing import PeerReplica, RoutingTable
+from sbproxy.fleet.view import ControllerRow, FleetView, NodeRow, PlacementJobRow, ReplicaRow
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.memory import estimate_memory
 from sbproxy.model_host.runtime.reload import reload, with_deployments
 from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.store.fleet import ControllerLease, Deposed, FleetSnapshot, FleetStore
 
-__all__ = ["FleetAgent", "NodeIdentity", "PeerAsker", "ask_peers_http"]
+__all__ = ["FleetAgent", "NodeIdentity", "PeerAsker", "ask_peers_http", "fleet_view"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,15 @@ class FleetAgent:
             }
             counts[deployment] = (int(body.get("replicas", 1)), len(ready))
         return counts
+
+    async def view(self) -> FleetView:
+        """The fleet now for the console (FleetStatus): one database read.
+
+        Raises:
+            JournalUnavailable: ``journal_unavailable``.
+        """
+        snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
+        return fleet_view(snapshot, self.identity.id, self.timing)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -542,6 +552,69 @@ class FleetAgent:
         self._table = RoutingTable(
             self.identity.id, {d: tuple(r) for d, r in table.items()}, self.clock()
         )
+
+
+def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) -> FleetView:
+    """The console's :class:`~sbproxy.fleet.view.FleetView` of ``snapshot``: states on
+    database time; a replica's state as its node reported it (``placing`` before that);
+    placements not yet ready as the jobs in progress."""
+    now = snapshot.now_ms
+    views = {v.id: v.state.value for v in observe(snapshot.nodes, now_ms=now, timing=timing)}
+    nodes = tuple(
+        NodeRow(
+            node_id=node.id,
+            state=views[node.id],
+            heartbeat_age_ms=max(0, now - node.renewed_at_ms),
+            advertise_url=node.advertise_url,
+            labels=dict(node.labels),
+        )
+        for node in snapshot.nodes
+    )
+    reported = {node.id: node.replicas for node in snapshot.nodes}
+    replicas = []
+    jobs = []
+    for placement in sorted(snapshot.placements, key=lambda p: (p.deployment, p.node)):
+        row = reported.get(placement.node, {}).get(placement.deployment) or {}
+        replicas.append(
+            ReplicaRow(
+                deployment=placement.deployment,
+                node_id=placement.node,
+                state=str(row.get("state") or "placing"),
+                generation=int(row.get("generation") or 0),
+                port=row.get("port"),
+                active=int(row.get("active") or 0),
+                queued=int(row.get("queued") or 0),
+            )
+        )
+        if placement.state in ("pending", "starting", "stopping"):
+            jobs.append(
+                PlacementJobRow(
+                    job_id=placement.job_id,
+                    kind="stop"
+                    if placement.state == "stopping"
+                    else ("replace" if placement.replaces else "place"),
+                    deployment=placement.deployment,
+                    node_id=placement.node,
+                    status=placement.state,
+                    age_ms=max(0, now - placement.updated_at_ms),
+                )
+            )
+    desired: dict[str, int] = {}
+    if snapshot.desired_document is not None:
+        for deployment, body in json.loads(snapshot.desired_document)["deployments"].items():
+            desired[deployment] = int(body.get("replicas", 1))
+    lease = snapshot.controller
+    controller = None
+    if lease is not None and lease.expires_at_ms > now:
+        controller = ControllerRow(lease.holder, lease.epoch, lease.expires_at_ms - now)
+    return FleetView(
+        local_node_id=local_node,
+        nodes=nodes,
+        desired=desired,
+        replicas=tuple(replicas),
+        controller=controller,
+        jobs=tuple(sorted(jobs, key=lambda j: -j.age_ms)),
+    )
 
 
 def _normal(deployments: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,10 @@
-"""The fleet's routing table as the gateway reads it (the seam of FLEET-INTERFACE.md).
+"""The fleet's routing table as the gateway reads it: which node serves which deployment,
+how busy each replica said it was, and where to reach it.
 
-Pure values and one Protocol; no I/O. The membership side (``fleet/agent.py``) builds a
-:class:`RoutingTable` from the members, their placements and the active/queued counts each
-replica reported with its last heartbeat, and swaps it in after every heartbeat; the gateway
-reads the snapshot it holds, never the database.
+This is the seam between the fleet's control side (membership, placement, the
+``FleetDirectory`` that builds tables from them) and peer dispatch in the gateway
+(``sbproxy/api/peers.py``). Pure values and one protocol: no I/O, no clock reads -- the
+directory stamps each table with the monotonic time it was made.
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ __all__ = ["FleetDirectory", "PeerReplica", "RoutingTable"]
 
 @dataclass(frozen=True, slots=True)
 class PeerReplica:
-    """One replica of a deployment on one node.
+    """One replica of a deployment on one node, as last reported.
 
     Attributes:
-        deployment: Deployment name.
+        deployment: The deployment's operator id.
         node_id: The node serving it.
-        base_url: That node's gateway URL (its ``advertise_url``).
-        generation: Its runtime generation.
-        ready: The node is ``ready`` and the replica's runtime state is ready or idle-loadable.
-        active: In-flight requests the replica reported.
-        queued: Queued requests the replica reported.
+        base_url: That node's gateway URL (its ``node.advertise_url``), e.g.
+            ``http://127.0.0.1:8081`` -- no trailing slash.
+        generation: The replica's runtime generation on that node.
+        ready: The node is ``ready`` and the replica can take a request (ready, or idle and
+            loadable).
+        active: Requests in flight at the replica when it last reported (heartbeat or
+            health answer).
+        queued: Requests waiting for admission at the replica when it last reported.
     """
 
     deployment: str
@@ -40,12 +44,14 @@ class PeerReplica:
 
 @dataclass(frozen=True, slots=True)
 class RoutingTable:
-    """A snapshot of every replica by deployment name.
+    """A snapshot of every replica of the fleet, by deployment.
 
     Attributes:
-        local_node_id: This host's node id.
-        replicas: Replicas by deployment name.
-        taken_at: Monotonic seconds when the snapshot was made.
+        local_node_id: The node this table was made on (its own replicas are in the table
+            too, under this id).
+        replicas: The replicas of each deployment, by deployment name.
+        taken_at: Monotonic seconds (``time.monotonic()`` of the node that made it) when the
+            snapshot was taken.
     """
 
     local_node_id: str
@@ -53,13 +59,14 @@ class RoutingTable:
     taken_at: float
 
     def for_deployment(self, name: str) -> tuple[PeerReplica, ...]:
-        """The replicas of deployment ``name`` (empty when it has none)."""
-        return tuple(self.replicas.get(name, ()))
+        """The replicas of deployment ``name``; empty when the fleet has none."""
+        return self.replicas.get(name, ())
 
 
 class FleetDirectory(Protocol):
     """Where the gateway gets the fleet's routing table."""
 
     def routing(self) -> RoutingTable:
-        """A snapshot: cheap, never blocks on the database."""
+        """The current routing table: a snapshot, cheap to call on every request, never
+        blocking on the database (the directory refreshes it in the background)."""
         ...
