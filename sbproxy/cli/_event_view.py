@@ -160,10 +160,21 @@ class LineView(EventView):
     def __init__(self, job_id: str, *, live_from_ms: int, stream: TextIO | None = None) -> None:
         super().__init__(job_id, live_from_ms=live_from_ms)
         self._stream = stream
+        self._last_progress: dict[str, str] = {}
 
     def line(self, text: str) -> None:
         """Write ``text`` and flush, so a reader of the pipe sees it at once."""
         click.echo(text, file=self._stream, err=self._stream is None)
+
+    def progress(self, data: Mapping[str, Any]) -> None:
+        """Write a progress line unless it reads exactly as the step's previous one (a build
+        reports more often than its whole percent moves; a log gains nothing from repeats)."""
+        text = self.progress_line(data)
+        step_name = str(data.get("step", "?"))
+        if self._last_progress.get(step_name) == text:
+            return
+        self._last_progress[step_name] = text
+        self.line(text)
 
 
 class RichView(EventView):

@@ -262,3 +262,17 @@ def test_a_stale_job_says_how_long_it_was_silent_why_where_who_held_it_and_what_
 )
 def test_each_kind_names_what_resumes_it(kind: str, hint: str) -> None:
     assert resume_hint(kind) == hint
+
+
+def test_line_view_drops_a_progress_line_that_repeats_the_previous_one() -> None:
+    out = io.StringIO()
+    view = LineView(JOB, live_from_ms=0, stream=out)
+    # A build reports per compiled file: many reports land on the same whole percent.
+    for seq, done in enumerate((29, 29, 29, 30, 30, 29), start=1):
+        view.show(event(seq, seq, "progress", step="build", done=done, total=100, unit="percent"))
+    view.close()
+    assert out.getvalue().splitlines() == [
+        f"{JOB}: running step build 29 / 100 percent (29%)",
+        f"{JOB}: running step build 30 / 100 percent (30%)",
+        f"{JOB}: running step build 29 / 100 percent (29%)",
+    ]

@@ -21,6 +21,13 @@ CMake flags (measured here: 6.5 minutes on 2 cores for the CPU build): ``-DCMAKE
 Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 -DBUILD_SHARED_LIBS=ON``. A CPU build keeps llama.cpp's default ``GGML_NATIVE=ON`` (it runs on
 the machine that built it); CUDA adds ``-DGGML_CUDA=ON -DGGML_NATIVE=OFF`` (reference 4.4).
+
+On x86-64 a CPU build also compiles without Intel AMX (``-mno-amx-tile -mno-amx-int8
+-mno-amx-bf16`` in the C and C++ flags, recipe 2). ``-march=native`` turns AMX on wherever the
+CPU advertises it, and virtual machines advertise it without running it: on a Firecracker guest
+on a Sapphire Rapids host the first matrix product of SmolLM2 Q4_1 died in ``ldtilecfg``
+(SIGSEGV, or SIGILL) though ``arch_prctl(ARCH_REQ_XCOMP_PERM)`` granted the tile state. The
+AVX-512 paths stay; AMX only speeds up large prompt batches.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -58,7 +66,8 @@ __all__ = [
     "version_of",
 ]
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+_X86_64 = frozenset({"x86_64", "amd64"})
 _PERCENT_RE = re.compile(rb"^\[\s*(\d+)%\]")
 
 
@@ -107,6 +116,10 @@ def cmake_flags(acceleration: str) -> tuple[str, ...]:
     if acceleration == "cuda":
         # A CUDA build may run on other GPUs of the fleet: no host-specific CPU code.
         flags += ["-DGGML_CUDA=ON", "-DGGML_NATIVE=OFF"]
+    elif platform.machine().lower() in _X86_64:
+        # -march=native would enable AMX where a VM advertises it but cannot run it (above).
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        flags += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
     return tuple(flags)
 
 
