@@ -74,7 +74,10 @@ __all__ = ["FleetAgent", "NodeIdentity", "PeerAsker", "ask_peers_http", "fleet_v
 logger = logging.getLogger(__name__)
 
 PEER_LEASE_PATH = "/fleet/v1/lease"
-PEER_TIMEOUT_S = 1.0
+PEER_TIMEOUT_S = 2.0
+# Asks in a row that must reach no peer at all before a minority partition fences (one
+# slow answer on a busy host is not a partition).
+UNREACHED_ASKS_TO_FENCE = 2
 # A placed replica that is not serving is loaded again at most this often.
 RELOAD_RETRY_S = 5.0
 _STARTABLE = frozenset(
@@ -102,20 +105,27 @@ def ask_peers_http(credential: str | None) -> PeerAsker:
         if not credential:
             return [PeerAnswer(node_id=node, reached=False) for node, _ in peers]
         headers = {"Authorization": f"Bearer {credential}"}
-        answers: list[PeerAnswer] = []
-        async with httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False) as client:
+        answers: dict[str, PeerAnswer] = {}
+
+        async def one(client: httpx.AsyncClient, node: str, base_url: str) -> None:
+            try:
+                response = await client.get(base_url + PEER_LEASE_PATH, headers=headers)
+                body = response.json() if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                body = None
+            if not isinstance(body, dict):
+                answers[node] = PeerAnswer(node_id=node, reached=False)
+                return
+            fresh = bool(body.get("renewed_recently"))
+            answers[node] = PeerAnswer(node_id=node, reached=True, renewed_recently=fresh)
+
+        async with (
+            httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False) as client,
+            anyio.create_task_group() as group,
+        ):
             for node, base_url in peers:
-                try:
-                    response = await client.get(base_url + PEER_LEASE_PATH, headers=headers)
-                    body = response.json() if response.status_code == 200 else None
-                except (httpx.HTTPError, ValueError):
-                    body = None
-                if not isinstance(body, dict):
-                    answers.append(PeerAnswer(node_id=node, reached=False))
-                    continue
-                fresh = bool(body.get("renewed_recently"))
-                answers.append(PeerAnswer(node_id=node, reached=True, renewed_recently=fresh))
-        return answers
+                group.start_soon(one, client, node, base_url)
+        return [answers[node] for node, _ in peers]
 
     return ask
 
@@ -164,6 +174,8 @@ class FleetAgent:
         self.replacements = 0
         self.placements_made = 0
         self._reconciling = False
+        self._unreached = 0
+        self._last_beat: float | None = None
         self._loaded_at: dict[str, float] = {}
         self._table = RoutingTable(identity.id, {}, clock())
 
@@ -241,6 +253,16 @@ class FleetAgent:
 
     async def beat(self, group: anyio.abc.TaskGroup) -> None:
         """One heartbeat (module docstring)."""
+        now = self.clock()
+        away_ms = (now - (self._last_beat or now)) * 1000
+        self._last_beat = now
+        if away_ms >= self.timing.lost_after_ms and not self.fenced:
+            # This process was paused (SIGSTOP, a frozen VM) past lost_after_ms between two
+            # beats: the fleet may have placed its replicas elsewhere already. Stop the
+            # engines before anything else; the ones still placed here start again after
+            # the rejoin. (A database outage is not a pause: beats go on.)
+            logger.warning("node %s was paused for %d ms", self.identity.id, away_ms)
+            self.fence()
         if not await self._renew():
             await self._judge_own_lease()
             return
@@ -306,6 +328,10 @@ class FleetAgent:
             peers_known=len(peers),
             answers=answers,
         )
+        none_reached = bool(answers) and not any(answer.reached for answer in answers)
+        self._unreached = self._unreached + 1 if none_reached else 0
+        if none_reached and self._unreached < UNREACHED_ASKS_TO_FENCE:
+            verdict = FenceVerdict.HOLD  # ask again at the next beat before fencing
         if verdict is not self.verdict:
             logger.warning(
                 "node %s has not renewed for %d ms: %s", self.identity.id, since_ms, verdict.value

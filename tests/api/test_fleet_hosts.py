@@ -13,6 +13,7 @@ lost 3 s); bounds are stated per test.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -251,7 +252,10 @@ def test_the_database_down_for_everyone_keeps_every_host_serving(
         server.stop_server("fast")
         deadline = time.monotonic() + 3 * LOST_AFTER_MS / 1000
         while time.monotonic() < deadline:  # past fence_after_ms and lost_after_ms, twice
-            assert hosts[0].chat().status_code == 200
+            answer = hosts[0].chat()
+            if answer.status_code != 200:
+                hosts[0].stop()
+                raise AssertionError(f"{answer.text}\n{hosts[0].stderr()[-6000:]}")
             assert engine.is_running()
         refused = hosts[1].admin_call(
             "PUT",
@@ -328,5 +332,35 @@ def test_every_host_restarted_at_once_serves_its_placements_again_without_a_re_p
         assert {p["id"] for p in placements(hosts[0])} == before
         assert mirror.bytes_served() == served  # no byte downloaded again
         print(f"restart -> serving: {took_s:.2f} s")
+    finally:
+        stop_all(hosts)
+
+
+def test_a_host_paused_past_lost_after_stops_its_engine_at_once_when_it_resumes(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    """SIGSTOP freezes the host (its engine, another process, keeps running); once it
+    resumes it stops that engine before anything else, and its moved replica stays moved."""
+    url = postgres_server.create_database()
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
+    hosts = [a, b]
+    try:
+        start_all(hosts)
+        apply(b, {"tiny": TINY})
+        poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+        (engine,) = a.engines()
+        assert a.process is not None
+        a.process.send_signal(signal.SIGSTOP)
+        try:
+            poll(lambda: ready_nodes(b, "tiny") == ["node-b"], timeout_s=60, what="re-placed")
+        finally:
+            a.process.send_signal(signal.SIGCONT)
+        resumed_at = time.monotonic()
+        poll(lambda: not engine.is_running(), timeout_s=10, what="node-a's engine stopped")
+        stopped_s = time.monotonic() - resumed_at
+        poll(lambda: a.deployments() == {}, timeout_s=30, what="node-a dropped its replica")
+        assert a.engines() == [] and ready_nodes(b, "tiny") == ["node-b"]
+        print(f"SIGCONT -> engine stopped: {stopped_s:.2f} s")
     finally:
         stop_all(hosts)
