@@ -124,14 +124,15 @@ EOF
 }
 
 ask() {  # node -> "HTTP-status: answer"
-  curl -sS -o "$work/answer.json" -w '%{http_code}' "http://127.0.0.1:${gateway[$1]}/v1/chat/completions" \
+  rm -f "$work/answer.json"
+  curl -s -o "$work/answer.json" -w '%{http_code}' "http://127.0.0.1:${gateway[$1]}/v1/chat/completions" \
     -H 'Content-Type: application/json' \
     -d '{"model": "smollm", "temperature": 0, "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello."}]}' \
     | { read -r code; echo -n "$code: "; python -c 'import json,sys
 try:
     body = json.load(open(sys.argv[1]))
-except ValueError:
-    body = {}
+except (OSError, ValueError):
+    body = {"code": "no answer"}
 print(((body.get("choices") or [{}])[0].get("message") or {}).get("content") or body.get("code") or body)' "$work/answer.json"; }
 }
 

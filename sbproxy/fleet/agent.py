@@ -6,7 +6,8 @@ self-fencing, and the routing table the gateway reads.
 1. **renews** this node's membership on database time, reporting every local replica's
    active and queued counts (and its cached artifacts);
 2. if renewed, **holds or tries the controller lease** (``fleet_controller``, one holder,
-   a fencing epoch); the holder observes every member on database time, records each
+   a fencing epoch, ``fence_after_ms`` long: a controller that cannot renew it is cut off
+   and fences itself anyway); the holder observes every member on database time, records each
    state change (checked against the transition table, an event, a metric), runs the pure
    :func:`~sbproxy.fleet.placement.plan` and records each decision as a placement plus a
    ``fleet.place`` job -- every write fenced by its epoch in the database;
@@ -359,7 +360,7 @@ class FleetAgent:
         try:
             lease = await anyio.to_thread.run_sync(
                 lambda: self.store.hold_controller(
-                    self.identity.id, lease_ms=self.timing.lost_after_ms
+                    self.identity.id, lease_ms=self.timing.fence_after_ms
                 )
             )
         except SbproxyError as exc:
