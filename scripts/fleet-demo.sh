@@ -181,16 +181,22 @@ wait "${pid[$victim]}" 2>/dev/null || true
 unset "pid[$victim]"
 killed="$(now)"
 pkill -KILL -f "$work/$victim/cache" 2>/dev/null || true  # its orphaned engine, as a reboot would
-ok=0 failed=0
-while ! sbproxy models ps --fleet $(admin_of "$survivor") --format json | python -c '
+# Requests to the surviving replica go on in the background while the fleet re-places.
+( set +e; while :; do ask "$survivor" | cut -d: -f1 >>"$work/answers"; done ) &
+asker=$!
+until sbproxy models ps --fleet $(admin_of "$survivor") --format json | python -c '
 import json, sys
 body = json.load(sys.stdin)
 nodes = {p["node"] for p in body["placements"] if p["state"] == "ready" and p["node_state"] not in ("lost", "left")}
 sys.exit(0 if len(nodes) == 2 and sys.argv[1] not in nodes else 1)' "$victim"; do
-  case "$(ask "$survivor")" in 200:*) ok=$((ok + 1)) ;; *) failed=$((failed + 1)) ;; esac
   [ "$(python -c "import time; print(int(time.monotonic() - $killed > 300))")" = 0 ] || { echo "no re-placement in 300 s" >&2; exit 1; }
+  sleep 0.2
 done
 replaced_s="$(since "$killed")"
+kill "$asker" 2>/dev/null || true
+wait "$asker" 2>/dev/null || true
+ok="$(grep -c '^200' "$work/answers" || true)"
+failed="$(grep -vc '^200' "$work/answers" || true)"
 echo "replacement ready $replaced_s s after SIGKILL; meanwhile $survivor answered $ok requests, $failed failed"
 sbproxy models ps --fleet $(admin_of "$survivor")
 for node in node-a node-b node-c; do [ "$node" = "$victim" ] || echo "$node: $(ask "$node")"; done
