@@ -37,6 +37,7 @@ from sbproxy.fleet.membership import (
 from sbproxy.fleet.placement import DeviceCapacity, NodeView, PlacementState, PlacementView
 
 __all__ = [
+    "PLACEMENT_FIELDS",
     "NodeMove",
     "definition_digest",
     "forgettable",
@@ -59,9 +60,16 @@ class NodeMove:
     transition: NodeTransition
 
 
+PLACEMENT_FIELDS = frozenset({"replicas", "required_labels", "spread_by", "heterogeneous_variants"})
+"""Fields that say where and how many replicas run, not what one replica runs: a change of
+them re-plans, it does not roll the replicas that stay."""
+
+
 def definition_digest(definition: Mapping[str, Any]) -> str:
-    """SHA-256 hex of a deployment definition's canonical JSON (sorted keys)."""
-    return hashlib.sha256(json.dumps(dict(definition), sort_keys=True).encode()).hexdigest()
+    """SHA-256 hex of the canonical JSON (sorted keys) of what one replica runs: the
+    definition without :data:`PLACEMENT_FIELDS`."""
+    body = {k: v for k, v in definition.items() if k not in PLACEMENT_FIELDS}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def observe(

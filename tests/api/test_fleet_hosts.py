@@ -364,3 +364,51 @@ def test_a_host_paused_past_lost_after_stops_its_engine_at_once_when_it_resumes(
         print(f"SIGCONT -> engine stopped: {stopped_s:.2f} s")
     finally:
         stop_all(hosts)
+
+
+def test_a_killed_controller_is_taken_over_under_a_higher_epoch_and_the_fleet_converges(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, labels={"role": "serve"})
+    c = FleetHost("node-c", tmp_path / "node-c", url, mirror.url, labels={"role": "serve"})
+    b.write({})
+    c.write({})
+    hosts = [a, b, c]
+    try:
+        a.start()  # alone first: it is the controller
+        poll(
+            lambda: (a.fleet("controller").get("controller") or {}).get("holder") == "node-a",
+            timeout_s=60,
+            what="node-a the controller",
+        )
+        b.start()
+        c.start()
+        poll(lambda: len(a.fleet("nodes").get("nodes", [])) == 3, timeout_s=60, what="3 nodes")
+        apply(a, {"tiny": {**TINY, "replicas": 2, "required_labels": {"role": "serve"}}})
+        poll(lambda: ready_nodes(b, "tiny") == ["node-b", "node-c"], timeout_s=60, what="b, c")
+        a.kill()
+        poll(
+            lambda: (b.fleet("controller").get("controller") or {}).get("epoch") == 2,
+            timeout_s=30,
+            what="a new controller",
+        )
+        holder = b.fleet("controller")["controller"]["holder"]
+        assert holder in ("node-b", "node-c")
+        # The new controller carries out a change: one replica fewer.
+        apply(b, {"tiny": {**TINY, "replicas": 1, "required_labels": {"role": "serve"}}})
+        poll(lambda: len(placements(b)) == 1, timeout_s=60, what="scaled down to one")
+        poll(
+            lambda: sum(1 for h in (b, c) if h.deployments().get("tiny") == "ready") == 1,
+            timeout_s=30,
+            what="one engine left",
+        )
+        (kept,) = placements(b)
+        assert kept["state"] == "ready" and kept["epoch"] == 1  # placed before the take-over
+        stops = query(url, "SELECT data_json FROM fleet_events WHERE type = 'stopping'")
+        assert [json.loads(data)["epoch"] for (data,) in stops] == [2]
+    finally:
+        for engine in a.engines():
+            engine.kill()
+        stop_all(hosts)

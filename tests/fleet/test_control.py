@@ -100,6 +100,13 @@ def test_a_placement_with_the_current_definition_counts_at_the_current_revision(
     assert [(v.id, v.revision) for v in views] == [("p1", 7), ("p2", 1)]
 
 
+def test_a_change_of_where_or_how_many_is_not_a_new_definition() -> None:
+    base = {"model": "m", "replicas": 2, "required_labels": {"zone": "a"}}
+    moved = {"model": "m", "replicas": 1, "required_labels": {"zone": "b"}, "spread_by": ["z"]}
+    assert definition_digest(base) == definition_digest(moved)
+    assert definition_digest(base) != definition_digest({**base, "max_concurrency": 2})
+
+
 def test_a_gone_node_s_placement_is_forgotten_only_once_its_replica_is_ready_elsewhere() -> None:
     nodes = [
         NodeView(id="a", state=NodeState.LOST),
