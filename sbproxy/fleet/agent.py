@@ -47,12 +47,13 @@ from sbproxy.errors import SbproxyError
 from sbproxy.fleet.control import (
     definition_digest,
     forgettable,
+    judge_own_lease,
     local_deployments,
     node_moves,
     observe,
     placement_views,
 )
-from sbproxy.fleet.membership import FenceVerdict, FleetTiming, PeerAnswer, fence_verdict
+from sbproxy.fleet.membership import FenceVerdict, FleetTiming, PeerAnswer
 from sbproxy.fleet.placement import (
     DeploymentSpec,
     NodeView,
@@ -76,9 +77,6 @@ logger = logging.getLogger(__name__)
 
 PEER_LEASE_PATH = "/fleet/v1/lease"
 PEER_TIMEOUT_S = 2.0
-# Asks in a row that must reach no peer at all before a minority partition fences (one
-# slow answer on a busy host is not a partition).
-UNREACHED_ASKS_TO_FENCE = 2
 # A placed replica that is not serving is loaded again at most this often.
 RELOAD_RETRY_S = 5.0
 _STARTABLE = frozenset(
@@ -323,16 +321,13 @@ class FleetAgent:
         answers: list[PeerAnswer] = []
         if since_ms >= self.timing.fence_after_ms and peers:
             answers = await self.ask_peers(peers)
-        verdict = fence_verdict(
+        verdict, self._unreached = judge_own_lease(
             since_own_renewal_ms=since_ms,
             timing=self.timing,
             peers_known=len(peers),
             answers=answers,
+            unreached_before=self._unreached,
         )
-        none_reached = bool(answers) and not any(answer.reached for answer in answers)
-        self._unreached = self._unreached + 1 if none_reached else 0
-        if none_reached and self._unreached < UNREACHED_ASKS_TO_FENCE:
-            verdict = FenceVerdict.HOLD  # ask again at the next beat before fencing
         if verdict is not self.verdict:
             logger.warning(
                 "node %s has not renewed for %d ms: %s", self.identity.id, since_ms, verdict.value

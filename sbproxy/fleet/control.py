@@ -13,6 +13,7 @@ reads a clock: database time comes in the snapshot.
 * :func:`placement_views` -- the recorded placements as the planner sees them: a placement
   whose definition is the deployment's current one counts as the current revision, so a
   change to one deployment does not roll every other one.
+* :func:`judge_own_lease` -- whether a node that cannot renew fences itself.
 * :func:`forgettable` -- placements on gone nodes whose replica now serves elsewhere.
 * :func:`local_deployments` -- what one node must run: its placements' definitions.
 """
@@ -27,20 +28,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from sbproxy.fleet.membership import (
+    FenceVerdict,
     FleetTiming,
     IllegalNodeTransition,
     NodeState,
     NodeTransition,
+    PeerAnswer,
     derive_state,
+    fence_verdict,
     move,
 )
 from sbproxy.fleet.placement import DeviceCapacity, NodeView, PlacementState, PlacementView
 
 __all__ = [
     "PLACEMENT_FIELDS",
+    "UNREACHED_ASKS_TO_FENCE",
     "NodeMove",
     "definition_digest",
     "forgettable",
+    "judge_own_lease",
     "local_deployments",
     "node_moves",
     "observe",
@@ -50,6 +56,41 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _GONE = frozenset({NodeState.LOST, NodeState.LEFT})
+
+
+UNREACHED_ASKS_TO_FENCE = 2
+"""Asks in a row that reach no peer at all before a minority partition fences: one slow
+answer on a busy host is not a partition."""
+
+
+def judge_own_lease(
+    *,
+    since_own_renewal_ms: int,
+    timing: FleetTiming,
+    peers_known: int,
+    answers: Sequence[PeerAnswer],
+    unreached_before: int,
+) -> tuple[FenceVerdict, int]:
+    """:func:`~sbproxy.fleet.membership.fence_verdict`, with a minority-partition fence
+    confirmed by a second ask.
+
+    Returns:
+        The verdict and the count of asks in a row that reached no peer (pass it back as
+        ``unreached_before`` next time). A ``fence`` because no peer answered becomes
+        ``hold`` until :data:`UNREACHED_ASKS_TO_FENCE` asks in a row reached none; a peer
+        that renewed recently fences at once.
+    """
+    verdict = fence_verdict(
+        since_own_renewal_ms=since_own_renewal_ms,
+        timing=timing,
+        peers_known=peers_known,
+        answers=answers,
+    )
+    none_reached = bool(answers) and not any(answer.reached for answer in answers)
+    unreached = unreached_before + 1 if none_reached else 0
+    if none_reached and unreached < UNREACHED_ASKS_TO_FENCE:
+        verdict = FenceVerdict.HOLD
+    return verdict, unreached
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,11 @@ def stop_all(hosts: list[FleetHost]) -> None:
         host.stop()
 
 
+def node_state(host: FleetHost, node: str) -> str | None:
+    """``node``'s state as ``host`` reports it."""
+    return {n["id"]: n["state"] for n in host.fleet("nodes").get("nodes", [])}.get(node)
+
+
 def fleet_jobs(url: str) -> list[tuple[str, str]]:
     return [
         (str(k), str(s))
@@ -305,6 +310,13 @@ def test_drain_moves_a_replica_and_cordon_keeps_it(
         assert missing.returncode == 2 and "unknown_node" in missing.stdout
         kinds = [k for k, _ in fleet_jobs(url)]
         assert kinds.count("fleet.node") == 2
+        # Removed, the member is left; restarted, it joins afresh (no operator flag kept).
+        assert json.loads(cli(b, "nodes", "remove", "node-a").stdout)["job_id"]
+        poll(lambda: node_state(b, "node-a") == "left", timeout_s=10, what="node-a left")
+        a.stop()
+        a.start()
+        poll(lambda: node_state(b, "node-a") == "ready", timeout_s=60, what="node-a back")
+        assert ready_nodes(b, "tiny") == ["node-b"]
     finally:
         stop_all(hosts)
 

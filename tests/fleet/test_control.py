@@ -13,12 +13,13 @@ import pytest
 from sbproxy.fleet.control import (
     definition_digest,
     forgettable,
+    judge_own_lease,
     local_deployments,
     node_moves,
     observe,
     placement_views,
 )
-from sbproxy.fleet.membership import FleetTiming, NodeState
+from sbproxy.fleet.membership import FenceVerdict, FleetTiming, NodeState, PeerAnswer
 from sbproxy.fleet.placement import NodeView, PlacementState
 
 TIMING = FleetTiming(heartbeat_ms=1_000, fence_after_ms=5_000, lost_after_ms=10_000)
@@ -139,3 +140,39 @@ def test_local_deployments_are_the_node_s_own_placements_warm_newest_first() -> 
         "embed": {"model": "e", "warm": True, "pull": "on_boot", "replicas": 1},
     }
     assert local_deployments(placements, "c") == {}
+
+
+UNREACHED = PeerAnswer(node_id="b", reached=False)
+FRESH = PeerAnswer(node_id="b", reached=True, renewed_recently=True)
+STUCK = PeerAnswer(node_id="b", reached=True, renewed_recently=False)
+
+
+@pytest.mark.parametrize(
+    ("since_ms", "answers", "unreached_before", "expected"),
+    [
+        (4_999, [], 0, (FenceVerdict.SERVE, 0)),
+        # A peer renewed recently: this node is the one cut off, fence at once.
+        (5_000, [FRESH], 0, (FenceVerdict.FENCE, 0)),
+        # Nobody can renew: the database is down for everyone, keep serving.
+        (5_000, [STUCK], 0, (FenceVerdict.HOLD, 0)),
+        # No peer answered: hold once, fence when the next ask reaches none either.
+        (5_000, [UNREACHED], 0, (FenceVerdict.HOLD, 1)),
+        (5_200, [UNREACHED], 1, (FenceVerdict.FENCE, 2)),
+        # A peer answering again resets the count.
+        (5_400, [STUCK], 1, (FenceVerdict.HOLD, 0)),
+    ],
+)
+def test_judge_own_lease(
+    since_ms: int,
+    answers: list[PeerAnswer],
+    unreached_before: int,
+    expected: tuple[FenceVerdict, int],
+) -> None:
+    got = judge_own_lease(
+        since_own_renewal_ms=since_ms,
+        timing=TIMING,
+        peers_known=1,
+        answers=answers,
+        unreached_before=unreached_before,
+    )
+    assert got == expected
