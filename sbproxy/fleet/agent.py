@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -375,22 +376,22 @@ class FleetAgent:
 
     async def _control_pass(self, lease: ControllerLease) -> None:
         snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
-        grace = lease.acquired_at_ms
-        if snapshot.now_ms - grace >= self.timing.lost_after_ms:
-            grace = None  # type: ignore[assignment]
+        # A controller younger than lost_after_ms counts silence from its take-over only.
+        young = snapshot.now_ms - lease.acquired_at_ms < self.timing.lost_after_ms
         views = observe(
             snapshot.nodes,
             now_ms=snapshot.now_ms,
             timing=self.timing,
-            watching_since_ms=grace,
+            watching_since_ms=lease.acquired_at_ms if young else None,
         )
         for change in node_moves(snapshot.nodes, views):
             moved = await anyio.to_thread.run_sync(
-                lambda c=change: self.store.move_node(  # type: ignore[misc]
+                partial(
+                    self.store.move_node,
                     lease,
-                    c.node,
-                    from_state=c.transition.from_state.value,
-                    to=c.transition.to_state.value,
+                    change.node,
+                    from_state=change.transition.from_state.value,
+                    to=change.transition.to_state.value,
                 )
             )
             if moved:
@@ -405,9 +406,7 @@ class FleetAgent:
         await self._carry_out(lease, decided.decisions, definitions)
         for placement in forgettable(placed, views):
             await anyio.to_thread.run_sync(
-                lambda p=placement: self.store.forget_placement(  # type: ignore[misc]
-                    lease, p, why="re-placed from a gone node"
-                )
+                partial(self.store.forget_placement, lease, placement, why="re-placed")
             )
 
     def _specs(
@@ -458,9 +457,7 @@ class FleetAgent:
                 body = decision.model_dump(mode="json")
                 definition = definitions[decision.deployment]
                 placement, job = await anyio.to_thread.run_sync(
-                    lambda b=body, d=definition: self.store.place(  # type: ignore[misc]
-                        lease, b, definition=d
-                    )
+                    partial(self.store.place, lease, body, definition=definition)
                 )
                 self.placements_made += 1
                 if isinstance(decision, ReplaceReplica):
@@ -478,8 +475,8 @@ class FleetAgent:
                 )
             elif isinstance(decision, StopReplica):
                 await anyio.to_thread.run_sync(
-                    lambda d=decision: self.store.stop_placement(  # type: ignore[misc]
-                        lease, d.placement, cause=d.cause
+                    partial(
+                        self.store.stop_placement, lease, decision.placement, cause=decision.cause
                     )
                 )
 
@@ -506,11 +503,11 @@ class FleetAgent:
             row = status.get(placement.deployment)
             if placement.state == "stopping" and placement.deployment not in wanted:
                 await anyio.to_thread.run_sync(
-                    lambda p=placement.id: self.store.placement_stopped(self.identity.id, p)  # type: ignore[misc]
+                    partial(self.store.placement_stopped, self.identity.id, placement.id)
                 )
             elif placement.state in ("pending", "starting") and row is not None and row.routable:
                 await anyio.to_thread.run_sync(
-                    lambda p=placement.id: self.store.placement_ready(self.identity.id, p)  # type: ignore[misc]
+                    partial(self.store.placement_ready, self.identity.id, placement.id)
                 )
         self._restart_idle(wanted, status)
 
