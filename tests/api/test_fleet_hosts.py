@@ -424,3 +424,32 @@ def test_a_killed_controller_is_taken_over_under_a_higher_epoch_and_the_fleet_co
         for engine in a.engines():
             engine.kill()
         stop_all(hosts)
+
+
+def test_a_changed_definition_rolls_across_nodes_keeping_a_replica_serving(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    hosts = [FleetHost(f"node-{n}", tmp_path / f"node-{n}", url, mirror.url) for n in "abc"]
+    try:
+        start_all(hosts)
+        apply(hosts[0], {"tiny": {**TINY, "replicas": 2}})
+        poll(lambda: len(ready_nodes(hosts[0], "tiny")) == 2, timeout_s=60, what="2 replicas")
+        apply(hosts[0], {"tiny": {**TINY, "replicas": 2, "max_concurrency": 2}})
+        serving: list[int] = []
+
+        def rolled() -> bool:
+            rows = placements(hosts[0])
+            serving.append(sum(1 for p in rows if p["state"] == "ready"))
+            return len(rows) == 2 and all(
+                p["state"] == "ready" and p["revision"] == 2 for p in rows
+            )
+
+        poll(rolled, timeout_s=90, what="both replicas at revision 2")
+        assert min(serving) >= 1  # at least replicas - 1 ready throughout
+        by_node = {h.node: h for h in hosts}
+        for row in placements(hosts[0]):
+            assert by_node[row["node"]].chat().status_code == 200
+        assert sum(len(h.engines()) for h in hosts) == 2  # the old engines stopped
+    finally:
+        stop_all(hosts)
