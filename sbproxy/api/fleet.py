@@ -35,6 +35,7 @@ from litestar.params import FromPath
 from sbproxy.api.errors import admin_error
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.agent import FleetAgent
+from sbproxy.fleet.control import observe
 from sbproxy.store.fleet import FleetSnapshot
 
 __all__ = ["fleet_admin_handlers", "peer_handlers"]
@@ -63,7 +64,6 @@ def _error(exc: SbproxyError) -> Response[dict[str, object]]:
 
 
 def _nodes(agent: FleetAgent, snapshot: FleetSnapshot) -> list[dict[str, Any]]:
-    from sbproxy.fleet.control import observe
 
     observed = {
         view.id: view.state.value

@@ -78,7 +78,8 @@ logger = logging.getLogger(__name__)
 
 PEER_LEASE_PATH = "/fleet/v1/lease"
 PEER_TIMEOUT_S = 2.0
-# A placed replica that is not serving is loaded again at most this often.
+# A placed replica that is not serving is loaded again, and a failed reconcile is tried
+# again, at most this often.
 RELOAD_RETRY_S = 5.0
 _STARTABLE = frozenset(
     {DeploymentState.CONFIGURED, DeploymentState.STOPPED, DeploymentState.FAILED}
@@ -174,6 +175,7 @@ class FleetAgent:
         self.replacements = 0
         self.placements_made = 0
         self._reconciling = False
+        self._reload_failed_at = float("-inf")
         self._unreached = 0
         self._last_beat: float | None = None
         self._loaded_at: dict[str, float] = {}
@@ -492,7 +494,8 @@ class FleetAgent:
             for d, c in self.manager.compiled.deployments.items()
         }
         if _normal(wanted) != _normal(running):
-            if not self._reconciling:
+            retry_at = self._reload_failed_at + RELOAD_RETRY_S
+            if not self._reconciling and self.clock() >= retry_at:
                 self._reconciling = True
                 group.start_soon(self._reload_to, wanted)
             return
@@ -534,6 +537,8 @@ class FleetAgent:
             job_id, report = await reload(self.manager, candidate, source="fleet")
             logger.info("fleet reconcile %s: %s", job_id, report.plan.to_dict())
         except (SbproxyError, ValueError) as exc:
+            # Tried again RELOAD_RETRY_S later, not at every heartbeat.
+            self._reload_failed_at = self.clock()
             logger.warning("fleet reconcile failed: %s", exc)
         finally:
             self._reconciling = False
