@@ -68,13 +68,18 @@ def apply(host: FleetHost, deployments: dict[str, dict[str, Any]]) -> dict[str, 
 
 
 def start_all(hosts: list[FleetHost]) -> None:
+    """Start ``hosts`` and wait until each joined; a host that exits fails at once with its
+    stderr."""
     for host in hosts:
         host.start()
-    poll(
-        lambda: len(hosts[0].fleet("nodes").get("nodes", [])) == len(hosts),
-        timeout_s=60,
-        what="every host joined",
-    )
+
+    def joined() -> bool:
+        for host in hosts:
+            if not host.alive():
+                raise AssertionError(f"{host.node} exited: {host.stderr()[-4000:]}")
+        return len(hosts[0].fleet("nodes").get("nodes", [])) == len(hosts)
+
+    poll(joined, timeout_s=60, what="every host joined")
 
 
 def stop_all(hosts: list[FleetHost]) -> None:
