@@ -79,7 +79,7 @@ def start_all(hosts: list[FleetHost]) -> None:
                 raise AssertionError(f"{host.node} exited: {host.stderr()[-4000:]}")
         return len(hosts[0].fleet("nodes").get("nodes", [])) == len(hosts)
 
-    poll(joined, timeout_s=60, what="every host joined")
+    poll(joined, timeout_s=90, what="every host joined")
 
 
 def stop_all(hosts: list[FleetHost]) -> None:
