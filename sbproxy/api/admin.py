@@ -60,6 +60,7 @@ from sbproxy.api.errors import (
     Unauthorized,
     admin_exception_handlers,
 )
+from sbproxy.api.fleet import fleet_admin_handlers
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Disconnects, Rejections, build_registry
 from sbproxy.api.peers import PeerDispatch
@@ -67,6 +68,7 @@ from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger, usage_handlers
 from sbproxy.catalog import Catalog
 from sbproxy.errors import SbproxyError
+from sbproxy.fleet.agent import FleetAgent
 from sbproxy.fleet.view import FleetStatus
 from sbproxy.model_host.flows import (
     RemoveOutput,
@@ -104,6 +106,8 @@ class Admin:
         peers: The gateway's peer dispatch, on a host with a fleet (for ``/metrics`` and
             the console's fleet page).
         fleet: The fleet's state, on a host of a fleet (the console's fleet page).
+        agent: The fleet agent of a ``cluster_authority`` host (``/admin/fleet/*`` and the
+            fleet's metrics); it is also that host's ``fleet``.
     """
 
     manager: RuntimeManager
@@ -118,6 +122,7 @@ class Admin:
     activity: Activity = field(default_factory=Activity)
     peers: PeerDispatch | None = None
     fleet: FleetStatus | None = None
+    agent: FleetAgent | None = None
 
     def __post_init__(self) -> None:
         if self.config is None:
@@ -135,6 +140,7 @@ class Admin:
                 usage=self.usage,
                 disconnects=self.disconnects,
                 peers=self.peers,
+                fleet=self.agent,
             )
 
     def allowed(self, client: str | None) -> None:
@@ -455,6 +461,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             reset,
             *cache_handlers(manager),
             *desired_handlers(manager, config),
+            *fleet_admin_handlers(admin.agent),
             jobs_router(lambda: ModelHostService.serving(manager), admin.spawn),
             *usage_handlers(admin.usage),
             console_router(manager, admin.activity, fleet=admin.fleet, peers=admin.peers),

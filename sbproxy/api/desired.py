@@ -40,7 +40,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from sbproxy.api.config_state import ConfigState, ReloadSource
 from sbproxy.api.errors import InvalidBody, admin_error, status_for
-from sbproxy.config import CompiledConfig, DeploymentConfig
+from sbproxy.config import CompiledConfig, DeploymentConfig, load_config
 from sbproxy.config._rules import Identifier
 from sbproxy.config.model_host import Authority
 from sbproxy.errors import ConfigError, SbproxyError
@@ -240,6 +240,93 @@ def _source_mismatch(wanted: str | None, served: CompiledConfig) -> SbproxyError
     )
 
 
+async def _fleet_write(
+    manager: RuntimeManager,
+    store: RevisionStore,
+    expected: int | None,
+    deployments: dict[str, DeploymentConfig],
+) -> dict[str, object]:
+    """Validate ``deployments`` as a reload would (each resolves in the catalog) and
+    compare-and-set them as the fleet's next revision; the fleet's controller places them.
+
+    Raises:
+        SbproxyError: a resolution failure (``unknown_catalog_model``, ...),
+            ``revision_conflict``, ``journal_unavailable``.
+    """
+    catalog = ModelHostService.serving(manager).catalog
+    for deployment in deployments.values():
+        manager.resolve_config(deployment, catalog)
+    written = await anyio.to_thread.run_sync(
+        lambda: store.compare_and_set(
+            expected_revision=expected,
+            catalog_revision=catalog.catalog_revision,
+            deployments={
+                d: c.model_dump(mode="json", exclude_unset=True) for d, c in deployments.items()
+            },
+        )
+    )
+    return {
+        "schema_version": 1,
+        "authority": Authority.CLUSTER_AUTHORITY.value,
+        "revision": written.revision,
+        "content_digest": written.content_digest,
+        "placement": "the fleet's controller places the replicas (GET /admin/fleet/placements)",
+        "job_id": None,
+    }
+
+
+async def _fleet_apply(manager: RuntimeManager, wanted: str | None) -> dict[str, object] | None:
+    """``sbproxy apply`` on a cluster host: the file's deployments become the fleet's next
+    revision when they differ from the current one; ``None`` when nothing changed."""
+    served = ModelHostService.serving(manager).served
+    path = served.source
+    if path is None:
+        return None
+    loaded = await anyio.to_thread.run_sync(load_config, path)
+    store = revision_store(served)
+    current = await anyio.to_thread.run_sync(store.load)
+    desired = {
+        d: c.model_dump(mode="json", exclude_unset=True) for d, c in loaded.deployments.items()
+    }
+    if current is not None and dict(current.deployments) == desired:
+        return None
+    return await _fleet_write(
+        manager, store, current.revision if current else None, dict(loaded.deployments)
+    )
+
+
+async def _fleet_put(
+    manager: RuntimeManager,
+    store: RevisionStore,
+    expected: int | None,
+    deployments: dict[str, DeploymentConfig],
+) -> Response[dict[str, object]]:
+    """``PUT /admin/model-host/deployments`` on a cluster host (see :func:`_fleet_write`)."""
+    try:
+        answer = await _fleet_write(manager, store, expected, deployments)
+    except SbproxyError as exc:
+        await _add_store_details(exc, store, expected)
+        return _failure(exc)
+    return Response(answer, status_code=200)
+
+
+async def _store_revision(manager: RuntimeManager, answer: dict[str, object]) -> None:
+    """One meaning of "revision" on every route: the store's where deployments come from
+    a store (the file supplies routes, keys and policy)."""
+    served = ModelHostService.serving(manager).served  # as the reload left it
+    host = served.model_host
+    if host is None or host.authority == Authority.FILE_MANAGED:
+        return
+    stored = await anyio.to_thread.run_sync(revision_store(served).load)
+    answer["revision"] = stored.revision if stored else None
+    answer["content_digest"] = stored.content_digest if stored else None
+
+
+def _is_cluster(manager: RuntimeManager) -> bool:
+    host = ModelHostService.serving(manager).served.model_host
+    return host is not None and host.authority == Authority.CLUSTER_AUTHORITY
+
+
 def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPRouteHandler]:
     """The desired-state routes (under the admin router); reloads are recorded in
     ``config``."""
@@ -250,7 +337,7 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
         service = ModelHostService.serving(manager)
         host = service.served.model_host
         authority = host.authority if host else Authority.FILE_MANAGED
-        if authority == Authority.ADMIN_MANAGED:
+        if authority in (Authority.ADMIN_MANAGED, Authority.CLUSTER_AUTHORITY):
             stored = await anyio.to_thread.run_sync(revision_store(service.served).load)
             return {
                 "schema_version": 1,
@@ -297,6 +384,8 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
                     details={"expected_revision": expected, "actual_revision": actual},
                 )
             )
+        if _is_cluster(manager):
+            return await _fleet_put(manager, store, expected, deployments)
         candidate = with_deployments(served, deployments)
         try:
             job_id, report = await reload(
@@ -322,20 +411,18 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
         if mismatch is not None:
             return _failure(mismatch)  # not a reload of this host's file: nothing recorded
         try:
+            # On a cluster host the file's deployments are the fleet's (a new revision when
+            # they changed); the rest (routes, keys) is this host's.
+            fleet = await _fleet_apply(manager, wanted) if _is_cluster(manager) else None
             job_id, report = await reload_from_source(manager, source=source.value)
         except SbproxyError as exc:
             config.failed(source, exc)
             return _failure(exc)
         config.committed(source, job_id=job_id, revision=report.revision)
         answer = _answer(job_id, report)
-        served = ModelHostService.serving(manager).served  # as the reload left it
-        host = served.model_host
-        if host is not None and host.authority == Authority.ADMIN_MANAGED:
-            # One meaning of "revision" on every route: the store's (deployments come
-            # from the store here; the file supplies routes, keys and policy).
-            stored = await anyio.to_thread.run_sync(revision_store(served).load)
-            answer["revision"] = stored.revision if stored else None
-            answer["content_digest"] = stored.content_digest if stored else None
+        if fleet is not None:
+            answer["fleet"] = fleet
+        await _store_revision(manager, answer)
         return Response(answer, status_code=200)
 
     return [get_deployments, put_deployments, reload_route]

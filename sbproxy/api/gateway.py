@@ -57,7 +57,7 @@ Anything else is a 404 ``unknown_origin``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -65,6 +65,7 @@ import aiohttp
 from litestar import Litestar, Request, get, post
 from litestar.exceptions import ClientException, InternalServerException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
+from litestar.handlers import HTTPRouteHandler
 from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp, Receive, Scope, Send
 from opentelemetry import trace
@@ -823,8 +824,11 @@ def ask_for_usage(head: Head) -> tuple[dict[str, Any], bool]:
     return {"stream_options": {**(head.stream_options or {}), "include_usage": True}}, True
 
 
-def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:
-    """The gateway app: ``/v1/models``, chat/completions/embeddings relays.
+def create_gateway_app(
+    gateway: Gateway, *, debug: bool = False, extra: Sequence[HTTPRouteHandler] = ()
+) -> Litestar:
+    """The gateway app: ``/v1/models``, chat/completions/embeddings relays (and ``extra``
+    routes: the fleet's peer route on a cluster host).
 
     The app opens the shared upstream session at startup and closes it at shutdown.
     """
@@ -858,7 +862,7 @@ def create_gateway_app(gateway: Gateway, *, debug: bool = False) -> Litestar:
         return await gateway.forward(request, "/v1/embeddings")
 
     return Litestar(
-        route_handlers=[list_models, chat_completions, completions, embeddings],
+        route_handlers=[list_models, chat_completions, completions, embeddings, *extra],
         exception_handlers=gateway_exception_handlers(),
         on_startup=[gateway.open],
         on_shutdown=[gateway.close],

@@ -30,6 +30,8 @@ from sbproxy.api.shutdown import Shutdown
 from sbproxy.catalog import Catalog, WorkerProfile, load_catalog, resolve_artifact
 from sbproxy.config import CompiledConfig
 from sbproxy.errors import ConfigError, ConfigIssue, SbproxyError, sole_error
+from sbproxy.fleet.agent import FleetAgent
+from sbproxy.fleet.cluster import fleet_store, is_cluster, open_agent, start_node, starting_state
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
 from sbproxy.model_host.artifacts.locks import HostLock
 from sbproxy.model_host.engines import kill_owned
@@ -42,6 +44,7 @@ from sbproxy.model_host.runtime.manager import (
 )
 from sbproxy.model_host.runtime.reload import admin_desired
 from sbproxy.store import RuntimeStore, journal_location, open_journal
+from sbproxy.store.fleet import FleetStore
 from sbproxy.workflows import WorkflowEngine
 
 __all__ = ["ServedHost", "open_host"]
@@ -66,6 +69,7 @@ class ServedHost:
     group: anyio.abc.TaskGroup
     config: ConfigState
     stop: Shutdown | None = None
+    fleet: FleetAgent | None = None
 
 
 @asynccontextmanager
@@ -91,6 +95,7 @@ async def open_host(
     layout = resolve_cache_root(
         cache_dir, configured=host_config.cache.directory if host_config else None
     )
+    store, node, compiled = await _cluster_start(compiled, layout)
     catalog_file = host_config.catalog_file if host_config else None
     catalog = load_catalog(Path(catalog_file) if catalog_file else None)
     worker = await anyio.to_thread.run_sync(probe_worker)
@@ -125,11 +130,17 @@ async def open_host(
         engine.add_resource(manager.port)
         if stop is not None:
             stop.on_hurry(lambda: _kill_engines(manager))
+        agent = None
+        if store is not None and node is not None:
+            agent = open_agent(compiled, manager, store, node)
+            await agent.join()
         async with anyio.create_task_group() as group:
             await manager.start(group)
             config = ConfigState.of(compiled, revision=manager.revision)
             manager.on_commit.append(config.on_commit)
             group.start_soon(_worker, engine)
+            if agent is not None:
+                group.start_soon(agent.run, group)
             try:
                 yield ServedHost(
                     manager=manager,
@@ -138,6 +149,7 @@ async def open_host(
                     group=group,
                     config=config,
                     stop=stop,
+                    fleet=agent,
                 )
             finally:
                 await _shutdown_runtime(manager, budget_s=stop.engine_budget_s() if stop else None)
@@ -145,7 +157,26 @@ async def open_host(
     finally:
         with anyio.CancelScope(shield=True):
             await engine.close()
+        if store is not None:
+            store.close()
         host_lock.release()
+
+
+async def _cluster_start(
+    compiled: CompiledConfig, layout: CacheLayout
+) -> tuple[FleetStore | None, str | None, CompiledConfig]:
+    """A cluster host's fleet store, node id, and the deployments placed on it (it starts
+    with those: none on a new node); ``(None, None, compiled)`` for any other host."""
+    if not is_cluster(compiled):
+        return None, None, compiled
+    store = fleet_store(compiled)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    node = start_node(compiled, layout.root)
+    try:
+        return store, node, await starting_state(compiled, store, node)
+    except BaseException:
+        store.close()
+        raise
 
 
 async def _shutdown_runtime(manager: RuntimeManager, *, budget_s: float | None) -> None:

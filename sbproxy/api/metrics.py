@@ -68,6 +68,8 @@ from prometheus_client.registry import Collector
 from sbproxy.api.peers import PeerDispatch
 from sbproxy.api.usage import UsageLedger
 from sbproxy.errors import SbproxyError
+from sbproxy.fleet.agent import FleetAgent
+from sbproxy.fleet.membership import NodeState
 from sbproxy.model_host.runtime import DeviceInfo, probe_devices
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.state import DeploymentState
@@ -322,6 +324,66 @@ class _JournalCollector(Collector):
             yield family
 
 
+class _FleetCollector(Collector):
+    """The fleet as this host saw it at its last heartbeat (no database read at scrape)."""
+
+    def __init__(self, agent: FleetAgent) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        agent = self.agent
+        nodes = GaugeMetricFamily(
+            "sbproxy_fleet_nodes", "Fleet members by state (database time).", labels=["state"]
+        )
+        by_state = Counter(view.state.value for view in agent.views)
+        for state in NodeState:
+            nodes.add_metric([state.value], by_state.get(state.value, 0))
+        yield nodes
+        desired = GaugeMetricFamily(
+            "sbproxy_fleet_replicas_desired",
+            "Replicas wanted, by deployment.",
+            labels=["deployment"],
+        )
+        ready = GaugeMetricFamily(
+            "sbproxy_fleet_replicas_ready",
+            "Replicas placed, ready and on a live node, by deployment.",
+            labels=["deployment"],
+        )
+        for deployment, (want, have) in sorted(agent.replica_counts().items()):
+            desired.add_metric([deployment], want)
+            ready.add_metric([deployment], have)
+        yield desired
+        yield ready
+        moves = CounterMetricFamily(
+            "sbproxy_fleet_node_transitions",
+            "Node state changes this host recorded as the controller.",
+            labels=["from_state", "to_state"],
+        )
+        for (old, new), count in sorted(agent.node_transitions.items()):
+            moves.add_metric([old, new], count)
+        yield moves
+        yield CounterMetricFamily(
+            "sbproxy_fleet_replacements",
+            "Replicas this host re-placed from gone nodes as the controller.",
+            value=agent.replacements,
+        )
+        yield CounterMetricFamily(
+            "sbproxy_fleet_placements",
+            "Placements this host recorded as the controller (re-placements included).",
+            value=agent.placements_made,
+        )
+        yield GaugeMetricFamily(
+            "sbproxy_fleet_controller",
+            "1 while this host holds the controller lease.",
+            value=1 if agent.holding is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "sbproxy_fleet_fenced",
+            "1 while this host has fenced itself.",
+            value=1 if agent.fenced else 0,
+        )
+
+
 def build_registry(
     manager: RuntimeManager,
     rejections: Rejections,
@@ -330,6 +392,7 @@ def build_registry(
     disconnects: Disconnects | None = None,
     peers: PeerDispatch | None = None,
     devices: Callable[[], Sequence[DeviceInfo]] = probe_devices,
+    fleet: FleetAgent | None = None,
 ) -> CollectorRegistry:
     """A registry whose collectors read ``manager`` (and NVML), the job store's tallies, and
     the gateway's usage ledger, client disconnects and peer dispatch (when given) at each
@@ -347,4 +410,6 @@ def build_registry(
         registry.register(_DisconnectCollector(disconnects))
     if peers is not None:
         registry.register(_PeerCollector(peers))
+    if fleet is not None:
+        registry.register(_FleetCollector(fleet))
     return registry

@@ -47,12 +47,14 @@ from typing import Any
 import anyio
 import anyio.abc
 import uvicorn
+from litestar.handlers import HTTPRouteHandler
 from litestar.types import ASGIApp
 
 from sbproxy.api.admin import Admin, create_admin_app
 from sbproxy.api.config_state import ReloadSource
 from sbproxy.api.config_watch import DEFAULT_POLL_INTERVAL_S, ConfigWatcher
 from sbproxy.api.errors import Surface
+from sbproxy.api.fleet import peer_handlers
 from sbproxy.api.gateway import Gateway, Routing, create_gateway_app
 from sbproxy.api.host import ServedHost, open_host
 from sbproxy.api.keys import KeyPlane
@@ -174,6 +176,8 @@ def build_servers(
     with ``directory`` (a fleet's routing table), the gateway serves every deployment of the
     fleet (:mod:`sbproxy.api.peers`); with ``fleet_status``, the console shows the fleet."""
     proxy = compiled.config.proxy
+    if directory is None:
+        directory = host.fleet  # a cluster host's agent keeps the fleet's routing table
     deadline_s = max(1, round(host.manager.shutdown_deadline_s))
     rejections = Rejections()
     disconnects = Disconnects()
@@ -219,7 +223,7 @@ def build_servers(
     servers = [
         Listener(
             uvicorn.Config(
-                guarded(create_gateway_app(gateway), "gateway"),
+                guarded(create_gateway_app(gateway, extra=_peer_routes(compiled, host)), "gateway"),
                 host=_url_host(proxy.bind_address),
                 port=proxy.http_bind_port,
                 **common,  # type: ignore[arg-type]
@@ -241,7 +245,8 @@ def build_servers(
             config=host.config,
             activity=gateway.activity,
             peers=gateway.fleet,
-            fleet=fleet_status,
+            fleet=fleet_status if fleet_status is not None else host.fleet,
+            agent=host.fleet,
         )
         tls = settings.tls
         servers.append(
@@ -426,6 +431,13 @@ async def serve(
 def _first_error(group: BaseExceptionGroup[SbproxyError]) -> SbproxyError:
     first = group.exceptions[0]
     return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+def _peer_routes(compiled: CompiledConfig, host: ServedHost) -> list[HTTPRouteHandler]:
+    """The fleet's peer route on a cluster host's gateway (:mod:`sbproxy.api.fleet`)."""
+    model_host = compiled.model_host
+    secret = model_host.fleet.credential if model_host else None
+    return peer_handlers(host.fleet, secret.get_secret_value() if secret else None)
 
 
 async def _serve_host(

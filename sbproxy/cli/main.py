@@ -43,6 +43,10 @@ _COMMANDS = {
         "sbproxy.cli.models_cmd:models_group",
         "List, inspect, pull and manage catalog models (bare `sbproxy models` lists them).",
     ),
+    "nodes": LazyCommand(
+        "sbproxy.cli.nodes_cmd:nodes_group",
+        "The fleet's members (authority: cluster_authority): list, show, cordon, drain ...",
+    ),
     "serve": LazyCommand(
         "sbproxy.cli.serve_cmd:serve_command",
         "Serve the OpenAI-compatible gateway and the admin API until SIGTERM or SIGINT.",

@@ -171,10 +171,22 @@ def admin_call(
 
 
 @click.command("ps")
+@click.option(
+    "--fleet",
+    "fleet",
+    is_flag=True,
+    help="Every replica of the fleet (cluster_authority): node, state, generation, port, "
+    "active/queued as each node last reported.",
+)
 @admin_options
 @format_option
-def ps_command(admin_url: str, username: str, password: str, output_format: str) -> None:
+def ps_command(
+    fleet: bool, admin_url: str, username: str, password: str, output_format: str
+) -> None:
     """Show running deployments: state, port, active and queued requests, reason."""
+    if fleet:
+        _fleet_ps(admin_url, username, password, output_format)
+        return
     body = admin_call(
         "models.ps",
         "GET",
@@ -186,22 +198,72 @@ def ps_command(admin_url: str, username: str, password: str, output_format: str)
         emit_json("models.ps", body)
         return
     rows = body.get("deployments", [])
-    header = ("DEPLOYMENT", "STATE", "GEN", "PORT", "ACTIVE", "QUEUED", "REASON")
-    table = [header] + [
-        (
-            str(r.get("deployment")),
-            str(r.get("state")),
-            str(r.get("generation")),
-            str(r.get("port") or "-"),
-            str(r.get("active_requests")),
-            str(r.get("queued_requests")),
-            str(r.get("reason_code") or "-"),
-        )
-        for r in rows
-    ]
+    _print_table(
+        ("DEPLOYMENT", "STATE", "GEN", "PORT", "ACTIVE", "QUEUED", "REASON"),
+        [
+            (
+                str(r.get("deployment")),
+                str(r.get("state")),
+                str(r.get("generation")),
+                str(r.get("port") or "-"),
+                str(r.get("active_requests")),
+                str(r.get("queued_requests")),
+                str(r.get("reason_code") or "-"),
+            )
+            for r in rows
+        ],
+    )
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    table = [header, *rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+
+
+def _fleet_ps(admin_url: str, username: str, password: str, output_format: str) -> None:
+    """``models ps --fleet``: every placement with its node's reported runtime."""
+    body = admin_call(
+        "models.ps",
+        "GET",
+        f"{admin_url.rstrip('/')}/admin/fleet/placements",
+        auth=(username, password),
+        output_format=output_format,
+    )
+    if output_format == "json":
+        emit_json("models.ps", {**body, "fleet": True})
+        return
+    rows: list[tuple[str, ...]] = []
+    for placement in body.get("placements", []):
+        runtime = placement.get("runtime") or {}
+        rows.append(
+            (
+                str(placement["deployment"]),
+                str(placement["replica"]),
+                str(placement["node"]),
+                f"{placement['state']}/{placement.get('node_state') or '?'}",
+                str(runtime.get("state") or "-"),
+                str(runtime.get("generation") or "-"),
+                str(runtime.get("port") or "-"),
+                str(runtime.get("active", "-")),
+                str(runtime.get("queued", "-")),
+            )
+        )
+    _print_table(
+        (
+            "DEPLOYMENT",
+            "REPLICA",
+            "NODE",
+            "PLACEMENT/NODE",
+            "STATE",
+            "GEN",
+            "PORT",
+            "ACTIVE",
+            "QUEUED",
+        ),
+        rows,
+    )
 
 
 def _lifecycle(

@@ -226,7 +226,10 @@ class _Compiler:
 
     def routes(self, host_config: ModelHostConfig | None) -> list[Route]:
         declared = set(host_config.deployments) if host_config else set()
-        admin_managed = host_config is not None and host_config.authority == Authority.ADMIN_MANAGED
+        admin_managed = host_config is not None and host_config.authority in (
+            Authority.ADMIN_MANAGED,
+            Authority.CLUSTER_AUTHORITY,
+        )
         routes: list[Route] = []
         owner: dict[tuple[str, str], tuple[str, Loc]] = {}
         for host, origin in self.config.origins.items():

@@ -357,10 +357,7 @@ class EnginesConfig(ConfigModel):
         return self
 
 
-_NOT_WIRED = (
-    " Fleet schema only: authority cluster_authority is still refused, so this host does "
-    "not use it yet."
-)
+_NOT_WIRED = " Used under authority: cluster_authority."
 
 
 def _check_label_key(value: str) -> str:
@@ -546,8 +543,7 @@ class DeploymentConfig(ConfigModel):
         ge=1,
         le=_MAX_U32,
         description="Replica count; a fleet places each on its own node or devices. This "
-        "single-node runtime serves one (cluster_authority, which places them, is still "
-        "refused).",
+        "single-node authorities serve one; cluster_authority places each on its own node.",
     )
     tensor_parallel: int | None = Field(
         default=None, ge=1, le=1024, description="Devices per replica; default: planner's choice."
@@ -555,8 +551,7 @@ class DeploymentConfig(ConfigModel):
     required_labels: dict[NonBlank, NonBlank] = Field(
         default_factory=dict,
         description="Node labels (proxy.model_host.node.labels) a replica's node must carry, "
-        "every key with the same value (fleet placement intent; not used while "
-        "cluster_authority is refused).",
+        "every key with the same value (used by cluster_authority's placement).",
     )
     spread_by: list[str] = Field(
         default_factory=list,
@@ -808,7 +803,9 @@ class ModelHostConfig(ConfigModel):
 
     authority: Authority = Field(
         default=Authority.FILE_MANAGED,
-        description="Owner of deployment definitions: file_managed (sb.yml) or admin_managed.",
+        description="Owner of deployment definitions: file_managed (sb.yml), admin_managed (a "
+        "revision store) or cluster_authority (the fleet's revision store in the shared "
+        "PostgreSQL journal, placed across its hosts).",
     )
     store_path: str | None = Field(
         default=None,
@@ -842,11 +839,12 @@ class ModelHostConfig(ConfigModel):
         description="Rolling handoff timeout, in milliseconds.",
     )
     node: NodeConfig = Field(
-        default_factory=NodeConfig, description="This host as a fleet member (schema only)."
+        default_factory=NodeConfig,
+        description="This host as a fleet member (authority: cluster_authority).",
     )
     fleet: FleetConfig = Field(
         default_factory=FleetConfig,
-        description="Fleet membership timing and placement policy (schema only).",
+        description="Fleet membership timing and placement policy (authority: cluster_authority).",
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Artifact cache.")
     journal: JournalConfig | None = Field(
@@ -871,11 +869,11 @@ class ModelHostConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _authority_rules(self) -> ModelHostConfig:
-        if self.authority == Authority.CLUSTER_AUTHORITY:
+        if self.authority == Authority.CLUSTER_AUTHORITY and self.journal is None:
             raise RuleViolation.at(
                 "authority",
-                "cluster_authority is not available in this version (multi-node membership "
-                "and placement are later work); use file_managed or admin_managed",
+                "cluster_authority needs the shared PostgreSQL journal "
+                "(proxy.model_host.journal.url); the SQLite journal serves one host only",
             )
         if self.authority == Authority.ADMIN_MANAGED and self.store_path is None:
             raise RuleViolation.at(

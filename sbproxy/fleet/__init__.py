@@ -1,6 +1,11 @@
-"""Several hosts as one fleet: membership (node states on database time, self-fencing) and
-placement (a pure planner). Both are pure policy; nothing here is wired into serving yet
-(``authority: cluster_authority`` is still refused)."""
+"""Several hosts as one fleet (``authority: cluster_authority``, docs/cluster.md).
+
+Pure policy: membership (node states on database time, self-fencing: ``membership.py``),
+placement (a pure planner: ``placement.py``) and the controller's and node's decisions over
+a snapshot (``control.py``). Effects: ``agent.py`` (one host's heartbeat, the controller
+when elected, its own placements' reconcile, the routing table) over the fleet store
+(``sbproxy.store.fleet``); ``cluster.py`` assembles a cluster host. ``routing.py`` and
+``view.py`` are the seams the gateway and the console read."""
 
 from __future__ import annotations
 

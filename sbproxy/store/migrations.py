@@ -196,6 +196,75 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             """,
         ),
     ),
+    (
+        9,
+        "fleet membership, the controller lease and placements",
+        (
+            # One row per member (``fleet.py``). ``renewed_at_ms`` is database time; ``state``
+            # is the state the controller last recorded (moves checked against the table of
+            # ``fleet/membership.py``); the operator flags are separate, so a renewal never
+            # overwrites a cordon.
+            """
+            CREATE TABLE fleet_nodes (
+                id TEXT NOT NULL PRIMARY KEY,
+                advertise_url TEXT,
+                labels_json TEXT NOT NULL,
+                engines_json TEXT NOT NULL,
+                devices_json TEXT NOT NULL,
+                artifacts_json TEXT NOT NULL,
+                replicas_json TEXT NOT NULL,
+                state TEXT NOT NULL,
+                cordoned INTEGER NOT NULL DEFAULT 0,
+                draining INTEGER NOT NULL DEFAULT 0,
+                left_fleet INTEGER NOT NULL DEFAULT 0,
+                joined_at_ms INTEGER NOT NULL,
+                renewed_at_ms INTEGER NOT NULL
+            )
+            """,
+            # The single controller lease; ``epoch`` grows with every new holder and fences
+            # a deposed holder's writes.
+            """
+            CREATE TABLE fleet_controller (
+                id INTEGER NOT NULL PRIMARY KEY CHECK (id = 1),
+                holder TEXT NOT NULL,
+                epoch INTEGER NOT NULL,
+                acquired_at_ms INTEGER NOT NULL,
+                expires_at_ms INTEGER NOT NULL
+            )
+            """,
+            # One row per placed replica; written by the controller under its epoch, its
+            # state moved by the node it names (starting -> ready) or the controller (stop).
+            """
+            CREATE TABLE fleet_placements (
+                id TEXT NOT NULL PRIMARY KEY,
+                deployment TEXT NOT NULL,
+                replica INTEGER NOT NULL,
+                revision INTEGER NOT NULL,
+                node TEXT NOT NULL,
+                devices_json TEXT NOT NULL,
+                engine TEXT NOT NULL,
+                reserved_bytes INTEGER NOT NULL,
+                state TEXT NOT NULL,
+                replaces TEXT,
+                definition_json TEXT NOT NULL,
+                epoch INTEGER NOT NULL,
+                job_id TEXT NOT NULL,
+                created_at_ms INTEGER NOT NULL,
+                updated_at_ms INTEGER NOT NULL
+            )
+            """,
+            "CREATE INDEX fleet_placements_node ON fleet_placements (node)",
+            """
+            CREATE TABLE fleet_events (
+                seq INTEGER PRIMARY KEY AUTOINCREMENT,
+                at_ms INTEGER NOT NULL,
+                type TEXT NOT NULL,
+                subject TEXT NOT NULL,
+                data_json TEXT NOT NULL
+            )
+            """,
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -186,3 +186,20 @@ async def test_openapi_document_is_served(tmp_path: Path) -> None:
         document = (await http.get("/schema/openapi.json")).json()
         assert "/admin/model-host/status" in document["paths"]
         assert "/admin/model-host/jobs/{job_id}/stream" in document["paths"]
+
+
+async def test_fleet_routes_on_a_host_that_is_not_a_fleet_member(tmp_path: Path) -> None:
+    async with served(tmp_path) as host:
+        async with httpx.AsyncClient(base_url=host.admin_url) as http:
+            assert (await http.get("/admin/fleet/nodes")).status_code == 401
+        async with admin_client(host.admin_url) as http:
+            for method, path in (
+                ("GET", "/admin/fleet/nodes"),
+                ("GET", "/admin/fleet/nodes/n1"),
+                ("POST", "/admin/fleet/nodes/n1/cordon"),
+                ("GET", "/admin/fleet/placements"),
+                ("GET", "/admin/fleet/controller"),
+                ("GET", "/admin/fleet/events"),
+            ):
+                answer = await http.request(method, path)
+                assert (answer.status_code, answer.json()["code"]) == (409, "fleet_disabled")

@@ -1,5 +1,6 @@
 """``proxy.model_host.node`` and ``proxy.model_host.fleet``: defaults, the timing order and
-the advertise URL, each error at its dotted path. Schema only: cluster_authority stays refused."""
+the advertise URL, each error at its dotted path; cluster_authority needs the shared
+PostgreSQL journal."""
 
 from __future__ import annotations
 
@@ -133,11 +134,21 @@ def test_a_password_in_advertise_url_is_not_echoed(errors_at: ErrorsAt, url: str
     assert all("hunter2" not in message for message in found.values()), found
 
 
-def test_cluster_authority_is_still_refused_with_a_fleet_block(errors_at: ErrorsAt) -> None:
+def test_cluster_authority_without_the_shared_journal_is_refused(errors_at: ErrorsAt) -> None:
     found = errors_at(
         with_host("    authority: cluster_authority\n    node: {id: n1}\n    fleet: {}\n")
     )
-    assert "not available in this version" in found["proxy.model_host.authority"]
+    assert "needs the shared PostgreSQL journal" in found["proxy.model_host.authority"]
+
+
+def test_cluster_authority_on_the_shared_journal_loads() -> None:
+    host = load(
+        with_host(
+            "    authority: cluster_authority\n    node: {id: n1}\n    fleet: {}\n"
+            "    journal: {url: 'postgresql://sb@127.0.0.1:5432/sb'}\n"
+        )
+    ).model_host
+    assert host is not None and host.authority.value == "cluster_authority"
 
 
 def test_the_fleet_credential_comes_from_the_environment_and_is_never_shown() -> None:

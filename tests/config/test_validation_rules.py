@@ -200,11 +200,11 @@ def test_model_host_rules(errors_at: ErrorsAt, snippet: str, path: str, phrase: 
     assert phrase in found[path]
 
 
-def test_cluster_authority_is_not_available(errors_at: ErrorsAt) -> None:
+def test_cluster_authority_needs_the_shared_journal(errors_at: ErrorsAt) -> None:
     found = errors_at(
         BASE.replace("  model_host:\n", "  model_host:\n    authority: cluster_authority\n")
     )
-    assert "not available in this version" in found["proxy.model_host.authority"]
+    assert "the SQLite journal serves one host only" in found["proxy.model_host.authority"]
 
 
 def test_admin_managed_requires_store_path(errors_at: ErrorsAt, tmp_path: object) -> None:

@@ -533,12 +533,19 @@ async def reload_workflow(ctx: WorkflowContext, request: ReloadInput) -> ReloadR
 
 
 def revision_store(compiled: CompiledConfig) -> RevisionStore:
-    """The revision store of an ``admin_managed`` host.
+    """The revision store of an ``admin_managed`` host, or the fleet's of a
+    ``cluster_authority`` host (the shared journal's ``desired_revisions``).
 
     Raises:
-        SbproxyError: ``authority_read_only`` when the host is not ``admin_managed``.
+        SbproxyError: ``authority_read_only`` when the host is ``file_managed``.
     """
     host = compiled.model_host
+    if host is not None and host.authority == Authority.CLUSTER_AUTHORITY and host.journal:
+        # The fleet's desired state: the revision rows of the shared journal.
+        return RevisionStore(
+            Path(host.store_path or "fleet-revisions.json"),
+            journal_url=host.journal.url.get_secret_value(),
+        )
     if host is None or host.authority != Authority.ADMIN_MANAGED or host.store_path is None:
         raise SbproxyError(
             "deployments are read-only here: the authority is "
@@ -663,5 +670,10 @@ async def reload_from_source(manager: RuntimeManager, *, source: str) -> tuple[s
     loaded = await anyio.to_thread.run_sync(load_config, path)
     if manager.config_guard is not None:
         await manager.config_guard(loaded)
-    candidate, _ = await admin_desired(loaded)
+    host = loaded.model_host
+    if host is not None and host.authority == Authority.CLUSTER_AUTHORITY:
+        # The fleet places the deployments: this host keeps the ones placed on it.
+        candidate = with_deployments(loaded, manager.compiled.deployments)
+    else:
+        candidate, _ = await admin_desired(loaded)
     return await reload(manager, candidate, source=source)

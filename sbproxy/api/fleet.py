@@ -1,0 +1,234 @@
+"""The fleet's HTTP surface: ``/admin/fleet/*`` on the admin listener (HTTP Basic, as every
+admin route) and the peer lease route on the gateway (fleet credential).
+
+Admin routes (all JSON, ``schema_version: 1``; on a host that is not ``cluster_authority``
+every one answers 409 ``fleet_disabled``):
+
+* ``GET /admin/fleet/nodes`` -- ``{now_ms, controller, nodes: [...]}``, each node with its
+  state, labels, devices, reported replicas and ``heartbeat_age_ms`` (database time);
+* ``GET /admin/fleet/nodes/{node}`` -- one node (404 ``unknown_node``);
+* ``POST /admin/fleet/nodes/{node}/{cordon|uncordon|drain|remove}`` -- the operator's flag,
+  recorded as a ``fleet.node`` job: 202 ``{job_id, node, action}``;
+* ``GET /admin/fleet/placements`` -- every placement and every replica's reported runtime
+  (``sbproxy models ps --fleet``);
+* ``GET /admin/fleet/controller`` -- the lease: holder, epoch, expiry;
+* ``GET /admin/fleet/events`` -- the newest fleet events (state moves, placements).
+
+A journal that cannot be reached answers 503 ``journal_unavailable``.
+
+Peer route: ``GET /fleet/v1/lease`` on the gateway, ``Authorization: Bearer <fleet
+credential>`` (401 ``peer_unauthorized`` otherwise; 404 when no credential is configured):
+``{node_id, renewed_recently, fenced}`` -- what a host that cannot renew asks its peers
+before fencing itself.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import anyio.to_thread
+from litestar import Request, Response, get, post
+from litestar.handlers import HTTPRouteHandler
+from litestar.params import FromPath
+
+from sbproxy.api.errors import admin_error
+from sbproxy.errors import SbproxyError
+from sbproxy.fleet.agent import FleetAgent
+from sbproxy.fleet.control import observe
+from sbproxy.store.fleet import FleetSnapshot
+
+__all__ = ["fleet_admin_handlers", "peer_handlers"]
+
+_ACTIONS = {
+    "cordon": {"cordoned": True},
+    "uncordon": {"cordoned": False, "draining": False},
+    "drain": {"cordoned": True, "draining": True},
+    "remove": {"left": True},
+}
+EVENTS = 100
+
+
+def _disabled() -> Response[dict[str, object]]:
+    return admin_error(
+        status=409,
+        code="fleet_disabled",
+        message="this host is not a fleet member (authority is not cluster_authority)",
+        details={},
+    )
+
+
+def _error(exc: SbproxyError) -> Response[dict[str, object]]:
+    status = 503 if exc.code == "journal_unavailable" else 500
+    return admin_error(status=status, code=exc.code, message=exc.message, details=exc.details)
+
+
+def _nodes(agent: FleetAgent, snapshot: FleetSnapshot) -> list[dict[str, Any]]:
+
+    observed = {
+        view.id: view.state.value
+        for view in observe(snapshot.nodes, now_ms=snapshot.now_ms, timing=agent.timing)
+    }
+    rows = []
+    for node in snapshot.nodes:
+        row = node.to_dict(snapshot.now_ms)
+        row["recorded_state"] = row["state"]
+        row["state"] = observed.get(node.id, node.state)
+        row["controller"] = (
+            snapshot.controller is not None
+            and snapshot.controller.holder == node.id
+            and snapshot.controller.expires_at_ms > snapshot.now_ms
+        )
+        rows.append(row)
+    return rows
+
+
+def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
+    """The ``/fleet/*`` admin routes (module docstring), mounted under ``/admin``."""
+
+    async def read(events: int = 0) -> FleetSnapshot | Response[dict[str, object]]:
+        """The snapshot, or the answer to give instead (no fleet, no journal)."""
+        if agent is None:
+            return _disabled()
+        try:
+            return await anyio.to_thread.run_sync(lambda: agent.store.snapshot(events=events))
+        except SbproxyError as exc:
+            return _error(exc)
+
+    @get("/fleet/nodes")
+    async def nodes() -> Response[dict[str, object]]:
+        """Every member with its state on database time."""
+        snapshot = await read()
+        if isinstance(snapshot, Response) or agent is None:
+            return snapshot if isinstance(snapshot, Response) else _disabled()
+        return Response(
+            {
+                "schema_version": 1,
+                "now_ms": snapshot.now_ms,
+                "local_node": agent.identity.id,
+                "controller": snapshot.controller.to_dict() if snapshot.controller else None,
+                "nodes": _nodes(agent, snapshot),
+            }
+        )
+
+    @get("/fleet/nodes/{node:str}")
+    async def node_show(node: FromPath[str]) -> Response[dict[str, object]]:
+        """One member, and the placements on it."""
+        snapshot = await read()
+        if isinstance(snapshot, Response) or agent is None:
+            return snapshot if isinstance(snapshot, Response) else _disabled()
+        found = next((row for row in _nodes(agent, snapshot) if row["id"] == node), None)
+        if found is None:
+            return admin_error(
+                status=404,
+                code="unknown_node",
+                message=f"no fleet member {node!r} (sbproxy nodes list shows them)",
+                details={"node": node},
+            )
+        found["placements"] = [p.to_dict() for p in snapshot.placements if p.node == node]
+        return Response({"schema_version": 1, "node": found})
+
+    @post("/fleet/nodes/{node:str}/{action:str}", status_code=202)
+    async def node_action(
+        node: FromPath[str], action: FromPath[str]
+    ) -> Response[dict[str, object]]:
+        """Cordon, uncordon, drain or remove a member (a ``fleet.node`` job)."""
+        if agent is None:
+            return _disabled()
+        flags = _ACTIONS.get(action)
+        if flags is None:
+            return admin_error(
+                status=404,
+                code="unknown_action",
+                message=f"unknown node action {action!r}; use {', '.join(_ACTIONS)}",
+                details={"action": action},
+            )
+        try:
+            job_id = await anyio.to_thread.run_sync(
+                lambda: agent.store.set_flags(node, by=agent.identity.id, **flags)
+            )
+        except SbproxyError as exc:
+            return _error(exc)
+        if job_id is None:
+            return admin_error(
+                status=404,
+                code="unknown_node",
+                message=f"no fleet member {node!r} (sbproxy nodes list shows them)",
+                details={"node": node},
+            )
+        return Response(
+            {"schema_version": 1, "job_id": job_id, "node": node, "action": action},
+            status_code=202,
+        )
+
+    @get("/fleet/placements")
+    async def placements() -> Response[dict[str, object]]:
+        """Every placement, with its node's reported runtime of the replica."""
+        snapshot = await read()
+        if isinstance(snapshot, Response) or agent is None:
+            return snapshot if isinstance(snapshot, Response) else _disabled()
+        states = {row["id"]: row["state"] for row in _nodes(agent, snapshot)}
+        reported = {node.id: node.replicas for node in snapshot.nodes}
+        rows = []
+        for placement in snapshot.placements:
+            row = placement.to_dict()
+            row.pop("definition")
+            row["node_state"] = states.get(placement.node)
+            row["runtime"] = reported.get(placement.node, {}).get(placement.deployment)
+            rows.append(row)
+        return Response(
+            {
+                "schema_version": 1,
+                "desired_revision": snapshot.desired_revision,
+                "placements": rows,
+            }
+        )
+
+    @get("/fleet/controller")
+    async def controller() -> Response[dict[str, object]]:
+        """The controller lease."""
+        snapshot = await read()
+        if isinstance(snapshot, Response) or agent is None:
+            return snapshot if isinstance(snapshot, Response) else _disabled()
+        lease = snapshot.controller
+        return Response({"schema_version": 1, "controller": lease.to_dict() if lease else None})
+
+    @get("/fleet/events")
+    async def events() -> Response[dict[str, object]]:
+        """The newest fleet events, newest first."""
+        snapshot = await read(EVENTS)
+        if isinstance(snapshot, Response):
+            return snapshot
+        return Response({"schema_version": 1, "events": list(snapshot.events)})
+
+    return [nodes, node_show, node_action, placements, controller, events]
+
+
+def peer_handlers(agent: FleetAgent | None, credential: str | None) -> list[HTTPRouteHandler]:
+    """The gateway's peer route (module docstring); none without an agent and credential."""
+    if agent is None or not credential:
+        return []
+    expected = f"Bearer {credential}".encode()
+
+    @get("/fleet/v1/lease", sync_to_thread=False, include_in_schema=False)
+    def lease(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
+        """This node's own view of its lease, for a peer deciding whether to fence."""
+        given = (request.headers.get("authorization") or "").encode()
+        if not hmac.compare_digest(given, expected):
+            return Response(
+                {
+                    "code": "peer_unauthorized",
+                    "error": "a fleet peer request needs the fleet "
+                    "credential (Authorization: Bearer)",
+                },
+                status_code=401,
+            )
+        return Response(
+            {
+                "node_id": agent.identity.id,
+                "renewed_recently": agent.renewed_recently(),
+                "fenced": agent.fenced,
+            }
+        )
+
+    return [lease]

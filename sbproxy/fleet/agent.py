@@ -1,0 +1,649 @@
+"""One host's part in the fleet: membership, the controller when elected, its own placements,
+self-fencing, and the routing table the gateway reads.
+
+:class:`FleetAgent` runs one loop per host (``heartbeat_ms`` apart); each beat:
+
+1. **renews** this node's membership on database time, reporting every local replica's
+   active and queued counts (and its cached artifacts);
+2. if renewed, **holds or tries the controller lease** (``fleet_controller``, one holder,
+   a fencing epoch, ``fence_after_ms`` long: a controller that cannot renew it is cut off
+   and fences itself anyway); the holder observes every member on database time, records each
+   state change (checked against the transition table, an event, a metric), runs the pure
+   :func:`~sbproxy.fleet.placement.plan` and records each decision as a placement plus a
+   ``fleet.place`` job -- every write fenced by its epoch in the database;
+3. **reconciles its own placements** through today's prepare-and-commit path: the
+   deployments placed here become this host's desired state (``reload``: pull into its own
+   cache, warm, route), run as this node's own jobs; a placement the controller moved or
+   stopped is removed the same way, at once;
+4. refreshes the **routing table** (:class:`~sbproxy.fleet.routing.RoutingTable`).
+
+When a renewal fails the agent judges its own lease on its monotonic clock
+(:func:`~sbproxy.fleet.membership.fence_verdict`): past ``fence_after_ms`` it asks its peers
+(fleet credential); if a peer renewed recently, or none answers, it **fences**: stops
+taking traffic (its replicas leave the routing table) and kills its engines, before the
+fleet re-places them at ``lost_after_ms``. If the peers cannot renew either, the database
+is down for everyone: it **holds** -- keeps serving, mutations answer
+``journal_unavailable``. Once a renewal succeeds again it rejoins and the next reconcile
+stops every engine whose placement moved.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import httpx
+
+from sbproxy.config import DeploymentConfig
+from sbproxy.errors import SbproxyError
+from sbproxy.fleet.control import (
+    definition_digest,
+    forgettable,
+    judge_own_lease,
+    local_deployments,
+    node_moves,
+    observe,
+    placement_views,
+)
+from sbproxy.fleet.membership import FenceVerdict, FleetTiming, PeerAnswer
+from sbproxy.fleet.placement import (
+    DeploymentSpec,
+    NodeView,
+    PlacementPolicy,
+    ReplaceReplica,
+    StartReplica,
+    StopReplica,
+    plan,
+)
+from sbproxy.fleet.routing import PeerReplica, RoutingTable
+from sbproxy.fleet.view import ControllerRow, FleetView, NodeRow, PlacementJobRow, ReplicaRow
+from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.runtime.memory import estimate_memory
+from sbproxy.model_host.runtime.reload import reload, with_deployments
+from sbproxy.model_host.runtime.state import DeploymentState
+from sbproxy.store.fleet import ControllerLease, Deposed, FleetSnapshot, FleetStore
+
+__all__ = ["FleetAgent", "NodeIdentity", "PeerAsker", "ask_peers_http", "fleet_view"]
+
+logger = logging.getLogger(__name__)
+
+PEER_LEASE_PATH = "/fleet/v1/lease"
+PEER_TIMEOUT_S = 2.0
+# A placed replica that is not serving is loaded again, and a failed reconcile is tried
+# again, at most this often.
+RELOAD_RETRY_S = 5.0
+_STARTABLE = frozenset(
+    {DeploymentState.CONFIGURED, DeploymentState.STOPPED, DeploymentState.FAILED}
+)
+
+PeerAsker = Callable[[Sequence[tuple[str, str]]], Awaitable[list[PeerAnswer]]]
+"""Ask ``[(node_id, base_url)]`` peers whether they renewed recently."""
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """This host as a member: its id, labels and the URL peers reach its gateway at."""
+
+    id: str
+    labels: dict[str, str]
+    advertise_url: str
+
+
+def ask_peers_http(credential: str | None) -> PeerAsker:
+    """A :data:`PeerAsker` over HTTP: ``GET <base_url>/fleet/v1/lease`` with the fleet
+    credential; a peer that does not answer 200 in a second is not reached."""
+
+    async def ask(peers: Sequence[tuple[str, str]]) -> list[PeerAnswer]:
+        if not credential:
+            return [PeerAnswer(node_id=node, reached=False) for node, _ in peers]
+        headers = {"Authorization": f"Bearer {credential}"}
+        answers: dict[str, PeerAnswer] = {}
+
+        async def one(client: httpx.AsyncClient, node: str, base_url: str) -> None:
+            try:
+                response = await client.get(base_url + PEER_LEASE_PATH, headers=headers)
+                body = response.json() if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                body = None
+            if not isinstance(body, dict):
+                answers[node] = PeerAnswer(node_id=node, reached=False)
+                return
+            fresh = bool(body.get("renewed_recently"))
+            answers[node] = PeerAnswer(node_id=node, reached=True, renewed_recently=fresh)
+
+        async with (
+            httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False) as client,
+            anyio.create_task_group() as group,
+        ):
+            for node, base_url in peers:
+                group.start_soon(one, client, node, base_url)
+        return [answers[node] for node, _ in peers]
+
+    return ask
+
+
+class FleetAgent:
+    """One host's fleet membership and controller (module docstring).
+
+    Args:
+        store: The fleet's rows in the shared journal.
+        manager: This host's runtime.
+        identity: This node.
+        timing: Heartbeat, fence and lost timing.
+        policy: Placement scoring and the re-placement cap.
+        artifacts: Digests of the artifacts in this node's cache.
+        ask_peers: How to ask peers before fencing (:func:`ask_peers_http`).
+        clock: Monotonic seconds (tests inject one).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: FleetStore,
+        manager: RuntimeManager,
+        identity: NodeIdentity,
+        timing: FleetTiming,
+        policy: PlacementPolicy,
+        artifacts: Callable[[], list[str]],
+        ask_peers: PeerAsker,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.manager = manager
+        self.identity = identity
+        self.timing = timing
+        self.policy = policy
+        self.artifacts = artifacts
+        self.ask_peers = ask_peers
+        self.clock = clock
+        self.fenced = False
+        self.holding: ControllerLease | None = None
+        self.snapshot: FleetSnapshot | None = None
+        self.views: list[NodeView] = []
+        self.last_renewal: float | None = None
+        self.verdict = FenceVerdict.SERVE
+        self.node_transitions: Counter[tuple[str, str]] = Counter()
+        self.replacements = 0
+        self.placements_made = 0
+        self._reconciling = False
+        self._reload_failed_at = float("-inf")
+        self._unreached = 0
+        self._last_beat: float | None = None
+        self._loaded_at: dict[str, float] = {}
+        self._table = RoutingTable(identity.id, {}, clock())
+
+    # -- what others read --------------------------------------------------------------
+
+    def routing(self) -> RoutingTable:
+        """The last routing table (FleetDirectory); never blocks."""
+        return self._table
+
+    def renewed_recently(self) -> bool:
+        """This node renewed within ``fence_after_ms`` (what a peer asking is told)."""
+        if self.last_renewal is None:
+            return False
+        return (self.clock() - self.last_renewal) * 1000 < self.timing.fence_after_ms
+
+    def replica_counts(self) -> dict[str, tuple[int, int]]:
+        """``{deployment: (desired, ready)}`` at the last heartbeat: ready counts placements
+        ``ready`` on a live (not lost or left) node."""
+        snapshot = self.snapshot
+        if snapshot is None or snapshot.desired_document is None:
+            return {}
+        wanted = json.loads(snapshot.desired_document).get("deployments", {})
+        live = {v.id for v in self.views if v.state.value not in ("lost", "left")}
+        counts: dict[str, tuple[int, int]] = {}
+        for deployment, body in wanted.items():
+            ready = {
+                p.replica
+                for p in snapshot.placements
+                if p.deployment == deployment and p.state == "ready" and p.node in live
+            }
+            counts[deployment] = (int(body.get("replicas", 1)), len(ready))
+        return counts
+
+    async def view(self) -> FleetView:
+        """The fleet now for the console (FleetStatus): one database read.
+
+        Raises:
+            JournalUnavailable: ``journal_unavailable``.
+        """
+        snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
+        return fleet_view(snapshot, self.identity.id, self.timing)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    async def join(self) -> None:
+        """Join the fleet (at start).
+
+        Raises:
+            JournalUnavailable: ``journal_unavailable``.
+        """
+        worker = self.manager.worker
+        await anyio.to_thread.run_sync(
+            lambda: self.store.join(
+                self.identity.id,
+                advertise_url=self.identity.advertise_url,
+                labels=self.identity.labels,
+                engines=sorted(e.value for e in worker.engines),
+                devices=[{"index": 0, "capacity_bytes": worker.memory_bytes}],
+                artifacts=self.artifacts(),
+            )
+        )
+        self.last_renewal = self.clock()
+        logger.info("joined the fleet as node %s (%s)", self.identity.id, worker.describe())
+
+    async def run(self, group: anyio.abc.TaskGroup) -> None:
+        """Beat every ``heartbeat_ms`` until cancelled; reloads run in ``group``."""
+        period = self.timing.heartbeat_ms / 1000
+        while True:
+            started = self.clock()
+            try:
+                await self.beat(group)
+            except SbproxyError as exc:
+                logger.warning("fleet beat failed: [%s] %s", exc.code, exc)
+            await anyio.sleep(max(0.0, period - (self.clock() - started)))
+
+    async def beat(self, group: anyio.abc.TaskGroup) -> None:
+        """One heartbeat (module docstring)."""
+        now = self.clock()
+        away_ms = (now - (self._last_beat or now)) * 1000
+        self._last_beat = now
+        if away_ms >= self.timing.lost_after_ms and not self.fenced:
+            # This process was paused (SIGSTOP, a frozen VM) past lost_after_ms between two
+            # beats: the fleet may have placed its replicas elsewhere already. Stop the
+            # engines before anything else; the ones still placed here start again after
+            # the rejoin. (A database outage is not a pause: beats go on.)
+            logger.warning("node %s was paused for %d ms", self.identity.id, away_ms)
+            self.fence()
+        if not await self._renew():
+            await self._judge_own_lease()
+            return
+        await self._control()
+        snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
+        self.snapshot = snapshot
+        self.views = observe(snapshot.nodes, now_ms=snapshot.now_ms, timing=self.timing)
+        self._refresh_routing(snapshot)
+        await self._reconcile(snapshot, group)
+
+    # -- membership and fencing --------------------------------------------------------
+
+    def _replica_counts(self) -> dict[str, dict[str, Any]]:
+        return {
+            row.deployment: {
+                "generation": row.generation,
+                "state": row.state.value,
+                "routable": row.routable,
+                "active": row.active_requests,
+                "queued": row.queued_requests,
+                "port": row.port,
+            }
+            for row in self.manager.status()
+        }
+
+    async def _renew(self) -> bool:
+        counts = self._replica_counts()
+        try:
+            renewed = await anyio.to_thread.run_sync(
+                lambda: self.store.renew(
+                    self.identity.id, replicas=counts, artifacts=self.artifacts()
+                )
+            )
+        except SbproxyError as exc:
+            logger.warning("membership renewal failed: [%s] %s", exc.code, exc)
+            return False
+        if renewed is None:  # our row is gone (never happens but by hand): join again
+            await self.join()
+        elif renewed[1]:
+            logger.warning(
+                "node %s was removed from the fleet; its replicas stop", self.identity.id
+            )
+        self.last_renewal = self.clock()
+        if self.fenced:
+            logger.warning("node %s renewed again after fencing: rejoining", self.identity.id)
+            self.fenced = False
+        self.verdict = FenceVerdict.SERVE
+        return True
+
+    async def _judge_own_lease(self) -> None:
+        since_ms = int((self.clock() - (self.last_renewal or self.clock())) * 1000)
+        peers = [
+            (node.id, node.advertise_url)
+            for node in (self.snapshot.nodes if self.snapshot else ())
+            if node.id != self.identity.id and not node.left and node.advertise_url
+        ]
+        answers: list[PeerAnswer] = []
+        if since_ms >= self.timing.fence_after_ms and peers:
+            answers = await self.ask_peers(peers)
+        verdict, self._unreached = judge_own_lease(
+            since_own_renewal_ms=since_ms,
+            timing=self.timing,
+            peers_known=len(peers),
+            answers=answers,
+            unreached_before=self._unreached,
+        )
+        if verdict is not self.verdict:
+            logger.warning(
+                "node %s has not renewed for %d ms: %s", self.identity.id, since_ms, verdict.value
+            )
+        self.verdict = verdict
+        if verdict is FenceVerdict.FENCE and not self.fenced:
+            self.fence()
+
+    def fence(self) -> list[int]:
+        """Stop taking traffic and kill every engine of this host now; the pids killed."""
+        self.fenced = True
+        self.holding = None
+        self._refresh_routing(self.snapshot)
+        killed = self.manager.kill_engines()
+        logger.warning(
+            "node %s fenced itself: %d engine(s) killed, no traffic until it renews",
+            self.identity.id,
+            len(killed),
+        )
+        return killed
+
+    # -- the controller ----------------------------------------------------------------
+
+    async def _control(self) -> None:
+        try:
+            lease = await anyio.to_thread.run_sync(
+                lambda: self.store.hold_controller(
+                    self.identity.id, lease_ms=self.timing.fence_after_ms
+                )
+            )
+        except SbproxyError as exc:
+            logger.warning("controller lease: [%s] %s", exc.code, exc)
+            self.holding = None
+            return
+        if lease is not None and lease.fresh:
+            logger.warning("node %s is the controller (epoch %d)", lease.holder, lease.epoch)
+        self.holding = lease
+        if lease is None:
+            return
+        try:
+            await self._control_pass(lease)
+        except Deposed as exc:
+            logger.warning("controller deposed: %s", exc)
+            self.holding = None
+
+    async def _control_pass(self, lease: ControllerLease) -> None:
+        snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
+        # A controller younger than lost_after_ms counts silence from its take-over only.
+        young = snapshot.now_ms - lease.acquired_at_ms < self.timing.lost_after_ms
+        views = observe(
+            snapshot.nodes,
+            now_ms=snapshot.now_ms,
+            timing=self.timing,
+            watching_since_ms=lease.acquired_at_ms if young else None,
+        )
+        for change in node_moves(snapshot.nodes, views):
+            moved = await anyio.to_thread.run_sync(
+                partial(
+                    self.store.move_node,
+                    lease,
+                    change.node,
+                    from_state=change.transition.from_state.value,
+                    to=change.transition.to_state.value,
+                )
+            )
+            if moved:
+                self.node_transitions[
+                    (change.transition.from_state.value, change.transition.to_state.value)
+                ] += 1
+                logger.warning("node %s: %s", change.node, change.transition.to_dict())
+        specs, definitions = self._specs(snapshot)
+        current = {d: (s.revision, definition_digest(definitions[d])) for d, s in specs.items()}
+        placed = placement_views(snapshot.placements, current)
+        decided = plan(views, list(specs.values()), placed, policy=self.policy)
+        await self._carry_out(lease, decided.decisions, definitions)
+        for placement in forgettable(placed, views):
+            await anyio.to_thread.run_sync(
+                partial(self.store.forget_placement, lease, placement, why="re-placed")
+            )
+
+    def _specs(
+        self, snapshot: FleetSnapshot
+    ) -> tuple[dict[str, DeploymentSpec], dict[str, dict[str, Any]]]:
+        """The desired deployments as planner specs, and their definitions (JSON)."""
+        if snapshot.desired_document is None or snapshot.desired_revision is None:
+            return {}, {}
+        document = json.loads(snapshot.desired_document)
+        specs: dict[str, DeploymentSpec] = {}
+        definitions: dict[str, dict[str, Any]] = {}
+        margin = self.manager.safety_margin
+        for deployment, body in sorted(document.get("deployments", {}).items()):
+            try:
+                config = DeploymentConfig.model_validate(body)
+                artifact = self.manager.resolve_config(config, self.manager.catalog)
+            except (SbproxyError, ValueError) as exc:
+                logger.warning("deployment %s cannot be placed: %s", deployment, exc)
+                continue
+            # The controller may not hold the artifact: no GGUF header, the file sizes.
+            estimate = estimate_memory(
+                weights_bytes=artifact.total_size_bytes,
+                facts=None,
+                seq_len=max(1, min(config.max_context or artifact.context_length, 1 << 20)),
+                concurrency=config.max_concurrency,
+                kv_quant=config.kv_quant,
+                safety_margin=margin,
+            )
+            specs[deployment] = DeploymentSpec.from_config(
+                deployment,
+                config,
+                revision=snapshot.desired_revision,
+                estimate=estimate,
+                engines=[artifact.engine.value],
+                artifact_digest=artifact.digest,
+            )
+            definitions[deployment] = config.model_dump(mode="json", exclude_unset=True)
+        return specs, definitions
+
+    async def _carry_out(
+        self,
+        lease: ControllerLease,
+        decisions: Sequence[Any],
+        definitions: dict[str, dict[str, Any]],
+    ) -> None:
+        for decision in decisions:
+            if isinstance(decision, StartReplica | ReplaceReplica):
+                body = decision.model_dump(mode="json")
+                definition = definitions[decision.deployment]
+                placement, job = await anyio.to_thread.run_sync(
+                    partial(self.store.place, lease, body, definition=definition)
+                )
+                self.placements_made += 1
+                if isinstance(decision, ReplaceReplica):
+                    self.replacements += 1
+                logger.warning(
+                    "placed %s replica %d on %s (placement %s, job %s%s)",
+                    decision.deployment,
+                    decision.replica,
+                    decision.node,
+                    placement,
+                    job,
+                    f", replacing {decision.replaces} of {decision.from_node}"
+                    if isinstance(decision, ReplaceReplica)
+                    else "",
+                )
+            elif isinstance(decision, StopReplica):
+                await anyio.to_thread.run_sync(
+                    partial(
+                        self.store.stop_placement, lease, decision.placement, cause=decision.cause
+                    )
+                )
+
+    # -- this node's placements --------------------------------------------------------
+
+    async def _reconcile(self, snapshot: FleetSnapshot, group: anyio.abc.TaskGroup) -> None:
+        if self.fenced:
+            return
+        me = next((n for n in snapshot.nodes if n.id == self.identity.id), None)
+        wanted = {} if me is None or me.left else local_deployments(snapshot.placements, me.id)
+        running = {
+            d: c.model_dump(mode="json", exclude_unset=True)
+            for d, c in self.manager.compiled.deployments.items()
+        }
+        if _normal(wanted) != _normal(running):
+            retry_at = self._reload_failed_at + RELOAD_RETRY_S
+            if not self._reconciling and self.clock() >= retry_at:
+                self._reconciling = True
+                group.start_soon(self._reload_to, wanted)
+            return
+        status = {row.deployment: row for row in self.manager.status()}
+        for placement in snapshot.placements:
+            if placement.node != self.identity.id:
+                continue
+            row = status.get(placement.deployment)
+            if placement.state == "stopping" and placement.deployment not in wanted:
+                await anyio.to_thread.run_sync(
+                    partial(self.store.placement_stopped, self.identity.id, placement.id)
+                )
+            elif placement.state in ("pending", "starting") and row is not None and row.routable:
+                await anyio.to_thread.run_sync(
+                    partial(self.store.placement_ready, self.identity.id, placement.id)
+                )
+        self._restart_idle(wanted, status)
+
+    def _restart_idle(self, wanted: dict[str, Any], status: dict[str, Any]) -> None:
+        """Load a placed replica that is not running (after a fence or an engine exit)."""
+        now = self.clock()
+        for deployment in wanted:
+            row = status.get(deployment)
+            if row is None or row.routable or row.state not in _STARTABLE:
+                continue
+            if now - self._loaded_at.get(deployment, -RELOAD_RETRY_S) < RELOAD_RETRY_S:
+                continue
+            self._loaded_at[deployment] = now
+            try:
+                self.manager.request_load(deployment, reason="fleet")
+            except SbproxyError as exc:
+                logger.warning("fleet load of %s: [%s] %s", deployment, exc.code, exc)
+
+    async def _reload_to(self, wanted: dict[str, dict[str, Any]]) -> None:
+        """Make ``wanted`` this host's desired state through the reload transaction."""
+        try:
+            deployments = {d: DeploymentConfig.model_validate(b) for d, b in wanted.items()}
+            candidate = with_deployments(self.manager.compiled, deployments)
+            job_id, report = await reload(self.manager, candidate, source="fleet")
+            logger.info("fleet reconcile %s: %s", job_id, report.plan.to_dict())
+        except (SbproxyError, ValueError) as exc:
+            # Tried again RELOAD_RETRY_S later, not at every heartbeat.
+            self._reload_failed_at = self.clock()
+            logger.warning("fleet reconcile failed: %s", exc)
+        finally:
+            self._reconciling = False
+
+    # -- routing -----------------------------------------------------------------------
+
+    def _refresh_routing(self, snapshot: FleetSnapshot | None) -> None:
+        if snapshot is None:
+            return
+        states = {view.id: view.state.value for view in self.views}
+        nodes = {node.id: node for node in snapshot.nodes}
+        table: dict[str, list[PeerReplica]] = {}
+        for placement in snapshot.placements:
+            node = nodes.get(placement.node)
+            if node is None or placement.state == "stopping":
+                continue
+            reported = node.replicas.get(placement.deployment, {})
+            local = node.id == self.identity.id
+            ready = (
+                states.get(node.id) in ("ready", "cordoned", "draining")
+                and bool(reported.get("routable"))
+                and not (local and self.fenced)
+            )
+            table.setdefault(placement.deployment, []).append(
+                PeerReplica(
+                    deployment=placement.deployment,
+                    node_id=node.id,
+                    base_url=node.advertise_url or "",
+                    generation=int(reported.get("generation") or 0),
+                    ready=ready,
+                    active=int(reported.get("active") or 0),
+                    queued=int(reported.get("queued") or 0),
+                )
+            )
+        self._table = RoutingTable(
+            self.identity.id, {d: tuple(r) for d, r in table.items()}, self.clock()
+        )
+
+
+def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) -> FleetView:
+    """The console's :class:`~sbproxy.fleet.view.FleetView` of ``snapshot``: states on
+    database time; a replica's state as its node reported it (``placing`` before that);
+    placements not yet ready as the jobs in progress."""
+    now = snapshot.now_ms
+    views = {v.id: v.state.value for v in observe(snapshot.nodes, now_ms=now, timing=timing)}
+    nodes = tuple(
+        NodeRow(
+            node_id=node.id,
+            state=views[node.id],
+            heartbeat_age_ms=max(0, now - node.renewed_at_ms),
+            advertise_url=node.advertise_url,
+            labels=dict(node.labels),
+        )
+        for node in snapshot.nodes
+    )
+    reported = {node.id: node.replicas for node in snapshot.nodes}
+    replicas = []
+    jobs = []
+    for placement in sorted(snapshot.placements, key=lambda p: (p.deployment, p.node)):
+        row = reported.get(placement.node, {}).get(placement.deployment) or {}
+        replicas.append(
+            ReplicaRow(
+                deployment=placement.deployment,
+                node_id=placement.node,
+                state=str(row.get("state") or "placing"),
+                generation=int(row.get("generation") or 0),
+                port=row.get("port"),
+                active=int(row.get("active") or 0),
+                queued=int(row.get("queued") or 0),
+            )
+        )
+        if placement.state in ("pending", "starting", "stopping"):
+            jobs.append(
+                PlacementJobRow(
+                    job_id=placement.job_id,
+                    kind="stop"
+                    if placement.state == "stopping"
+                    else ("replace" if placement.replaces else "place"),
+                    deployment=placement.deployment,
+                    node_id=placement.node,
+                    status=placement.state,
+                    age_ms=max(0, now - placement.updated_at_ms),
+                )
+            )
+    desired: dict[str, int] = {}
+    if snapshot.desired_document is not None:
+        for deployment, body in json.loads(snapshot.desired_document)["deployments"].items():
+            desired[deployment] = int(body.get("replicas", 1))
+    lease = snapshot.controller
+    controller = None
+    if lease is not None and lease.expires_at_ms > now:
+        controller = ControllerRow(lease.holder, lease.epoch, lease.expires_at_ms - now)
+    return FleetView(
+        local_node_id=local_node,
+        nodes=nodes,
+        desired=desired,
+        replicas=tuple(replicas),
+        controller=controller,
+        jobs=tuple(sorted(jobs, key=lambda j: -j.age_ms)),
+    )
+
+
+def _normal(deployments: dict[str, Any]) -> dict[str, Any]:
+    """Definitions compared by meaning: validated and dumped the same way."""
+    return {
+        d: DeploymentConfig.model_validate(b).model_dump(mode="json")
+        for d, b in deployments.items()
+    }

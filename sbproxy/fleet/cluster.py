@@ -1,0 +1,101 @@
+"""Assembly of a ``cluster_authority`` host: its node id, the desired state it starts with
+(its own placements, so a restarted host serves again at once), and its agent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anyio.to_thread
+
+from sbproxy.config import CompiledConfig, DeploymentConfig
+from sbproxy.config.model_host import Authority
+from sbproxy.fleet.agent import FleetAgent, NodeIdentity, ask_peers_http
+from sbproxy.fleet.control import local_deployments
+from sbproxy.fleet.membership import FleetTiming
+from sbproxy.fleet.placement import PlacementPolicy
+from sbproxy.model_host.artifacts import ArtifactCache
+from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.runtime.reload import with_deployments
+from sbproxy.store.fleet import FleetStore
+from sbproxy.store.node import ENV_NODE_ID, fleet_node_id
+
+__all__ = [
+    "advertise_url",
+    "fleet_store",
+    "is_cluster",
+    "open_agent",
+    "start_node",
+    "starting_state",
+]
+
+
+def is_cluster(compiled: CompiledConfig) -> bool:
+    """The host runs under ``authority: cluster_authority``."""
+    host = compiled.model_host
+    return host is not None and host.authority == Authority.CLUSTER_AUTHORITY
+
+
+def fleet_store(compiled: CompiledConfig) -> FleetStore:
+    """The fleet store of a cluster host (its journal is PostgreSQL by config rule)."""
+    host = compiled.model_host
+    assert host is not None and host.journal is not None  # noqa: S101 - config rule
+    return FleetStore(host.journal.url.get_secret_value())
+
+
+def start_node(compiled: CompiledConfig, cache_root: Path) -> str:
+    """This host's node id; also made the id its jobs record (``$SBPROXY_NODE_ID``), so the
+    node-local jobs of its placements are its own."""
+    host = compiled.model_host
+    node = fleet_node_id(host.node.id if host else None, cache_root)
+    os.environ[ENV_NODE_ID] = node
+    return node
+
+
+def advertise_url(compiled: CompiledConfig) -> str:
+    """``node.advertise_url``, else the gateway listener's address (loopback when it binds
+    every interface: set advertise_url for hosts on other machines)."""
+    host = compiled.model_host
+    if host is not None and host.node.advertise_url:
+        return host.node.advertise_url.rstrip("/")
+    proxy = compiled.config.proxy
+    bind = proxy.bind_address
+    if bind in ("0.0.0.0", "::", ""):  # noqa: S104 - reading the setting, not binding
+        bind = "127.0.0.1"
+    if ":" in bind:
+        bind = f"[{bind}]"
+    return f"http://{bind}:{proxy.http_bind_port}"
+
+
+async def starting_state(compiled: CompiledConfig, store: FleetStore, node: str) -> CompiledConfig:
+    """``compiled`` with the deployments placed on ``node`` (none on a new node).
+
+    Raises:
+        JournalUnavailable: ``journal_unavailable``.
+    """
+    snapshot = await anyio.to_thread.run_sync(store.snapshot)
+    me = next((n for n in snapshot.nodes if n.id == node), None)
+    wanted = {} if me is not None and me.left else local_deployments(snapshot.placements, node)
+    deployments = {d: DeploymentConfig.model_validate(b) for d, b in wanted.items()}
+    return with_deployments(compiled, deployments)
+
+
+def open_agent(
+    compiled: CompiledConfig, manager: RuntimeManager, store: FleetStore, node: str
+) -> FleetAgent:
+    """The agent of a cluster host (not joined yet)."""
+    host = compiled.model_host
+    assert host is not None  # noqa: S101 - a cluster host has a model host
+    cache = ArtifactCache(manager.layout)
+    credential = host.fleet.credential.get_secret_value() if host.fleet.credential else None
+    return FleetAgent(
+        store=store,
+        manager=manager,
+        identity=NodeIdentity(
+            id=node, labels=dict(host.node.labels), advertise_url=advertise_url(compiled)
+        ),
+        timing=FleetTiming.from_config(host.fleet),
+        policy=PlacementPolicy.from_config(host.fleet),
+        artifacts=lambda: sorted(meta.artifact_digest for meta in cache.published()),
+        ask_peers=ask_peers_http(credential),
+    )

@@ -1,0 +1,689 @@
+"""The fleet's shared records in the PostgreSQL journal: members, the controller lease,
+placements and fleet events (migration 9).
+
+Every time here is **database time** (``clock_timestamp()`` of the server, epoch ms): a
+renewal, a lease's expiry and "now" when a member is judged are all read from the one clock
+every host shares (ARCHITECTURE.md "Several hosts").
+
+The controller holds the one row of ``fleet_controller`` with an ``epoch`` that grows with
+each new holder. Every write the controller makes runs in a transaction that first locks
+that row (``FOR SHARE``) and checks it still holds it at its epoch; a host that took over
+has updated the row (which waits for the lock), so a deposed controller's write either
+committed before the take-over or is refused (:class:`Deposed`, ``controller_deposed``) --
+the database does the fencing, not the deposed host's own idea of time.
+
+Synchronous and short: one connection per :class:`FleetStore`, reopened after a failure,
+each call one transaction; callers run it on a worker thread. Connection and statement
+timeouts are short so that a host cut off from the server learns it within a heartbeat.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from ulid import ULID
+
+from sbproxy.errors import SbproxyError
+from sbproxy.store.connection import Transaction
+from sbproxy.store.migrations import apply_pending
+from sbproxy.store.postgres import PgConnection, PgTarget
+
+__all__ = [
+    "ControllerLease",
+    "Deposed",
+    "FleetSnapshot",
+    "FleetStore",
+    "NodeRow",
+    "PlacementRow",
+]
+
+_NOW = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT"
+CONNECT_TIMEOUT_S = 2
+STATEMENT_TIMEOUT_MS = 3_000
+
+
+class Deposed(SbproxyError):
+    """This host no longer holds the controller lease at its epoch (``controller_deposed``):
+    its write was refused by the database."""
+
+    default_code = "controller_deposed"
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """One member as recorded (times on database time, epoch ms)."""
+
+    id: str
+    advertise_url: str | None
+    labels: dict[str, str]
+    engines: list[str]
+    devices: list[dict[str, int]]
+    artifacts: list[str]
+    replicas: dict[str, dict[str, Any]]
+    state: str
+    cordoned: bool
+    draining: bool
+    left: bool
+    joined_at_ms: int
+    renewed_at_ms: int
+
+    def to_dict(self, now_ms: int | None = None) -> dict[str, Any]:
+        """The JSON form (``/admin/fleet/nodes``); with ``now_ms``, ``heartbeat_age_ms``."""
+        out: dict[str, Any] = {
+            "id": self.id,
+            "state": self.state,
+            "advertise_url": self.advertise_url,
+            "labels": self.labels,
+            "engines": self.engines,
+            "devices": self.devices,
+            "cached_artifacts": self.artifacts,
+            "replicas": self.replicas,
+            "cordoned": self.cordoned,
+            "draining": self.draining,
+            "left": self.left,
+            "joined_at_ms": self.joined_at_ms,
+            "renewed_at_ms": self.renewed_at_ms,
+        }
+        if now_ms is not None:
+            out["heartbeat_age_ms"] = max(0, now_ms - self.renewed_at_ms)
+        return out
+
+
+@dataclass(frozen=True)
+class PlacementRow:
+    """One placed replica as recorded."""
+
+    id: str
+    deployment: str
+    replica: int
+    revision: int
+    node: str
+    devices: tuple[int, ...]
+    engine: str
+    reserved_bytes: int
+    state: str
+    replaces: str | None
+    definition: dict[str, Any]
+    epoch: int
+    job_id: str
+    updated_at_ms: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``/admin/fleet/placements``)."""
+        return {
+            "id": self.id,
+            "deployment": self.deployment,
+            "replica": self.replica,
+            "revision": self.revision,
+            "node": self.node,
+            "devices": list(self.devices),
+            "engine": self.engine,
+            "reserved_bytes": self.reserved_bytes,
+            "state": self.state,
+            "replaces": self.replaces,
+            "definition": self.definition,
+            "epoch": self.epoch,
+            "job_id": self.job_id,
+            "updated_at_ms": self.updated_at_ms,
+        }
+
+
+@dataclass(frozen=True)
+class ControllerLease:
+    """The controller lease as one host holds it (or as read, ``holder`` anyone's).
+
+    Attributes:
+        holder: The node holding it.
+        epoch: Its fencing epoch.
+        acquired_at_ms: When this holder took it (database time).
+        expires_at_ms: When it lapses unless renewed (database time).
+        now_ms: Database time when this was read.
+        fresh: This call took the lease (a new epoch), not renewed it.
+    """
+
+    holder: str
+    epoch: int
+    acquired_at_ms: int
+    expires_at_ms: int
+    now_ms: int
+    fresh: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``/admin/fleet/controller``)."""
+        return {
+            "holder": self.holder,
+            "epoch": self.epoch,
+            "acquired_at_ms": self.acquired_at_ms,
+            "expires_at_ms": self.expires_at_ms,
+            "expired": self.expires_at_ms <= self.now_ms,
+        }
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """Everything a controller pass or a reader needs, read in one transaction."""
+
+    now_ms: int
+    nodes: tuple[NodeRow, ...]
+    placements: tuple[PlacementRow, ...]
+    controller: ControllerLease | None
+    desired_revision: int | None = None
+    desired_document: str | None = None
+    events: tuple[dict[str, Any], ...] = field(default=())
+
+
+def _node(row: Sequence[Any]) -> NodeRow:
+    return NodeRow(
+        id=str(row[0]),
+        advertise_url=row[1],
+        labels=json.loads(row[2]),
+        engines=json.loads(row[3]),
+        devices=json.loads(row[4]),
+        artifacts=json.loads(row[5]),
+        replicas=json.loads(row[6]),
+        state=str(row[7]),
+        cordoned=bool(row[8]),
+        draining=bool(row[9]),
+        left=bool(row[10]),
+        joined_at_ms=int(row[11]),
+        renewed_at_ms=int(row[12]),
+    )
+
+
+def _placement(row: Sequence[Any]) -> PlacementRow:
+    return PlacementRow(
+        id=str(row[0]),
+        deployment=str(row[1]),
+        replica=int(row[2]),
+        revision=int(row[3]),
+        node=str(row[4]),
+        devices=tuple(json.loads(row[5])),
+        engine=str(row[6]),
+        reserved_bytes=int(row[7]),
+        state=str(row[8]),
+        replaces=row[9],
+        definition=json.loads(row[10]),
+        epoch=int(row[11]),
+        job_id=str(row[12]),
+        updated_at_ms=int(row[13]),
+    )
+
+
+_NODE_COLUMNS = (
+    "id, advertise_url, labels_json, engines_json, devices_json, artifacts_json,"
+    " replicas_json, state, cordoned, draining, left_fleet, joined_at_ms, renewed_at_ms"
+)
+_PLACEMENT_COLUMNS = (
+    "id, deployment, replica, revision, node, devices_json, engine, reserved_bytes, state,"
+    " replaces, definition_json, epoch, job_id, updated_at_ms"
+)
+
+
+class FleetStore:
+    """The fleet's rows in the PostgreSQL journal at ``url`` (module docstring).
+
+    Every method raises ``journal_unavailable`` (:class:`~sbproxy.store.postgres.
+    JournalUnavailable`) when the server cannot be reached or does not answer in time.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.target = PgTarget.parse(url)
+        self._connection: psycopg.Connection[Any] | None = None
+        self._lock = threading.Lock()
+        self._migrated = False
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _ensure_schema(self) -> None:
+        if self._migrated:
+            return
+        connection = PgConnection(self.target, read_only=False)
+        try:
+            connection.execute("BEGIN")
+            apply_pending(Transaction(connection, ()))
+            connection.execute("COMMIT")
+        finally:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            connection.close()
+        self._migrated = True
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        if self._connection is not None and not self._connection.closed:
+            return self._connection
+        try:
+            self._connection = psycopg.connect(
+                self.target.conninfo,
+                connect_timeout=CONNECT_TIMEOUT_S,
+                options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+            )
+        except psycopg.OperationalError as exc:
+            raise self.target.unavailable(exc) from None
+        return self._connection
+
+    @contextmanager
+    def _transaction(self) -> Iterator[psycopg.Cursor[Any]]:
+        """One transaction on the kept connection; a connection failure drops it."""
+        with self._lock:
+            self._ensure_schema()
+            connection = self._connect()
+            try:
+                with connection.transaction(), connection.cursor() as cursor:
+                    yield cursor
+            except psycopg.OperationalError as exc:
+                self._drop()
+                raise self.target.unavailable(exc) from None
+            except psycopg.Error:
+                if connection.broken:
+                    self._drop()
+                raise
+
+    def _drop(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with suppress(psycopg.Error):
+                connection.close()
+
+    def close(self) -> None:
+        """Close the kept connection (a later call opens a new one)."""
+        with self._lock:
+            self._drop()
+
+    @staticmethod
+    def _now(cursor: psycopg.Cursor[Any]) -> int:
+        row = cursor.execute(f"SELECT {_NOW}").fetchone()
+        assert row is not None  # noqa: S101 - SELECT of an expression returns a row
+        return int(row[0])
+
+    @staticmethod
+    def _event(
+        cursor: psycopg.Cursor[Any], now: int, kind: str, subject: str, data: Mapping[str, Any]
+    ) -> None:
+        cursor.execute(
+            "INSERT INTO fleet_events (at_ms, type, subject, data_json) VALUES (%s, %s, %s, %s)",
+            (now, kind, subject, json.dumps(dict(data), sort_keys=True)),
+        )
+
+    @staticmethod
+    def _job(
+        cursor: psycopg.Cursor[Any],
+        now: int,
+        *,
+        kind: str,
+        subject: str,
+        node: str,
+        body: Mapping[str, Any],
+    ) -> str:
+        """Record a finished fleet job (a decision taken in this transaction); its id."""
+        job_id = str(ULID())
+        text = json.dumps(dict(body), sort_keys=True)
+        cursor.execute(
+            "INSERT INTO jobs (id, kind, workflow_version, subject, input_json, status, attempt,"
+            " lease_owner, output_json, created_at_ms, updated_at_ms, started_at_ms,"
+            " ended_at_ms, node) VALUES (%s, %s, 1, %s, %s, 'succeeded', 1, %s, %s, %s, %s,"
+            " %s, %s, %s)",
+            (job_id, kind, subject, text, node, text, now, now, now, now, node),
+        )
+        cursor.execute(
+            "INSERT INTO job_events (job_id, at_ms, type, data_json) VALUES (%s, %s, 'status', %s)",
+            (job_id, now, json.dumps({"status": "succeeded", "by": node})),
+        )
+        return job_id
+
+    # -- membership --------------------------------------------------------------------
+
+    def join(
+        self,
+        node_id: str,
+        *,
+        advertise_url: str | None,
+        labels: Mapping[str, str],
+        engines: Sequence[str],
+        devices: Sequence[Mapping[str, int]],
+        artifacts: Sequence[str],
+    ) -> int:
+        """Join (or rejoin) as ``node_id``; database now (ms).
+
+        A node that was removed (``left``) joins afresh: its operator flags are cleared.
+        A known node keeps its flags (a restart does not uncordon it).
+        """
+        info = (
+            advertise_url,
+            json.dumps(dict(labels), sort_keys=True),
+            json.dumps(list(engines)),
+            json.dumps([dict(d) for d in devices]),
+            json.dumps(sorted(artifacts)),
+        )
+        with self._transaction() as cursor:
+            now = self._now(cursor)
+            cursor.execute(
+                "INSERT INTO fleet_nodes (id, advertise_url, labels_json, engines_json,"
+                " devices_json, artifacts_json, replicas_json, state, joined_at_ms,"
+                " renewed_at_ms) VALUES (%s, %s, %s, %s, %s, %s, '{}', 'ready', %s, %s)"
+                " ON CONFLICT (id) DO UPDATE SET advertise_url = EXCLUDED.advertise_url,"
+                " labels_json = EXCLUDED.labels_json, engines_json = EXCLUDED.engines_json,"
+                " devices_json = EXCLUDED.devices_json, artifacts_json = EXCLUDED.artifacts_json,"
+                " renewed_at_ms = EXCLUDED.renewed_at_ms,"
+                " joined_at_ms = CASE WHEN fleet_nodes.left_fleet = 1"
+                "   THEN EXCLUDED.joined_at_ms ELSE fleet_nodes.joined_at_ms END,"
+                " state = CASE WHEN fleet_nodes.left_fleet = 1 THEN 'ready'"
+                "   ELSE fleet_nodes.state END,"
+                " cordoned = CASE WHEN fleet_nodes.left_fleet = 1 THEN 0"
+                "   ELSE fleet_nodes.cordoned END,"
+                " draining = CASE WHEN fleet_nodes.left_fleet = 1 THEN 0"
+                "   ELSE fleet_nodes.draining END,"
+                " left_fleet = 0",
+                (node_id, *info, now, now),
+            )
+            self._event(cursor, now, "node_joined", node_id, {"advertise_url": advertise_url})
+        return now
+
+    def renew(
+        self,
+        node_id: str,
+        *,
+        replicas: Mapping[str, Mapping[str, Any]],
+        artifacts: Sequence[str] | None = None,
+    ) -> tuple[int, bool] | None:
+        """Renew ``node_id``'s membership on database time, with its replicas' counts.
+
+        Returns:
+            ``(now_ms, left)``; ``None`` when the node has no row (it must join again).
+        """
+        with self._transaction() as cursor:
+            if artifacts is None:
+                row = cursor.execute(
+                    f"UPDATE fleet_nodes SET renewed_at_ms = {_NOW}, replicas_json = %s"  # noqa: S608
+                    f" WHERE id = %s RETURNING renewed_at_ms, left_fleet",
+                    (json.dumps(dict(replicas), sort_keys=True), node_id),
+                ).fetchone()
+            else:
+                row = cursor.execute(
+                    f"UPDATE fleet_nodes SET renewed_at_ms = {_NOW}, replicas_json = %s,"  # noqa: S608
+                    f" artifacts_json = %s WHERE id = %s RETURNING renewed_at_ms, left_fleet",
+                    (
+                        json.dumps(dict(replicas), sort_keys=True),
+                        json.dumps(sorted(artifacts)),
+                        node_id,
+                    ),
+                ).fetchone()
+        return None if row is None else (int(row[0]), bool(row[1]))
+
+    def snapshot(self, *, events: int = 0) -> FleetSnapshot:
+        """Members, placements, the controller lease and the newest desired revision, in one
+        read (the last ``events`` fleet events too, newest first)."""
+        with self._transaction() as cursor:
+            now = self._now(cursor)
+            nodes = tuple(
+                _node(r)
+                for r in cursor.execute(
+                    f"SELECT {_NODE_COLUMNS} FROM fleet_nodes ORDER BY id"  # noqa: S608
+                ).fetchall()
+            )
+            placements = tuple(
+                _placement(r)
+                for r in cursor.execute(
+                    f"SELECT {_PLACEMENT_COLUMNS} FROM fleet_placements"  # noqa: S608
+                    " ORDER BY deployment, replica, id"
+                ).fetchall()
+            )
+            lease = cursor.execute(
+                "SELECT holder, epoch, acquired_at_ms, expires_at_ms FROM fleet_controller"
+                " WHERE id = 1"
+            ).fetchone()
+            desired = cursor.execute(
+                "SELECT revision, document FROM desired_revisions ORDER BY revision DESC LIMIT 1"
+            ).fetchone()
+            recent: list[dict[str, Any]] = []
+            if events:
+                recent = [
+                    {"seq": int(r[0]), "at_ms": int(r[1]), "type": r[2], "subject": r[3]}
+                    | {"data": json.loads(r[4])}
+                    for r in cursor.execute(
+                        "SELECT seq, at_ms, type, subject, data_json FROM fleet_events"
+                        " ORDER BY seq DESC LIMIT %s",
+                        (events,),
+                    ).fetchall()
+                ]
+        controller = (
+            None
+            if lease is None
+            else ControllerLease(str(lease[0]), int(lease[1]), int(lease[2]), int(lease[3]), now)
+        )
+        return FleetSnapshot(
+            now_ms=now,
+            nodes=nodes,
+            placements=placements,
+            controller=controller,
+            desired_revision=None if desired is None else int(desired[0]),
+            desired_document=None if desired is None else str(desired[1]),
+            events=tuple(recent),
+        )
+
+    def set_flags(
+        self,
+        node_id: str,
+        *,
+        by: str,
+        cordoned: bool | None = None,
+        draining: bool | None = None,
+        left: bool | None = None,
+    ) -> str | None:
+        """An operator's flag change on ``node_id``, recorded as a ``fleet.node`` job; the
+        job id, or ``None`` when there is no such node."""
+        changes = {
+            name: value
+            for name, value in (("cordoned", cordoned), ("draining", draining), ("left", left))
+            if value is not None
+        }
+        columns = {"cordoned": "cordoned", "draining": "draining", "left": "left_fleet"}
+        sets = ", ".join(f"{columns[name]} = %({name})s" for name in changes)
+        params: dict[str, Any] = {name: int(value) for name, value in changes.items()}
+        with self._transaction() as cursor:
+            now = self._now(cursor)
+            found = cursor.execute(
+                f"UPDATE fleet_nodes SET {sets} WHERE id = %(id)s RETURNING id",  # noqa: S608
+                {**params, "id": node_id},
+            ).fetchone()
+            if found is None:
+                return None
+            self._event(cursor, now, "node_flags", node_id, changes)
+            return self._job(
+                cursor,
+                now,
+                kind="fleet.node",
+                subject=f"node:{node_id}",
+                node=by,
+                body={"node": node_id, **changes},
+            )
+
+    # -- the controller lease ----------------------------------------------------------
+
+    def hold_controller(self, holder: str, *, lease_ms: int) -> ControllerLease | None:
+        """Renew the controller lease if ``holder`` holds it unexpired, else take it when it
+        is free or lapsed (a new epoch); ``None`` when another host holds it."""
+        with self._transaction() as cursor:
+            now = self._now(cursor)
+            row = cursor.execute(
+                "UPDATE fleet_controller SET expires_at_ms = %(exp)s WHERE id = 1"
+                " AND holder = %(me)s AND expires_at_ms > %(now)s"
+                " RETURNING holder, epoch, acquired_at_ms, expires_at_ms",
+                {"exp": now + lease_ms, "me": holder, "now": now},
+            ).fetchone()
+            if row is not None:
+                return ControllerLease(str(row[0]), int(row[1]), int(row[2]), int(row[3]), now)
+            row = cursor.execute(
+                "INSERT INTO fleet_controller (id, holder, epoch, acquired_at_ms, expires_at_ms)"
+                " VALUES (1, %(me)s, 1, %(now)s, %(exp)s) ON CONFLICT (id) DO UPDATE SET"
+                " holder = EXCLUDED.holder, epoch = fleet_controller.epoch + 1,"
+                " acquired_at_ms = EXCLUDED.acquired_at_ms,"
+                " expires_at_ms = EXCLUDED.expires_at_ms"
+                " WHERE fleet_controller.expires_at_ms <= %(now)s"
+                " RETURNING holder, epoch, acquired_at_ms, expires_at_ms",
+                {"me": holder, "now": now, "exp": now + lease_ms},
+            ).fetchone()
+            if row is None:
+                return None
+            self._event(cursor, now, "controller_elected", holder, {"epoch": int(row[1])})
+        return ControllerLease(str(row[0]), int(row[1]), int(row[2]), int(row[3]), now, True)
+
+    def _fence(self, cursor: psycopg.Cursor[Any], lease: ControllerLease) -> int:
+        """Lock the lease row; database now when ``lease`` still holds it, else Deposed."""
+        now = self._now(cursor)
+        row = cursor.execute(
+            "SELECT epoch FROM fleet_controller WHERE id = 1 AND holder = %s AND epoch = %s"
+            " AND expires_at_ms > %s FOR SHARE",
+            (lease.holder, lease.epoch, now),
+        ).fetchone()
+        if row is None:
+            raise Deposed(
+                f"{lease.holder} no longer holds the controller lease at epoch {lease.epoch}",
+                details={"holder": lease.holder, "epoch": lease.epoch},
+            )
+        return now
+
+    def move_node(self, lease: ControllerLease, node_id: str, *, from_state: str, to: str) -> bool:
+        """Record a checked node state change (compare-and-set on ``from_state``), with an
+        event; ``False`` when the row moved meanwhile.
+
+        Raises:
+            Deposed: the lease is no longer this controller's.
+        """
+        with self._transaction() as cursor:
+            now = self._fence(cursor, lease)
+            moved = cursor.execute(
+                "UPDATE fleet_nodes SET state = %s WHERE id = %s AND state = %s",
+                (to, node_id, from_state),
+            ).rowcount
+            if moved:
+                self._event(
+                    cursor,
+                    now,
+                    "node_state",
+                    node_id,
+                    {"from": from_state, "to": to, "epoch": lease.epoch},
+                )
+        return bool(moved)
+
+    def place(
+        self,
+        lease: ControllerLease,
+        decision: Mapping[str, Any],
+        *,
+        definition: Mapping[str, Any],
+        reserved_state: str = "pending",
+    ) -> tuple[str, str]:
+        """Record a start or replace decision as a placement and a ``fleet.place`` job;
+        ``(placement_id, job_id)``. ``definition`` is the deployment's definition (the JSON
+        of its ``DeploymentConfig``) the node runs for this placement.
+
+        Raises:
+            Deposed: the lease is no longer this controller's.
+        """
+        placement_id = str(ULID())
+        with self._transaction() as cursor:
+            now = self._fence(cursor, lease)
+            job_id = self._job(
+                cursor,
+                now,
+                kind="fleet.place",
+                subject=f"deployment:{decision['deployment']}",
+                node=lease.holder,
+                body={**decision, "placement": placement_id, "epoch": lease.epoch},
+            )
+            cursor.execute(
+                f"INSERT INTO fleet_placements ({_PLACEMENT_COLUMNS}, created_at_ms)"  # noqa: S608
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                (
+                    placement_id,
+                    decision["deployment"],
+                    decision["replica"],
+                    decision["revision"],
+                    decision["node"],
+                    json.dumps(list(decision["devices"])),
+                    decision["engine"],
+                    decision["reserved_bytes"],
+                    reserved_state,
+                    decision.get("replaces"),
+                    json.dumps(dict(definition), sort_keys=True),
+                    lease.epoch,
+                    job_id,
+                    now,
+                    now,
+                ),
+            )
+            self._event(
+                cursor,
+                now,
+                "replaced" if decision.get("replaces") else "placed",
+                decision["deployment"],
+                {"placement": placement_id, "node": decision["node"], "job_id": job_id},
+            )
+        return placement_id, job_id
+
+    def stop_placement(self, lease: ControllerLease, placement_id: str, *, cause: str) -> bool:
+        """Mark a placement ``stopping`` (its node stops the engine and removes the row).
+
+        Raises:
+            Deposed: the lease is no longer this controller's.
+        """
+        with self._transaction() as cursor:
+            now = self._fence(cursor, lease)
+            moved = cursor.execute(
+                "UPDATE fleet_placements SET state = 'stopping', epoch = %s, updated_at_ms = %s"
+                " WHERE id = %s AND state <> 'stopping'",
+                (lease.epoch, now, placement_id),
+            ).rowcount
+            if moved:
+                self._event(
+                    cursor, now, "stopping", placement_id, {"cause": cause, "epoch": lease.epoch}
+                )
+        return bool(moved)
+
+    def forget_placement(self, lease: ControllerLease, placement_id: str, *, why: str) -> bool:
+        """Delete a placement of a gone node whose replica runs elsewhere now.
+
+        Raises:
+            Deposed: the lease is no longer this controller's.
+        """
+        with self._transaction() as cursor:
+            now = self._fence(cursor, lease)
+            gone = cursor.execute(
+                "DELETE FROM fleet_placements WHERE id = %s", (placement_id,)
+            ).rowcount
+            if gone:
+                self._event(cursor, now, "forgotten", placement_id, {"why": why})
+        return bool(gone)
+
+    # -- the node's own placements -----------------------------------------------------
+
+    def placement_ready(self, node_id: str, placement_id: str) -> bool:
+        """The node ``node_id`` reports its placement serving (``pending`` -> ``ready``)."""
+        with self._transaction() as cursor:
+            now = self._now(cursor)
+            moved = cursor.execute(
+                "UPDATE fleet_placements SET state = 'ready', updated_at_ms = %s"
+                " WHERE id = %s AND node = %s AND state IN ('pending', 'starting')",
+                (now, placement_id, node_id),
+            ).rowcount
+            if moved:
+                self._event(cursor, now, "ready", placement_id, {"node": node_id})
+        return bool(moved)
+
+    def placement_stopped(self, node_id: str, placement_id: str) -> bool:
+        """The node ``node_id`` stopped a ``stopping`` placement's engine: the row goes."""
+        with self._transaction() as cursor:
+            now = self._now(cursor)
+            gone = cursor.execute(
+                "DELETE FROM fleet_placements WHERE id = %s AND node = %s AND state = 'stopping'",
+                (placement_id, node_id),
+            ).rowcount
+            if gone:
+                self._event(cursor, now, "stopped", placement_id, {"node": node_id})
+        return bool(gone)

@@ -1,0 +1,123 @@
+"""Real ``sbproxy serve`` hosts of one fleet (``authority: cluster_authority``) on one
+PostgreSQL journal, for the fleet tests: :class:`FleetHost` is a :class:`PgHost` whose
+``sb.yml`` declares no deployment of its own (the fleet's desired state places them), with
+its node id, labels, short fleet timing and the fleet credential."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import psutil
+import yaml
+
+from tests.api.pg_hosts import PASSWORD, PgHost
+
+CREDENTIAL = "fleet-test-credential"
+HEARTBEAT_MS = 200
+FENCE_AFTER_MS = 1_500
+LOST_AFTER_MS = 3_000
+
+
+@dataclass
+class FleetHost(PgHost):
+    """One fleet member (not started until :meth:`start`)."""
+
+    labels: dict[str, str] = field(default_factory=dict)
+    timing: dict[str, int] = field(
+        default_factory=lambda: {
+            "heartbeat_ms": HEARTBEAT_MS,
+            "fence_after_ms": FENCE_AFTER_MS,
+            "lost_after_ms": LOST_AFTER_MS,
+        }
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.write({})
+
+    def write(self, deployments: dict[str, dict[str, Any]]) -> None:
+        """(Re)write ``sb.yml``: a cluster member; ``deployments`` are what ``sbproxy apply``
+        makes the fleet's desired state; the gateway routes ``tiny-chat`` to ``tiny``."""
+        timing = getattr(self, "timing", None) or {}
+        document = {
+            "proxy": {
+                "http_bind_port": self.gateway,
+                "admin": {"enabled": True, "port": self.admin, "password": PASSWORD},
+                "model_host": {
+                    "authority": "cluster_authority",
+                    "catalog_file": str(self.root.parent / "catalog.yaml"),
+                    "shutdown_deadline_ms": 2000,
+                    "cache": {"directory": str(self.cache)},
+                    "engines": {"llama_cpp": {"path": str(self.executable)}},
+                    "journal": {"url": self.url},
+                    "node": {"id": self.node, "labels": getattr(self, "labels", {}) or {}},
+                    "fleet": {**timing, "credential": CREDENTIAL},
+                    "deployments": deployments,
+                },
+            },
+            "origins": {
+                "localhost": {
+                    "action": {
+                        "type": "ai_proxy",
+                        "providers": [
+                            {
+                                "name": "local",
+                                "provider_type": "managed_model",
+                                "deployment": "tiny",
+                                "models": ["tiny-chat"],
+                                "default_model": "tiny-chat",
+                            }
+                        ],
+                    }
+                }
+            },
+        }
+        self.config.write_text(yaml.safe_dump(document))
+
+    def fleet(self, path: str) -> dict[str, Any]:
+        """``GET /admin/fleet/<path>`` ({} while the host does not answer)."""
+        try:
+            response = self.admin_call("GET", f"/admin/fleet/{path}")
+        except httpx.HTTPError:
+            return {}
+        return dict(response.json()) if response.status_code == 200 else {}
+
+    def engines(self) -> list[psutil.Process]:
+        """Live engine processes this host started (the stand-in llama-server serving a model
+        from this host's cache), wherever they were re-parented."""
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            line = " ".join(process.info.get("cmdline") or [])
+            if "fake_llama_server" in line and str(self.cache) in line:
+                with contextlib.suppress(psutil.Error):
+                    if process.status() != psutil.STATUS_ZOMBIE:
+                        found.append(process)
+        return found
+
+    def deployments(self) -> dict[str, str]:
+        """This host's own deployments and their states (the live status route)."""
+        return self.states()
+
+    def kill(self) -> None:
+        """SIGKILL the host process (its engines stay orphaned until something stops them)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+
+def placements(host: FleetHost) -> list[dict[str, Any]]:
+    """The fleet's placements as ``host`` reports them."""
+    return list(host.fleet("placements").get("placements", []))
+
+
+def ready_nodes(host: FleetHost, deployment: str) -> list[str]:
+    """Nodes with a ``ready`` placement of ``deployment``, sorted."""
+    return sorted(
+        p["node"]
+        for p in placements(host)
+        if p["deployment"] == deployment and p["state"] == "ready"
+    )

@@ -1,0 +1,460 @@
+"""Real ``sbproxy serve`` hosts as one fleet (issue 20): ``authority: cluster_authority`` on
+one real PostgreSQL journal, the stand-in llama-server, an HF-shaped mirror.
+
+A two-replica deployment applied with ``sbproxy apply`` lands on two of three nodes; a
+SIGKILLed replica host's replica is re-placed once, on the third; a host cut off from the
+database (a TCP relay cut) fences itself -- kills its engines -- before the fleet re-places
+its replica, and rejoins with no orphan; the database down for everyone keeps every host
+serving; drain moves a replica, cordon keeps it; every host restarted at once serves its
+placements again with no re-pull. Fleet timing is short (heartbeat 200 ms, fence 1.5 s,
+lost 3 s); bounds are stated per test.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.api.cluster_hosts import (
+    CREDENTIAL,
+    LOST_AFTER_MS,
+    FleetHost,
+    placements,
+    ready_nodes,
+)
+from tests.api.pg_hosts import FILE, PASSWORD, REPO, REVISION, catalog, poll, query, tiny_gguf
+from tests.support.hf_server import HfMirror
+from tests.support.postgres import PostgresServer, postgres_bin_dir
+from tests.support.tcp_relay import TcpRelay
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+TINY = {"model": "tiny", "variant": "q4_k_m"}
+
+
+@pytest.fixture
+def mirror(tmp_path: Path) -> Iterator[HfMirror]:
+    pulled, imported = tiny_gguf(tmp_path / "src", vocab=50), tiny_gguf(tmp_path / "imp", vocab=60)
+    catalog(tmp_path / "catalog.yaml", pulled, imported)
+    with HfMirror() as served:
+        served.add_file(REPO, REVISION, FILE, pulled)
+        yield served
+
+
+def cli(host: FleetHost, *args: str) -> subprocess.CompletedProcess[str]:
+    """``sbproxy <args> --format json`` against ``host``'s admin API."""
+    return subprocess.run(
+        [sys.executable, "-m", "sbproxy.cli", *args, "--admin-url",
+         f"http://127.0.0.1:{host.admin}", "--password", PASSWORD, "--format", "json"],
+        env=host.env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def apply(host: FleetHost, deployments: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Write ``deployments`` into ``host``'s sb.yml and ``sbproxy apply`` it."""
+    host.write(deployments)
+    done = cli(host, "apply", "-f", str(host.config))
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+def start_all(hosts: list[FleetHost]) -> None:
+    """Start ``hosts`` and wait until each joined; a host that exits fails at once with its
+    stderr."""
+    for host in hosts:
+        host.start()
+
+    def joined() -> bool:
+        for host in hosts:
+            if not host.alive():
+                raise AssertionError(f"{host.node} exited: {host.output[-4000:]}")
+        return len(hosts[0].fleet("nodes").get("nodes", [])) == len(hosts)
+
+    poll(joined, timeout_s=90, what="every host joined")
+
+
+def stop_all(hosts: list[FleetHost]) -> None:
+    for host in hosts:
+        host.stop()
+
+
+def node_state(host: FleetHost, node: str) -> str | None:
+    """``node``'s state as ``host`` reports it."""
+    return {n["id"]: n["state"] for n in host.fleet("nodes").get("nodes", [])}.get(node)
+
+
+def fleet_jobs(url: str) -> list[tuple[str, str]]:
+    return [
+        (str(k), str(s))
+        for k, s in query(url, "SELECT kind, status FROM jobs WHERE kind LIKE 'fleet.%'")
+    ]
+
+
+def test_a_two_replica_deployment_lands_on_two_nodes_and_each_serves(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    hosts = [FleetHost(f"node-{n}", tmp_path / f"node-{n}", url, mirror.url) for n in "abc"]
+    try:
+        start_all(hosts)
+        applied = apply(hosts[2], {"tiny": {**TINY, "replicas": 2}})
+        assert applied["fleet"]["revision"] == 1
+        poll(lambda: len(ready_nodes(hosts[0], "tiny")) == 2, timeout_s=60, what="2 replicas")
+        placed = placements(hosts[1])
+        assert len(placed) == 2 and len({p["node"] for p in placed}) == 2
+        assert fleet_jobs(url) == [("fleet.place", "succeeded")] * 2
+        by_node = {h.node: h for h in hosts}
+        for placement in placed:
+            holder = by_node[placement["node"]]
+            assert holder.chat().status_code == 200
+            assert len(holder.engines()) == 1
+        (empty,) = [h for h in hosts if h.node not in {p["node"] for p in placed}]
+        assert empty.deployments() == {} and empty.engines() == []
+        # Every host shows the fleet's desired state; a stale compare-and-set is refused.
+        shown = empty.admin_call("GET", "/admin/model-host/deployments").json()
+        assert (shown["authority"], shown["revision"]) == ("cluster_authority", 1)
+        assert shown["deployments"]["tiny"]["replicas"] == 2
+        stale = empty.admin_call(
+            "PUT",
+            "/admin/model-host/deployments",
+            json={"expected_revision": None, "deployments": {"tiny": TINY}},
+        )
+        assert (stale.status_code, stale.json()["code"]) == (409, "revision_conflict")
+        unknown = empty.admin_call(
+            "PUT",
+            "/admin/model-host/deployments",
+            json={"expected_revision": 1, "deployments": {"x": {"model": "no-such-model"}}},
+        )
+        assert (unknown.status_code, unknown.json()["code"]) == (400, "unknown_catalog_model")
+        listed = json.loads(cli(empty, "nodes", "list").stdout)
+        assert sorted(n["state"] for n in listed["nodes"]) == ["ready"] * 3
+        ps = json.loads(cli(empty, "models", "ps", "--fleet").stdout)
+        assert sorted(p["runtime"]["state"] for p in ps["placements"]) == ["ready", "ready"]
+        # The peer lease route answers the fleet credential only.
+        lease_url = f"http://127.0.0.1:{empty.gateway}/fleet/v1/lease"
+        refused = httpx.get(lease_url, headers={"Authorization": f"Bearer {PASSWORD}"})
+        assert (refused.status_code, refused.json()["code"]) == (401, "peer_unauthorized")
+        lease = httpx.get(lease_url, headers={"Authorization": f"Bearer {CREDENTIAL}"}).json()
+        assert lease == {"node_id": empty.node, "renewed_recently": True, "fenced": False}
+        controller = next(h for h in hosts if h.node == listed["controller"]["holder"])
+        metrics = controller.admin_call("GET", "/metrics").text
+        assert 'sbproxy_fleet_replicas_ready{deployment="tiny"} 2.0' in metrics
+        assert 'sbproxy_fleet_nodes{state="ready"} 3.0' in metrics
+    finally:
+        stop_all(hosts)
+
+
+def test_a_sigkilled_replica_host_is_re_placed_once_and_the_other_replica_keeps_answering(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    hosts = [FleetHost(f"node-{n}", tmp_path / f"node-{n}", url, mirror.url) for n in "abc"]
+    try:
+        start_all(hosts)
+        apply(hosts[0], {"tiny": {**TINY, "replicas": 2}})
+        poll(lambda: len(ready_nodes(hosts[0], "tiny")) == 2, timeout_s=60, what="2 replicas")
+        holders = ready_nodes(hosts[0], "tiny")
+        controller = hosts[0].fleet("controller")["controller"]
+        # Kill the controller when it holds a replica (its take-over is tested too).
+        victim_id = controller["holder"] if controller["holder"] in holders else holders[0]
+        victim = next(h for h in hosts if h.node == victim_id)
+        survivor = next(h for h in hosts if h.node in holders and h.node != victim_id)
+        spare = next(h for h in hosts if h.node not in holders)
+        victim.kill()
+        killed_at = time.monotonic()
+        answers = []
+
+        def replaced() -> bool:
+            answers.append(survivor.chat().status_code)
+            return ready_nodes(spare, "tiny") == sorted([survivor.node, spare.node])
+
+        poll(replaced, timeout_s=LOST_AFTER_MS / 1000 + 30, what="the replica re-placed")
+        took_s = time.monotonic() - killed_at
+        assert took_s >= LOST_AFTER_MS / 1000 - 0.5  # not before the node was lost
+        assert set(answers) == {200}
+        assert spare.chat().status_code == 200
+        rows = query(url, "SELECT type FROM fleet_events WHERE type IN ('placed', 'replaced')")
+        assert sorted(t for (t,) in rows) == ["placed", "placed", "replaced"]
+        assert len(placements(spare)) == 2  # the gone placement was forgotten
+        lease = spare.fleet("controller")["controller"]
+        if victim_id == controller["holder"]:
+            assert lease["epoch"] == controller["epoch"] + 1 and lease["holder"] != victim_id
+        print(f"SIGKILL -> ready replacement: {took_s:.2f} s")
+        # The killed host comes back: it serves nothing of the moved replica.
+        for engine in victim.engines():  # its orphan engine dies with the restart's reaping
+            engine.kill()
+        victim.start()
+        poll(
+            lambda: victim.fleet("nodes").get("local_node") == victim.node,
+            timeout_s=60,
+            what="the killed host back",
+        )
+        assert victim.deployments() == {}
+    finally:
+        stop_all(hosts)
+
+
+def test_a_host_cut_off_from_the_database_fences_itself_before_it_is_re_placed(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    with TcpRelay(postgres_server.port) as relay:
+        cut_url = url.replace(f":{postgres_server.port}/", f":{relay.port}/")
+        assert cut_url != url
+        a = FleetHost("node-a", tmp_path / "node-a", cut_url, mirror.url)
+        b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
+        hosts = [a, b]
+        try:
+            start_all(hosts)
+            apply(b, {"tiny": TINY})
+            poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+            (engine,) = a.engines()
+            relay.cut()
+            cut_at = time.monotonic()
+            poll(lambda: not engine.is_running(), timeout_s=30, what="node-a fenced")
+            fenced_s = time.monotonic() - cut_at
+            # Fenced before the fleet gave up on it and started the replica elsewhere.
+            assert "node-b" not in ready_nodes(b, "tiny")
+            poll(lambda: ready_nodes(b, "tiny") == ["node-b"], timeout_s=60, what="re-placed")
+            assert a.chat().status_code != 200  # no traffic served by the fenced host
+            relay.heal()
+            poll(lambda: a.deployments() == {}, timeout_s=30, what="node-a dropped its replica")
+            assert a.engines() == []
+            nodes = {n["id"]: n["state"] for n in b.fleet("nodes")["nodes"]}
+            poll(
+                lambda: (
+                    {n["id"]: n["state"] for n in b.fleet("nodes")["nodes"]}["node-a"] == "ready"
+                ),
+                timeout_s=30,
+                what="node-a rejoined",
+            )
+            assert nodes["node-b"] == "ready"
+            print(f"cut -> fenced: {fenced_s:.2f} s")
+        finally:
+            relay.heal()
+            stop_all(hosts)
+
+
+def test_the_database_down_for_everyone_keeps_every_host_serving(
+    tmp_path: Path, mirror: HfMirror
+) -> None:
+    bin_dir = postgres_bin_dir()
+    assert bin_dir is not None
+    server = PostgresServer(bin_dir)
+    server.start()
+    url = server.create_database()
+    hosts = [FleetHost(f"node-{n}", tmp_path / f"node-{n}", url, mirror.url) for n in "ab"]
+    try:
+        start_all(hosts)
+        apply(hosts[1], {"tiny": TINY})
+        poll(lambda: ready_nodes(hosts[1], "tiny") == ["node-a"], timeout_s=60, what="placed")
+        (before,) = placements(hosts[1])
+        (engine,) = hosts[0].engines()
+        server.stop_server("fast")
+        deadline = time.monotonic() + 3 * LOST_AFTER_MS / 1000
+        while time.monotonic() < deadline:  # past fence_after_ms and lost_after_ms, twice
+            answer = hosts[0].chat()
+            if answer.status_code != 200:
+                hosts[0].stop()
+                raise AssertionError(f"{answer.text}\n{hosts[0].output[-6000:]}")
+            assert engine.is_running()
+        refused = hosts[1].admin_call(
+            "PUT",
+            "/admin/model-host/deployments",
+            json={"expected_revision": 1, "deployments": {}},
+        )
+        assert (refused.status_code, refused.json()["code"]) == (503, "journal_unavailable")
+        server.start_server()
+        poll(lambda: bool(placements(hosts[1])), timeout_s=30, what="the journal back")
+        (after,) = placements(hosts[1])
+        assert (after["id"], after["node"]) == (before["id"], "node-a")  # nothing re-placed
+        assert hosts[0].chat().status_code == 200
+    finally:
+        stop_all(hosts)
+        server.stop()
+
+
+def test_drain_moves_a_replica_and_cordon_keeps_it(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    hosts = [FleetHost(f"node-{n}", tmp_path / f"node-{n}", url, mirror.url) for n in "ab"]
+    a, b = hosts
+    try:
+        start_all(hosts)
+        apply(b, {"tiny": TINY})
+        poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+        cordoned = json.loads(cli(b, "nodes", "cordon", "node-a").stdout)
+        assert cordoned["command"] == "nodes.cordon" and cordoned["job_id"]
+        poll(
+            lambda: (
+                {n["id"]: n["state"] for n in b.fleet("nodes")["nodes"]}["node-a"] == "cordoned"
+            ),
+            timeout_s=10,
+            what="node-a cordoned",
+        )
+        assert ready_nodes(b, "tiny") == ["node-a"]  # a cordon keeps what runs
+        drained = json.loads(cli(b, "nodes", "drain", "node-a").stdout)
+        assert drained["job_id"]
+        poll(lambda: ready_nodes(b, "tiny") == ["node-b"], timeout_s=60, what="moved to b")
+        poll(lambda: a.deployments() == {}, timeout_s=30, what="node-a stopped its replica")
+        assert b.chat().status_code == 200
+        assert a.engines() == []
+        shown = json.loads(cli(b, "nodes", "show", "node-a").stdout)
+        assert shown["node"]["state"] == "draining" and shown["node"]["placements"] == []
+        missing = cli(b, "nodes", "cordon", "node-z")
+        assert missing.returncode == 2 and "unknown_node" in missing.stdout
+        kinds = [k for k, _ in fleet_jobs(url)]
+        assert kinds.count("fleet.node") == 2
+        # Removed, the member is left; restarted, it joins afresh (no operator flag kept).
+        assert json.loads(cli(b, "nodes", "remove", "node-a").stdout)["job_id"]
+        poll(lambda: node_state(b, "node-a") == "left", timeout_s=10, what="node-a left")
+        a.stop()
+        a.start()
+        poll(lambda: node_state(b, "node-a") == "ready", timeout_s=60, what="node-a back")
+        assert ready_nodes(b, "tiny") == ["node-b"]
+    finally:
+        stop_all(hosts)
+
+
+def test_every_host_restarted_at_once_serves_its_placements_again_without_a_re_pull(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    hosts = [FleetHost(f"node-{n}", tmp_path / f"node-{n}", url, mirror.url) for n in "ab"]
+    try:
+        start_all(hosts)
+        apply(hosts[0], {"tiny": {**TINY, "replicas": 2}})
+        poll(lambda: len(ready_nodes(hosts[0], "tiny")) == 2, timeout_s=60, what="2 replicas")
+        before = {p["id"] for p in placements(hosts[0])}
+        served = mirror.bytes_served()
+        stop_all(hosts)
+        restarted_at = time.monotonic()
+        for host in hosts:
+            host.start()
+        for host in hosts:
+            host.wait_ready("tiny", timeout_s=60)
+            assert host.chat().status_code == 200
+        took_s = time.monotonic() - restarted_at
+        assert took_s < 30
+        assert {p["id"] for p in placements(hosts[0])} == before
+        assert mirror.bytes_served() == served  # no byte downloaded again
+        print(f"restart -> serving: {took_s:.2f} s")
+    finally:
+        stop_all(hosts)
+
+
+def test_a_host_paused_past_lost_after_stops_its_engine_at_once_when_it_resumes(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    """SIGSTOP freezes the host (its engine, another process, keeps running); once it
+    resumes it stops that engine before anything else, and its moved replica stays moved."""
+    url = postgres_server.create_database()
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
+    hosts = [a, b]
+    try:
+        start_all(hosts)
+        apply(b, {"tiny": TINY})
+        poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+        (engine,) = a.engines()
+        assert a.process is not None
+        a.process.send_signal(signal.SIGSTOP)
+        try:
+            poll(lambda: ready_nodes(b, "tiny") == ["node-b"], timeout_s=60, what="re-placed")
+        finally:
+            a.process.send_signal(signal.SIGCONT)
+        resumed_at = time.monotonic()
+        poll(lambda: not engine.is_running(), timeout_s=10, what="node-a's engine stopped")
+        stopped_s = time.monotonic() - resumed_at
+        poll(lambda: a.deployments() == {}, timeout_s=30, what="node-a dropped its replica")
+        assert a.engines() == [] and ready_nodes(b, "tiny") == ["node-b"]
+        print(f"SIGCONT -> engine stopped: {stopped_s:.2f} s")
+    finally:
+        stop_all(hosts)
+
+
+def test_a_killed_controller_is_taken_over_under_a_higher_epoch_and_the_fleet_converges(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, labels={"role": "serve"})
+    c = FleetHost("node-c", tmp_path / "node-c", url, mirror.url, labels={"role": "serve"})
+    b.write({})
+    c.write({})
+    hosts = [a, b, c]
+    try:
+        a.start()  # alone first: it is the controller
+        poll(
+            lambda: (a.fleet("controller").get("controller") or {}).get("holder") == "node-a",
+            timeout_s=60,
+            what="node-a the controller",
+        )
+        b.start()
+        c.start()
+        poll(lambda: len(a.fleet("nodes").get("nodes", [])) == 3, timeout_s=60, what="3 nodes")
+        apply(a, {"tiny": {**TINY, "replicas": 2, "required_labels": {"role": "serve"}}})
+        poll(lambda: ready_nodes(b, "tiny") == ["node-b", "node-c"], timeout_s=60, what="b, c")
+        a.kill()
+        poll(
+            lambda: (b.fleet("controller").get("controller") or {}).get("epoch") == 2,
+            timeout_s=30,
+            what="a new controller",
+        )
+        holder = b.fleet("controller")["controller"]["holder"]
+        assert holder in ("node-b", "node-c")
+        # The new controller carries out a change: one replica fewer.
+        apply(b, {"tiny": {**TINY, "replicas": 1, "required_labels": {"role": "serve"}}})
+        poll(lambda: len(placements(b)) == 1, timeout_s=60, what="scaled down to one")
+        poll(
+            lambda: sum(1 for h in (b, c) if h.deployments().get("tiny") == "ready") == 1,
+            timeout_s=30,
+            what="one engine left",
+        )
+        (kept,) = placements(b)
+        assert kept["state"] == "ready" and kept["epoch"] == 1  # placed before the take-over
+        stops = query(url, "SELECT data_json FROM fleet_events WHERE type = 'stopping'")
+        assert [json.loads(data)["epoch"] for (data,) in stops] == [2]
+    finally:
+        for engine in a.engines():
+            engine.kill()
+        stop_all(hosts)
+
+
+def test_a_changed_definition_rolls_across_nodes_keeping_a_replica_serving(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    hosts = [FleetHost(f"node-{n}", tmp_path / f"node-{n}", url, mirror.url) for n in "abc"]
+    try:
+        start_all(hosts)
+        apply(hosts[0], {"tiny": {**TINY, "replicas": 2}})
+        poll(lambda: len(ready_nodes(hosts[0], "tiny")) == 2, timeout_s=60, what="2 replicas")
+        apply(hosts[0], {"tiny": {**TINY, "replicas": 2, "max_concurrency": 2}})
+        serving: list[int] = []
+
+        def rolled() -> bool:
+            rows = placements(hosts[0])
+            serving.append(sum(1 for p in rows if p["state"] == "ready"))
+            return len(rows) == 2 and all(
+                p["state"] == "ready" and p["revision"] == 2 for p in rows
+            )
+
+        poll(rolled, timeout_s=90, what="both replicas at revision 2")
+        assert min(serving) >= 1  # at least replicas - 1 ready throughout
+        by_node = {h.node: h for h in hosts}
+        for row in placements(hosts[0]):
+            assert by_node[row["node"]].chat().status_code == 200
+        assert sum(len(h.engines()) for h in hosts) == 2  # the old engines stopped
+    finally:
+        stop_all(hosts)

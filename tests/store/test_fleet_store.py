@@ -1,0 +1,173 @@
+"""The fleet's rows on a real PostgreSQL server: membership on database time, one controller
+at a time with a growing epoch, and a deposed controller's writes refused by the database."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from sbproxy.store.fleet import Deposed
+from sbproxy.store.fleet import FleetStore as Store
+from sbproxy.store.postgres import JournalUnavailable
+from tests.support.postgres import PostgresServer
+
+LEASE_MS = 60_000
+
+
+def _decision(node: str, *, replica: int = 0) -> dict[str, Any]:
+    return {
+        "kind": "start",
+        "deployment": "chat",
+        "replica": replica,
+        "revision": 1,
+        "node": node,
+        "devices": [0],
+        "engine": "llama_cpp",
+        "reserved_bytes": 100,
+    }
+
+
+_OPEN: list[Store] = []
+
+
+@pytest.fixture
+def url(postgres_server: PostgresServer) -> Iterator[str]:
+    yield postgres_server.create_database()
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def _open(url: str) -> Store:
+    """A store closed after the test."""
+    store = Store(url)
+    _OPEN.append(store)
+    return store
+
+
+def _join(store: Store, node: str) -> int:
+    return store.join(
+        node,
+        advertise_url=f"http://127.0.0.1/{node}",
+        labels={"zone": "a"},
+        engines=["llama_cpp"],
+        devices=[{"index": 0, "capacity_bytes": 1000}],
+        artifacts=[],
+    )
+
+
+def test_a_renewal_is_stamped_with_database_time_and_carries_replica_counts(url: str) -> None:
+    store = _open(url)
+    joined = _join(store, "n1")
+    renewed = store.renew("n1", replicas={"chat": {"active": 2, "queued": 1}})
+    assert renewed is not None
+    now, left = renewed
+    assert now >= joined and left is False
+    with psycopg.connect(url) as connection:
+        row = connection.execute(
+            "SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT"
+        ).fetchone()
+    assert row is not None and 0 <= row[0] - now < 10_000
+    (node,) = store.snapshot().nodes
+    assert node.renewed_at_ms == now
+    assert node.replicas == {"chat": {"active": 2, "queued": 1}}
+    assert store.renew("unknown", replicas={}) is None
+
+
+def test_a_rejoin_keeps_a_cordon_but_a_removed_node_joins_afresh(url: str) -> None:
+    store = _open(url)
+    _join(store, "n1")
+    assert store.set_flags("n1", by="op", cordoned=True) is not None
+    _join(store, "n1")
+    assert store.snapshot().nodes[0].cordoned is True
+    assert store.set_flags("n1", by="op", left=True) is not None
+    renewed = store.renew("n1", replicas={})
+    assert renewed is not None and renewed[1] is True
+    _join(store, "n1")
+    node = store.snapshot().nodes[0]
+    assert (node.cordoned, node.left, node.state) == (False, False, "ready")
+    assert store.set_flags("nobody", by="op", cordoned=True) is None
+
+
+def test_one_controller_at_a_time_and_the_epoch_grows_with_each_holder(url: str) -> None:
+    a, b = _open(url), _open(url)
+    first = a.hold_controller("a", lease_ms=LEASE_MS)
+    assert first is not None and first.fresh and first.epoch == 1
+    assert b.hold_controller("b", lease_ms=LEASE_MS) is None
+    again = a.hold_controller("a", lease_ms=LEASE_MS)
+    assert again is not None and not again.fresh and again.epoch == 1
+    # The lease lapses on database time (a 1 ms lease): b takes it under epoch 2.
+    assert a.hold_controller("a", lease_ms=1) is not None
+    with psycopg.connect(url) as connection:
+        connection.execute("SELECT pg_sleep(0.01)")
+    taken = b.hold_controller("b", lease_ms=LEASE_MS)
+    assert taken is not None and taken.fresh and taken.epoch == 2
+
+
+def test_a_deposed_controller_s_writes_are_refused_by_the_database(url: str) -> None:
+    a, b = _open(url), _open(url)
+    _join(a, "n1")
+    old = a.hold_controller("a", lease_ms=1)
+    assert old is not None
+    with psycopg.connect(url) as connection:
+        connection.execute("SELECT pg_sleep(0.01)")
+    new = b.hold_controller("b", lease_ms=LEASE_MS)
+    assert new is not None and new.epoch == old.epoch + 1
+    with pytest.raises(Deposed) as refused:
+        a.place(old, _decision("n1"), definition={"model": "m"})
+    assert refused.value.code == "controller_deposed"
+    with pytest.raises(Deposed):
+        a.move_node(old, "n1", from_state="ready", to="suspect")
+    placement, job = b.place(new, _decision("n1"), definition={"model": "m"})
+    snapshot = b.snapshot()
+    assert [(p.id, p.epoch, p.job_id) for p in snapshot.placements] == [(placement, 2, job)]
+    with pytest.raises(Deposed):
+        a.stop_placement(old, placement, cause="rollout")
+    with psycopg.connect(url) as connection:
+        kinds = connection.execute("SELECT kind, status, node FROM jobs").fetchall()
+    assert kinds == [("fleet.place", "succeeded", "b")]
+
+
+def test_a_take_over_waits_for_the_old_holder_s_write_in_flight(url: str) -> None:
+    """The fence is a row lock: a take-over that starts while the old holder's write is
+    open commits after it, so the write is never half-fenced."""
+    a, b = _open(url), _open(url)
+    _join(a, "n1")
+    old = a.hold_controller("a", lease_ms=2_000)
+    assert old is not None
+    with psycopg.connect(url) as holder:
+        with holder.transaction():
+            holder.execute("SELECT epoch FROM fleet_controller WHERE id = 1 FOR SHARE")
+            taken: list[object] = []
+            thread = threading.Thread(
+                target=lambda: taken.append(b.hold_controller("b", lease_ms=1))
+            )
+            thread.start()
+            thread.join(timeout=0.5)
+            assert thread.is_alive()  # blocked on the row lock
+        thread.join(timeout=10)
+    assert taken == [None]  # a's lease had not lapsed yet
+
+
+def test_node_side_placement_moves_are_the_named_node_s_only(url: str) -> None:
+    store = _open(url)
+    _join(store, "n1")
+    lease = store.hold_controller("c", lease_ms=LEASE_MS)
+    assert lease is not None
+    placement, _ = store.place(lease, _decision("n1"), definition={"model": "m"})
+    assert store.placement_ready("n2", placement) is False
+    assert store.placement_ready("n1", placement) is True
+    assert store.placement_stopped("n1", placement) is False  # not stopping yet
+    assert store.stop_placement(lease, placement, cause="scale_down") is True
+    assert store.placement_stopped("n1", placement) is True
+    assert store.snapshot().placements == ()
+
+
+def test_an_unreachable_server_is_journal_unavailable() -> None:
+    store = Store("postgresql://nobody@127.0.0.1:1/none")
+    with pytest.raises(JournalUnavailable):
+        store.snapshot()
+    store.close()

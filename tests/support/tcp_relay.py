@@ -1,0 +1,105 @@
+"""A TCP relay on loopback that a test can cut: one host's way to a real server (its
+PostgreSQL) goes through it, so that this host alone is partitioned from the database while
+every other host still reaches it -- a fault one real server cannot make for one client.
+
+While cut, every open connection is closed and a new one is closed as soon as it is
+accepted; :meth:`TcpRelay.heal` lets connections through again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import threading
+from types import TracebackType
+
+__all__ = ["TcpRelay"]
+
+
+class TcpRelay:
+    """Relay ``127.0.0.1:<port>`` to ``target_port`` (a background thread per connection)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._cut = threading.Event()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> TcpRelay:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def cut(self) -> None:
+        """Close every relayed connection and refuse new ones until :meth:`heal`."""
+        self._cut.set()
+        self._close_open()
+
+    def heal(self) -> None:
+        """Relay connections again."""
+        self._cut.clear()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._cut.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        self._close_open()
+
+    def _close_open(self) -> None:
+        with self._lock:
+            sockets, self._open = list(self._open), set()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if self._cut.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open.update((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
+        selector = selectors.DefaultSelector()
+        peers = {client: upstream, upstream: client}
+        try:
+            for sock in peers:
+                sock.setblocking(True)
+                selector.register(sock, selectors.EVENT_READ)
+            while not self._cut.is_set():
+                for key, _ in selector.select(timeout=0.2):
+                    source: socket.socket = key.fileobj  # type: ignore[assignment]
+                    data = source.recv(65536)
+                    if not data:
+                        return
+                    peers[source].sendall(data)
+        except (OSError, ValueError):
+            return
+        finally:
+            selector.close()
+            for sock in peers:
+                with contextlib.suppress(OSError):
+                    sock.close()
