@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -120,15 +119,16 @@ def test_a_client_that_leaves_a_plain_completion_stops_the_real_engine(
         (n_tokens,) = released()
         assert n_tokens < MAX_TOKENS // 2, "the engine ran on after the client left"
 
-        started = time.monotonic()
+        # The engine's one slot is free again (read from the engine, not from a stopwatch: a
+        # busy machine makes a follow-up slow without anything being held).
+        (slot,) = engine.get("/slots").json()
+        assert not slot["is_processing"], slot
         followed = httpx.post(
             f"http://localhost:{gateway}/v1/completions",
             json={"model": "gemma", "prompt": "Hello", "max_tokens": 8},
             timeout=30,
         )
-        follow_s = time.monotonic() - started
         assert followed.status_code == 200, followed.text
-        assert follow_s < 5, follow_s  # the one slot was free: no wait for the first request
         metrics = admin_http.get("/metrics").text
         assert 'sbproxy_gateway_client_disconnects_total{deployment="gemma"} 1.0' in metrics
     finally:
