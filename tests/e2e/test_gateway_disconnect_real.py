@@ -141,4 +141,4 @@ def test_a_client_that_leaves_a_plain_completion_stops_the_real_engine(
     assert any("POST /v1/completions 499 deployment=gemma" in line for line in access), access
     assert any("POST /v1/completions 200 deployment=gemma" in line for line in access), access
     print(f"permit freed {freed_s:.3f} s after the client left; engine stopped {stopped_s:.3f} s")
-    print(f"after that, at {n_tokens} tokens of context; the next request took {follow_s:.2f} s")
+    print(f"the engine stopped at {n_tokens} tokens of context; the next request was served")
