@@ -411,14 +411,16 @@ async def test_postgres_hosts_opening_at_once_migrate_once(
 
 
 async def test_postgres_journal_never_shows_the_password(postgres_server: PostgresServer) -> None:
-    url = postgres_server.create_database().replace("postgres@", "postgres:s3cret-pw@")
+    user = postgres_server.user  # postgres under root, else the OS user running the tests
+    url = postgres_server.create_database().replace(f"{user}@", f"{user}:s3cret-pw@", 1)
+    assert "s3cret-pw" in url
     database = await Database.open(url)  # trust authentication ignores the password
     try:
         assert "s3cret-pw" not in database.location
-        assert database.location.startswith("postgresql://postgres@127.0.0.1:")
+        assert database.location.startswith(f"postgresql://{user}@127.0.0.1:")
     finally:
         await database.close()
-    closed = f"postgresql://postgres:s3cret-pw@127.0.0.1:{_closed_port()}/nothing"
+    closed = f"postgresql://{user}:s3cret-pw@127.0.0.1:{_closed_port()}/nothing"
     with pytest.raises(SbproxyError) as info:
         await Database.open(closed)
     assert info.value.code == "journal_unavailable"

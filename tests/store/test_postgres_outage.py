@@ -16,7 +16,9 @@ pytestmark = pytest.mark.anyio
 async def test_a_lost_server_is_journal_unavailable_and_the_store_resumes(
     own_postgres_server: PostgresServer,
 ) -> None:
-    url = own_postgres_server.create_database().replace("postgres@", "postgres:pw-never-shown@")
+    user = own_postgres_server.user  # postgres under root, else the OS user running the tests
+    url = own_postgres_server.create_database().replace(f"{user}@", f"{user}:pw-never-shown@", 1)
+    assert "pw-never-shown" in url
     database = await Database.open(url)
     store = JobStore(database)
     try:
