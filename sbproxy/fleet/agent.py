@@ -70,6 +70,7 @@ from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.memory import estimate_memory
 from sbproxy.model_host.runtime.reload import reload, with_deployments
 from sbproxy.model_host.runtime.state import DeploymentState
+from sbproxy.model_host.service import ModelHostService
 from sbproxy.store.fleet import ControllerLease, Deposed, FleetSnapshot, FleetStore
 
 __all__ = ["FleetAgent", "NodeIdentity", "PeerAsker", "ask_peers_http", "fleet_view"]
@@ -228,7 +229,7 @@ class FleetAgent:
         Raises:
             JournalUnavailable: ``journal_unavailable``.
         """
-        worker = self.manager.worker
+        worker = ModelHostService.serving(self.manager).worker()
         await anyio.to_thread.run_sync(
             lambda: self.store.join(
                 self.identity.id,
@@ -421,10 +422,11 @@ class FleetAgent:
         specs: dict[str, DeploymentSpec] = {}
         definitions: dict[str, dict[str, Any]] = {}
         margin = self.manager.safety_margin
+        service = ModelHostService.serving(self.manager)
         for deployment, body in sorted(document.get("deployments", {}).items()):
             try:
                 config = DeploymentConfig.model_validate(body)
-                artifact = self.manager.resolve_config(config, self.manager.catalog)
+                artifact = self.manager.resolve_config(config, service.catalog)
             except (SbproxyError, ValueError) as exc:
                 logger.warning("deployment %s cannot be placed: %s", deployment, exc)
                 continue
@@ -491,7 +493,7 @@ class FleetAgent:
         wanted = {} if me is None or me.left else local_deployments(snapshot.placements, me.id)
         running = {
             d: c.model_dump(mode="json", exclude_unset=True)
-            for d, c in self.manager.compiled.deployments.items()
+            for d, c in ModelHostService.serving(self.manager).served.deployments.items()
         }
         if _normal(wanted) != _normal(running):
             retry_at = self._reload_failed_at + RELOAD_RETRY_S
@@ -533,7 +535,7 @@ class FleetAgent:
         """Make ``wanted`` this host's desired state through the reload transaction."""
         try:
             deployments = {d: DeploymentConfig.model_validate(b) for d, b in wanted.items()}
-            candidate = with_deployments(self.manager.compiled, deployments)
+            candidate = with_deployments(ModelHostService.serving(self.manager).served, deployments)
             job_id, report = await reload(self.manager, candidate, source="fleet")
             logger.info("fleet reconcile %s: %s", job_id, report.plan.to_dict())
         except (SbproxyError, ValueError) as exc:

@@ -17,6 +17,7 @@ from sbproxy.fleet.placement import PlacementPolicy
 from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.reload import with_deployments
+from sbproxy.model_host.service import ModelHostService
 from sbproxy.store.fleet import FleetStore
 from sbproxy.store.node import ENV_NODE_ID, fleet_node_id
 
@@ -86,7 +87,7 @@ def open_agent(
     """The agent of a cluster host (not joined yet)."""
     host = compiled.model_host
     assert host is not None  # noqa: S101 - a cluster host has a model host
-    cache = ArtifactCache(manager.layout)
+    cache = ArtifactCache(ModelHostService.serving(manager).layout)
     credential = host.fleet.credential.get_secret_value() if host.fleet.credential else None
     return FleetAgent(
         store=store,

@@ -196,6 +196,7 @@ class ModelHostService:
             protection=manager.artifact_protection,
             revision=manager.revision,
             _usage=UsageStore(manager.runtime_store.database),
+            _worker=manager.worker,
         )
 
     @property
