@@ -463,8 +463,11 @@ async def _serve_host(
         stop.follow(host.manager)
         if lockfile is not None:
             host.manager.config_guard = lock_guard(lockfile, ModelHostService.serving(host.manager))
+        # The configuration the runtime serves now, not the file's: a cluster host started
+        # with the deployments placed on it, and the gateway must know them as its own.
+        served = ModelHostService.serving(host.manager).served
         servers, _, _ = build_servers(
-            compiled, host, stop=stop, directory=directory, fleet_status=fleet_status
+            served, host, stop=stop, directory=directory, fleet_status=fleet_status
         )
         stop.attach(servers)
         watcher_stopped = anyio.Event()

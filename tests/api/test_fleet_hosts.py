@@ -343,7 +343,8 @@ def test_every_host_restarted_at_once_serves_its_placements_again_without_a_re_p
             host.start()
         for host in hosts:
             host.wait_ready("tiny", timeout_s=60)
-            assert host.chat().status_code == 200
+            answer = host.chat()
+            assert answer.status_code == 200, (host.node, answer.text)
         took_s = time.monotonic() - restarted_at
         assert took_s < 30
         assert {p["id"] for p in placements(hosts[0])} == before
