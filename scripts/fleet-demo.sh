@@ -14,8 +14,8 @@
 #     `authority: cluster_authority` on the shared journal;
 #  5. `sbproxy apply -f` a two-replica deployment of smollm2-135m-instruct and waits until
 #     the controller placed both and their nodes serve them;
-#  6. asks the model through each host's gateway (a host without a replica answers 404 until
-#     peer dispatch -- branch fleetedge -- is merged);
+#  6. asks the model through each host's gateway (a host without a replica answers through a
+#     peer that has one: peer dispatch, with the fleet credential);
 #  7. SIGKILLs one replica host, keeps asking the other replica, and times SIGKILL -> the
 #     replacement ready on the third node;
 #  8. restarts a replica host (SIGTERM, start again) and times restart -> serving.

@@ -25,6 +25,7 @@ before fencing itself.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from typing import Any
 
 import anyio.to_thread
@@ -36,6 +37,7 @@ from sbproxy.api.errors import admin_error
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.agent import FleetAgent
 from sbproxy.fleet.control import observe
+from sbproxy.fleet.membership import replica_state
 from sbproxy.store.fleet import FleetSnapshot
 
 __all__ = ["fleet_admin_handlers", "peer_handlers"]
@@ -81,6 +83,19 @@ def _nodes(agent: FleetAgent, snapshot: FleetSnapshot) -> list[dict[str, Any]]:
         )
         rows.append(row)
     return rows
+
+
+def _shown_runtime(
+    node_state: str | None, runtime: Mapping[str, Any] | None
+) -> Mapping[str, Any] | None:
+    """A replica's runtime as its node last reported it -- except on a lost or departed
+    node, whose report is history: shown ``unreachable`` (``reported_state`` keeps it)."""
+    if runtime is None:
+        return None
+    shown = replica_state(node_state, runtime.get("state"))
+    if shown == runtime.get("state"):
+        return runtime
+    return {**runtime, "state": shown, "reported_state": runtime.get("state")}
 
 
 def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
@@ -174,7 +189,9 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
             row = placement.to_dict()
             row.pop("definition")
             row["node_state"] = states.get(placement.node)
-            row["runtime"] = reported.get(placement.node, {}).get(placement.deployment)
+            row["runtime"] = _shown_runtime(
+                row["node_state"], reported.get(placement.node, {}).get(placement.deployment)
+            )
             rows.append(row)
         return Response(
             {

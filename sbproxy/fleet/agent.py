@@ -54,7 +54,7 @@ from sbproxy.fleet.control import (
     observe,
     placement_views,
 )
-from sbproxy.fleet.membership import FenceVerdict, FleetTiming, PeerAnswer
+from sbproxy.fleet.membership import FenceVerdict, FleetTiming, PeerAnswer, replica_state
 from sbproxy.fleet.placement import (
     DeploymentSpec,
     NodeView,
@@ -605,7 +605,7 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
             ReplicaRow(
                 deployment=placement.deployment,
                 node_id=placement.node,
-                state=str(row.get("state") or "placing"),
+                state=replica_state(views.get(placement.node), row.get("state")) or "placing",
                 generation=int(row.get("generation") or 0),
                 port=row.get("port"),
                 active=int(row.get("active") or 0),

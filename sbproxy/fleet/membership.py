@@ -41,6 +41,7 @@ __all__ = [
     "NODE_TRANSITIONS",
     "SUSPECT_AFTER_HEARTBEATS",
     "TERMINAL_NODE_STATES",
+    "UNREACHABLE",
     "FenceVerdict",
     "FleetTiming",
     "IllegalNodeTransition",
@@ -50,6 +51,7 @@ __all__ = [
     "derive_state",
     "fence_verdict",
     "move",
+    "replica_state",
 ]
 
 
@@ -67,6 +69,20 @@ class NodeState(StrEnum):
 _S = NodeState
 TERMINAL_NODE_STATES: Final = frozenset({_S.LEFT})
 """States no move leaves."""
+
+UNREACHABLE: Final = "unreachable"
+"""A replica's shown state when its node is lost or has left: what the node last reported
+is history, and nobody can reach that replica now."""
+
+
+def replica_state(node_state: NodeState | str | None, reported: str | None) -> str | None:
+    """The state to show for a replica whose node is in ``node_state`` and last reported
+    ``reported`` (``None``: nothing yet): :data:`UNREACHABLE` on a lost or departed node,
+    else the report."""
+    if node_state in (_S.LOST, _S.LEFT, _S.LOST.value, _S.LEFT.value):
+        return UNREACHABLE
+    return reported
+
 
 NODE_TRANSITIONS: Final[Mapping[NodeState, frozenset[NodeState]]] = MappingProxyType(
     {

@@ -4,6 +4,7 @@ their states and heartbeat ages on database time, replicas as their nodes report
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from sbproxy.fleet.agent import fleet_view
@@ -46,7 +47,8 @@ def test_the_view_of_a_snapshot(postgres_server: PostgresServer) -> None:
         assert store.placement_ready("a", ready)
         store.renew("a", replicas={"chat": {"state": "ready", "generation": 3, "port": 9,
                                             "active": 1, "queued": 2}})  # fmt: skip
-        view = fleet_view(store.snapshot(), "b", TIMING)
+        snapshot = store.snapshot()
+        view = fleet_view(snapshot, "b", TIMING)
     finally:
         store.close()
     assert [(n.node_id, n.state, n.labels) for n in view.nodes] == [
@@ -69,3 +71,13 @@ def test_the_view_of_a_snapshot(postgres_server: PostgresServer) -> None:
         1,
     )
     assert view.local_node_id == "b"
+
+    # Past lost_after_ms without a renewal (the database clock moved on, nothing else did),
+    # node a's last report is history: its replica is shown unreachable, never ready.
+    later = dataclasses.replace(snapshot, now_ms=snapshot.now_ms + TIMING.lost_after_ms + 1)
+    lost = fleet_view(later, "b", TIMING)
+    assert {n.node_id: n.state for n in lost.nodes} == {"a": "lost", "b": "lost"}
+    assert [(r.node_id, r.state) for r in lost.replicas] == [
+        ("a", "unreachable"),
+        ("b", "unreachable"),
+    ]

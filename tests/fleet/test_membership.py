@@ -17,6 +17,7 @@ from sbproxy.fleet.membership import (
     derive_state,
     fence_verdict,
     move,
+    replica_state,
 )
 
 S = NodeState
@@ -186,3 +187,23 @@ def test_fence_verdict(
         )
         is verdict
     )
+
+
+@pytest.mark.parametrize(
+    ("node_state", "reported", "shown"),
+    [
+        (NodeState.READY, "ready", "ready"),
+        (NodeState.SUSPECT, "ready", "ready"),  # one missed renewal: not given up on yet
+        (NodeState.CORDONED, "ready", "ready"),
+        (NodeState.DRAINING, "draining", "draining"),
+        (NodeState.LOST, "ready", "unreachable"),
+        (NodeState.LEFT, "ready", "unreachable"),
+        ("lost", None, "unreachable"),
+        (None, "ready", "ready"),  # a node the reader does not know yet
+        (NodeState.READY, None, None),
+    ],
+)
+def test_a_replica_on_a_lost_or_departed_node_is_shown_unreachable(
+    node_state: NodeState | str | None, reported: str | None, shown: str | None
+) -> None:
+    assert replica_state(node_state, reported) == shown
