@@ -12,9 +12,8 @@ from typing import Any
 
 import httpx
 import psutil
-import yaml
 
-from tests.api.pg_hosts import PASSWORD, PgHost
+from tests.api.pg_hosts import PgHost
 
 CREDENTIAL = "fleet-test-credential"
 HEARTBEAT_MS = 200
@@ -39,44 +38,18 @@ class FleetHost(PgHost):
         super().__post_init__()
         self.write({})
 
-    def write(self, deployments: dict[str, dict[str, Any]]) -> None:
-        """(Re)write ``sb.yml``: a cluster member; ``deployments`` are what ``sbproxy apply``
-        makes the fleet's desired state; the gateway routes ``tiny-chat`` to ``tiny``."""
-        timing = getattr(self, "timing", None) or {}
-        document = {
-            "proxy": {
-                "http_bind_port": self.gateway,
-                "admin": {"enabled": True, "port": self.admin, "password": PASSWORD},
-                "model_host": {
-                    "authority": "cluster_authority",
-                    "catalog_file": str(self.root.parent / "catalog.yaml"),
-                    "shutdown_deadline_ms": 2000,
-                    "cache": {"directory": str(self.cache)},
-                    "engines": {"llama_cpp": {"path": str(self.executable)}},
-                    "journal": {"url": self.url},
-                    "node": {"id": self.node, "labels": getattr(self, "labels", {}) or {}},
-                    "fleet": {**timing, "credential": CREDENTIAL},
-                    "deployments": deployments,
-                },
-            },
-            "origins": {
-                "localhost": {
-                    "action": {
-                        "type": "ai_proxy",
-                        "providers": [
-                            {
-                                "name": "local",
-                                "provider_type": "managed_model",
-                                "deployment": "tiny",
-                                "models": ["tiny-chat"],
-                                "default_model": "tiny-chat",
-                            }
-                        ],
-                    }
-                }
-            },
-        }
-        self.config.write_text(yaml.safe_dump(document))
+    def document(self, deployments: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """A cluster member's ``sb.yml``: ``deployments`` are what ``sbproxy apply`` makes
+        the fleet's desired state; the gateway routes ``tiny-chat`` to ``tiny``."""
+        document = super().document(deployments)
+        document["proxy"]["model_host"].update(
+            {
+                "authority": "cluster_authority",
+                "node": {"id": self.node, "labels": getattr(self, "labels", {}) or {}},
+                "fleet": {**(getattr(self, "timing", None) or {}), "credential": CREDENTIAL},
+            }
+        )
+        return document
 
     def fleet(self, path: str) -> dict[str, Any]:
         """``GET /admin/fleet/<path>`` ({} while the host does not answer)."""

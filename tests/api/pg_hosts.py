@@ -113,7 +113,11 @@ class PgHost:
 
     def write(self, deployments: dict[str, dict[str, Any]]) -> None:
         """(Re)write ``sb.yml`` serving ``deployments``; the gateway routes ``tiny``."""
-        document = {
+        self.config.write_text(yaml.safe_dump(self.document(deployments)))
+
+    def document(self, deployments: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The ``sb.yml`` of :meth:`write` (a subclass adds its own keys)."""
+        return {
             "proxy": {
                 "http_bind_port": self.gateway,
                 "admin": {"enabled": True, "port": self.admin, "password": PASSWORD},
@@ -143,7 +147,6 @@ class PgHost:
                 }
             },
         }
-        self.config.write_text(yaml.safe_dump(document))
 
     @property
     def env(self) -> dict[str, str]:
