@@ -30,9 +30,8 @@ import psycopg
 from ulid import ULID
 
 from sbproxy.errors import SbproxyError
-from sbproxy.store.connection import Transaction
-from sbproxy.store.migrations import apply_pending
-from sbproxy.store.postgres import PgConnection, PgTarget
+from sbproxy.store.migrations import migrate_postgres
+from sbproxy.store.postgres import PgTarget
 
 __all__ = [
     "ControllerLease",
@@ -243,15 +242,7 @@ class FleetStore:
     def _ensure_schema(self) -> None:
         if self._migrated:
             return
-        connection = PgConnection(self.target, read_only=False)
-        try:
-            connection.execute("BEGIN")
-            apply_pending(Transaction(connection, ()))
-            connection.execute("COMMIT")
-        finally:
-            if connection.in_transaction:
-                connection.execute("ROLLBACK")
-            connection.close()
+        migrate_postgres(self.target)
         self._migrated = True
 
     def _connect(self) -> psycopg.Connection[Any]:

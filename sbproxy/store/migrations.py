@@ -18,9 +18,9 @@ import re
 import time
 
 from sbproxy.store.database import Database, StoreError, Transaction
-from sbproxy.store.postgres import MIGRATION_LOCK_KEY
+from sbproxy.store.postgres import MIGRATION_LOCK_KEY, PgConnection, PgTarget
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "apply_pending", "ddl", "migrate"]
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "apply_pending", "ddl", "migrate", "migrate_postgres"]
 
 _AUTO_KEY = re.compile(r"\bINTEGER PRIMARY KEY( AUTOINCREMENT)?(?=\s*[,)]|\s*$)")
 _INTEGER = re.compile(r"\bINTEGER\b")
@@ -322,6 +322,25 @@ def apply_pending(transaction: Transaction) -> None:
     for a process that needs the schema before it opens the journal (the shared revision
     store read at start). Raises as :func:`migrate`."""
     _apply(transaction)
+
+
+def migrate_postgres(target: PgTarget) -> None:
+    """Apply the pending migrations to the PostgreSQL database ``target`` on a connection of
+    its own, in one transaction (for the stores that reach the shared database before, or
+    beside, the journal: the revision store and the fleet store).
+
+    Raises:
+        StoreError: ``journal_schema_newer``; JournalUnavailable.
+    """
+    connection = PgConnection(target, read_only=False)
+    try:
+        connection.execute("BEGIN")
+        apply_pending(Transaction(connection, ()))
+        connection.execute("COMMIT")
+    finally:
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
+        connection.close()
 
 
 async def migrate(database: Database) -> None:

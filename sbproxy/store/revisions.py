@@ -16,9 +16,8 @@ from typing import Any
 
 import psycopg
 
-from sbproxy.store.connection import Transaction
-from sbproxy.store.migrations import apply_pending
-from sbproxy.store.postgres import PgConnection, PgTarget
+from sbproxy.store.migrations import migrate_postgres
+from sbproxy.store.postgres import PgTarget
 
 __all__ = ["SharedRevisions"]
 
@@ -51,15 +50,7 @@ class SharedRevisions:
         """
         if self._migrated:
             return
-        connection = PgConnection(self.target, read_only=False)
-        try:
-            connection.execute("BEGIN")
-            apply_pending(Transaction(connection, ()))
-            connection.execute("COMMIT")
-        finally:
-            if connection.in_transaction:
-                connection.execute("ROLLBACK")
-            connection.close()
+        migrate_postgres(self.target)
         self._migrated = True
 
     @property
