@@ -72,6 +72,7 @@ from sbproxy.model_host.runtime.reload import reload, with_deployments
 from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.model_host.service import ModelHostService
 from sbproxy.store.fleet import ControllerLease, Deposed, FleetSnapshot, FleetStore
+from sbproxy.workflows.faults import fault_point
 
 __all__ = ["FleetAgent", "NodeIdentity", "PeerAsker", "ask_peers_http", "fleet_view"]
 
@@ -460,9 +461,11 @@ class FleetAgent:
             if isinstance(decision, StartReplica | ReplaceReplica):
                 body = decision.model_dump(mode="json")
                 definition = definitions[decision.deployment]
+                fault_point("fleet.place:before")
                 placement, job = await anyio.to_thread.run_sync(
                     partial(self.store.place, lease, body, definition=definition)
                 )
+                fault_point("fleet.place:committed")
                 self.placements_made += 1
                 if isinstance(decision, ReplaceReplica):
                     self.replacements += 1
@@ -478,11 +481,13 @@ class FleetAgent:
                     else "",
                 )
             elif isinstance(decision, StopReplica):
+                fault_point("fleet.stop:before")
                 await anyio.to_thread.run_sync(
                     partial(
                         self.store.stop_placement, lease, decision.placement, cause=decision.cause
                     )
                 )
+                fault_point("fleet.stop:committed")
 
     # -- this node's placements --------------------------------------------------------
 

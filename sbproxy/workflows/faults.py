@@ -7,7 +7,10 @@ the final state and how often each side effect happened.
 Arming:
 
 * environment ``SBPROXY_FAULT_POINTS="step:publish:after,pull.after_download"``; an entry
-  ``name=N`` fires on the N-th time the point is reached (default: the first);
+  ``name=N`` fires on the N-th time the point is reached (default: the first); an entry
+  ``name@stop`` (or ``name=N@stop``) makes the process ``SIGSTOP`` itself there instead of
+  dying, so a test can let the world move on (a lease lapse, a take-over) and then resume
+  it with ``SIGCONT`` at that exact place;
 * in-process, :func:`arm` with an optional action (tests that raise instead of dying).
 
 The executor passes three points for every step that runs (a replayed step passes none):
@@ -42,12 +45,18 @@ def _kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _from_env() -> dict[str, int]:
-    points: dict[str, int] = {}
+def _pause() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _from_env() -> dict[str, tuple[int, Callable[[], None] | None]]:
+    points: dict[str, tuple[int, Callable[[], None] | None]] = {}
     for entry in os.environ.get(ENV_VAR, "").split(","):
-        name, _, count = entry.strip().partition("=")
+        armed, _, how = entry.strip().partition("@")
+        name, _, count = armed.partition("=")
         if name:
-            points[name] = int(count) if count.isdigit() and int(count) > 0 else 1
+            on_hit = int(count) if count.isdigit() and int(count) > 0 else 1
+            points[name] = (on_hit, _pause if how == "stop" else None)
     return points
 
 
@@ -69,12 +78,11 @@ def fault_point(name: str) -> None:
     """Pass a fault point: does nothing unless ``name`` is armed and its hit count is due."""
     env_points = _from_env() if ENV_VAR in os.environ else {}
     with _lock:
-        armed = _armed.get(name)
-        target = armed[0] if armed else env_points.get(name)
-        if target is None:
+        armed = _armed.get(name) or env_points.get(name)
+        if armed is None:
             return
         _hits[name] = _hits.get(name, 0) + 1
-        if _hits[name] != target:
+        if _hits[name] != armed[0]:
             return
-        action = armed[1] if armed else None
+        action = armed[1]
     (action or _kill)()

@@ -459,3 +459,124 @@ def test_a_changed_definition_rolls_across_nodes_keeping_a_replica_serving(
         assert sum(len(h.engines()) for h in hosts) == 2  # the old engines stopped
     finally:
         stop_all(hosts)
+
+
+CONTROLLER_FAULTS = [
+    "fleet.place:before",
+    "fleet.place:committed",
+    "fleet.stop:before",
+    "fleet.stop:committed",
+]
+
+
+@pytest.mark.parametrize("fault", CONTROLLER_FAULTS)
+def test_a_controller_killed_at_a_fault_point_of_a_placement_job_is_taken_over_and_converges(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror, fault: str
+) -> None:
+    """node-a (no ``role`` label) is the controller and the only host armed: it dies at
+    ``fault`` while carrying out a placement (two starts) or a scale-down (one stop). A
+    serving host takes over under epoch 2 and the fleet ends with exactly the desired
+    placements, each once, and one engine per placement."""
+    url = postgres_server.create_database()
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, labels={"role": "serve"})
+    c = FleetHost("node-c", tmp_path / "node-c", url, mirror.url, labels={"role": "serve"})
+    hosts = [a, b, c]
+    serving = {"required_labels": {"role": "serve"}}
+    try:
+        a.start(fault=fault)
+        poll(
+            lambda: (a.fleet("controller").get("controller") or {}).get("holder") == "node-a",
+            timeout_s=60,
+            what="node-a the controller",
+        )
+        b.start()
+        c.start()
+        poll(lambda: len(a.fleet("nodes").get("nodes", [])) == 3, timeout_s=60, what="3 nodes")
+        # Applied through node-b: node-a may die while it answers.
+        apply(b, {"tiny": {**TINY, "replicas": 2, **serving}})
+        if fault.startswith("fleet.stop"):
+            poll(lambda: ready_nodes(b, "tiny") == ["node-b", "node-c"], timeout_s=60, what="b, c")
+            apply(b, {"tiny": {**TINY, "replicas": 1, **serving}})
+            want = 1
+        else:
+            want = 2
+        assert a.process is not None
+        poll(lambda: a.process.poll() is not None, timeout_s=60, what=f"node-a dead at {fault}")
+        assert a.process.returncode == -signal.SIGKILL
+        poll(
+            lambda: (b.fleet("controller").get("controller") or {}).get("epoch") == 2,
+            timeout_s=30,
+            what="a new controller",
+        )
+        poll(lambda: len(ready_nodes(b, "tiny")) == want, timeout_s=90, what=f"{want} ready")
+        poll(lambda: len(placements(b)) == want, timeout_s=30, what=f"{want} placement(s) left")
+        poll(
+            lambda: sum(len(h.engines()) for h in (b, c)) == want,
+            timeout_s=30,
+            what=f"{want} engine(s)",
+        )
+        rows = placements(c)
+        assert len({p["node"] for p in rows}) == want  # never two on one node
+        placed = [
+            json.loads(body)["epoch"]
+            for (body,) in query(url, "SELECT input_json FROM jobs WHERE kind = 'fleet.place'")
+        ]
+        # Each start was recorded once: by node-a before it died (committed) or by the new
+        # controller; the death before the record left nothing behind.
+        assert sorted(placed) == {
+            "fleet.place:before": [2, 2],
+            "fleet.place:committed": [1, 2],
+        }.get(fault, [1, 1])
+        stops = query(url, "SELECT data_json FROM fleet_events WHERE type = 'stopping'")
+        expected_stops = {"fleet.stop:before": [2], "fleet.stop:committed": [1]}.get(fault, [])
+        assert [json.loads(data)["epoch"] for (data,) in stops] == expected_stops
+        assert a.engines() == []
+    finally:
+        stop_all(hosts)
+
+
+def test_a_controller_paused_at_a_placement_is_deposed_and_its_late_write_refused(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    """node-a stops itself (SIGSTOP) just before recording a placement; the fleet elects
+    node-b or node-c under epoch 2 and places both replicas. SIGCONT: node-a's write under
+    epoch 1 is refused (``controller_deposed``) and nothing is placed twice."""
+    url = postgres_server.create_database()
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, labels={"role": "serve"})
+    c = FleetHost("node-c", tmp_path / "node-c", url, mirror.url, labels={"role": "serve"})
+    hosts = [a, b, c]
+    try:
+        a.start(fault="fleet.place:before@stop")
+        poll(
+            lambda: (a.fleet("controller").get("controller") or {}).get("holder") == "node-a",
+            timeout_s=60,
+            what="node-a the controller",
+        )
+        b.start()
+        c.start()
+        poll(lambda: len(a.fleet("nodes").get("nodes", [])) == 3, timeout_s=60, what="3 nodes")
+        apply(b, {"tiny": {**TINY, "replicas": 2, "required_labels": {"role": "serve"}}})
+        poll(
+            lambda: (b.fleet("controller").get("controller") or {}).get("epoch") == 2,
+            timeout_s=60,
+            what="a new controller while node-a is paused",
+        )
+        poll(lambda: ready_nodes(b, "tiny") == ["node-b", "node-c"], timeout_s=90, what="b, c")
+        assert a.process is not None
+        a.process.send_signal(signal.SIGCONT)
+        poll(lambda: "controller deposed" in a.output, timeout_s=30, what="node-a deposed")
+        assert a.alive()
+        rows = placements(b)
+        assert sorted(p["node"] for p in rows) == ["node-b", "node-c"]
+        assert all(p["epoch"] == 2 for p in rows)
+        epochs = [
+            json.loads(body)["epoch"]
+            for (body,) in query(url, "SELECT input_json FROM jobs WHERE kind = 'fleet.place'")
+        ]
+        assert epochs == [2, 2]
+    finally:
+        if a.process is not None and a.alive():
+            a.process.send_signal(signal.SIGCONT)
+        stop_all(hosts)
