@@ -501,9 +501,8 @@ def test_a_controller_killed_at_a_fault_point_of_a_placement_job_is_taken_over_a
             want = 1
         else:
             want = 2
-        assert a.process is not None
-        poll(lambda: a.process.poll() is not None, timeout_s=60, what=f"node-a dead at {fault}")
-        assert a.process.returncode == -signal.SIGKILL
+        poll(lambda: not a.alive(), timeout_s=60, what=f"node-a dead at {fault}")
+        assert a.stop() == -signal.SIGKILL
         poll(
             lambda: (b.fleet("controller").get("controller") or {}).get("epoch") == 2,
             timeout_s=30,
