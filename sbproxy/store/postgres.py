@@ -59,12 +59,12 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import ClientCursor
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.pq import TransactionStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from sbproxy.errors import SbproxyError
@@ -114,12 +114,15 @@ class PgTarget:
     """Where a PostgreSQL journal is: the libpq connection string and what may be shown.
 
     Attributes:
-        conninfo: The URL as given (libpq reads ``sslmode``, ``service``, ``passfile`` and
-            every other parameter from it). Never logged.
+        conninfo: The URL as given, less ``prepare_threshold`` (libpq reads ``sslmode``,
+            ``service``, ``passfile`` and every other parameter from it). Never logged.
         host: Server host (``localhost`` when libpq's default applies).
         port: Server port.
         dbname: Database name.
         user: Role name, or ``None`` (libpq's default).
+        prepared_statements: Whether the hot statements are prepared on the server
+            (``False`` with ``prepare_threshold=none`` in the URL: behind PgBouncer's
+            transaction pooling, whose server sessions change between transactions).
     """
 
     conninfo: str
@@ -127,10 +130,17 @@ class PgTarget:
     port: int
     dbname: str
     user: str | None
+    prepared_statements: bool = True
 
     @classmethod
     def parse(cls, url: str) -> PgTarget:
-        """Read ``url``; raises ``invalid_config`` naming the problem (never the password)."""
+        """Read ``url``; raises ``invalid_config`` naming the problem (never the password).
+
+        ``prepare_threshold`` (psycopg's name, not libpq's) is taken out of the URL before
+        libpq reads it: ``none`` switches server-side prepared statements off, an integer
+        keeps them on (the hot statements are prepared at their first use either way).
+        """
+        url, prepared = _prepare_threshold(url)
         try:
             params = conninfo_to_dict(url)
         except psycopg.ProgrammingError as exc:
@@ -153,6 +163,7 @@ class PgTarget:
             port=port,
             dbname=dbname,
             user=None if user is None else str(user),
+            prepared_statements=prepared,
         )
 
     @property
@@ -179,6 +190,33 @@ class PgTarget:
         )
 
 
+def _prepare_threshold(url: str) -> tuple[str, bool]:
+    """``url`` without its ``prepare_threshold`` query parameter, and whether server-side
+    prepared statements stay on; raises ``invalid_config`` for a value that is neither
+    ``none`` nor a non-negative integer."""
+    if "://" not in url or "prepare_threshold" not in url:
+        return url, True
+    parts = urlsplit(url)
+    kept: list[tuple[str, str]] = []
+    prepared = True
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name != "prepare_threshold":
+            kept.append((name, value))
+            continue
+        if value.strip().lower() in ("none", "null", "off"):
+            prepared = False
+        elif not value.strip().isdigit():
+            raise SbproxyError(
+                f"the journal URL's prepare_threshold={value!r} is neither 'none' nor a "
+                "non-negative integer",
+                code="invalid_config",
+                retryable=False,
+                remediation="Write prepare_threshold=none to switch server-side prepared "
+                "statements off (PgBouncer's transaction pooling), or leave it out.",
+            )
+    return urlunsplit(parts._replace(query=urlencode(kept))), prepared
+
+
 def _without_secrets(text: str, conninfo: str) -> str:
     """``text`` with any password of ``conninfo`` blanked out."""
     try:
@@ -203,15 +241,26 @@ class PgRow(tuple[Any, ...]):
         return list(self._index)
 
 
+# Column-name indexes of the result shapes met so far, keyed by their raw names: the journal's
+# statements are fixed texts, so there are few. Building them from ``cursor.description``
+# (one ``Column`` object per column, per result) cost more than the rows themselves.
+_indexes: dict[tuple[bytes | None, ...], Mapping[str, int]] = {}
+
+
 def _row_factory(cursor: Any) -> Any:
-    description = cursor.description
-    if description is None:
+    result = cursor.pgresult
+    if result is None or not result.nfields:
         return None
-    index = {column.name: position for position, column in enumerate(description)}
+    names = tuple(result.fname(position) for position in range(result.nfields))
+    index = _indexes.get(names)
+    if index is None:
+        index = {(name or b"").decode(): position for position, name in enumerate(names)}
+        _indexes[names] = index
+    found = index
 
     def make(values: Sequence[Any]) -> PgRow:
         row = PgRow(values)
-        row._index = index
+        row._index = found
         return row
 
     return make
@@ -305,6 +354,8 @@ class PgConnection:
                 connect_timeout=CONNECT_TIMEOUT_S,
                 cursor_factory=ClientCursor,
                 application_name="sbproxy-journal",
+                # None: psycopg prepares nothing, not even what asks (PgBouncer).
+                prepare_threshold=5 if self.target.prepared_statements else None,
             )
         except psycopg.OperationalError as exc:
             raise self.target.unavailable(exc) from None
@@ -391,7 +442,15 @@ class PgConnection:
         held, self._held = self._held, []
         # Run again on a fresh connection only what cannot have committed.
         first = not commit and not self._sent and bool(held) and held[0].startswith("BEGIN")
-        if text in _prepared:
+        prepared = text in _prepared and self.target.prepared_statements
+        if commit and held == ["BEGIN"]:
+            # The whole transaction is this one statement: sent alone, without BEGIN and
+            # COMMIT, the server runs it as its own transaction and commits it (waiting for
+            # the WAL flush as any commit) before it answers -- one message, one round trip.
+            def send(connection: psycopg.Connection[Any]) -> _Cursor:
+                return _run_alone(connection, text, params, prepared=prepared)
+
+        elif prepared:
             tail = ["COMMIT"] if commit else []
 
             def send(connection: psycopg.Connection[Any]) -> _Cursor:
@@ -452,6 +511,7 @@ class PgConnection:
 # Statements that answer nothing and may wait for the next one (``PgConnection``).
 _HELD_BACK = ("SAVEPOINT ", "RELEASE ", "SET LOCAL ")
 _NOTHING = _Cursor(-1, [])
+_TUPLES_OK = ExecStatus.TUPLES_OK
 
 
 def _run(connection: psycopg.Connection[Any], text: str, params: Any, *, skip: int = 0) -> _Cursor:
@@ -462,6 +522,19 @@ def _run(connection: psycopg.Connection[Any], text: str, params: Any, *, skip: i
         while cursor.nextset():
             answers.append(_answer(cursor))
         return answers[-1 - skip]
+
+
+def _run_alone(
+    connection: psycopg.Connection[Any], text: str, params: Any, *, prepared: bool
+) -> _Cursor:
+    """Run ``text`` as a transaction of its own (the connection is in autocommit); its rows.
+    ``prepared``: bound on the server and prepared once per connection."""
+    cursor = (
+        psycopg.Cursor(connection, row_factory=_row_factory) if prepared else connection.cursor()
+    )
+    with cursor:
+        cursor.execute(text, _params(params), prepare=prepared)
+        return _answer(cursor)
 
 
 def _run_prepared(
@@ -485,8 +558,9 @@ def _run_prepared(
 
 
 def _answer(cursor: Any) -> _Cursor:
-    rows = cursor.fetchall() if cursor.description is not None else []
-    return _Cursor(cursor.rowcount, rows)
+    result = cursor.pgresult
+    answered = result is not None and result.status == _TUPLES_OK
+    return _Cursor(cursor.rowcount, cursor.fetchall() if answered else [])
 
 
 def _params(params: Any) -> Any:

@@ -20,6 +20,7 @@ from anyio.abc import TaskGroup
 
 from sbproxy.store import (
     Database,
+    EndedStep,
     JobStore,
     StepRecord,
     StepStatus,
@@ -298,7 +299,7 @@ class SentQueries:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.queries: list[str] = []
-        real, real_prepared = postgres._run, postgres._run_prepared
+        real, real_prepared, real_alone = postgres._run, postgres._run_prepared, postgres._run_alone
 
         def spy(connection: Any, text: str, params: Any, *, skip: int = 0) -> Any:
             self.queries.append(text)
@@ -311,8 +312,14 @@ class SentQueries:
             self.queries.append("; ".join([*held, text, *tail]))
             return real_prepared(connection, held, text, params, tail)
 
+        def spy_alone(connection: Any, text: str, params: Any, *, prepared: bool) -> Any:
+            # A whole transaction in one statement: sent alone, the server commits it.
+            self.queries.append(text)
+            return real_alone(connection, text, params, prepared=prepared)
+
         monkeypatch.setattr(postgres, "_run", spy)
         monkeypatch.setattr(postgres, "_run_prepared", spy_prepared)
+        monkeypatch.setattr(postgres, "_run_alone", spy_alone)
 
     def take(self) -> list[str]:
         taken, self.queries = self.queries, []
@@ -336,13 +343,25 @@ async def test_a_last_statement_travels_with_its_commit_in_one_round_trip(
 ) -> None:
     sent = SentQueries(monkeypatch)
     assert await database.write(last_insert(1)) == 1
+    # The whole transaction is one statement: sent alone, the server commits it itself.
     [query] = sent.take()
-    assert query.startswith("BEGIN; INSERT INTO t")
-    assert "synchronous_commit" not in query
-    assert query.endswith("; COMMIT")
+    assert query == "INSERT INTO t (n, by) VALUES (%s, 'last')"
     assert await rows(database) == [1]
+    sent.take()  # the read's
+    # After something else of the transaction was sent, it travels with the COMMIT.
+
+    def two(tx: Transaction) -> None:
+        tx.execute("INSERT INTO t (n, by) VALUES (2, 'w')")
+        tx.last("INSERT INTO t (n, by) VALUES (3, 'last')")
+
+    await database.write(two)
+    first, last = sent.take()
+    assert first.startswith("BEGIN; INSERT INTO t")
+    assert last.startswith("INSERT INTO t") and last.endswith("; COMMIT")
+    assert not any("synchronous_commit" in query for query in (first, last))
+    assert await rows(database) == [1, 2, 3]
     # A write in which nothing reached the server sends nothing at all.
-    sent.take()
+    sent.take()  # the read's
 
     def nothing(tx: Transaction) -> str:
         return "nothing"
@@ -382,9 +401,9 @@ async def test_a_step_start_and_end_are_one_round_trip_each_and_both_wait_for_th
         job.id, owner="w", attempt=attempt, seq=0, name="s", output_json="1"
     )
     [end] = sent.take()
-    assert start.startswith("BEGIN; WITH started AS (INSERT INTO steps")
-    assert start.endswith("; COMMIT")
-    assert end.startswith("BEGIN; WITH ended AS (UPDATE steps") and end.endswith("; COMMIT")
+    # Each is its own transaction: one statement, sent alone, committed by the server.
+    assert start.startswith("WITH started AS (INSERT INTO steps") and "COMMIT" not in start
+    assert end.startswith("WITH ended AS (UPDATE steps") and "COMMIT" not in end
     # Neither commit gives up waiting for the WAL flush: a start a reader saw survives.
     assert not any("synchronous_commit" in query for query in (start, end))
     # What they wrote: the step, its two events, and the start's answer.
@@ -393,3 +412,36 @@ async def test_a_step_start_and_end_are_one_round_trip_each_and_both_wait_for_th
     assert (step.status, step.output_json) == (StepStatus.SUCCEEDED, "1")
     events = [event.data for event in await store.events(job.id) if event.type == "step"]
     assert [data["status"] for data in events] == ["running", "succeeded"]
+
+
+@on_postgresql
+async def test_a_step_end_and_the_next_start_are_one_round_trip(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JobStore(database)
+    job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
+    claimed = await store.claim(owner="w", lease_ms=60_000)
+    assert claimed is not None
+    attempt = claimed.attempt
+    assert isinstance(
+        await store.begin_step(job.id, owner="w", attempt=attempt, seq=0, name="a"), StepRecord
+    )
+    sent = SentQueries(monkeypatch)
+    ending = EndedStep(seq=0, name="a", output_json="1")
+    started = await store.begin_step(
+        job.id, owner="w", attempt=attempt, seq=1, name="b", ending=ending
+    )
+    # One statement, sent alone: the end of step a, the start of step b, their events.
+    [query] = sent.take()
+    assert query.startswith("WITH ended AS (UPDATE steps") and "started AS (" in query
+    assert "COMMIT" not in query and "synchronous_commit" not in query
+    assert isinstance(started, StepRecord) and (started.seq, started.name) == (1, "b")
+    steps = [(step.seq, step.status, step.output_json) for step in await store.steps(job.id)]
+    assert steps == [(0, StepStatus.SUCCEEDED, "1"), (1, StepStatus.RUNNING, None)]
+    # The end's event comes before the start's: a reader never sees b start before a ended.
+    events = [event.data for event in await store.events(job.id) if event.type == "step"]
+    assert [(data["seq"], data["status"]) for data in events] == [
+        (0, "running"),
+        (0, "succeeded"),
+        (1, "running"),
+    ]
