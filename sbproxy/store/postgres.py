@@ -167,6 +167,12 @@ class PgTarget:
         )
 
     @property
+    def prepare_threshold(self) -> int | None:
+        """psycopg's ``prepare_threshold`` for connections to this server: its default (5),
+        or ``None`` (prepare nothing) when prepared statements are off."""
+        return 5 if self.prepared_statements else None
+
+    @property
     def address(self) -> str:
         """``host:port`` (what errors name)."""
         return f"{self.host}:{self.port}"
@@ -355,7 +361,7 @@ class PgConnection:
                 cursor_factory=ClientCursor,
                 application_name="sbproxy-journal",
                 # None: psycopg prepares nothing, not even what asks (PgBouncer).
-                prepare_threshold=5 if self.target.prepared_statements else None,
+                prepare_threshold=self.target.prepare_threshold,
             )
         except psycopg.OperationalError as exc:
             raise self.target.unavailable(exc) from None

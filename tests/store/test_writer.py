@@ -18,9 +18,11 @@ import anyio.lowlevel
 import pytest
 from anyio.abc import TaskGroup
 
+from sbproxy.errors import SbproxyError
 from sbproxy.store import (
     Database,
     EndedStep,
+    JobStatus,
     JobStore,
     StepRecord,
     StepStatus,
@@ -28,6 +30,7 @@ from sbproxy.store import (
     Transaction,
     postgres,
 )
+from tests.support.postgres import PostgresServer
 
 pytestmark = pytest.mark.anyio
 
@@ -445,3 +448,65 @@ async def test_a_step_end_and_the_next_start_are_one_round_trip(
         (0, "succeeded"),
         (1, "running"),
     ]
+
+
+async def test_prepare_threshold_is_read_from_the_url_and_kept_from_libpq() -> None:
+    off = postgres.PgTarget.parse(
+        "postgresql://u@db:6432/jobs?sslmode=disable&prepare_threshold=none"
+    )
+    assert off.prepared_statements is False
+    assert off.conninfo == "postgresql://u@db:6432/jobs?sslmode=disable"  # libpq never sees it
+    assert (off.address, off.dbname) == ("db:6432", "jobs")
+    kept = postgres.PgTarget.parse("postgresql://u@db/jobs?prepare_threshold=5")
+    assert kept.prepared_statements is True and kept.conninfo == "postgresql://u@db/jobs"
+    assert postgres.PgTarget.parse("postgresql://u@db/jobs").prepared_statements is True
+    with pytest.raises(SbproxyError) as bad:
+        postgres.PgTarget.parse("postgresql://u:secret@db/jobs?prepare_threshold=often")
+    assert bad.value.code == "invalid_config"
+    assert "prepare_threshold='often'" in str(bad.value) and "secret" not in str(bad.value)
+
+
+async def prepared_on_the_writer(location: str) -> int:
+    """Run a job's hot statements on a fresh journal at ``location``; how many statements
+    the writer's server session holds prepared afterwards."""
+    database = await Database.open(location)
+    try:
+        store = JobStore(database)
+        job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
+        claimed = await store.claim(owner="w", lease_ms=60_000, job_id=job.id)
+        assert claimed is not None
+        attempt = claimed.attempt
+        assert isinstance(
+            await store.begin_step(job.id, owner="w", attempt=attempt, seq=0, name="a"), StepRecord
+        )
+        ending = EndedStep(seq=0, name="a", output_json="1")
+        step = await store.begin_step(
+            job.id, owner="w", attempt=attempt, seq=1, name="b", ending=ending
+        )
+        assert isinstance(step, StepRecord)
+        assert await store.end_step(
+            job.id, owner="w", attempt=attempt, seq=1, name="b", output_json="2"
+        )
+        done = await store.finish(
+            job.id, owner="w", attempt=attempt, status=JobStatus.SUCCEEDED, keep_finished=4
+        )
+        assert done is not None and done.status == JobStatus.SUCCEEDED
+        assert [s.output_json for s in await store.steps(job.id)] == ["1", "2"]
+        return int(
+            await database.write(
+                lambda tx: tx.scalar("SELECT count(*) FROM pg_prepared_statements")
+            )
+        )
+    finally:
+        await database.close()
+
+
+async def test_prepare_threshold_none_prepares_nothing_on_the_server(
+    postgres_server: PostgresServer,
+) -> None:
+    # PgBouncer's transaction pooling hands each transaction a server session of its own
+    # choosing: a statement prepared on one is unknown on the next. With
+    # prepare_threshold=none the journal prepares nothing and works the same.
+    assert await prepared_on_the_writer(postgres_server.create_database()) > 0
+    url = postgres_server.create_database() + "?prepare_threshold=none"
+    assert await prepared_on_the_writer(url) == 0
