@@ -42,7 +42,7 @@ from sbproxy.store.lifecycle import (
 )
 from sbproxy.store.node import node_id
 from sbproxy.store.outcomes import JobOutcomes, WriteTallies
-from sbproxy.store.postgres import prepare_on_server
+from sbproxy.store.postgres import DB_CLOCK, LEASE_LOCK_KEY, DatabaseLeaseTime, prepare_on_server
 from sbproxy.store.records import (
     EndedStep,
     ErrorInfo,
@@ -412,6 +412,16 @@ class JobStore:
             target = job_id if job_id is not None else tx.scalar(pick, kind_params)
             if target is None:
                 return None
+            if tx.dialect == "postgresql" and isinstance(self.lease_clock, DatabaseLeaseTime):
+                return _claim_on_server_clock(
+                    tx,
+                    self.lease_clock,
+                    owner=owner,
+                    lease_ms=lease_ms,
+                    now=now,
+                    target=target,
+                    node=self.node,
+                )
             # Read inside the write lock: every lease stamped before is already committed, so
             # no observer ever sees a renewal later than its own reading of the clock.
             lease_now = self.lease_clock()
@@ -998,6 +1008,24 @@ _CLAIM_PG = (
     " SELECT id, :now, 'status', :event FROM claimed)"
     " SELECT * FROM claimed"
 )
+# PostgreSQL, on the server's clock (``DatabaseLeaseTime``): the lease lock, the clock read
+# under it and the claim in one statement (one round trip). ``locked`` is taken before
+# ``clock`` reads (``clock`` reads from it), and held to the commit, as a separate
+# ``database_ms()`` would hold it.
+_CLAIM_ON_SERVER_CLOCK_PG = (
+    "WITH locked AS MATERIALIZED (SELECT pg_advisory_xact_lock(:lock) AS held),"  # noqa: S608 - fixed text
+    " clock AS MATERIALIZED (SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+    " AS ms FROM locked),"
+    " claimed AS (UPDATE jobs SET status = 'running', lease_owner = :owner,"
+    " lease_clock = :clock, lease_deadline_ms = (SELECT ms FROM clock) + :lease_ms,"
+    " lease_ms = :lease_ms, lease_expires_at_ms = NULL, attempt = attempt + 1,"
+    " started_at_ms = COALESCE(started_at_ms, :now), updated_at_ms = :now"
+    f" WHERE id = :id AND status = 'queued' AND {_THIS_NODE} RETURNING *),"
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT id, :now, 'status', :event FROM claimed)"
+    " SELECT claimed.*, (SELECT ms FROM clock) AS lease_now_ms"
+    " FROM (SELECT 1) AS one LEFT JOIN claimed ON TRUE"
+)
 _HEARTBEAT = (
     f"UPDATE jobs SET {_SET_LEASE}, updated_at_ms = :now"  # noqa: S608 - fixed text
     f" WHERE id = :id AND {_FENCE}"
@@ -1136,6 +1164,7 @@ prepare_on_server(
     _FINISH_AND_PRUNE_PG,
     _SUBMIT_PG,
     _CLAIM_PG,
+    _CLAIM_ON_SERVER_CLOCK_PG,
     _FINISH_PG,
     _TERMINAL_BEYOND,
     _HEARTBEAT,
@@ -1144,6 +1173,33 @@ prepare_on_server(
     _JOB_BY_ID,
     _STEPS_OF_JOB,
 )
+
+
+def _claim_on_server_clock(
+    tx: Transaction,
+    clock: DatabaseLeaseTime,
+    *,
+    owner: str,
+    lease_ms: int,
+    now: int,
+    target: str,
+    node: str,
+) -> JobRecord | None:
+    """:meth:`JobStore.claim` of ``target`` on PostgreSQL with the server's lease clock: one
+    statement, sent with the COMMIT; the clock it read is remembered (``clock.observe``)."""
+    params = {
+        "lock": LEASE_LOCK_KEY,
+        "owner": owner,
+        "clock": DB_CLOCK,
+        "lease_ms": lease_ms,
+        "now": now,
+        "id": target,
+        "node": node,
+        "event": _RUNNING_EVENT,
+    }
+    [answer] = tx.last(_CLAIM_ON_SERVER_CLOCK_PG, params)
+    clock.observe(int(answer["lease_now_ms"]))
+    return None if answer["id"] is None else _job(answer)
 
 
 def _begin_step_pg(

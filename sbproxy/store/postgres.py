@@ -22,17 +22,22 @@ Choices (the issue's note):
   WHERE``, which PostgreSQL re-checks on the newest row version after a lock wait); readers
   run ``REPEATABLE READ READ ONLY``, one snapshot per read as on SQLite.
 * **Round trips, not fsyncs, are what a step costs here** (``benchmarks/journal.py``: a
-  step was two transactions of four and five round trips each). Statements that answer
-  nothing are held and sent with the next one (:class:`PgConnection`); the hot writes -- a
-  step's start and end, a submit, a claim -- are one statement each on PostgreSQL (data-
-  modifying ``WITH`` clauses, ``jobs.py``), sent together with their ``COMMIT``
-  (``Transaction.last``): one round trip per transaction when it has the writer to itself.
+  step was once two transactions of four and five round trips each). Statements that
+  answer nothing are held and sent with the next one (:class:`PgConnection`); the hot
+  writes -- a step's end together with the next step's start, a submit, a claim with its
+  lease-clock read, a finish with its pruning -- are one statement each on PostgreSQL
+  (data-modifying ``WITH`` clauses, ``jobs.py``). A transaction that is that one statement
+  (``Transaction.last`` with nothing sent before) goes alone, without ``BEGIN`` and
+  ``COMMIT``: the server runs it as its own transaction and answers after its commit --
+  one message, one round trip; one sent after others travels with the ``COMMIT``.
 * **Prepared statements for the hot path.** Planning the journal's statements on the server
   cost more than the commit itself here (``EXPLAIN``: 0.1-0.5 ms each, against a 0.2 ms
   one-row commit), so the statements every step and job run (:func:`prepare_on_server`,
   from ``jobs.py``) are bound on the server and prepared once per connection, and sent
   with the held statements (and the ``COMMIT``) in one pipeline: still one round trip,
-  without the planning. Everything else keeps the client-side binding.
+  without the planning. Everything else keeps the client-side binding. Behind PgBouncer's
+  transaction pooling, ``prepare_threshold=none`` in the URL prepares nothing
+  (:attr:`PgTarget.prepared_statements`).
 * **Every commit waits for the WAL flush** (the server's ``synchronous_commit``, on by
   default), a step's start included: a start committed without it could be lost in a crash
   of the server after a reader had seen its ``step`` event, and its ``seq`` handed out again
@@ -589,10 +594,15 @@ class DatabaseLeaseTime:
     def _local_ms() -> int:
         return time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1_000_000
 
+    def observe(self, now_ms: int) -> None:
+        """Remember ``now_ms``, the server's clock just read by a statement of the journal's
+        own (a claim reads it in the statement that stamps the lease)."""
+        self._offset_ms = now_ms - self._local_ms()
+
     def __call__(self) -> LeaseTime:
         connection: PgConnection | None = getattr(_local, "connection", None)
         if connection is not None and connection.in_transaction:
             now = connection.database_ms()
-            self._offset_ms = now - self._local_ms()
+            self.observe(now)
             return LeaseTime(clock=DB_CLOCK, ms=now)
         return LeaseTime(clock=DB_CLOCK, ms=self._local_ms() + self._offset_ms)

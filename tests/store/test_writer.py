@@ -510,3 +510,40 @@ async def test_prepare_threshold_none_prepares_nothing_on_the_server(
     assert await prepared_on_the_writer(postgres_server.create_database()) > 0
     url = postgres_server.create_database() + "?prepare_threshold=none"
     assert await prepared_on_the_writer(url) == 0
+
+
+@on_postgresql
+async def test_a_claim_reads_the_servers_clock_under_the_lease_lock_in_one_round_trip(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JobStore(database)
+    job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
+
+    def server_ms(tx: Transaction) -> int:
+        return int(tx.scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"))
+
+    before = await database.write(server_ms)
+    sent = SentQueries(monkeypatch)
+    claimed = await store.claim(owner="w", lease_ms=60_000, job_id=job.id)
+    [query] = sent.take()
+    after = await database.write(server_ms)
+    # The lock, the clock read under it, the claim and its event: one statement, alone.
+    assert query.startswith("WITH locked AS MATERIALIZED (SELECT pg_advisory_xact_lock(")
+    assert "UPDATE jobs SET status = 'running'" in query and "COMMIT" not in query
+    assert claimed is not None and claimed.attempt == 1
+    [(clock, deadline, lease_ms)] = await database.read(
+        lambda tx: [
+            tuple(row)
+            for row in tx.all(
+                "SELECT lease_clock, lease_deadline_ms, lease_ms FROM jobs WHERE id = :id",
+                {"id": job.id},
+            )
+        ]
+    )
+    # Stamped on the server's clock, never this host's.
+    assert (clock, lease_ms) == ("postgresql", 60_000)
+    assert before + 60_000 <= deadline <= after + 60_000
+    # The host's view of the server's clock follows what the claim read.
+    assert before <= store.lease_clock().ms <= after + 1_000
+    # Claimed already: a second claim changes nothing.
+    assert await store.claim(owner="x", lease_ms=60_000, job_id=job.id) is None
