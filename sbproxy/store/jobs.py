@@ -256,8 +256,8 @@ class JobStore:
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job with ``job_id``, or ``None``."""
-        row = await self.database.read(lambda tx: tx.one(_JOB_BY_ID, {"id": job_id}))
-        return _job(row) if row else None
+        rows = await self.database.read(lambda tx: tx.last(_JOB_BY_ID, {"id": job_id}))
+        return _job(rows[0]) if rows else None
 
     async def find_active(self, idempotency_key: str) -> JobRecord | None:
         """This node's unfinished (queued, running or parked) job holding ``idempotency_key``
@@ -288,7 +288,7 @@ class JobStore:
 
     async def steps(self, job_id: str) -> list[StepRecord]:
         """The journal of ``job_id`` in step order."""
-        rows = await self.database.read(lambda tx: tx.all(_STEPS_OF_JOB, {"id": job_id}))
+        rows = await self.database.read(lambda tx: tx.last(_STEPS_OF_JOB, {"id": job_id}))
         return [_step(row) for row in rows]
 
     async def events(
@@ -296,7 +296,7 @@ class JobStore:
     ) -> list[EventRecord]:
         """Events of ``job_id`` with ``seq > after_seq``, oldest first."""
         params = {"id": job_id, "after": after_seq, "limit": limit}
-        rows = await self.database.read(lambda tx: tx.all(_EVENTS_AFTER, params))
+        rows = await self.database.read(lambda tx: tx.last(_EVENTS_AFTER, params))
         return [
             EventRecord(
                 seq=row["seq"],

@@ -451,13 +451,19 @@ class PgConnection:
         """Send ``text`` with the statements held back before it (and ``COMMIT`` after it
         when ``commit``); ``text``'s rows."""
         held, self._held = self._held, []
-        # Run again on a fresh connection only what cannot have committed.
-        first = not commit and not self._sent and bool(held) and held[0].startswith("BEGIN")
+        # Run again on a fresh connection only what cannot have committed (or only reads).
+        first = (
+            (not commit or self.read_only)
+            and not self._sent
+            and bool(held)
+            and held[0].startswith("BEGIN")
+        )
         prepared = text in _prepared and self.target.prepared_statements
-        if commit and held == ["BEGIN"]:
+        if commit and self._alone(held, text):
             # The whole transaction is this one statement: sent alone, without BEGIN and
             # COMMIT, the server runs it as its own transaction and commits it (waiting for
             # the WAL flush as any commit) before it answers -- one message, one round trip.
+            # A reader's one SELECT sees one snapshot either way.
             def send(connection: psycopg.Connection[Any]) -> _Cursor:
                 return _run_alone(connection, text, params, prepared=prepared)
 
@@ -483,7 +489,8 @@ class PgConnection:
             except psycopg.OperationalError:
                 # A connection the server dropped while idle says so only when used. When
                 # this query opens the transaction, nothing of it took effect (no COMMIT in
-                # it, and a lost connection rolls back), so it runs again on a fresh one.
+                # it, and a lost connection rolls back) or it only read, so it runs again
+                # on a fresh one.
                 if not first or not connection.broken:
                     raise
                 connection = self._live()
@@ -495,6 +502,13 @@ class PgConnection:
                 raise self.target.unavailable(exc) from exc
             raise
         return result
+
+    def _alone(self, held: Sequence[str], text: str) -> bool:
+        """Whether ``text``, with ``held`` before it, is a whole transaction that may run
+        alone: nothing but the ``BEGIN`` came before, and on a reader it only reads."""
+        if len(held) != 1 or not held[0].startswith("BEGIN"):
+            return False
+        return not self.read_only or text.lstrip()[:7].upper() in ("SELECT ", "SELECT\n")
 
     def executemany(self, sql: str, rows: Iterable[Any]) -> _Cursor:
         """Run one statement once per parameter set."""

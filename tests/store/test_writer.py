@@ -547,3 +547,24 @@ async def test_a_claim_reads_the_servers_clock_under_the_lease_lock_in_one_round
     assert before <= store.lease_clock().ms <= after + 1_000
     # Claimed already: a second claim changes nothing.
     assert await store.claim(owner="x", lease_ms=60_000, job_id=job.id) is None
+
+
+@on_postgresql
+async def test_a_read_of_one_select_is_one_round_trip(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JobStore(database)
+    job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
+    sent = SentQueries(monkeypatch)
+    assert (await store.get(job.id)) == job
+    assert await store.steps(job.id) == []
+    # Each is one SELECT, its snapshot its own: no BEGIN before it, no ROLLBACK after.
+    assert sent.take() == [
+        "SELECT * FROM jobs WHERE id = %(id)s",
+        "SELECT * FROM steps WHERE job_id = %(id)s ORDER BY seq",
+    ]
+    # A read that does not say its statement is its last keeps its snapshot transaction.
+    assert await store.last_event_seq(job.id) > 0
+    opened, ended = sent.take()
+    assert opened.startswith("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT")
+    assert ended == "ROLLBACK"
