@@ -13,7 +13,11 @@ returns, the job's start and outcome recorded:
   synchronously) on a SQLite system database, when the ``dbos`` package is installed (the
   ``dev`` extra); skipped, and said so, when it is not. ``--dbos-journal default`` leaves
   DBOS's own SQLite setup (rollback journal, SQLite's default ``synchronous=FULL``);
-  ``wal`` switches its file to WAL first, the journal mode sbproxy uses.
+  ``wal`` switches its file to WAL first, the journal mode sbproxy uses;
+* with ``--postgres``: ``sbproxy_postgresql`` (the engine on a PostgreSQL journal) and
+  ``dbos_postgresql`` (DBOS's production configuration) on the same server, beside the
+  SQLite contenders. DBOS is a process-wide singleton, so each DBOS contender runs in a
+  process of its own (the parent waits meanwhile; the timings are taken in the workflow).
 
 The contenders run interleaved in one process: ``--rounds`` rounds, each running
 ``jobs / rounds`` jobs of every contender, in an order that rotates from round to round, so
@@ -286,6 +290,72 @@ class Dbos(Contender):
                 "setup": self.journal,
             },
         }
+
+
+def _dbos_child(
+    connection: Any, journal: str, steps: int, directory: str, postgres_url: str | None
+) -> None:
+    """A process of its own for one :class:`Dbos` contender (DBOS is one per process): runs
+    the jobs it is told (``(jobs, measured)``) until told ``None``, then sends back its
+    timings and description."""
+
+    async def serve() -> None:
+        contender = Dbos(journal, steps=steps, directory=Path(directory), postgres_url=postgres_url)
+        await contender.open()
+        try:
+            connection.send("open")
+            while (command := connection.recv()) is not None:
+                jobs, measured = command
+                await contender.run(jobs, measured=measured)
+                connection.send("ran")
+            description = contender.describe()
+        finally:
+            await contender.close()
+        connection.send((contender.step_times, contender.job_times, contender.wall_s, description))
+
+    anyio.run(serve)
+
+
+class DbosProcess(Contender):
+    """A :class:`Dbos` contender run in a process of its own, so that DBOS on SQLite and
+    DBOS on PostgreSQL take part in one run side by side (DBOS is a process-wide singleton).
+    The parent waits while it runs: the timings are its own, taken inside its workflow."""
+
+    def __init__(
+        self, journal: str, *, steps: int, directory: Path, postgres_url: str | None = None
+    ) -> None:
+        super().__init__(steps=steps, directory=directory)
+        self.name = "dbos" if postgres_url is None else "dbos_postgresql"
+        self.args = (journal, steps, str(directory), postgres_url)
+        self.description: dict[str, Any] = {"contender": self.name}
+        self.process: Any = None
+        self.connection: Any = None
+
+    async def open(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_dbos_child, args=(child, *self.args))
+        self.process.start()
+        child.close()
+        assert self.connection.recv() == "open"
+
+    async def run(self, jobs: int, *, measured: bool) -> None:
+        self.connection.send((jobs, measured))
+        assert self.connection.recv() == "ran"
+
+    async def close(self) -> None:
+        if self.process is None:
+            return
+        try:
+            self.connection.send(None)
+            step_times, job_times, wall_s, self.description = self.connection.recv()
+            self.step_times, self.job_times, self.wall_s = step_times, job_times, wall_s
+        finally:
+            self.process.join(timeout=60)
+            self.process = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.description, "process": "its own (DBOS is one per process)"}
 
 
 def _journal_mode(path: Path) -> str | None:
@@ -580,6 +650,34 @@ def _postgres_summary(reports: dict[str, Any], floors: list[Any]) -> dict[str, A
     }
 
 
+def _contenders(
+    args: argparse.Namespace, root: Path, postgres: PostgresDatabases | None, *, with_dbos: bool
+) -> list[Contender]:
+    """Every contender of this run, each on a fresh journal under ``root``."""
+    contenders: list[Contender] = []
+    for mode in ("FULL", "NORMAL"):
+        (root / mode.lower()).mkdir()
+        contenders.append(Sbproxy(mode, steps=args.steps, directory=root / mode.lower()))
+    if postgres is not None:
+        contenders.append(SbproxyPostgres(postgres.create(), steps=args.steps, directory=root))
+    if with_dbos:
+        # Each DBOS in a process of its own: on SQLite always, and with --postgres on
+        # PostgreSQL too (its production configuration), side by side in one run.
+        (root / "dbos").mkdir()
+        contenders.append(DbosProcess(args.dbos_journal, steps=args.steps, directory=root / "dbos"))
+        if postgres is not None:
+            (root / "dbos-pg").mkdir()
+            contenders.append(
+                DbosProcess(
+                    args.dbos_journal,
+                    steps=args.steps,
+                    directory=root / "dbos-pg",
+                    postgres_url=postgres.create(),
+                )
+            )
+    return contenders
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--jobs", type=int, default=40, help="measured jobs per contender")
@@ -603,8 +701,8 @@ def main() -> None:
         "--postgres",
         default=None,
         help="add the PostgreSQL contenders: 'auto' starts a throw-away server from Debian's "
-        "binaries, or a URL whose role may CREATE DATABASE; DBOS then runs on PostgreSQL, its "
-        "production configuration (one DBOS per process: its SQLite run is left out)",
+        "binaries, or a URL whose role may CREATE DATABASE; DBOS then runs on PostgreSQL too, "
+        "its production configuration, beside DBOS on SQLite (each in a process of its own)",
     )
     parser.add_argument(
         "--claim-jobs",
@@ -625,22 +723,7 @@ def main() -> None:
     postgres = PostgresDatabases(args.postgres) if args.postgres else None
     with tempfile.TemporaryDirectory(prefix="journal-bench-", dir=args.dir) as tmp:
         root = Path(tmp)
-        contenders: list[Contender] = []
-        for mode in ("FULL", "NORMAL"):
-            (root / mode.lower()).mkdir()
-            contenders.append(Sbproxy(mode, steps=args.steps, directory=root / mode.lower()))
-        if postgres is not None:
-            contenders.append(SbproxyPostgres(postgres.create(), steps=args.steps, directory=root))
-        if dbos_skipped is None:
-            (root / "dbos").mkdir()
-            contenders.append(
-                Dbos(
-                    args.dbos_journal,
-                    steps=args.steps,
-                    directory=root / "dbos",
-                    postgres_url=postgres.create() if postgres is not None else None,
-                )
-            )
+        contenders = _contenders(args, root, postgres, with_dbos=dbos_skipped is None)
         floors: list[Any] = [RawCommits(mode, directory=root) for mode in ("FULL", "NORMAL")]
         if postgres is not None:
             floors.append(RawPgCommits(postgres.create()))

@@ -781,7 +781,8 @@ class JournalConfig(ConfigModel):
         description="PostgreSQL URL of the shared job journal, "
         "postgresql://user@host:port/dbname (libpq parameters such as sslmode, service, "
         "passfile apply). The password comes from ${ENV} interpolation or a pgpass/service "
-        "file. Absent: the SQLite journal in the cache directory.",
+        "file. Behind PgBouncer's transaction pooling add prepare_threshold=none (no "
+        "server-side prepared statements). Absent: the SQLite journal in the cache directory.",
     )
 
     @field_validator("url")

@@ -148,9 +148,11 @@ class Transaction:
         """Run the request's last statement and return its rows (as :meth:`all`).
 
         On PostgreSQL, when the request has the transaction to itself, the statement goes in
-        one query with the ``COMMIT`` -- one round trip for the whole transaction -- so the
-        request must run nothing after it (the writer's own ``COMMIT`` then has nothing
-        left to do). Elsewhere it is :meth:`all`.
+        one query with the ``COMMIT`` -- one round trip for the whole transaction; alone
+        when it is the transaction's first (a write the server commits itself, a read one
+        ``SELECT`` whose snapshot is its own) -- so the request must run nothing after it
+        (the thread's own ``COMMIT`` or ``ROLLBACK`` then has nothing left to do).
+        Elsewhere it is :meth:`all`.
         """
         commit_with = getattr(self._connection, "execute_and_commit", None)
         if not self.alone or commit_with is None:
@@ -318,6 +320,9 @@ class ReaderThread(ConnectionThread):
 
     def _serve(self, connection: DriverConnection) -> None:
         transaction = Transaction(connection, self._hooks)
+        # Each read has its snapshot to itself: a read of one statement (``last``) needs no
+        # transaction around it on PostgreSQL (one round trip, no ROLLBACK after).
+        transaction.alone = True
         while True:
             request = self._queue.get()
             if request.work is None:

@@ -253,6 +253,7 @@ class FleetStore:
                 self.target.conninfo,
                 connect_timeout=CONNECT_TIMEOUT_S,
                 options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+                prepare_threshold=self.target.prepare_threshold,
             )
         except psycopg.OperationalError as exc:
             raise self.target.unavailable(exc) from None

@@ -42,7 +42,7 @@ from sbproxy.store.lifecycle import (
 )
 from sbproxy.store.node import node_id
 from sbproxy.store.outcomes import JobOutcomes, WriteTallies
-from sbproxy.store.postgres import prepare_on_server
+from sbproxy.store.postgres import DB_CLOCK, LEASE_LOCK_KEY, DatabaseLeaseTime, prepare_on_server
 from sbproxy.store.records import (
     EndedStep,
     ErrorInfo,
@@ -256,8 +256,8 @@ class JobStore:
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job with ``job_id``, or ``None``."""
-        row = await self.database.read(lambda tx: tx.one(_JOB_BY_ID, {"id": job_id}))
-        return _job(row) if row else None
+        rows = await self.database.read(lambda tx: tx.last(_JOB_BY_ID, {"id": job_id}))
+        return _job(rows[0]) if rows else None
 
     async def find_active(self, idempotency_key: str) -> JobRecord | None:
         """This node's unfinished (queued, running or parked) job holding ``idempotency_key``
@@ -288,7 +288,7 @@ class JobStore:
 
     async def steps(self, job_id: str) -> list[StepRecord]:
         """The journal of ``job_id`` in step order."""
-        rows = await self.database.read(lambda tx: tx.all(_STEPS_OF_JOB, {"id": job_id}))
+        rows = await self.database.read(lambda tx: tx.last(_STEPS_OF_JOB, {"id": job_id}))
         return [_step(row) for row in rows]
 
     async def events(
@@ -296,7 +296,7 @@ class JobStore:
     ) -> list[EventRecord]:
         """Events of ``job_id`` with ``seq > after_seq``, oldest first."""
         params = {"id": job_id, "after": after_seq, "limit": limit}
-        rows = await self.database.read(lambda tx: tx.all(_EVENTS_AFTER, params))
+        rows = await self.database.read(lambda tx: tx.last(_EVENTS_AFTER, params))
         return [
             EventRecord(
                 seq=row["seq"],
@@ -412,6 +412,16 @@ class JobStore:
             target = job_id if job_id is not None else tx.scalar(pick, kind_params)
             if target is None:
                 return None
+            if tx.dialect == "postgresql" and isinstance(self.lease_clock, DatabaseLeaseTime):
+                return _claim_on_server_clock(
+                    tx,
+                    self.lease_clock,
+                    owner=owner,
+                    lease_ms=lease_ms,
+                    now=now,
+                    target=target,
+                    node=self.node,
+                )
             # Read inside the write lock: every lease stamped before is already committed, so
             # no observer ever sees a renewal later than its own reading of the clock.
             lease_now = self.lease_clock()
@@ -646,8 +656,14 @@ class JobStore:
                 "attempt": attempt,
             }
             if tx.dialect == "postgresql":
-                # The outcome and its event in one statement.
-                row = tx.one(_FINISH_PG, {**params, "event": _event_json(data)})
+                # The outcome, its event (and the pruning) in one statement, one round trip.
+                params["event"] = _event_json(data)
+                if not prune or keep_finished:
+                    statement = _FINISH_AND_PRUNE_PG if prune else _FINISH_PG
+                    params["keep_others"] = int(keep_finished or 1) - 1
+                    rows = tx.last(statement, params)
+                    return (rows[0], now) if rows else None
+                row = tx.one(_FINISH_PG, params)
                 if row is None:
                     return None
             else:
@@ -833,8 +849,6 @@ class JobStore:
 
         def work(tx: Transaction) -> StepRecord | StepRefusal:
             now = self.clock()
-            if ended is not None and not ended.write(tx, now, last=False):
-                return StepRefusal.LEASE_LOST
             params = {
                 "id": job_id,
                 "seq": seq,
@@ -844,11 +858,9 @@ class JobStore:
                 "attempt": attempt,
             }
             if tx.dialect == "postgresql":
-                # One statement, one round trip: the start, its event and the fence's answer.
-                answer = tx.last(_BEGIN_STEP_PG, {**params, "event": event})[0]
-                if answer["job_id"] is None:
-                    return StepRefusal.CANCELLED if answer["held"] else StepRefusal.LEASE_LOST
-                return _step(answer)
+                return _begin_step_pg(tx, {**params, "event": event}, ended)
+            if ended is not None and not ended.write(tx, now, last=False):
+                return StepRefusal.LEASE_LOST
             row = tx.one(_BEGIN_STEP, params)
             if row is None:
                 held = tx.scalar(_HELD, params)
@@ -923,6 +935,17 @@ class _Ending:
             "attempt": attempt,
         }
 
+    def pg_params(self, now: int) -> dict[str, Any]:
+        """The parameters of the end's clauses on PostgreSQL (``_ENDED_PG``)."""
+        params = {key: value for key, value in self.params.items() if key != "seq"}
+        return {
+            **params,
+            "now": now,
+            "end_seq": self.params["seq"],
+            "end_event": self.event,
+            "reset": params["status"] == StepStatus.SUCCEEDED.value,
+        }
+
     @classmethod
     def success(cls, job_id: str, owner: str, attempt: int, ended: EndedStep) -> _Ending:
         return cls(job_id, owner, attempt, ended.seq, ended.name, ended.output_json, None)
@@ -935,8 +958,7 @@ class _Ending:
         if tx.dialect == "postgresql":
             # One statement: the outcome, the recovery reset and the event.
             run = tx.last if last else tx.all
-            rows = run(_END_STEP_PG, {**params, "event": self.event, "reset": succeeded})
-            return bool(rows[0][0])
+            return bool(run(_END_STEP_PG, self.pg_params(now))[0][0])
         if tx.execute(_END_STEP, params).rowcount != 1:
             return False
         if succeeded:
@@ -986,6 +1008,24 @@ _CLAIM_PG = (
     " SELECT id, :now, 'status', :event FROM claimed)"
     " SELECT * FROM claimed"
 )
+# PostgreSQL, on the server's clock (``DatabaseLeaseTime``): the lease lock, the clock read
+# under it and the claim in one statement (one round trip). ``locked`` is taken before
+# ``clock`` reads (``clock`` reads from it), and held to the commit, as a separate
+# ``database_ms()`` would hold it.
+_CLAIM_ON_SERVER_CLOCK_PG = (
+    "WITH locked AS MATERIALIZED (SELECT pg_advisory_xact_lock(:lock) AS held),"  # noqa: S608 - fixed text
+    " clock AS MATERIALIZED (SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+    " AS ms FROM locked),"
+    " claimed AS (UPDATE jobs SET status = 'running', lease_owner = :owner,"
+    " lease_clock = :clock, lease_deadline_ms = (SELECT ms FROM clock) + :lease_ms,"
+    " lease_ms = :lease_ms, lease_expires_at_ms = NULL, attempt = attempt + 1,"
+    " started_at_ms = COALESCE(started_at_ms, :now), updated_at_ms = :now"
+    f" WHERE id = :id AND status = 'queued' AND {_THIS_NODE} RETURNING *),"
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT id, :now, 'status', :event FROM claimed)"
+    " SELECT claimed.*, (SELECT ms FROM clock) AS lease_now_ms"
+    " FROM (SELECT 1) AS one LEFT JOIN claimed ON TRUE"
+)
 _HEARTBEAT = (
     f"UPDATE jobs SET {_SET_LEASE}, updated_at_ms = :now"  # noqa: S608 - fixed text
     f" WHERE id = :id AND {_FENCE}"
@@ -1027,16 +1067,23 @@ _PROGRESS = (
     "UPDATE jobs SET progress_json = :progress, updated_at_ms = :now"  # noqa: S608 - fixed text
     f" WHERE id = :id AND {_FENCE}"
 )
+
+
 # The WHERE clause also keeps SQLite from reading ON CONFLICT as a join constraint.
-_BEGIN_STEP = (
-    "INSERT INTO steps (job_id, seq, name, status, attempts, started_at_ms)"  # noqa: S608 - fixed text
-    " SELECT id, :seq, :name, 'running', 1, :now FROM jobs"
-    f" WHERE id = :id AND {_FENCE} AND cancel_requested = 0"
-    " ON CONFLICT (job_id, seq) DO UPDATE SET status = 'running',"
-    " attempts = steps.attempts + 1, error_code = NULL, error_message = NULL,"
-    " ended_at_ms = NULL"
-    " RETURNING *"
-)
+def _begin_step_sql(condition: str = "") -> str:
+    """A step's fenced start (insert, or count a re-run), ``condition`` added to its fence."""
+    return (
+        "INSERT INTO steps (job_id, seq, name, status, attempts, started_at_ms)"  # noqa: S608 - fixed text
+        " SELECT id, :seq, :name, 'running', 1, :now FROM jobs"
+        f" WHERE id = :id AND {_FENCE} AND cancel_requested = 0{condition}"
+        " ON CONFLICT (job_id, seq) DO UPDATE SET status = 'running',"
+        " attempts = steps.attempts + 1, error_code = NULL, error_message = NULL,"
+        " ended_at_ms = NULL"
+        " RETURNING *"
+    )
+
+
+_BEGIN_STEP = _begin_step_sql()
 _HELD = f"SELECT 1 FROM jobs WHERE id = :id AND {_FENCE}"  # noqa: S608 - fixed text
 _END_STEP = (
     "UPDATE steps SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
@@ -1044,8 +1091,19 @@ _END_STEP = (
     " WHERE job_id = :id AND seq = :seq AND status = 'running'"
     f" AND {_STEP_FENCE}"
 )
-# PostgreSQL runs a step's start and end as one statement each (data-modifying WITH
-# clauses, which SQLite lacks): the same writes, fences and events as the texts above.
+# PostgreSQL runs a step's start, its end, and the end of one with the start of the next,
+# as one statement each (data-modifying WITH clauses, which SQLite lacks): the same writes,
+# fences and events as the texts above. The end's clauses (``:end_seq``), its event
+# written by the statement holding them:
+_ENDED_PG = (
+    "ended AS (UPDATE steps SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
+    " error_code = :code, error_message = :message, ended_at_ms = :now"
+    " WHERE job_id = :id AND seq = :end_seq AND status = 'running'"
+    f" AND {_STEP_FENCE} RETURNING job_id),"
+    " reset AS (UPDATE jobs SET recoveries = 0"
+    f" WHERE id = :id AND :reset AND {_FENCE} AND recoveries != 0"
+    " AND EXISTS (SELECT 1 FROM ended))"
+)
 _BEGIN_STEP_PG = (
     f"WITH started AS ({_BEGIN_STEP}),"  # noqa: S608 - fixed text
     " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
@@ -1054,16 +1112,24 @@ _BEGIN_STEP_PG = (
     " FROM (SELECT 1) AS one LEFT JOIN started ON TRUE"
 )
 _END_STEP_PG = (
-    "WITH ended AS (UPDATE steps SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
-    " error_code = :code, error_message = :message, ended_at_ms = :now"
-    " WHERE job_id = :id AND seq = :seq AND status = 'running'"
-    f" AND {_STEP_FENCE} RETURNING job_id),"
-    " reset AS (UPDATE jobs SET recoveries = 0"
-    f" WHERE id = :id AND :reset AND {_FENCE} AND recoveries != 0"
-    " AND EXISTS (SELECT 1 FROM ended)),"
+    f"WITH {_ENDED_PG},"  # noqa: S608 - fixed text
     " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
-    " SELECT job_id, :now, 'step', :event FROM ended)"
+    " SELECT job_id, :now, 'step', :end_event FROM ended)"
     " SELECT count(*) FROM ended"
+)
+# One step's end and the next one's start: the start only if the end was recorded, the
+# end's event before the start's (one INSERT, in that order, so ``seq`` follows it).
+_END_AND_BEGIN_STEP_PG = (
+    f"WITH {_ENDED_PG},"  # noqa: S608 - fixed text
+    f" started AS ({_begin_step_sql(' AND EXISTS (SELECT 1 FROM ended)')}),"
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT job_id, :now, 'step', data FROM ("
+    "SELECT 1 AS k, job_id, CAST(:end_event AS TEXT) AS data FROM ended"
+    " UNION ALL SELECT 2, job_id, CAST(:event AS TEXT) FROM started) AS both_events"
+    " ORDER BY k)"
+    f" SELECT started.*, EXISTS ({_HELD}) AS held,"
+    " (SELECT count(*) FROM ended) AS ended_count"
+    " FROM (SELECT 1) AS one LEFT JOIN started ON TRUE"
 )
 _RESET_RECOVERIES = (
     f"UPDATE jobs SET recoveries = 0 WHERE id = :id AND {_FENCE} AND recoveries != 0"  # noqa: S608 - fixed text
@@ -1073,6 +1139,18 @@ _TERMINALS_NEWEST_FIRST = (
     " ORDER BY ended_at_ms DESC, created_at_ms DESC, id DESC"
 )
 _TERMINAL_BEYOND = f"{_TERMINALS_NEWEST_FIRST} LIMIT 1 OFFSET :keep"
+# PostgreSQL: a finish, its event and the pruning in one statement. The statement reads the
+# jobs as they were before it, when the finishing job was not yet finished: it keeps the
+# newest ``:keep_others`` (``keep_finished - 1``) others, and the finishing job makes
+# ``keep_finished``.
+_FINISH_AND_PRUNE_PG = (
+    f"WITH finished AS ({_FINISH}),"  # noqa: S608 - fixed text
+    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+    " SELECT id, :now, 'status', :event FROM finished),"
+    f" pruned AS (DELETE FROM jobs WHERE id IN ({_TERMINALS_NEWEST_FIRST} OFFSET :keep_others)"
+    " AND EXISTS (SELECT 1 FROM finished))"
+    " SELECT * FROM finished"
+)
 _PRUNE_TERMINAL = (
     f"DELETE FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)} AND id NOT IN ("  # noqa: S608 - fixed text
     f" {_TERMINALS_NEWEST_FIRST} LIMIT :keep)"
@@ -1082,8 +1160,11 @@ _PRUNE_TERMINAL = (
 prepare_on_server(
     _BEGIN_STEP_PG,
     _END_STEP_PG,
+    _END_AND_BEGIN_STEP_PG,
+    _FINISH_AND_PRUNE_PG,
     _SUBMIT_PG,
     _CLAIM_PG,
+    _CLAIM_ON_SERVER_CLOCK_PG,
     _FINISH_PG,
     _TERMINAL_BEYOND,
     _HEARTBEAT,
@@ -1092,6 +1173,50 @@ prepare_on_server(
     _JOB_BY_ID,
     _STEPS_OF_JOB,
 )
+
+
+def _claim_on_server_clock(
+    tx: Transaction,
+    clock: DatabaseLeaseTime,
+    *,
+    owner: str,
+    lease_ms: int,
+    now: int,
+    target: str,
+    node: str,
+) -> JobRecord | None:
+    """:meth:`JobStore.claim` of ``target`` on PostgreSQL with the server's lease clock: one
+    statement, sent with the COMMIT; the clock it read is remembered (``clock.observe``)."""
+    params = {
+        "lock": LEASE_LOCK_KEY,
+        "owner": owner,
+        "clock": DB_CLOCK,
+        "lease_ms": lease_ms,
+        "now": now,
+        "id": target,
+        "node": node,
+        "event": _RUNNING_EVENT,
+    }
+    [answer] = tx.last(_CLAIM_ON_SERVER_CLOCK_PG, params)
+    clock.observe(int(answer["lease_now_ms"]))
+    return None if answer["id"] is None else _job(answer)
+
+
+def _begin_step_pg(
+    tx: Transaction, params: dict[str, Any], ended: _Ending | None
+) -> StepRecord | StepRefusal:
+    """:meth:`JobStore.begin_step` on PostgreSQL: one statement, one round trip (the start,
+    after the end of the step before it when there is one, their events and the fence's
+    answer)."""
+    if ended is None:
+        answer = tx.last(_BEGIN_STEP_PG, params)[0]
+    else:
+        answer = tx.last(_END_AND_BEGIN_STEP_PG, {**ended.pg_params(params["now"]), **params})[0]
+        if not answer["ended_count"]:
+            return StepRefusal.LEASE_LOST  # nothing was written
+    if answer["job_id"] is None:
+        return StepRefusal.CANCELLED if answer["held"] else StepRefusal.LEASE_LOST
+    return _step(answer)
 
 
 def _prune(tx: Transaction, *, keep: int) -> int:

@@ -22,17 +22,22 @@ Choices (the issue's note):
   WHERE``, which PostgreSQL re-checks on the newest row version after a lock wait); readers
   run ``REPEATABLE READ READ ONLY``, one snapshot per read as on SQLite.
 * **Round trips, not fsyncs, are what a step costs here** (``benchmarks/journal.py``: a
-  step was two transactions of four and five round trips each). Statements that answer
-  nothing are held and sent with the next one (:class:`PgConnection`); the hot writes -- a
-  step's start and end, a submit, a claim -- are one statement each on PostgreSQL (data-
-  modifying ``WITH`` clauses, ``jobs.py``), sent together with their ``COMMIT``
-  (``Transaction.last``): one round trip per transaction when it has the writer to itself.
+  step was once two transactions of four and five round trips each). Statements that
+  answer nothing are held and sent with the next one (:class:`PgConnection`); the hot
+  writes -- a step's end together with the next step's start, a submit, a claim with its
+  lease-clock read, a finish with its pruning -- are one statement each on PostgreSQL
+  (data-modifying ``WITH`` clauses, ``jobs.py``). A transaction that is that one statement
+  (``Transaction.last`` with nothing sent before) goes alone, without ``BEGIN`` and
+  ``COMMIT``: the server runs it as its own transaction and answers after its commit --
+  one message, one round trip; one sent after others travels with the ``COMMIT``.
 * **Prepared statements for the hot path.** Planning the journal's statements on the server
   cost more than the commit itself here (``EXPLAIN``: 0.1-0.5 ms each, against a 0.2 ms
   one-row commit), so the statements every step and job run (:func:`prepare_on_server`,
   from ``jobs.py``) are bound on the server and prepared once per connection, and sent
   with the held statements (and the ``COMMIT``) in one pipeline: still one round trip,
-  without the planning. Everything else keeps the client-side binding.
+  without the planning. Everything else keeps the client-side binding. Behind PgBouncer's
+  transaction pooling, ``prepare_threshold=none`` in the URL prepares nothing
+  (:attr:`PgTarget.prepared_statements`).
 * **Every commit waits for the WAL flush** (the server's ``synchronous_commit``, on by
   default), a step's start included: a start committed without it could be lost in a crash
   of the server after a reader had seen its ``step`` event, and its ``seq`` handed out again
@@ -59,12 +64,12 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import ClientCursor
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.pq import TransactionStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from sbproxy.errors import SbproxyError
@@ -114,12 +119,15 @@ class PgTarget:
     """Where a PostgreSQL journal is: the libpq connection string and what may be shown.
 
     Attributes:
-        conninfo: The URL as given (libpq reads ``sslmode``, ``service``, ``passfile`` and
-            every other parameter from it). Never logged.
+        conninfo: The URL as given, less ``prepare_threshold`` (libpq reads ``sslmode``,
+            ``service``, ``passfile`` and every other parameter from it). Never logged.
         host: Server host (``localhost`` when libpq's default applies).
         port: Server port.
         dbname: Database name.
         user: Role name, or ``None`` (libpq's default).
+        prepared_statements: Whether the hot statements are prepared on the server
+            (``False`` with ``prepare_threshold=none`` in the URL: behind PgBouncer's
+            transaction pooling, whose server sessions change between transactions).
     """
 
     conninfo: str
@@ -127,10 +135,17 @@ class PgTarget:
     port: int
     dbname: str
     user: str | None
+    prepared_statements: bool = True
 
     @classmethod
     def parse(cls, url: str) -> PgTarget:
-        """Read ``url``; raises ``invalid_config`` naming the problem (never the password)."""
+        """Read ``url``; raises ``invalid_config`` naming the problem (never the password).
+
+        ``prepare_threshold`` (psycopg's name, not libpq's) is taken out of the URL before
+        libpq reads it: ``none`` switches server-side prepared statements off, an integer
+        keeps them on (the hot statements are prepared at their first use either way).
+        """
+        url, prepared = _prepare_threshold(url)
         try:
             params = conninfo_to_dict(url)
         except psycopg.ProgrammingError as exc:
@@ -153,7 +168,14 @@ class PgTarget:
             port=port,
             dbname=dbname,
             user=None if user is None else str(user),
+            prepared_statements=prepared,
         )
+
+    @property
+    def prepare_threshold(self) -> int | None:
+        """psycopg's ``prepare_threshold`` for connections to this server: its default (5),
+        or ``None`` (prepare nothing) when prepared statements are off."""
+        return 5 if self.prepared_statements else None
 
     @property
     def address(self) -> str:
@@ -177,6 +199,33 @@ class PgTarget:
             "the journal); a serving host keeps serving and reconnects by itself. Retry then.",
             details={"host": self.host, "port": self.port, "dbname": self.dbname},
         )
+
+
+def _prepare_threshold(url: str) -> tuple[str, bool]:
+    """``url`` without its ``prepare_threshold`` query parameter, and whether server-side
+    prepared statements stay on; raises ``invalid_config`` for a value that is neither
+    ``none`` nor a non-negative integer."""
+    if "://" not in url or "prepare_threshold" not in url:
+        return url, True
+    parts = urlsplit(url)
+    kept: list[tuple[str, str]] = []
+    prepared = True
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name != "prepare_threshold":
+            kept.append((name, value))
+            continue
+        if value.strip().lower() in ("none", "null", "off"):
+            prepared = False
+        elif not value.strip().isdigit():
+            raise SbproxyError(
+                f"the journal URL's prepare_threshold={value!r} is neither 'none' nor a "
+                "non-negative integer",
+                code="invalid_config",
+                retryable=False,
+                remediation="Write prepare_threshold=none to switch server-side prepared "
+                "statements off (PgBouncer's transaction pooling), or leave it out.",
+            )
+    return urlunsplit(parts._replace(query=urlencode(kept))), prepared
 
 
 def _without_secrets(text: str, conninfo: str) -> str:
@@ -203,15 +252,26 @@ class PgRow(tuple[Any, ...]):
         return list(self._index)
 
 
+# Column-name indexes of the result shapes met so far, keyed by their raw names: the journal's
+# statements are fixed texts, so there are few. Building them from ``cursor.description``
+# (one ``Column`` object per column, per result) cost more than the rows themselves.
+_indexes: dict[tuple[bytes | None, ...], Mapping[str, int]] = {}
+
+
 def _row_factory(cursor: Any) -> Any:
-    description = cursor.description
-    if description is None:
+    result = cursor.pgresult
+    if result is None or not result.nfields:
         return None
-    index = {column.name: position for position, column in enumerate(description)}
+    names = tuple(result.fname(position) for position in range(result.nfields))
+    index = _indexes.get(names)
+    if index is None:
+        index = {(name or b"").decode(): position for position, name in enumerate(names)}
+        _indexes[names] = index
+    found = index
 
     def make(values: Sequence[Any]) -> PgRow:
         row = PgRow(values)
-        row._index = index
+        row._index = found
         return row
 
     return make
@@ -305,6 +365,8 @@ class PgConnection:
                 connect_timeout=CONNECT_TIMEOUT_S,
                 cursor_factory=ClientCursor,
                 application_name="sbproxy-journal",
+                # None: psycopg prepares nothing, not even what asks (PgBouncer).
+                prepare_threshold=self.target.prepare_threshold,
             )
         except psycopg.OperationalError as exc:
             raise self.target.unavailable(exc) from None
@@ -389,9 +451,23 @@ class PgConnection:
         """Send ``text`` with the statements held back before it (and ``COMMIT`` after it
         when ``commit``); ``text``'s rows."""
         held, self._held = self._held, []
-        # Run again on a fresh connection only what cannot have committed.
-        first = not commit and not self._sent and bool(held) and held[0].startswith("BEGIN")
-        if text in _prepared:
+        # Run again on a fresh connection only what cannot have committed (or only reads).
+        first = (
+            (not commit or self.read_only)
+            and not self._sent
+            and bool(held)
+            and held[0].startswith("BEGIN")
+        )
+        prepared = text in _prepared and self.target.prepared_statements
+        if commit and self._alone(held, text):
+            # The whole transaction is this one statement: sent alone, without BEGIN and
+            # COMMIT, the server runs it as its own transaction and commits it (waiting for
+            # the WAL flush as any commit) before it answers -- one message, one round trip.
+            # A reader's one SELECT sees one snapshot either way.
+            def send(connection: psycopg.Connection[Any]) -> _Cursor:
+                return _run_alone(connection, text, params, prepared=prepared)
+
+        elif prepared:
             tail = ["COMMIT"] if commit else []
 
             def send(connection: psycopg.Connection[Any]) -> _Cursor:
@@ -413,7 +489,8 @@ class PgConnection:
             except psycopg.OperationalError:
                 # A connection the server dropped while idle says so only when used. When
                 # this query opens the transaction, nothing of it took effect (no COMMIT in
-                # it, and a lost connection rolls back), so it runs again on a fresh one.
+                # it, and a lost connection rolls back) or it only read, so it runs again
+                # on a fresh one.
                 if not first or not connection.broken:
                     raise
                 connection = self._live()
@@ -425,6 +502,13 @@ class PgConnection:
                 raise self.target.unavailable(exc) from exc
             raise
         return result
+
+    def _alone(self, held: Sequence[str], text: str) -> bool:
+        """Whether ``text``, with ``held`` before it, is a whole transaction that may run
+        alone: nothing but the ``BEGIN`` came before, and on a reader it only reads."""
+        if len(held) != 1 or not held[0].startswith("BEGIN"):
+            return False
+        return not self.read_only or text.lstrip()[:7].upper() in ("SELECT ", "SELECT\n")
 
     def executemany(self, sql: str, rows: Iterable[Any]) -> _Cursor:
         """Run one statement once per parameter set."""
@@ -452,6 +536,7 @@ class PgConnection:
 # Statements that answer nothing and may wait for the next one (``PgConnection``).
 _HELD_BACK = ("SAVEPOINT ", "RELEASE ", "SET LOCAL ")
 _NOTHING = _Cursor(-1, [])
+_TUPLES_OK = ExecStatus.TUPLES_OK
 
 
 def _run(connection: psycopg.Connection[Any], text: str, params: Any, *, skip: int = 0) -> _Cursor:
@@ -462,6 +547,19 @@ def _run(connection: psycopg.Connection[Any], text: str, params: Any, *, skip: i
         while cursor.nextset():
             answers.append(_answer(cursor))
         return answers[-1 - skip]
+
+
+def _run_alone(
+    connection: psycopg.Connection[Any], text: str, params: Any, *, prepared: bool
+) -> _Cursor:
+    """Run ``text`` as a transaction of its own (the connection is in autocommit); its rows.
+    ``prepared``: bound on the server and prepared once per connection."""
+    cursor = (
+        psycopg.Cursor(connection, row_factory=_row_factory) if prepared else connection.cursor()
+    )
+    with cursor:
+        cursor.execute(text, _params(params), prepare=prepared)
+        return _answer(cursor)
 
 
 def _run_prepared(
@@ -485,8 +583,9 @@ def _run_prepared(
 
 
 def _answer(cursor: Any) -> _Cursor:
-    rows = cursor.fetchall() if cursor.description is not None else []
-    return _Cursor(cursor.rowcount, rows)
+    result = cursor.pgresult
+    answered = result is not None and result.status == _TUPLES_OK
+    return _Cursor(cursor.rowcount, cursor.fetchall() if answered else [])
 
 
 def _params(params: Any) -> Any:
@@ -509,10 +608,15 @@ class DatabaseLeaseTime:
     def _local_ms() -> int:
         return time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1_000_000
 
+    def observe(self, now_ms: int) -> None:
+        """Remember ``now_ms``, the server's clock just read by a statement of the journal's
+        own (a claim reads it in the statement that stamps the lease)."""
+        self._offset_ms = now_ms - self._local_ms()
+
     def __call__(self) -> LeaseTime:
         connection: PgConnection | None = getattr(_local, "connection", None)
         if connection is not None and connection.in_transaction:
             now = connection.database_ms()
-            self._offset_ms = now - self._local_ms()
+            self.observe(now)
             return LeaseTime(clock=DB_CLOCK, ms=now)
         return LeaseTime(clock=DB_CLOCK, ms=self._local_ms() + self._offset_ms)

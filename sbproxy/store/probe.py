@@ -49,7 +49,11 @@ def probe_journal(location: Path | str) -> dict[str, Any]:
             return report
         report["location"] = target.describe()
         try:
-            with psycopg.connect(target.conninfo, connect_timeout=PROBE_TIMEOUT_S) as connection:
+            with psycopg.connect(
+                target.conninfo,
+                connect_timeout=PROBE_TIMEOUT_S,
+                prepare_threshold=target.prepare_threshold,
+            ) as connection:
                 report["reachable"] = True
                 exists = connection.execute(
                     "SELECT to_regclass('schema_migrations') IS NOT NULL"

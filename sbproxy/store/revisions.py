@@ -60,7 +60,11 @@ class SharedRevisions:
 
     def _connect(self) -> psycopg.Connection[Any]:
         try:
-            return psycopg.connect(self.target.conninfo, connect_timeout=5)
+            return psycopg.connect(
+                self.target.conninfo,
+                connect_timeout=5,
+                prepare_threshold=self.target.prepare_threshold,
+            )
         except psycopg.OperationalError as exc:
             raise self.target.unavailable(exc) from None
 

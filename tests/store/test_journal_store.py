@@ -261,6 +261,46 @@ async def test_retention_never_prunes_active_jobs(store: JobStore) -> None:
     assert remaining == {active, finished[2], finished[3]}
 
 
+async def test_a_finish_prunes_the_oldest_finished_jobs_in_its_own_transaction(
+    store: JobStore,
+) -> None:
+    active = await submit(store, kind="long")
+    finished = []
+    for _ in range(4):
+        job_id = await submit(store, kind="short")
+        claimed = await store.claim(owner="w", lease_ms=10_000, job_id=job_id)
+        assert claimed is not None
+        done = await store.finish(
+            job_id, owner="w", attempt=1, status=JobStatus.SUCCEEDED, keep_finished=2
+        )
+        assert done is not None and done.status == JobStatus.SUCCEEDED
+        finished.append(job_id)
+        # After each finish: the newest two finished jobs (this one among them), never the
+        # active one.
+        remaining = {job.id for job in await store.list_jobs()}
+        assert remaining == {active, *finished[-2:]}
+    # A parked job is not finished: it prunes nothing and stays.
+    parked = await submit(store, kind="short")
+    assert await store.claim(owner="w", lease_ms=10_000, job_id=parked) is not None
+    await store.finish(
+        parked,
+        owner="w",
+        attempt=1,
+        status=JobStatus.PARKED,
+        error=ErrorInfo("x", "y"),
+        keep_finished=1,
+    )
+    assert {job.id for job in await store.list_jobs()} == {active, parked, *finished[-2:]}
+    # A finish fenced off writes nothing and deletes nothing.
+    late = await submit(store, kind="short")
+    assert await store.claim(owner="w", lease_ms=10_000, job_id=late) is not None
+    fenced = await store.finish(
+        late, owner="w", attempt=2, status=JobStatus.SUCCEEDED, keep_finished=1
+    )
+    assert fenced is None
+    assert {job.id for job in await store.list_jobs()} == {active, parked, late, *finished[-2:]}
+
+
 async def test_secrets_never_reach_the_database_file(tmp_path: Path) -> None:
     path = tmp_path / "journal.db"
     database = await Database.open(path)

@@ -18,8 +18,11 @@ import anyio.lowlevel
 import pytest
 from anyio.abc import TaskGroup
 
+from sbproxy.errors import SbproxyError
 from sbproxy.store import (
     Database,
+    EndedStep,
+    JobStatus,
     JobStore,
     StepRecord,
     StepStatus,
@@ -27,6 +30,7 @@ from sbproxy.store import (
     Transaction,
     postgres,
 )
+from tests.support.postgres import PostgresServer
 
 pytestmark = pytest.mark.anyio
 
@@ -298,7 +302,7 @@ class SentQueries:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.queries: list[str] = []
-        real, real_prepared = postgres._run, postgres._run_prepared
+        real, real_prepared, real_alone = postgres._run, postgres._run_prepared, postgres._run_alone
 
         def spy(connection: Any, text: str, params: Any, *, skip: int = 0) -> Any:
             self.queries.append(text)
@@ -311,8 +315,14 @@ class SentQueries:
             self.queries.append("; ".join([*held, text, *tail]))
             return real_prepared(connection, held, text, params, tail)
 
+        def spy_alone(connection: Any, text: str, params: Any, *, prepared: bool) -> Any:
+            # A whole transaction in one statement: sent alone, the server commits it.
+            self.queries.append(text)
+            return real_alone(connection, text, params, prepared=prepared)
+
         monkeypatch.setattr(postgres, "_run", spy)
         monkeypatch.setattr(postgres, "_run_prepared", spy_prepared)
+        monkeypatch.setattr(postgres, "_run_alone", spy_alone)
 
     def take(self) -> list[str]:
         taken, self.queries = self.queries, []
@@ -336,13 +346,25 @@ async def test_a_last_statement_travels_with_its_commit_in_one_round_trip(
 ) -> None:
     sent = SentQueries(monkeypatch)
     assert await database.write(last_insert(1)) == 1
+    # The whole transaction is one statement: sent alone, the server commits it itself.
     [query] = sent.take()
-    assert query.startswith("BEGIN; INSERT INTO t")
-    assert "synchronous_commit" not in query
-    assert query.endswith("; COMMIT")
+    assert query == "INSERT INTO t (n, by) VALUES (%s, 'last')"
     assert await rows(database) == [1]
+    sent.take()  # the read's
+    # After something else of the transaction was sent, it travels with the COMMIT.
+
+    def two(tx: Transaction) -> None:
+        tx.execute("INSERT INTO t (n, by) VALUES (2, 'w')")
+        tx.last("INSERT INTO t (n, by) VALUES (3, 'last')")
+
+    await database.write(two)
+    first, last = sent.take()
+    assert first.startswith("BEGIN; INSERT INTO t")
+    assert last.startswith("INSERT INTO t") and last.endswith("; COMMIT")
+    assert not any("synchronous_commit" in query for query in (first, last))
+    assert await rows(database) == [1, 2, 3]
     # A write in which nothing reached the server sends nothing at all.
-    sent.take()
+    sent.take()  # the read's
 
     def nothing(tx: Transaction) -> str:
         return "nothing"
@@ -382,9 +404,9 @@ async def test_a_step_start_and_end_are_one_round_trip_each_and_both_wait_for_th
         job.id, owner="w", attempt=attempt, seq=0, name="s", output_json="1"
     )
     [end] = sent.take()
-    assert start.startswith("BEGIN; WITH started AS (INSERT INTO steps")
-    assert start.endswith("; COMMIT")
-    assert end.startswith("BEGIN; WITH ended AS (UPDATE steps") and end.endswith("; COMMIT")
+    # Each is its own transaction: one statement, sent alone, committed by the server.
+    assert start.startswith("WITH started AS (INSERT INTO steps") and "COMMIT" not in start
+    assert end.startswith("WITH ended AS (UPDATE steps") and "COMMIT" not in end
     # Neither commit gives up waiting for the WAL flush: a start a reader saw survives.
     assert not any("synchronous_commit" in query for query in (start, end))
     # What they wrote: the step, its two events, and the start's answer.
@@ -393,3 +415,156 @@ async def test_a_step_start_and_end_are_one_round_trip_each_and_both_wait_for_th
     assert (step.status, step.output_json) == (StepStatus.SUCCEEDED, "1")
     events = [event.data for event in await store.events(job.id) if event.type == "step"]
     assert [data["status"] for data in events] == ["running", "succeeded"]
+
+
+@on_postgresql
+async def test_a_step_end_and_the_next_start_are_one_round_trip(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JobStore(database)
+    job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
+    claimed = await store.claim(owner="w", lease_ms=60_000)
+    assert claimed is not None
+    attempt = claimed.attempt
+    assert isinstance(
+        await store.begin_step(job.id, owner="w", attempt=attempt, seq=0, name="a"), StepRecord
+    )
+    sent = SentQueries(monkeypatch)
+    ending = EndedStep(seq=0, name="a", output_json="1")
+    started = await store.begin_step(
+        job.id, owner="w", attempt=attempt, seq=1, name="b", ending=ending
+    )
+    # One statement, sent alone: the end of step a, the start of step b, their events.
+    [query] = sent.take()
+    assert query.startswith("WITH ended AS (UPDATE steps") and "started AS (" in query
+    assert "COMMIT" not in query and "synchronous_commit" not in query
+    assert isinstance(started, StepRecord) and (started.seq, started.name) == (1, "b")
+    steps = [(step.seq, step.status, step.output_json) for step in await store.steps(job.id)]
+    assert steps == [(0, StepStatus.SUCCEEDED, "1"), (1, StepStatus.RUNNING, None)]
+    # The end's event comes before the start's: a reader never sees b start before a ended.
+    events = [event.data for event in await store.events(job.id) if event.type == "step"]
+    assert [(data["seq"], data["status"]) for data in events] == [
+        (0, "running"),
+        (0, "succeeded"),
+        (1, "running"),
+    ]
+
+
+async def test_prepare_threshold_is_read_from_the_url_and_kept_from_libpq() -> None:
+    off = postgres.PgTarget.parse(
+        "postgresql://u@db:6432/jobs?sslmode=disable&prepare_threshold=none"
+    )
+    assert off.prepared_statements is False
+    assert off.conninfo == "postgresql://u@db:6432/jobs?sslmode=disable"  # libpq never sees it
+    assert (off.address, off.dbname) == ("db:6432", "jobs")
+    kept = postgres.PgTarget.parse("postgresql://u@db/jobs?prepare_threshold=5")
+    assert kept.prepared_statements is True and kept.conninfo == "postgresql://u@db/jobs"
+    assert postgres.PgTarget.parse("postgresql://u@db/jobs").prepared_statements is True
+    with pytest.raises(SbproxyError) as bad:
+        postgres.PgTarget.parse("postgresql://u:secret@db/jobs?prepare_threshold=often")
+    assert bad.value.code == "invalid_config"
+    assert "prepare_threshold='often'" in str(bad.value) and "secret" not in str(bad.value)
+
+
+async def prepared_on_the_writer(location: str) -> int:
+    """Run a job's hot statements on a fresh journal at ``location``; how many statements
+    the writer's server session holds prepared afterwards."""
+    database = await Database.open(location)
+    try:
+        store = JobStore(database)
+        job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
+        claimed = await store.claim(owner="w", lease_ms=60_000, job_id=job.id)
+        assert claimed is not None
+        attempt = claimed.attempt
+        assert isinstance(
+            await store.begin_step(job.id, owner="w", attempt=attempt, seq=0, name="a"), StepRecord
+        )
+        ending = EndedStep(seq=0, name="a", output_json="1")
+        step = await store.begin_step(
+            job.id, owner="w", attempt=attempt, seq=1, name="b", ending=ending
+        )
+        assert isinstance(step, StepRecord)
+        assert await store.end_step(
+            job.id, owner="w", attempt=attempt, seq=1, name="b", output_json="2"
+        )
+        done = await store.finish(
+            job.id, owner="w", attempt=attempt, status=JobStatus.SUCCEEDED, keep_finished=4
+        )
+        assert done is not None and done.status == JobStatus.SUCCEEDED
+        assert [s.output_json for s in await store.steps(job.id)] == ["1", "2"]
+        return int(
+            await database.write(
+                lambda tx: tx.scalar("SELECT count(*) FROM pg_prepared_statements")
+            )
+        )
+    finally:
+        await database.close()
+
+
+async def test_prepare_threshold_none_prepares_nothing_on_the_server(
+    postgres_server: PostgresServer,
+) -> None:
+    # PgBouncer's transaction pooling hands each transaction a server session of its own
+    # choosing: a statement prepared on one is unknown on the next. With
+    # prepare_threshold=none the journal prepares nothing and works the same.
+    assert await prepared_on_the_writer(postgres_server.create_database()) > 0
+    url = postgres_server.create_database() + "?prepare_threshold=none"
+    assert await prepared_on_the_writer(url) == 0
+
+
+@on_postgresql
+async def test_a_claim_reads_the_servers_clock_under_the_lease_lock_in_one_round_trip(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JobStore(database)
+    job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
+
+    def server_ms(tx: Transaction) -> int:
+        return int(tx.scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"))
+
+    before = await database.write(server_ms)
+    sent = SentQueries(monkeypatch)
+    claimed = await store.claim(owner="w", lease_ms=60_000, job_id=job.id)
+    [query] = sent.take()
+    after = await database.write(server_ms)
+    # The lock, the clock read under it, the claim and its event: one statement, alone.
+    assert query.startswith("WITH locked AS MATERIALIZED (SELECT pg_advisory_xact_lock(")
+    assert "UPDATE jobs SET status = 'running'" in query and "COMMIT" not in query
+    assert claimed is not None and claimed.attempt == 1
+    [(clock, deadline, lease_ms)] = await database.read(
+        lambda tx: [
+            tuple(row)
+            for row in tx.all(
+                "SELECT lease_clock, lease_deadline_ms, lease_ms FROM jobs WHERE id = :id",
+                {"id": job.id},
+            )
+        ]
+    )
+    # Stamped on the server's clock, never this host's.
+    assert (clock, lease_ms) == ("postgresql", 60_000)
+    assert before + 60_000 <= deadline <= after + 60_000
+    # The host's view of the server's clock follows what the claim read.
+    assert before <= store.lease_clock().ms <= after + 1_000
+    # Claimed already: a second claim changes nothing.
+    assert await store.claim(owner="x", lease_ms=60_000, job_id=job.id) is None
+
+
+@on_postgresql
+async def test_a_read_of_one_select_is_one_round_trip(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JobStore(database)
+    job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
+    sent = SentQueries(monkeypatch)
+    assert (await store.get(job.id)) == job
+    assert await store.steps(job.id) == []
+    # Each is one SELECT, its snapshot its own: no BEGIN before it, no ROLLBACK after.
+    assert sent.take() == [
+        "SELECT * FROM jobs WHERE id = %(id)s",
+        "SELECT * FROM steps WHERE job_id = %(id)s ORDER BY seq",
+    ]
+    # A read that does not say its statement is its last keeps its snapshot transaction.
+    assert await store.last_event_seq(job.id) > 0
+    opened, ended = sent.take()
+    assert opened.startswith("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT")
+    assert ended == "ROLLBACK"
