@@ -274,7 +274,7 @@ def local_deployments(placements: Sequence[Any], node_id: str) -> dict[str, dict
     return {
         deployment: {
             **placement.definition,
-            **({"variant": placement.variant} if getattr(placement, "variant", None) else {}),
+            **({"variant": placement.variant} if placement.variant else {}),
             "warm": True,
             "pull": "on_boot",
             "replicas": 1,
@@ -340,7 +340,7 @@ def reported_facts(nodes: Sequence[Any]) -> dict[str, GgufFacts]:
     where two did; a malformed report is skipped with a warning)."""
     found: dict[str, GgufFacts] = {}
     for node in sorted(nodes, key=lambda n: n.id):
-        for digest, body in (getattr(node, "artifact_facts", None) or {}).items():
+        for digest, body in node.artifact_facts.items():
             if digest in found:
                 continue
             try:

@@ -14,6 +14,7 @@ from sbproxy.config import DeploymentConfig, FleetConfig, KvQuant, PlacementStra
 from sbproxy.fleet.membership import NodeState
 from sbproxy.fleet.placement import (
     DeferReason,
+    DeferredReplica,
     DeploymentSpec,
     DeviceCapacity,
     EstimateBasis,
@@ -27,6 +28,7 @@ from sbproxy.fleet.placement import (
     StartReplica,
     StopReplica,
     StuckReason,
+    UnplacedReplica,
     VariantChoice,
     plan,
 )
@@ -830,6 +832,21 @@ def test_a_lost_replica_is_placed_before_another_deployments_rollout_surge() -> 
     ]
 
 
+def started(result: PlacementPlan) -> list[StartReplica]:
+    return [d for d in result.decisions if isinstance(d, StartReplica)]
+
+
+def replaced(result: PlacementPlan) -> list[ReplaceReplica]:
+    return [d for d in result.decisions if isinstance(d, ReplaceReplica)]
+
+
+def note(result: PlacementPlan, index: int) -> UnplacedReplica | DeferredReplica:
+    """Decision ``index``, which must be an unplaced or deferred replica."""
+    decision = result.decisions[index]
+    assert isinstance(decision, UnplacedReplica | DeferredReplica), decision
+    return decision
+
+
 # -- several devices per node ------------------------------------------------------------
 
 
@@ -860,7 +877,7 @@ def test_max_replicas_per_node_keeps_a_second_replica_off_a_node_with_devices_fo
         ("start", "chat", 0, "a", (0,), "missing"),
         ("unplaced", "chat", 1, "insufficient_capacity"),
     ]
-    assert "fewer than 1 other replica(s) of it on the node" in result.decisions[1].message
+    assert "fewer than 1 other replica(s) of it on the node" in note(result, 1).message
     # The same replica's next revision still rolls onto the node beside its old one.
     old = [placed("p0", "a", devices=(0,))]
     rolled = plan(nodes, [spec(revision=2)], old, policy=policy)
@@ -905,13 +922,13 @@ def test_each_replica_takes_the_first_variant_that_fits_its_node() -> None:
         node("small", gib=(4,)),
     ]
     result = plan(nodes, [varied(replicas=3)], [])
-    chosen = {(d.node, d.variant, d.reserved_bytes) for d in result.of_kind("start")}
+    chosen = {(d.node, d.variant, d.reserved_bytes) for d in started(result)}
     assert chosen == {
         ("big", "fp16", 12 * GIB),
         ("mid", "q8_0", 6 * GIB),
         ("small", "q4_k_m", 3 * GIB),
     }
-    assert {d.estimate_basis for d in result.of_kind("start")} == {
+    assert {d.estimate_basis for d in started(result)} == {
         EstimateBasis.FILE_SIZE,
         EstimateBasis.GGUF_HEADER,
     }
@@ -919,18 +936,19 @@ def test_each_replica_takes_the_first_variant_that_fits_its_node() -> None:
 
 def test_a_variant_the_node_has_no_engine_for_is_skipped_even_when_it_would_fit() -> None:
     result = plan([node("a", gib=(64,))], [varied(replicas=1)], [])
-    (start,) = result.of_kind("start")
+    (start,) = started(result)
     assert (start.variant, start.engine, start.reserved_bytes) == ("q8_0", "llama_cpp", 6 * GIB)
 
 
 def test_no_variant_fitting_any_node_is_refused_naming_every_size() -> None:
     result = plan([node("a", gib=(2,))], [varied(replicas=1)], [])
-    (refused,) = result.decisions
+    assert len(result.decisions) == 1
+    refused = note(result, 0)
     assert refused.reason is PlacementReason.INSUFFICIENT_CAPACITY
     assert str(6 * GIB) in refused.message and str(3 * GIB) in refused.message
     no_engine = plan([node("a", engines=frozenset({"sglang"}))], [varied(replicas=1)], [])
     assert summary(no_engine) == [("unplaced", "chat", 0, "engine_unavailable")]
-    assert "llama_cpp or vllm" in no_engine.decisions[0].message
+    assert "llama_cpp or vllm" in note(no_engine, 0).message
 
 
 def test_a_variant_choice_fills_the_ledger_with_its_own_size() -> None:
@@ -938,17 +956,23 @@ def test_a_variant_choice_fills_the_ledger_with_its_own_size() -> None:
     # only fits q4_k_m. No device holds two replicas, though 2 GiB is left on each of a's.
     nodes = [node("a", gib=(8, 8)), node("b", gib=(4,))]
     result = plan(nodes, [varied(replicas=3)], [])
-    chosen = sorted((d.node, d.devices, d.variant) for d in result.of_kind("start"))
+    chosen = sorted((d.node, d.devices, d.variant) for d in started(result))
     assert chosen == [("a", (0,), "q8_0"), ("a", (1,), "q8_0"), ("b", (0,), "q4_k_m")]
 
 
 # -- stuck placements ---------------------------------------------------------------------
 
 
-def stuck(placement_id: str, node_id: str, why: StuckReason, **kwargs: object) -> PlacementView:
-    return placed(placement_id, node_id, state=P.PENDING, **kwargs).model_copy(
-        update={"stuck": why}
-    )
+def stuck(
+    placement_id: str,
+    node_id: str,
+    why: StuckReason,
+    *,
+    replica: int = 0,
+    devices: tuple[int, ...] = (0,),
+) -> PlacementView:
+    pending = placed(placement_id, node_id, state=P.PENDING, replica=replica, devices=devices)
+    return pending.model_copy(update={"stuck": why})
 
 
 @pytest.mark.parametrize("why", list(StuckReason))
@@ -956,7 +980,7 @@ def test_a_stuck_placement_is_re_placed_on_another_node_and_stopped(why: StuckRe
     nodes = [node("a"), node("b")]
     result = plan(nodes, [spec()], [stuck("p0", "a", why)])
     assert summary(result) == [("replace", "chat", 0, "b", "p0"), ("stop", "p0", "stuck")]
-    (replace,) = result.of_kind("replace")
+    (replace,) = replaced(result)
     assert (replace.cause, replace.from_node) == (why.value, "a")
 
 
@@ -965,7 +989,7 @@ def test_a_stuck_placement_with_no_other_node_stays_and_says_why() -> None:
         [node("a"), node("b", gib=(2,))], [spec()], [stuck("p0", "a", StuckReason.CRASH_LOOP)]
     )
     assert summary(result) == [("unplaced", "chat", 0, "insufficient_capacity")]
-    message = result.decisions[0].message
+    message = note(result, 0).message
     assert "p0 is stuck on a (crash_loop) and stays there" in message
     assert "1 set aside after a stuck placement" in message
     alone = plan([node("a")], [spec()], [stuck("p0", "a", StuckReason.PLACEMENT_TIMEOUT)])
@@ -994,7 +1018,7 @@ def test_stuck_re_placements_share_the_in_flight_cap() -> None:
     kinds = summary(result)
     assert kinds[0][0] == "replace" and ("stop", "s0", "stuck") in kinds
     assert kinds[-1] == ("deferred", "chat", 1, "replacements_capped")
-    assert "stuck on a (load_failed)" in result.decisions[-1].message
+    assert "stuck on a (load_failed)" in note(result, -1).message
 
 
 def test_avoided_nodes_take_no_replica_of_the_deployment() -> None:
@@ -1008,4 +1032,4 @@ def test_avoided_nodes_take_no_replica_of_the_deployment() -> None:
     only_a = spec().model_copy(update={"avoid_nodes": frozenset({"a", "b"})})
     refused = plan(nodes, [only_a], [])
     assert summary(refused) == [("unplaced", "chat", 0, "no_matching_node")]
-    assert "2 set aside after a stuck placement of it" in refused.decisions[0].message
+    assert "2 set aside after a stuck placement of it" in note(refused, 0).message
