@@ -1,19 +1,23 @@
-"""Stuck placements across real ``sbproxy serve`` hosts (issue 20, "Re-placement"): a
+"""Stuck placements and variants per node across real ``sbproxy serve`` hosts (issue 20): a
 placement whose node cannot load it (the stand-in engine exits at start) stays, reported,
 while no other node fits, and moves to a node that joins -- once, sized from the GGUF header
 the failing node read, with the failing node avoided; a placement whose engine never becomes
-ready moves after ``placement_timeout_ms``. Real PostgreSQL, real processes; fleet timing as
-in ``cluster_hosts`` (lost 3 s)."""
+ready moves after ``placement_timeout_ms``; under ``heterogeneous_variants`` each replica runs
+the variant that fits its node. Real PostgreSQL, real processes; fleet timing as in
+``cluster_hosts`` (lost 3 s)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
+import psutil
 import pytest
+import yaml
 
 from tests.api.cluster_hosts import FleetHost, placements, ready_nodes
-from tests.api.pg_hosts import poll, query
+from tests.api.pg_hosts import REPO, REVISION, poll, query, tiny_gguf
 from tests.api.test_fleet_hosts import TINY, apply, cli, mirror, start_all, stop_all
 from tests.model_host.engines.support import fake_llama_server
 from tests.support.hf_server import HfMirror
@@ -128,5 +132,81 @@ def test_a_placement_whose_engine_never_gets_ready_moves_after_the_placement_tim
         # never counted ready.
         left = [p for p in placements(slow) if p["id"] == first["id"]]
         assert all(p["state"] == "stopping" for p in left)
+    finally:
+        stop_all(hosts)
+
+
+def test_heterogeneous_replicas_each_run_the_variant_that_fits_their_node(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    """Two variants of one model, the larger first: the node with room runs it, the node
+    whose CPU budget is too small for it runs the smaller one -- each placement names its
+    variant and each node loads exactly that file."""
+    sizes = {"big": 20_000, "small": 50}
+    files = {name: tiny_gguf(tmp_path / name, vocab=vocab) for name, vocab in sizes.items()}
+    for name, data in files.items():
+        mirror.add_file(REPO, REVISION, f"{name}.gguf", data)
+    variants = [
+        {
+            "id": name,
+            "format": "gguf",
+            "quant": "Q4_K_M",
+            "engines": ["llama_cpp"],
+            "source": f"hf:{REPO}",
+            "revision": REVISION,
+            "files": [
+                {
+                    "path": f"{name}.gguf",
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                    "size_bytes": len(data),
+                }
+            ],
+            "requirements": {"accelerators": ["cpu"], "min_memory_bytes": 1},
+            "stability": "preview",
+            "certification": "test",
+        }
+        for name, data in files.items()
+    ]
+    model = {"params": "1M", "license": "apache-2.0", "family": "test", "context_length": 4096}
+    (tmp_path / "catalog.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "schema_version": 2,
+                "catalog_revision": "het-1",
+                "models": {"tiny-het": {**model, "variants": variants}},
+            }
+        )
+    )
+    url = postgres_server.create_database()
+    # node-a offers ~300 kB to models: the small variant fits (its estimate from the file
+    # size, ~7 kB, and from its header with 16 tokens of context, ~46 kB), the big one
+    # (~0.8 MB from its size) does not. node-b offers the default share of RAM.
+    budget = 300_000 / psutil.virtual_memory().total
+    small = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    small.extra_env["SBPROXY_CPU_MEMORY_FRACTION"] = repr(budget)
+    large = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
+    hosts = [small, large]
+    try:
+        start_all(hosts)
+        deployment = {
+            "model": "tiny-het",
+            "replicas": 2,
+            "heterogeneous_variants": True,
+            "max_context": 16,
+            "max_output_tokens": 8,
+            "pull": "on_boot",
+        }
+        apply(small, {"tiny": deployment})
+        poll(
+            lambda: ready_nodes(small, "tiny") == ["node-a", "node-b"],
+            timeout_s=90,
+            what="both replicas ready",
+        )
+        chosen = {p["node"]: p["variant"] for p in placements(small)}
+        assert chosen == {"node-a": "small", "node-b": "big"}
+        for host in hosts:
+            (engine,) = host.engines()
+            assert f"{chosen[host.node]}.gguf" in " ".join(engine.cmdline())
+            assert host.chat().status_code == 200
     finally:
         stop_all(hosts)
