@@ -58,6 +58,7 @@ from sbproxy.fleet.control import (
     forgettable,
     judge_own_lease,
     local_deployments,
+    local_placements,
     node_moves,
     observe,
     placement_views,
@@ -344,13 +345,7 @@ class FleetAgent:
         snapshot = self.snapshot
         if snapshot is None:
             return {}
-        chosen: dict[str, Any] = {}
-        for placement in snapshot.placements:
-            if placement.node != self.identity.id or placement.state == "stopping":
-                continue
-            held = chosen.get(placement.deployment)
-            if held is None or placement.revision > held.revision:
-                chosen[placement.deployment] = placement
+        chosen = local_placements(snapshot.placements, self.identity.id)
         return {deployment: placement.id for deployment, placement in chosen.items()}
 
     async def _renew(self) -> bool:

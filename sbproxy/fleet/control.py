@@ -79,6 +79,7 @@ __all__ = [
     "forgettable",
     "judge_own_lease",
     "local_deployments",
+    "local_placements",
     "node_moves",
     "observe",
     "placement_views",
@@ -260,10 +261,9 @@ def forgettable(views: Sequence[PlacementView], nodes: Sequence[NodeView]) -> li
     )
 
 
-def local_deployments(placements: Sequence[Any], node_id: str) -> dict[str, dict[str, Any]]:
-    """The deployment definitions node ``node_id`` must run: every placement of it that is
-    not ``stopping``, the newest revision when one deployment has several; each warm and
-    pulled on boot (a placed replica is started, not left for the first request)."""
+def local_placements(placements: Sequence[Any], node_id: str) -> dict[str, Any]:
+    """``{deployment: placement}`` node ``node_id`` runs: its placements that are not
+    ``stopping``, the newest revision when one deployment has several."""
     chosen: dict[str, Any] = {}
     for placement in placements:
         if placement.node != node_id or placement.state == PlacementState.STOPPING.value:
@@ -271,6 +271,14 @@ def local_deployments(placements: Sequence[Any], node_id: str) -> dict[str, dict
         held = chosen.get(placement.deployment)
         if held is None or placement.revision > held.revision:
             chosen[placement.deployment] = placement
+    return chosen
+
+
+def local_deployments(placements: Sequence[Any], node_id: str) -> dict[str, dict[str, Any]]:
+    """The deployment definitions node ``node_id`` must run (:func:`local_placements`),
+    each warm and pulled on boot (a placed replica is started, not left for the first
+    request), with the variant its placement names pinned."""
+    chosen = local_placements(placements, node_id)
     return {
         deployment: {
             **placement.definition,
