@@ -10,7 +10,9 @@ every one answers 409 ``fleet_disabled``):
 * ``POST /admin/fleet/nodes/{node}/{cordon|uncordon|drain|remove}`` -- the operator's flag,
   recorded as a ``fleet.node`` job: 202 ``{job_id, node, action}``;
 * ``GET /admin/fleet/placements`` -- every placement and every replica's reported runtime
-  (``sbproxy models ps --fleet``);
+  (``sbproxy models ps --fleet``): its ``variant``, its ``estimate_basis`` (``gguf_header``
+  or ``file_size``), ``stuck`` (``placement_timeout``, ``crash_loop``, ``load_failed``, or
+  ``null``), and the nodes deployments avoid after a stuck placement (``avoids``);
 * ``GET /admin/fleet/controller`` -- the lease: holder, epoch, expiry;
 * ``GET /admin/fleet/events`` -- the newest fleet events (state moves, placements).
 
@@ -36,7 +38,7 @@ from litestar.params import FromPath
 from sbproxy.api.errors import admin_error
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.agent import FleetAgent
-from sbproxy.fleet.control import observe
+from sbproxy.fleet.control import observe, stuck_placements
 from sbproxy.fleet.membership import replica_state
 from sbproxy.store.fleet import FleetSnapshot
 
@@ -184,10 +186,17 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
             return snapshot if isinstance(snapshot, Response) else _disabled()
         states = {row["id"]: row["state"] for row in _nodes(agent, snapshot)}
         reported = {node.id: node.replicas for node in snapshot.nodes}
+        stuck = stuck_placements(
+            snapshot.placements,
+            snapshot.nodes,
+            now_ms=snapshot.now_ms,
+            timeout_ms=agent.timing.placement_timeout_ms,
+        )
         rows = []
         for placement in snapshot.placements:
             row = placement.to_dict()
             row.pop("definition")
+            row["stuck"] = stuck.get(placement.id)
             row["node_state"] = states.get(placement.node)
             row["runtime"] = _shown_runtime(
                 row["node_state"], reported.get(placement.node, {}).get(placement.deployment)
@@ -198,6 +207,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
                 "schema_version": 1,
                 "desired_revision": snapshot.desired_revision,
                 "placements": rows,
+                "avoids": [avoid.to_dict() for avoid in snapshot.avoids],
             }
         )
 

@@ -367,6 +367,20 @@ class _FleetCollector(Collector):
             "Replicas this host re-placed from gone nodes as the controller.",
             value=agent.replacements,
         )
+        stuck = CounterMetricFamily(
+            "sbproxy_fleet_stuck_replacements",
+            "Placements this host moved off their node as the controller because they were "
+            "stuck or failed there, by reason (placement_timeout, crash_loop, load_failed).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(agent.stuck_replacements.items()):
+            stuck.add_metric([reason], count)
+        yield stuck
+        yield GaugeMetricFamily(
+            "sbproxy_fleet_stuck_staying",
+            "Stuck placements no other node takes, at this controller's last pass.",
+            value=len(agent.stuck_staying),
+        )
         yield CounterMetricFamily(
             "sbproxy_fleet_placements",
             "Placements this host recorded as the controller (re-placements included).",

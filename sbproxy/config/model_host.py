@@ -445,6 +445,16 @@ class FleetConfig(ConfigModel):
         "lost and re-places its replicas; must exceed fence_after_ms, so the node has fenced "
         "itself first." + _NOT_WIRED,
     )
+    placement_timeout_ms: int = Field(
+        default=600_000,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Milliseconds a placement may stay pending (pulling, loading) before the "
+        "fleet moves it to another node that fits, keeping that deployment off the node it "
+        "was stuck on for as long again; a node reporting the load failed or the engine in a "
+        "crash loop is moved at once. No other node fits: it stays, reported. Must exceed "
+        "lost_after_ms." + _NOT_WIRED,
+    )
     placement: PlacementStrategy = Field(
         default=PlacementStrategy.SPREAD,
         description="Node scoring: spread (fewest replicas and most free memory first) or "
@@ -504,6 +514,15 @@ class FleetConfig(ConfigModel):
                     f"lost_after_ms {self.lost_after_ms} must be greater than fence_after_ms "
                     f"{self.fence_after_ms}: a node must stop its own engines before the fleet "
                     "starts its replicas elsewhere",
+                )
+            )
+        if self.placement_timeout_ms <= self.lost_after_ms:
+            problems.append(
+                (
+                    ("placement_timeout_ms",),
+                    f"placement_timeout_ms {self.placement_timeout_ms} must be greater than "
+                    f"lost_after_ms {self.lost_after_ms}: a slow load must not be taken for "
+                    "a lost node, and a node is judged lost before its placements stuck",
                 )
             )
         if problems:

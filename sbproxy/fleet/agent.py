@@ -4,13 +4,17 @@ self-fencing, and the routing table the gateway reads.
 :class:`FleetAgent` runs one loop per host (``heartbeat_ms`` apart); each beat:
 
 1. **renews** this node's membership on database time, reporting every local replica's
-   active and queued counts (and its cached artifacts);
+   active and queued counts, the placement it runs for and whether it failed (load failed,
+   crash loop), and its cached artifacts with their GGUF header facts;
 2. if renewed, **holds or tries the controller lease** (``fleet_controller``, one holder,
    a fencing epoch, ``fence_after_ms`` long: a controller that cannot renew it is cut off
    and fences itself anyway); the holder observes every member on database time, records each
    state change (checked against the transition table, an event, a metric), runs the pure
    :func:`~sbproxy.fleet.placement.plan` and records each decision as a placement plus a
-   ``fleet.place`` job -- every write fenced by its epoch in the database;
+   ``fleet.place`` job -- every write fenced by its epoch in the database. Replicas are
+   sized from a member's GGUF facts when any reported them; a placement stuck past
+   ``placement_timeout_ms`` or failed on its node is moved to another node, which the
+   deployment then avoids for as long;
 3. **reconciles its own placements** through today's prepare-and-commit path: the
    deployments placed here become this host's desired state (``reload``: pull into its own
    cache, warm, route), run as this node's own jobs; a placement the controller moved or
@@ -46,13 +50,20 @@ import httpx
 from sbproxy.config import DeploymentConfig
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.control import (
+    ProbedGpu,
+    avoided_nodes,
     definition_digest,
+    deployment_spec,
+    device_capacities,
     forgettable,
     judge_own_lease,
     local_deployments,
+    local_placements,
     node_moves,
     observe,
     placement_views,
+    reported_facts,
+    stuck_placements,
 )
 from sbproxy.fleet.membership import FenceVerdict, FleetTiming, PeerAnswer, replica_state
 from sbproxy.fleet.placement import (
@@ -62,12 +73,13 @@ from sbproxy.fleet.placement import (
     ReplaceReplica,
     StartReplica,
     StopReplica,
+    StuckReason,
+    UnplacedReplica,
     plan,
 )
 from sbproxy.fleet.routing import PeerReplica, RoutingTable
 from sbproxy.fleet.view import ControllerRow, FleetView, NodeRow, PlacementJobRow, ReplicaRow
 from sbproxy.model_host.runtime.manager import RuntimeManager
-from sbproxy.model_host.runtime.memory import estimate_memory
 from sbproxy.model_host.runtime.reload import reload, with_deployments
 from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.model_host.service import ModelHostService
@@ -145,6 +157,9 @@ class FleetAgent:
         artifacts: Digests of the artifacts in this node's cache.
         ask_peers: How to ask peers before fencing (:func:`ask_peers_http`).
         clock: Monotonic seconds (tests inject one).
+        artifact_facts: ``{digest: GGUF facts JSON}`` of the verified GGUF artifacts in this
+            node's cache (read from their headers; none by default).
+        gpus: The device probe (every GPU; none on a CPU host) at join.
     """
 
     def __init__(
@@ -158,6 +173,8 @@ class FleetAgent:
         artifacts: Callable[[], list[str]],
         ask_peers: PeerAsker,
         clock: Callable[[], float] = time.monotonic,
+        artifact_facts: Callable[[], dict[str, dict[str, Any]]] = dict,
+        gpus: Callable[[], Sequence[ProbedGpu]] = tuple,
     ) -> None:
         self.store = store
         self.manager = manager
@@ -167,6 +184,8 @@ class FleetAgent:
         self.artifacts = artifacts
         self.ask_peers = ask_peers
         self.clock = clock
+        self.artifact_facts = artifact_facts
+        self.gpus = gpus
         self.fenced = False
         self.holding: ControllerLease | None = None
         self.snapshot: FleetSnapshot | None = None
@@ -176,6 +195,13 @@ class FleetAgent:
         self.node_transitions: Counter[tuple[str, str]] = Counter()
         self.replacements = 0
         self.placements_made = 0
+        self.stuck_replacements: Counter[str] = Counter()
+        """Stuck or failed placements this host moved as the controller, by reason."""
+        self.stuck_staying: dict[str, str] = {}
+        """Stuck placements no other node takes now: ``{placement: why}`` (last pass)."""
+        # {deployment: placement id} a failed reconcile could not load, and its code
+        self._load_failure: tuple[dict[str, str], str] | None = None
+        self._facts_sent: frozenset[str] | None = None
         self._reconciling = False
         self._reload_failed_at = float("-inf")
         self._unreached = 0
@@ -231,16 +257,20 @@ class FleetAgent:
             JournalUnavailable: ``journal_unavailable``.
         """
         worker = ModelHostService.serving(self.manager).worker()
+        devices = device_capacities(worker, await anyio.to_thread.run_sync(self.gpus))
+        facts = await anyio.to_thread.run_sync(self.artifact_facts)
         await anyio.to_thread.run_sync(
             lambda: self.store.join(
                 self.identity.id,
                 advertise_url=self.identity.advertise_url,
                 labels=self.identity.labels,
                 engines=sorted(e.value for e in worker.engines),
-                devices=[{"index": 0, "capacity_bytes": worker.memory_bytes}],
+                devices=devices,
                 artifacts=self.artifacts(),
+                artifact_facts=facts,
             )
         )
+        self._facts_sent = frozenset(facts)
         self.last_renewal = self.clock()
         logger.info("joined the fleet as node %s (%s)", self.identity.id, worker.describe())
 
@@ -280,7 +310,11 @@ class FleetAgent:
     # -- membership and fencing --------------------------------------------------------
 
     def _replica_counts(self) -> dict[str, dict[str, Any]]:
-        return {
+        """Each local replica as reported: runtime counts and state, the placement it runs
+        for, a retained crash loop; a placed deployment whose load failed (not running)
+        is reported ``failure: load_failed`` with the error code."""
+        mine = self._my_placements()
+        counts: dict[str, dict[str, Any]] = {
             row.deployment: {
                 "generation": row.generation,
                 "state": row.state.value,
@@ -288,21 +322,52 @@ class FleetAgent:
                 "active": row.active_requests,
                 "queued": row.queued_requests,
                 "port": row.port,
+                "placement": mine.get(row.deployment),
+                "crash_looped": row.crash_looped,
             }
             for row in self.manager.status()
         }
+        if self._load_failure is not None:
+            failed, code = self._load_failure
+            for deployment, placement in sorted(failed.items()):
+                # A failure is reported for the placement it was for, never a later one.
+                if deployment not in counts and mine.get(deployment) == placement:
+                    counts[deployment] = {
+                        "state": "failed",
+                        "routable": False,
+                        "placement": mine[deployment],
+                        "failure": StuckReason.LOAD_FAILED.value,
+                        "error": code,
+                    }
+        return counts
+
+    def _my_placements(self) -> dict[str, str]:
+        """``{deployment: placement id}`` this node runs (the newest, not stopping)."""
+        snapshot = self.snapshot
+        if snapshot is None:
+            return {}
+        chosen = local_placements(snapshot.placements, self.identity.id)
+        return {deployment: placement.id for deployment, placement in chosen.items()}
 
     async def _renew(self) -> bool:
         counts = self._replica_counts()
+        facts = await anyio.to_thread.run_sync(self.artifact_facts)
+        # The facts travel again only when the set of artifacts changed.
+        changed = None if frozenset(facts) == self._facts_sent else facts
         try:
             renewed = await anyio.to_thread.run_sync(
                 lambda: self.store.renew(
-                    self.identity.id, replicas=counts, artifacts=self.artifacts()
+                    self.identity.id,
+                    replicas=counts,
+                    artifacts=self.artifacts(),
+                    artifact_facts=changed,
                 )
             )
         except SbproxyError as exc:
             logger.warning("membership renewal failed: [%s] %s", exc.code, exc)
             return False
+        if changed is not None:
+            self._facts_sent = frozenset(changed)
         if renewed is None:  # our row is gone (never happens but by hand): join again
             await self.join()
         elif renewed[1]:
@@ -405,13 +470,39 @@ class FleetAgent:
                 logger.warning("node %s: %s", change.node, change.transition.to_dict())
         specs, definitions = self._specs(snapshot)
         current = {d: (s.revision, definition_digest(definitions[d])) for d, s in specs.items()}
-        placed = placement_views(snapshot.placements, current)
+        stuck = stuck_placements(
+            snapshot.placements,
+            snapshot.nodes,
+            now_ms=snapshot.now_ms,
+            timeout_ms=self.timing.placement_timeout_ms,
+        )
+        placed = placement_views(snapshot.placements, current, stuck)
         decided = plan(views, list(specs.values()), placed, policy=self.policy)
+        self._note_staying(stuck, placed, decided.decisions)
         await self._carry_out(lease, decided.decisions, definitions)
         for placement in forgettable(placed, views):
             await anyio.to_thread.run_sync(
                 partial(self.store.forget_placement, lease, placement, why="re-placed")
             )
+
+    def _note_staying(
+        self, stuck: dict[str, StuckReason], placed: Sequence[Any], decisions: Sequence[Any]
+    ) -> None:
+        """Remember (and log once) the stuck placements no other node takes now."""
+        refused = {
+            (d.deployment, d.replica): d.message
+            for d in decisions
+            if isinstance(d, UnplacedReplica)
+        }
+        staying = {
+            view.id: refused[(view.deployment, view.replica)]
+            for view in placed
+            if view.id in stuck and (view.deployment, view.replica) in refused
+        }
+        for placement, why in staying.items():
+            if placement not in self.stuck_staying:
+                logger.warning("placement %s: %s", placement, why)
+        self.stuck_staying = staying
 
     def _specs(
         self, snapshot: FleetSnapshot
@@ -422,32 +513,27 @@ class FleetAgent:
         document = json.loads(snapshot.desired_document)
         specs: dict[str, DeploymentSpec] = {}
         definitions: dict[str, dict[str, Any]] = {}
-        margin = self.manager.safety_margin
         service = ModelHostService.serving(self.manager)
+        # Sized from a member's GGUF header where one holds the artifact, else file sizes.
+        facts = reported_facts(snapshot.nodes)
+        avoid = avoided_nodes(snapshot.avoids, now_ms=snapshot.now_ms)
         for deployment, body in sorted(document.get("deployments", {}).items()):
             try:
                 config = DeploymentConfig.model_validate(body)
                 artifact = self.manager.resolve_config(config, service.catalog)
+                specs[deployment] = deployment_spec(
+                    deployment,
+                    config,
+                    revision=snapshot.desired_revision,
+                    resolved=artifact,
+                    catalog=service.catalog,
+                    facts=facts,
+                    safety_margin=self.manager.safety_margin,
+                    avoid=avoid.get(deployment, frozenset()),
+                )
             except (SbproxyError, ValueError) as exc:
                 logger.warning("deployment %s cannot be placed: %s", deployment, exc)
                 continue
-            # The controller may not hold the artifact: no GGUF header, the file sizes.
-            estimate = estimate_memory(
-                weights_bytes=artifact.total_size_bytes,
-                facts=None,
-                seq_len=max(1, min(config.max_context or artifact.context_length, 1 << 20)),
-                concurrency=config.max_concurrency,
-                kv_quant=config.kv_quant,
-                safety_margin=margin,
-            )
-            specs[deployment] = DeploymentSpec.from_config(
-                deployment,
-                config,
-                revision=snapshot.desired_revision,
-                estimate=estimate,
-                engines=[artifact.engine.value],
-                artifact_digest=artifact.digest,
-            )
             definitions[deployment] = config.model_dump(mode="json", exclude_unset=True)
         return specs, definitions
 
@@ -463,20 +549,32 @@ class FleetAgent:
                 definition = definitions[decision.deployment]
                 fault_point("fleet.place:before")
                 placement, job = await anyio.to_thread.run_sync(
-                    partial(self.store.place, lease, body, definition=definition)
+                    partial(
+                        self.store.place,
+                        lease,
+                        body,
+                        definition=definition,
+                        avoid_ms=self.timing.placement_timeout_ms,
+                    )
                 )
                 fault_point("fleet.place:committed")
                 self.placements_made += 1
                 if isinstance(decision, ReplaceReplica):
                     self.replacements += 1
+                    if decision.cause != "node_gone":
+                        self.stuck_replacements[decision.cause] += 1
                 logger.warning(
-                    "placed %s replica %d on %s (placement %s, job %s%s)",
+                    "placed %s replica %d on %s (placement %s, job %s, variant %s, %s "
+                    "bytes from %s%s)",
                     decision.deployment,
                     decision.replica,
                     decision.node,
                     placement,
                     job,
-                    f", replacing {decision.replaces} of {decision.from_node}"
+                    decision.variant or "resolved by the node",
+                    decision.reserved_bytes,
+                    decision.estimate_basis.value,
+                    f", replacing {decision.replaces} of {decision.from_node}: {decision.cause}"
                     if isinstance(decision, ReplaceReplica)
                     else "",
                 )
@@ -543,9 +641,14 @@ class FleetAgent:
             candidate = with_deployments(ModelHostService.serving(self.manager).served, deployments)
             job_id, report = await reload(self.manager, candidate, source="fleet")
             logger.info("fleet reconcile %s: %s", job_id, report.plan.to_dict())
+            self._load_failure = None
         except (SbproxyError, ValueError) as exc:
-            # Tried again RELOAD_RETRY_S later, not at every heartbeat.
+            # Tried again RELOAD_RETRY_S later, not at every heartbeat; reported with the
+            # renewals meanwhile, so the controller can move the placement elsewhere.
             self._reload_failed_at = self.clock()
+            mine = self._my_placements()
+            failed = {d: mine[d] for d in _failed_deployments(exc, wanted) if d in mine}
+            self._load_failure = (failed, _code(exc))
             logger.warning("fleet reconcile failed: %s", exc)
         finally:
             self._reconciling = False
@@ -646,6 +749,19 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
         controller=controller,
         jobs=tuple(sorted(jobs, key=lambda j: -j.age_ms)),
     )
+
+
+def _failed_deployments(exc: Exception, wanted: dict[str, Any]) -> frozenset[str]:
+    """The deployments a failed reconcile names (``details.deployment``), else all of
+    ``wanted`` (the transaction failed as a whole)."""
+    named = exc.details.get("deployment") if isinstance(exc, SbproxyError) else None
+    if isinstance(named, str) and named in wanted:
+        return frozenset({named})
+    return frozenset(wanted)
+
+
+def _code(exc: Exception) -> str:
+    return exc.code if isinstance(exc, SbproxyError) else "invalid_definition"
 
 
 def _normal(deployments: dict[str, Any]) -> dict[str, Any]:

@@ -3,25 +3,31 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import anyio.to_thread
 
 from sbproxy.config import CompiledConfig, DeploymentConfig
 from sbproxy.config.model_host import Authority
 from sbproxy.fleet.agent import FleetAgent, NodeIdentity, ask_peers_http
-from sbproxy.fleet.control import local_deployments
+from sbproxy.fleet.control import facts_of, local_deployments
 from sbproxy.fleet.membership import FleetTiming
 from sbproxy.fleet.placement import PlacementPolicy
 from sbproxy.model_host.artifacts import ArtifactCache
+from sbproxy.model_host.artifacts.cache import CachedMetadata
+from sbproxy.model_host.runtime.devices import probe_devices
 from sbproxy.model_host.runtime.manager import RuntimeManager
+from sbproxy.model_host.runtime.memory import GgufError, read_gguf_header
 from sbproxy.model_host.runtime.reload import with_deployments
 from sbproxy.model_host.service import ModelHostService
 from sbproxy.store.fleet import FleetStore
 from sbproxy.store.node import ENV_NODE_ID, fleet_node_id
 
 __all__ = [
+    "CachedFacts",
     "advertise_url",
     "fleet_store",
     "is_cluster",
@@ -29,6 +35,44 @@ __all__ = [
     "start_node",
     "starting_state",
 ]
+
+
+logger = logging.getLogger(__name__)
+
+
+class CachedFacts:
+    """The GGUF header facts of the verified artifacts in one cache, ``{digest: facts JSON}``
+    (:func:`~sbproxy.fleet.control.facts_of`): what a node reports so that the controller
+    sizes replicas from the model's shape. Each header is read once per process; an
+    artifact with no ``.gguf`` file, or whose header cannot be read, is left out."""
+
+    def __init__(self, cache: ArtifactCache) -> None:
+        self.cache = cache
+        self._known: dict[str, dict[str, Any] | None] = {}
+
+    def __call__(self) -> dict[str, dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = {}
+        for metadata in self.cache.published():
+            digest = metadata.artifact_digest
+            if digest not in self._known:
+                self._known[digest] = self._read(metadata)
+            facts = self._known[digest]
+            if facts is not None:
+                found[digest] = facts
+        return found
+
+    def _read(self, metadata: CachedMetadata) -> dict[str, Any] | None:
+        ggufs = [item for item in metadata.files if item.path.endswith(".gguf")]
+        if not ggufs:
+            return None
+        try:
+            header = read_gguf_header(self.cache.snapshot(metadata.artifact_digest) / ggufs[0].path)
+        except GgufError as exc:
+            logger.warning(
+                "artifact %s: no GGUF facts to report: %s", metadata.artifact_digest, exc
+            )
+            return None
+        return facts_of(header)
 
 
 def is_cluster(compiled: CompiledConfig) -> bool:
@@ -99,4 +143,6 @@ def open_agent(
         policy=PlacementPolicy.from_config(host.fleet),
         artifacts=lambda: sorted(meta.artifact_digest for meta in cache.published()),
         ask_peers=ask_peers_http(credential),
+        artifact_facts=CachedFacts(cache),
+        gpus=probe_devices,
     )

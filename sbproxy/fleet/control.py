@@ -15,7 +15,15 @@ reads a clock: database time comes in the snapshot.
   change to one deployment does not roll every other one.
 * :func:`judge_own_lease` -- whether a node that cannot renew fences itself.
 * :func:`forgettable` -- placements on gone nodes whose replica now serves elsewhere.
-* :func:`local_deployments` -- what one node must run: its placements' definitions.
+* :func:`local_deployments` -- what one node must run: its placements' definitions (with the
+  variant a placement names pinned).
+* :func:`stuck_placements` -- placements never ready past ``placement_timeout_ms``, or whose
+  node reports the load failed or the engine in a crash loop.
+* :func:`reported_facts`, :func:`facts_of`, :func:`device_capacities` -- what a node reports
+  of itself: GGUF header facts per artifact, each device with its own budget.
+* :func:`deployment_spec` -- one desired deployment as the planner sees it: its estimate from
+  a member's GGUF facts when one reported them, else from file sizes; under
+  ``heterogeneous_variants`` with no pinned variant, every catalog variant as a choice.
 """
 
 from __future__ import annotations
@@ -24,9 +32,17 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
+from sbproxy.catalog import (
+    ArtifactFormat,
+    Catalog,
+    ResolvedArtifact,
+    WorkerProfile,
+    pinned_artifact,
+)
+from sbproxy.config import DeploymentConfig
 from sbproxy.fleet.membership import (
     FenceVerdict,
     FleetTiming,
@@ -38,19 +54,37 @@ from sbproxy.fleet.membership import (
     fence_verdict,
     move,
 )
-from sbproxy.fleet.placement import DeviceCapacity, NodeView, PlacementState, PlacementView
+from sbproxy.fleet.placement import (
+    DeploymentSpec,
+    DeviceCapacity,
+    EstimateBasis,
+    NodeView,
+    PlacementState,
+    PlacementView,
+    StuckReason,
+    VariantChoice,
+)
+from sbproxy.model_host.runtime.memory import GgufFacts, estimate_memory
 
 __all__ = [
     "PLACEMENT_FIELDS",
     "UNREACHED_ASKS_TO_FENCE",
     "NodeMove",
+    "ProbedGpu",
+    "avoided_nodes",
     "definition_digest",
+    "deployment_spec",
+    "device_capacities",
+    "facts_of",
     "forgettable",
     "judge_own_lease",
     "local_deployments",
+    "local_placements",
     "node_moves",
     "observe",
     "placement_views",
+    "reported_facts",
+    "stuck_placements",
 ]
 
 logger = logging.getLogger(__name__)
@@ -173,7 +207,9 @@ def node_moves(nodes: Sequence[Any], views: Sequence[NodeView]) -> list[NodeMove
 
 
 def placement_views(
-    placements: Sequence[Any], current: Mapping[str, tuple[int, str]]
+    placements: Sequence[Any],
+    current: Mapping[str, tuple[int, str]],
+    stuck: Mapping[str, StuckReason] | None = None,
 ) -> list[PlacementView]:
     """Recorded placements for :func:`~sbproxy.fleet.placement.plan`.
 
@@ -181,7 +217,9 @@ def placement_views(
         placements: ``PlacementRow``-shaped placements.
         current: ``{deployment: (revision, definition digest)}`` of the desired state; a
             placement with that digest is shown at that revision.
+        stuck: ``{placement id: reason}`` from :func:`stuck_placements`.
     """
+    stuck = stuck or {}
     views = []
     for placement in placements:
         revision = placement.revision
@@ -199,6 +237,7 @@ def placement_views(
                 reserved_bytes=placement.reserved_bytes,
                 state=PlacementState(placement.state),
                 replaces=placement.replaces,
+                stuck=stuck.get(placement.id),
             )
         )
     return views
@@ -222,10 +261,9 @@ def forgettable(views: Sequence[PlacementView], nodes: Sequence[NodeView]) -> li
     )
 
 
-def local_deployments(placements: Sequence[Any], node_id: str) -> dict[str, dict[str, Any]]:
-    """The deployment definitions node ``node_id`` must run: every placement of it that is
-    not ``stopping``, the newest revision when one deployment has several; each warm and
-    pulled on boot (a placed replica is started, not left for the first request)."""
+def local_placements(placements: Sequence[Any], node_id: str) -> dict[str, Any]:
+    """``{deployment: placement}`` node ``node_id`` runs: its placements that are not
+    ``stopping``, the newest revision when one deployment has several."""
     chosen: dict[str, Any] = {}
     for placement in placements:
         if placement.node != node_id or placement.state == PlacementState.STOPPING.value:
@@ -233,7 +271,227 @@ def local_deployments(placements: Sequence[Any], node_id: str) -> dict[str, dict
         held = chosen.get(placement.deployment)
         if held is None or placement.revision > held.revision:
             chosen[placement.deployment] = placement
+    return chosen
+
+
+def local_deployments(placements: Sequence[Any], node_id: str) -> dict[str, dict[str, Any]]:
+    """The deployment definitions node ``node_id`` must run (:func:`local_placements`),
+    each warm and pulled on boot (a placed replica is started, not left for the first
+    request), with the variant its placement names pinned."""
+    chosen = local_placements(placements, node_id)
     return {
-        deployment: {**placement.definition, "warm": True, "pull": "on_boot", "replicas": 1}
+        deployment: {
+            **placement.definition,
+            **({"variant": placement.variant} if placement.variant else {}),
+            "warm": True,
+            "pull": "on_boot",
+            "replicas": 1,
+        }
         for deployment, placement in sorted(chosen.items())
     }
+
+
+def stuck_placements(
+    placements: Sequence[Any], nodes: Sequence[Any], *, now_ms: int, timeout_ms: int
+) -> dict[str, StuckReason]:
+    """The ``pending``/``starting`` placements to move elsewhere, by id.
+
+    A placement is stuck when its node reports, for it (the report names the placement),
+    ``failure: load_failed`` (preparing it failed) or ``crash_looped`` (its engine is held
+    in a crash loop) -- at once; else when it was last moved more than ``timeout_ms`` ago
+    on database time (``placement_timeout``). Placements on nodes that are not members are
+    left to the gone-node path.
+
+    Args:
+        placements: ``PlacementRow``-shaped placements.
+        nodes: ``NodeRow``-shaped members (their ``replicas`` reports).
+        now_ms: Database now.
+        timeout_ms: ``placement_timeout_ms``.
+    """
+    reports = {node.id: node.replicas for node in nodes if not node.left}
+    found: dict[str, StuckReason] = {}
+    for placement in placements:
+        if placement.state not in (PlacementState.PENDING.value, PlacementState.STARTING.value):
+            continue
+        report = reports.get(placement.node)
+        if report is None:
+            continue
+        mine = report.get(placement.deployment) or {}
+        if mine.get("placement") == placement.id:
+            if mine.get("failure") == StuckReason.LOAD_FAILED.value:
+                found[placement.id] = StuckReason.LOAD_FAILED
+                continue
+            if mine.get("crash_looped"):
+                found[placement.id] = StuckReason.CRASH_LOOP
+                continue
+        if now_ms - placement.updated_at_ms > timeout_ms:
+            found[placement.id] = StuckReason.PLACEMENT_TIMEOUT
+    return found
+
+
+def avoided_nodes(avoids: Sequence[Any], *, now_ms: int) -> dict[str, frozenset[str]]:
+    """``{deployment: nodes}`` from ``AvoidRow``-shaped rows still in force at ``now_ms``."""
+    out: dict[str, set[str]] = {}
+    for row in avoids:
+        if row.until_ms > now_ms:
+            out.setdefault(row.deployment, set()).add(row.node)
+    return {deployment: frozenset(nodes) for deployment, nodes in out.items()}
+
+
+def facts_of(facts: GgufFacts) -> dict[str, Any]:
+    """The JSON form of GGUF header facts a node reports (every field)."""
+    return asdict(facts)
+
+
+def reported_facts(nodes: Sequence[Any]) -> dict[str, GgufFacts]:
+    """``{artifact digest: GGUF facts}`` the members reported (the smallest node id wins
+    where two did; a malformed report is skipped with a warning)."""
+    found: dict[str, GgufFacts] = {}
+    for node in sorted(nodes, key=lambda n: n.id):
+        for digest, body in node.artifact_facts.items():
+            if digest in found:
+                continue
+            try:
+                found[digest] = GgufFacts(**body)
+            except TypeError as exc:
+                logger.warning("node %s: unreadable facts for %s: %s", node.id, digest, exc)
+    return found
+
+
+class ProbedGpu(Protocol):
+    """What :func:`device_capacities` reads of one probed GPU (the probe's ``DeviceInfo``)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def total_bytes(self) -> int: ...
+
+
+def device_capacities(worker: WorkerProfile, gpus: Sequence[ProbedGpu]) -> list[dict[str, int]]:
+    """The devices a node reports at join, each with the bytes it offers to models.
+
+    With GPUs (the probe's :class:`~sbproxy.model_host.runtime.devices.DeviceInfo` list),
+    one entry per GPU with its own index and total memory (the planner subtracts the
+    fleet's placements; memory used outside the fleet is not seen, so leave room with
+    ``safety_margin``). Without: the CPU as device 0 with the worker's budget (RAM times
+    the CPU memory fraction).
+    """
+    if gpus:
+        return [
+            {"index": gpu.index, "capacity_bytes": max(0, gpu.total_bytes)}
+            for gpu in sorted(gpus, key=lambda g: g.index)
+        ]
+    return [{"index": 0, "capacity_bytes": worker.memory_bytes}]
+
+
+def _choice(
+    config: DeploymentConfig,
+    artifact: ResolvedArtifact,
+    *,
+    facts: Mapping[str, GgufFacts],
+    safety_margin: float,
+    variant: str | None,
+    engines: Sequence[str],
+) -> VariantChoice:
+    known = facts.get(artifact.digest)
+    estimate = estimate_memory(
+        weights_bytes=max(1, artifact.total_size_bytes),
+        facts=known,
+        seq_len=max(1, min(config.max_context or artifact.context_length, 1 << 20)),
+        concurrency=config.max_concurrency,
+        kv_quant=config.kv_quant,
+        safety_margin=safety_margin,
+        format_quant=artifact.quant,
+        tensor_parallel=config.tensor_parallel or 1,
+    )
+    return VariantChoice(
+        variant=variant,
+        engines=tuple(engines),
+        estimate=estimate,
+        artifact_digest=artifact.digest,
+        estimate_basis=EstimateBasis.FILE_SIZE if known is None else EstimateBasis.GGUF_HEADER,
+    )
+
+
+def _alternatives(
+    config: DeploymentConfig, catalog: Catalog
+) -> list[tuple[ResolvedArtifact, tuple[str, ...]]]:
+    """Every variant of ``config.model`` a node might run, in resolution order (pickle
+    last, and only with ``allow_pickle``), each with the engines it can be served by."""
+    entry = catalog.models[config.model]
+    found = []
+    for variant in sorted(entry.variants, key=lambda v: v.format is ArtifactFormat.PICKLE):
+        if variant.format is ArtifactFormat.PICKLE and not entry.allow_pickle:
+            continue
+        engines = tuple(e.value for e in variant.engines)
+        if str(config.engine) != "auto":
+            engines = tuple(e for e in engines if e == str(config.engine))
+        if not engines:
+            continue
+        artifact = pinned_artifact(catalog, config.model, entry, variant, engine=variant.engines[0])
+        found.append((artifact, engines))
+    return found
+
+
+def deployment_spec(
+    deployment: str,
+    config: DeploymentConfig,
+    *,
+    revision: int,
+    resolved: ResolvedArtifact,
+    catalog: Catalog,
+    facts: Mapping[str, GgufFacts],
+    safety_margin: float,
+    avoid: frozenset[str] = frozenset(),
+) -> DeploymentSpec:
+    """The planner's spec of one desired deployment.
+
+    Args:
+        deployment: Its id.
+        config: Its definition.
+        revision: The desired-state revision.
+        resolved: Its artifact as the controller resolves it (used when the variant is
+            pinned, or heterogeneous variants are off).
+        catalog: The catalog ``resolved`` came from.
+        facts: ``{artifact digest: GGUF facts}`` the members reported
+            (:func:`reported_facts`); an artifact with facts is sized from its header
+            (``estimate_basis: gguf_header``), else from its file sizes (``file_size``).
+        safety_margin: ``model_host.safety_margin``.
+        avoid: Nodes the deployment avoids now (:func:`avoided_nodes`).
+
+    With ``heterogeneous_variants: true`` and no pinned ``variant``, every variant of the
+    model is a choice (first in catalog order) and each placement names the one it got;
+    otherwise the one choice is ``resolved`` (variant named only when pinned).
+    """
+    heterogeneous = config.heterogeneous_variants and config.variant is None
+    if heterogeneous:
+        options = [
+            _choice(
+                config, artifact, facts=facts, safety_margin=safety_margin,
+                variant=artifact.variant_id, engines=engines,
+            )
+            for artifact, engines in _alternatives(config, catalog)
+        ]  # fmt: skip
+    else:
+        options = []
+    if not options:
+        options = [
+            _choice(
+                config, resolved, facts=facts, safety_margin=safety_margin,
+                variant=config.variant, engines=[resolved.engine.value],
+            )
+        ]  # fmt: skip
+    first, rest = options[0], options[1:]
+    return DeploymentSpec.from_config(
+        deployment,
+        config,
+        revision=revision,
+        estimate=first.estimate,
+        engines=first.engines,
+        artifact_digest=first.artifact_digest,
+        variant=first.variant,
+        estimate_basis=first.estimate_basis,
+        alternatives=rest,
+        avoid_nodes=avoid,
+    )

@@ -175,6 +175,10 @@ class FleetTiming:
         lost_after_ms: The fleet declares a node lost after this long without a renewal
             and re-places its replicas (> ``fence_after_ms``, so that the node has fenced
             itself before its replicas start elsewhere).
+        placement_timeout_ms: A placement still ``pending``/``starting`` this long after it
+            was made is stuck: the controller moves it to another node (> ``lost_after_ms``:
+            a node's silence is judged before its slowness). Also how long the deployment
+            then avoids the node it was stuck on.
 
     Raises:
         ValueError: the order ``0 < heartbeat_ms < fence_after_ms < lost_after_ms`` is
@@ -184,6 +188,7 @@ class FleetTiming:
     heartbeat_ms: int
     fence_after_ms: int
     lost_after_ms: int
+    placement_timeout_ms: int = 600_000
 
     def __post_init__(self) -> None:
         if self.heartbeat_ms <= 0:
@@ -199,6 +204,11 @@ class FleetTiming:
                 f"({self.lost_after_ms}): a node must stop its engines before the fleet "
                 "starts its replicas elsewhere"
             )
+        if self.placement_timeout_ms <= self.lost_after_ms:
+            raise ValueError(
+                f"placement_timeout_ms ({self.placement_timeout_ms}) must be greater than "
+                f"lost_after_ms ({self.lost_after_ms})"
+            )
 
     @classmethod
     def from_config(cls, config: FleetConfig) -> FleetTiming:
@@ -207,6 +217,7 @@ class FleetTiming:
             heartbeat_ms=config.heartbeat_ms,
             fence_after_ms=config.fence_after_ms,
             lost_after_ms=config.lost_after_ms,
+            placement_timeout_ms=config.placement_timeout_ms,
         )
 
     @property

@@ -19,7 +19,20 @@ Filter, then score (issue 20 "Placement"):
    free (the GGUF estimate with the safety margin, :mod:`~sbproxy.model_host.runtime.memory`)
    after every placement already on the device, stopping ones included, and every
    placement this plan adds; two replicas of one deployment never share a device, so a node
-   takes a second replica only when it has devices for both.
+   takes a second replica only when it has devices for both (and, with
+   ``max_replicas_per_node``, only that many distinct replicas of one deployment at all).
+
+A deployment may offer several **variant choices** (``heterogeneous_variants`` with no pinned
+variant): filters 3 and 4 take, per node, the first choice whose engine the node offers and
+whose estimate fits; the decision names that variant and its reservation. Nodes in a
+spec's ``avoid_nodes`` (a stuck placement of it was moved off them) take none of its
+replicas.
+
+**Stuck placements**: a ``pending``/``starting`` placement the caller marks ``stuck``
+(``placement_timeout``, ``crash_loop``, ``load_failed``) is re-placed like a replica on a gone
+node (decision ``replace`` with that ``cause``, the same in-flight cap) on another node, and
+stopped (cause ``stuck``) in the same plan; when no other node fits it stays where it is and
+the replica is reported ``unplaced`` with the reason of the filter that refused.
 
 A replica no node passes gets ``unplaced`` with the reason of the first filter that left
 no candidate: ``no_matching_node`` (state or labels), ``engine_unavailable``,
@@ -39,8 +52,8 @@ but only while every other replica is serving, so at least ``replicas - 1`` serv
 throughout (the others are ``deferred``, ``rollout_paced``); the start follows in a later
 plan once its memory is free (``deferred``, ``awaiting_stop``, until then).
 
-Out of scope here: engines failing on a node (the node's runtime owns crash loops),
-heterogeneous variants (the caller passes one estimate per deployment), eviction.
+Out of scope here: eviction; deciding that a placement is stuck (the caller's, on database
+time: :func:`~sbproxy.fleet.control.stuck_placements`).
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ __all__ = [
     "DeferredReplica",
     "DeploymentSpec",
     "DeviceCapacity",
+    "EstimateBasis",
     "NodeView",
     "PlacementPlan",
     "PlacementPolicy",
@@ -73,7 +87,9 @@ __all__ = [
     "ReplaceReplica",
     "StartReplica",
     "StopReplica",
+    "StuckReason",
     "UnplacedReplica",
+    "VariantChoice",
     "plan",
 ]
 
@@ -105,6 +121,26 @@ class DeferReason(StrEnum):
     ROLLOUT_PACED = "rollout_paced"
     """Its old placement must stop first (recreate, or no room), but another replica is
     already down: it waits so that at least ``replicas - 1`` keep serving."""
+
+
+class EstimateBasis(StrEnum):
+    """What a replica's memory estimate was computed from."""
+
+    GGUF_HEADER = "gguf_header"
+    """The model's shape from a GGUF header a node read from its verified artifact."""
+    FILE_SIZE = "file_size"
+    """The artifact's file sizes only (no node holds it yet): KV sized as a share of them."""
+
+
+class StuckReason(StrEnum):
+    """Why a placement that never became ready is moved elsewhere (stable reason codes)."""
+
+    PLACEMENT_TIMEOUT = "placement_timeout"
+    """It stayed ``pending``/``starting`` longer than ``placement_timeout_ms``."""
+    CRASH_LOOP = "crash_loop"
+    """Its node reports the engine held in a crash loop."""
+    LOAD_FAILED = "load_failed"
+    """Its node reports that preparing it (pull, resolve, admit, launch) failed."""
 
 
 class PlacementState(StrEnum):
@@ -151,6 +187,24 @@ class NodeView(_Frozen):
         return self
 
 
+class VariantChoice(_Frozen):
+    """One way to run a replica: a catalog variant with its engines and estimate.
+
+    Attributes:
+        variant: Catalog variant id; ``None`` lets the node resolve it.
+        engines: Acceptable engine kinds, preferred first (non-empty).
+        estimate: Bytes one replica reserves on each of its devices.
+        artifact_digest: The variant's artifact, for cache locality; ``None`` if unknown.
+        estimate_basis: What ``estimate`` was computed from.
+    """
+
+    variant: str | None = None
+    engines: tuple[str, ...] = Field(min_length=1)
+    estimate: MemoryEstimate
+    artifact_digest: str | None = None
+    estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE
+
+
 class DeploymentSpec(_Frozen):
     """One desired deployment at one revision.
 
@@ -166,6 +220,11 @@ class DeploymentSpec(_Frozen):
         tensor_parallel: Devices per replica (>= 1).
         rollout: ``rolling`` or ``recreate``.
         artifact_digest: The pinned artifact, for cache locality; ``None`` if unknown.
+        variant: The catalog variant of ``engines``/``estimate``; ``None``: the node resolves.
+        estimate_basis: What ``estimate`` was computed from.
+        alternatives: Further :class:`VariantChoice` s, tried in order per node after the
+            first (``heterogeneous_variants``).
+        avoid_nodes: Nodes none of its replicas is placed on now.
     """
 
     id: str = Field(min_length=1)
@@ -178,6 +237,22 @@ class DeploymentSpec(_Frozen):
     tensor_parallel: int = Field(default=1, ge=1)
     rollout: Rollout = Rollout.ROLLING
     artifact_digest: str | None = None
+    variant: str | None = None
+    estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE
+    alternatives: tuple[VariantChoice, ...] = ()
+    avoid_nodes: frozenset[str] = frozenset()
+
+    def choices(self) -> tuple[VariantChoice, ...]:
+        """The first choice (this spec's own variant, engines and estimate), then the
+        alternatives."""
+        first = VariantChoice(
+            variant=self.variant,
+            engines=self.engines,
+            estimate=self.estimate,
+            artifact_digest=self.artifact_digest,
+            estimate_basis=self.estimate_basis,
+        )
+        return (first, *self.alternatives)
 
     @classmethod
     def from_config(
@@ -189,6 +264,10 @@ class DeploymentSpec(_Frozen):
         estimate: MemoryEstimate,
         engines: Sequence[str],
         artifact_digest: str | None = None,
+        variant: str | None = None,
+        estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE,
+        alternatives: Sequence[VariantChoice] = (),
+        avoid_nodes: Iterable[str] = (),
     ) -> DeploymentSpec:
         """The spec of a configured deployment; ``engines`` come from its resolved variant."""
         return cls(
@@ -202,6 +281,10 @@ class DeploymentSpec(_Frozen):
             tensor_parallel=config.tensor_parallel or 1,
             rollout=config.rollout,
             artifact_digest=artifact_digest,
+            variant=variant,
+            estimate_basis=estimate_basis,
+            alternatives=tuple(alternatives),
+            avoid_nodes=frozenset(avoid_nodes),
         )
 
 
@@ -219,6 +302,7 @@ class PlacementView(_Frozen):
         state: Its :class:`PlacementState`.
         replaces: The placement it re-placed from a lost node, if any (counts against
             ``max_replacements_in_flight`` until ``ready``).
+        stuck: Set by the caller on a ``pending``/``starting`` placement to move elsewhere.
     """
 
     id: str = Field(min_length=1)
@@ -230,25 +314,32 @@ class PlacementView(_Frozen):
     reserved_bytes: int = Field(ge=0)
     state: PlacementState
     replaces: str | None = None
+    stuck: StuckReason | None = None
 
 
 class PlacementPolicy(_Frozen):
-    """Fleet-wide knobs: node scoring and the re-placement cap."""
+    """Fleet-wide knobs: node scoring, the re-placement cap, and how many distinct replicas
+    of one deployment a node may hold (``None``: as many as it has devices for)."""
 
     strategy: PlacementStrategy = PlacementStrategy.SPREAD
     max_replacements_in_flight: int = Field(default=2, ge=1)
+    max_replicas_per_node: int | None = Field(default=None, ge=1)
 
     @classmethod
     def from_config(cls, config: FleetConfig) -> PlacementPolicy:
-        """The policy of ``proxy.model_host.fleet``."""
+        """The policy of ``proxy.model_host.fleet``. A node's runtime runs one engine per
+        deployment id, so a fleet host takes one replica of a deployment
+        (``max_replicas_per_node=1``) whatever its devices."""
         return cls(
             strategy=config.placement,
             max_replacements_in_flight=config.max_replacements_in_flight,
+            max_replicas_per_node=1,
         )
 
 
 StartCause = Literal["missing", "rollout", "drain"]
-StopCause = Literal["rollout", "drain", "make_room", "scale_down", "duplicate", "removed"]
+ReplaceCause = Literal["node_gone", "placement_timeout", "crash_loop", "load_failed"]
+StopCause = Literal["rollout", "drain", "make_room", "scale_down", "duplicate", "removed", "stuck"]
 
 
 class StartReplica(_Frozen):
@@ -267,10 +358,14 @@ class StartReplica(_Frozen):
     engine: str
     reserved_bytes: int
     cause: StartCause
+    variant: str | None = None
+    estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE
 
 
 class ReplaceReplica(_Frozen):
-    """Start replica ``replica`` on ``node`` in place of ``replaces`` on a gone node."""
+    """Start replica ``replica`` on ``node`` in place of ``replaces`` on ``from_node``:
+    ``cause`` ``node_gone`` (lost or left), else the :class:`StuckReason` of a placement
+    that never became ready (the plan stops it too)."""
 
     kind: Literal["replace"] = "replace"
     deployment: str
@@ -282,6 +377,9 @@ class ReplaceReplica(_Frozen):
     reserved_bytes: int
     replaces: str
     from_node: str
+    cause: ReplaceCause = "node_gone"
+    variant: str | None = None
+    estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE
 
 
 class StopReplica(_Frozen):
@@ -352,20 +450,35 @@ class _Ledger:
     )
     # replicas of a deployment per node, for spreading
     per_node: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # which replica indexes of a deployment a node holds (max_replicas_per_node)
+    indexes: defaultdict[tuple[str, str], Counter[int]] = field(
+        default_factory=lambda: defaultdict(Counter)
+    )
 
-    def add(self, deployment: str, node: str, devices: Iterable[int], size: int) -> None:
+    def add(
+        self, deployment: str, node: str, devices: Iterable[int], size: int, replica: int
+    ) -> None:
         devices = tuple(devices)
         for index in devices:
             self.used[(node, index)] += size
             self.holders[(deployment, node)].add(index)
         self.per_node[(deployment, node)] += 1
+        self.indexes[(deployment, node)][replica] += 1
 
-    def remove(self, deployment: str, node: str, devices: Iterable[int], size: int) -> None:
+    def remove(
+        self, deployment: str, node: str, devices: Iterable[int], size: int, replica: int
+    ) -> None:
         devices = tuple(devices)
         for index in devices:
             self.used[(node, index)] -= size
             self.holders[(deployment, node)].discard(index)
         self.per_node[(deployment, node)] -= 1
+        self.indexes[(deployment, node)][replica] -= 1
+
+    def other_replicas(self, deployment: str, node: str, replica: int) -> int:
+        """Distinct replica indexes of ``deployment`` on ``node`` other than ``replica``."""
+        held = self.indexes[(deployment, node)]
+        return sum(1 for index, count in held.items() if count > 0 and index != replica)
 
 
 @dataclass(frozen=True)
@@ -383,6 +496,7 @@ class _Fit:
     node: NodeView
     devices: tuple[int, ...]
     engine: str
+    choice: VariantChoice
 
 
 @dataclass(frozen=True)
@@ -427,6 +541,7 @@ class _Planner:
                     placement.node,
                     placement.devices,
                     placement.reserved_bytes,
+                    placement.replica,
                 )
         self.replacement_budget = policy.max_replacements_in_flight - sum(
             1
@@ -472,6 +587,11 @@ class _Planner:
         pending_replacements.sort(key=lambda item: (self._serving(item[0]), item[0].id, item[1]))
         for spec, replica, lost in pending_replacements:
             if self.replacement_budget <= 0:
+                where = (
+                    f"on gone node {lost.node}"
+                    if self._gone(lost)
+                    else f"stuck on {lost.node} ({lost.stuck})"
+                )
                 self.notes.append(
                     DeferredReplica(
                         deployment=spec.id,
@@ -479,7 +599,7 @@ class _Planner:
                         revision=spec.revision,
                         reason=DeferReason.REPLACEMENTS_CAPPED,
                         message=(
-                            f"replica {replica} of {spec.id} on gone node {lost.node} waits: "
+                            f"replica {replica} of {spec.id} {where} waits: "
                             f"{self.policy.max_replacements_in_flight} re-placements are in "
                             "flight (max_replacements_in_flight)"
                         ),
@@ -536,6 +656,8 @@ class _Planner:
                 if keep.state is PlacementState.READY:
                     for placement in retiring:
                         self._stop(placement, "drain" if self._draining(placement) else "rollout")
+                elif keep.stuck is not None:
+                    replacements.append((spec, replica, keep))
                 continue
             if not retiring and lost:
                 replacements.append((spec, replica, lost[0]))
@@ -558,15 +680,15 @@ class _Planner:
         if spec.rollout is Rollout.RECREATE and old_revision:
             self._make_room(spec, replica, old_revision[0])
             return
-        found = self._find(spec)
+        found = self._find(spec, replica)
         if isinstance(found, _Fit):
             self._start(spec, replica, found, cause)
             return
         for old in retiring:
             # Would the new one fit where the old one is, once it is gone?
-            self.ledger.remove(spec.id, old.node, old.devices, old.reserved_bytes)
-            fits = self._find(spec)
-            self.ledger.add(spec.id, old.node, old.devices, old.reserved_bytes)
+            self.ledger.remove(spec.id, old.node, old.devices, old.reserved_bytes, old.replica)
+            fits = self._find(spec, replica)
+            self.ledger.add(spec.id, old.node, old.devices, old.reserved_bytes, old.replica)
             if isinstance(fits, _Fit):
                 self._make_room(spec, replica, old)
                 return
@@ -617,8 +739,8 @@ class _Planner:
     # -- effects on the working state ----------------------------------------------------
 
     def _start(self, spec: DeploymentSpec, replica: int, fit: _Fit, cause: StartCause) -> None:
-        size = spec.estimate.total_bytes
-        self.ledger.add(spec.id, fit.node.id, fit.devices, size)
+        size = fit.choice.estimate.total_bytes
+        self.ledger.add(spec.id, fit.node.id, fit.devices, size, replica)
         self.starts.append(
             StartReplica(
                 deployment=spec.id,
@@ -629,24 +751,35 @@ class _Planner:
                 engine=fit.engine,
                 reserved_bytes=size,
                 cause=cause,
+                variant=fit.choice.variant,
+                estimate_basis=fit.choice.estimate_basis,
             )
         )
 
     def _place(self, spec: DeploymentSpec, replica: int, *, replaces: PlacementView) -> bool:
-        found = self._find(spec)
+        """Re-place ``replaces`` (on a gone node, or stuck) elsewhere; ``False`` if refused."""
+        stuck = None if self._gone(replaces) else replaces.stuck
+        exclude = frozenset() if stuck is None else frozenset({replaces.node})
+        found = self._find(spec, replica, exclude)
         if not isinstance(found, _Fit):
+            where = (
+                f"re-placing from gone node {replaces.node}"
+                if stuck is None
+                else f"placement {replaces.id} is stuck on {replaces.node} ({stuck}) and "
+                "stays there, no other node takes it"
+            )
             self.notes.append(
                 UnplacedReplica(
                     deployment=spec.id,
                     replica=replica,
                     revision=spec.revision,
                     reason=found.reason,
-                    message=f"re-placing from gone node {replaces.node}: {found.message}",
+                    message=f"{where}: {found.message}",
                 )
             )
             return False
-        size = spec.estimate.total_bytes
-        self.ledger.add(spec.id, found.node.id, found.devices, size)
+        size = found.choice.estimate.total_bytes
+        self.ledger.add(spec.id, found.node.id, found.devices, size, replica)
         self.starts.append(
             ReplaceReplica(
                 deployment=spec.id,
@@ -658,8 +791,13 @@ class _Planner:
                 reserved_bytes=size,
                 replaces=replaces.id,
                 from_node=replaces.node,
+                cause="node_gone" if stuck is None else stuck.value,
+                variant=found.choice.variant,
+                estimate_basis=found.choice.estimate_basis,
             )
         )
+        if stuck is not None:
+            self._stop(replaces, "stuck")
         return True
 
     def _stop(self, placement: PlacementView, cause: StopCause) -> None:
@@ -676,46 +814,68 @@ class _Planner:
 
     # -- filter and score ----------------------------------------------------------------
 
-    def _find(self, spec: DeploymentSpec) -> _Fit | _Refusal:
-        nodes = list(self.nodes.values())
+    def _find(
+        self, spec: DeploymentSpec, replica: int, exclude: frozenset[str] = frozenset()
+    ) -> _Fit | _Refusal:
+        avoided = spec.avoid_nodes | exclude
+        nodes = [n for n in self.nodes.values() if n.id not in avoided]
+        skipped = len(self.nodes) - len(nodes)
+        aside = f" ({skipped} set aside after a stuck placement of it)" if skipped else ""
         ready = [n for n in nodes if n.state is NodeState.READY]
         labelled = [n for n in ready if _has_labels(n, spec.required_labels)]
         if not labelled:
             wanted = ", ".join(f"{k}={v}" for k, v in sorted(spec.required_labels.items()))
             return _Refusal(
                 PlacementReason.NO_MATCHING_NODE,
-                f"no ready node for {spec.id}: {len(nodes)} node(s), {len(ready)} ready, "
-                f"none of them labelled {wanted}"
+                f"no ready node for {spec.id}: {len(nodes)} node(s){aside}, {len(ready)} "
+                f"ready, none of them labelled {wanted}"
                 if wanted
-                else f"no ready node for {spec.id}: {len(nodes)} node(s), none ready",
+                else f"no ready node for {spec.id}: {len(nodes)} node(s){aside}, none ready",
             )
+        choices = spec.choices()
         engined = [
-            (n, engine)
+            (n, choice, engine)
             for n in labelled
-            if (engine := next((e for e in spec.engines if e in n.engines), None)) is not None
+            for choice in choices
+            if (engine := next((e for e in choice.engines if e in n.engines), None)) is not None
         ]
         if not engined:
+            offered = sorted({e for choice in choices for e in choice.engines})
             return _Refusal(
                 PlacementReason.ENGINE_UNAVAILABLE,
-                f"{len(labelled)} ready node(s) match {spec.id}, but none offers "
-                f"{' or '.join(spec.engines)}",
+                f"{len(labelled)} ready node(s) match {spec.id}{aside}, but none offers "
+                f"{' or '.join(offered)}",
             )
-        fits = [
-            _Fit(node, devices, engine)
-            for node, engine in engined
-            if (devices := self._devices(spec, node)) is not None
-        ]
+        fits: dict[str, _Fit] = {}
+        for node, choice, engine in engined:
+            if node.id in fits:  # the first choice that fits this node wins
+                continue
+            devices = self._devices(spec, replica, node, choice.estimate.total_bytes)
+            if devices is not None:
+                fits[node.id] = _Fit(node, devices, engine, choice)
         if not fits:
+            sizes = sorted({choice.estimate.total_bytes for _, choice, _ in engined})
+            per_node = self.policy.max_replicas_per_node
             return _Refusal(
                 PlacementReason.INSUFFICIENT_CAPACITY,
-                f"{len(engined)} ready node(s) match {spec.id} with its engine, but none has "
-                f"{spec.tensor_parallel} device(s) with {spec.estimate.total_bytes} bytes "
-                "free that no other replica of it holds",
+                f"{len({n.id for n, _, _ in engined})} ready node(s) match {spec.id} with its "
+                f"engine{aside}, but none has {spec.tensor_parallel} device(s) with "
+                f"{' or '.join(str(size) for size in sizes)} bytes free that no other "
+                "replica of it holds"
+                + (
+                    f" (and fewer than {per_node} other replica(s) of it on the node)"
+                    if per_node is not None
+                    else ""
+                ),
             )
-        return min(fits, key=lambda fit: self._score(spec, fit))
+        return min(fits.values(), key=lambda fit: self._score(spec, fit))
 
-    def _devices(self, spec: DeploymentSpec, node: NodeView) -> tuple[int, ...] | None:
-        size = spec.estimate.total_bytes
+    def _devices(
+        self, spec: DeploymentSpec, replica: int, node: NodeView, size: int
+    ) -> tuple[int, ...] | None:
+        limit = self.policy.max_replicas_per_node
+        if limit is not None and self.ledger.other_replicas(spec.id, node.id, replica) >= limit:
+            return None
         held = self.ledger.holders[(spec.id, node.id)]
         free = [
             (device.capacity_bytes - self.ledger.used[(node.id, device.index)], device.index)
@@ -734,13 +894,12 @@ class _Planner:
     def _score(self, spec: DeploymentSpec, fit: _Fit) -> tuple[object, ...]:
         node = fit.node
         domains = tuple(self._domain_count(spec, key, node) for key in spec.spread_by)
-        size = spec.estimate.total_bytes * len(fit.devices)
+        size = fit.choice.estimate.total_bytes * len(fit.devices)
         total = _capacity(node)
         used = sum(self.ledger.used[(node.id, d.index)] for d in node.devices) + size
         left = Fraction(max(0, total - used), total) if total else Fraction(0)
-        cold = (
-            spec.artifact_digest is not None and spec.artifact_digest not in node.cached_artifacts
-        )
+        digest = fit.choice.artifact_digest
+        cold = digest is not None and digest not in node.cached_artifacts
         if self.policy.strategy is PlacementStrategy.BINPACK:
             return (domains, left, cold, node.id)
         return (domains, self.ledger.per_node[(spec.id, node.id)], cold, -left, node.id)

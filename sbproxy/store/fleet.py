@@ -1,5 +1,6 @@
 """The fleet's shared records in the PostgreSQL journal: members, the controller lease,
-placements and fleet events (migration 9).
+placements and fleet events (migration 9); the members' GGUF facts, each placement's variant
+and estimate basis, and the nodes a deployment avoids after a stuck placement (migration 10).
 
 Every time here is **database time** (``clock_timestamp()`` of the server, epoch ms): a
 renewal, a lease's expiry and "now" when a member is judged are all read from the one clock
@@ -34,6 +35,7 @@ from sbproxy.store.migrations import migrate_postgres
 from sbproxy.store.postgres import PgTarget
 
 __all__ = [
+    "AvoidRow",
     "ControllerLease",
     "Deposed",
     "FleetSnapshot",
@@ -71,6 +73,9 @@ class NodeRow:
     left: bool
     joined_at_ms: int
     renewed_at_ms: int
+    artifact_facts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """``{artifact digest: GGUF header facts}`` the node read from its verified artifacts
+    (:class:`~sbproxy.model_host.runtime.memory.GgufFacts` fields)."""
 
     def to_dict(self, now_ms: int | None = None) -> dict[str, Any]:
         """The JSON form (``/admin/fleet/nodes``); with ``now_ms``, ``heartbeat_age_ms``."""
@@ -82,6 +87,7 @@ class NodeRow:
             "engines": self.engines,
             "devices": self.devices,
             "cached_artifacts": self.artifacts,
+            "artifact_facts": self.artifact_facts,
             "replicas": self.replicas,
             "cordoned": self.cordoned,
             "draining": self.draining,
@@ -112,6 +118,10 @@ class PlacementRow:
     epoch: int
     job_id: str
     updated_at_ms: int
+    variant: str | None = None
+    """The catalog variant it runs; ``None``: its node resolves one."""
+    estimate_basis: str | None = None
+    """What ``reserved_bytes`` was sized from: ``gguf_header`` or ``file_size``."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``/admin/fleet/placements``)."""
@@ -130,6 +140,8 @@ class PlacementRow:
             "epoch": self.epoch,
             "job_id": self.job_id,
             "updated_at_ms": self.updated_at_ms,
+            "variant": self.variant,
+            "estimate_basis": self.estimate_basis,
         }
 
 
@@ -165,6 +177,28 @@ class ControllerLease:
 
 
 @dataclass(frozen=True)
+class AvoidRow:
+    """A node deployment ``deployment`` is kept off until ``until_ms`` (database time),
+    because its placement ``placement`` there got stuck or failed (``reason``)."""
+
+    deployment: str
+    node: str
+    until_ms: int
+    reason: str
+    placement: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form."""
+        return {
+            "deployment": self.deployment,
+            "node": self.node,
+            "until_ms": self.until_ms,
+            "reason": self.reason,
+            "placement": self.placement,
+        }
+
+
+@dataclass(frozen=True)
 class FleetSnapshot:
     """Everything a controller pass or a reader needs, read in one transaction."""
 
@@ -175,6 +209,8 @@ class FleetSnapshot:
     desired_revision: int | None = None
     desired_document: str | None = None
     events: tuple[dict[str, Any], ...] = field(default=())
+    avoids: tuple[AvoidRow, ...] = field(default=())
+    """The nodes deployments avoid now (``until_ms`` after ``now_ms``)."""
 
 
 def _node(row: Sequence[Any]) -> NodeRow:
@@ -192,6 +228,7 @@ def _node(row: Sequence[Any]) -> NodeRow:
         left=bool(row[10]),
         joined_at_ms=int(row[11]),
         renewed_at_ms=int(row[12]),
+        artifact_facts=json.loads(row[13]),
     )
 
 
@@ -211,17 +248,24 @@ def _placement(row: Sequence[Any]) -> PlacementRow:
         epoch=int(row[11]),
         job_id=str(row[12]),
         updated_at_ms=int(row[13]),
+        variant=row[14],
+        estimate_basis=row[15],
     )
 
 
 _NODE_COLUMNS = (
     "id, advertise_url, labels_json, engines_json, devices_json, artifacts_json,"
-    " replicas_json, state, cordoned, draining, left_fleet, joined_at_ms, renewed_at_ms"
+    " replicas_json, state, cordoned, draining, left_fleet, joined_at_ms, renewed_at_ms,"
+    " artifact_facts_json"
 )
 _PLACEMENT_COLUMNS = (
     "id, deployment, replica, revision, node, devices_json, engine, reserved_bytes, state,"
-    " replaces, definition_json, epoch, job_id, updated_at_ms"
+    " replaces, definition_json, epoch, job_id, updated_at_ms, variant, estimate_basis"
 )
+
+
+def _facts_json(facts: Mapping[str, Mapping[str, Any]] | None) -> str:
+    return json.dumps({k: dict(v) for k, v in (facts or {}).items()}, sort_keys=True)
 
 
 class FleetStore:
@@ -339,8 +383,12 @@ class FleetStore:
         engines: Sequence[str],
         devices: Sequence[Mapping[str, int]],
         artifacts: Sequence[str],
+        artifact_facts: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> int:
         """Join (or rejoin) as ``node_id``; database now (ms).
+
+        ``devices``: ``[{index, capacity_bytes}]``, one per device (each GPU, or the CPU);
+        ``artifact_facts``: ``{digest: GGUF facts}`` of its verified artifacts.
 
         A node that was removed (``left``) joins afresh: its operator flags are cleared.
         A known node keeps its flags (a restart does not uncordon it).
@@ -351,16 +399,19 @@ class FleetStore:
             json.dumps(list(engines)),
             json.dumps([dict(d) for d in devices]),
             json.dumps(sorted(artifacts)),
+            _facts_json(artifact_facts),
         )
         with self._transaction() as cursor:
             now = self._now(cursor)
             cursor.execute(
                 "INSERT INTO fleet_nodes (id, advertise_url, labels_json, engines_json,"
-                " devices_json, artifacts_json, replicas_json, state, joined_at_ms,"
-                " renewed_at_ms) VALUES (%s, %s, %s, %s, %s, %s, '{}', 'ready', %s, %s)"
+                " devices_json, artifacts_json, artifact_facts_json, replicas_json, state,"
+                " joined_at_ms, renewed_at_ms)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, '{}', 'ready', %s, %s)"
                 " ON CONFLICT (id) DO UPDATE SET advertise_url = EXCLUDED.advertise_url,"
                 " labels_json = EXCLUDED.labels_json, engines_json = EXCLUDED.engines_json,"
                 " devices_json = EXCLUDED.devices_json, artifacts_json = EXCLUDED.artifacts_json,"
+                " artifact_facts_json = EXCLUDED.artifact_facts_json,"
                 " renewed_at_ms = EXCLUDED.renewed_at_ms,"
                 " joined_at_ms = CASE WHEN fleet_nodes.left_fleet = 1"
                 "   THEN EXCLUDED.joined_at_ms ELSE fleet_nodes.joined_at_ms END,"
@@ -382,8 +433,10 @@ class FleetStore:
         *,
         replicas: Mapping[str, Mapping[str, Any]],
         artifacts: Sequence[str] | None = None,
+        artifact_facts: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> tuple[int, bool] | None:
-        """Renew ``node_id``'s membership on database time, with its replicas' counts.
+        """Renew ``node_id``'s membership on database time, with its replicas' counts (and,
+        when given, its cached artifacts with their GGUF facts).
 
         Returns:
             ``(now_ms, left)``; ``None`` when the node has no row (it must join again).
@@ -398,10 +451,12 @@ class FleetStore:
             else:
                 row = cursor.execute(
                     f"UPDATE fleet_nodes SET renewed_at_ms = {_NOW}, replicas_json = %s,"  # noqa: S608
-                    f" artifacts_json = %s WHERE id = %s RETURNING renewed_at_ms, left_fleet",
+                    " artifacts_json = %s, artifact_facts_json = COALESCE(%s, artifact_facts_json)"
+                    " WHERE id = %s RETURNING renewed_at_ms, left_fleet",
                     (
                         json.dumps(dict(replicas), sort_keys=True),
                         json.dumps(sorted(artifacts)),
+                        None if artifact_facts is None else _facts_json(artifact_facts),
                         node_id,
                     ),
                 ).fetchone()
@@ -432,6 +487,14 @@ class FleetStore:
             desired = cursor.execute(
                 "SELECT revision, document FROM desired_revisions ORDER BY revision DESC LIMIT 1"
             ).fetchone()
+            avoids = tuple(
+                AvoidRow(str(r[0]), str(r[1]), int(r[2]), str(r[3]), str(r[4]))
+                for r in cursor.execute(
+                    "SELECT deployment, node, until_ms, reason, placement FROM fleet_avoid"
+                    " WHERE until_ms > %s ORDER BY deployment, node",
+                    (now,),
+                ).fetchall()
+            )
             recent: list[dict[str, Any]] = []
             if events:
                 recent = [
@@ -456,6 +519,7 @@ class FleetStore:
             desired_revision=None if desired is None else int(desired[0]),
             desired_document=None if desired is None else str(desired[1]),
             events=tuple(recent),
+            avoids=avoids,
         )
 
     def set_flags(
@@ -570,10 +634,16 @@ class FleetStore:
         *,
         definition: Mapping[str, Any],
         reserved_state: str = "pending",
+        avoid_ms: int | None = None,
     ) -> tuple[str, str]:
         """Record a start or replace decision as a placement and a ``fleet.place`` job;
         ``(placement_id, job_id)``. ``definition`` is the deployment's definition (the JSON
-        of its ``DeploymentConfig``) the node runs for this placement.
+        of its ``DeploymentConfig``) the node runs for this placement; the decision's
+        ``variant`` and ``estimate_basis`` are kept beside it.
+
+        A replace whose ``cause`` is not ``node_gone`` (a stuck or failed placement moved
+        off its node) also records, in the same transaction, that the deployment avoids
+        ``from_node`` for ``avoid_ms`` (database time), with a ``stuck_replaced`` event.
 
         Raises:
             Deposed: the lease is no longer this controller's.
@@ -591,7 +661,7 @@ class FleetStore:
             )
             cursor.execute(
                 f"INSERT INTO fleet_placements ({_PLACEMENT_COLUMNS}, created_at_ms)"  # noqa: S608
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     placement_id,
                     decision["deployment"],
@@ -607,9 +677,14 @@ class FleetStore:
                     lease.epoch,
                     job_id,
                     now,
+                    decision.get("variant"),
+                    decision.get("estimate_basis"),
                     now,
                 ),
             )
+            cause = decision.get("cause")
+            if decision.get("replaces") and cause not in (None, "node_gone"):
+                self._avoid(cursor, now, lease, decision, avoid_ms or 0)
             self._event(
                 cursor,
                 now,
@@ -618,6 +693,37 @@ class FleetStore:
                 {"placement": placement_id, "node": decision["node"], "job_id": job_id},
             )
         return placement_id, job_id
+
+    def _avoid(
+        self,
+        cursor: psycopg.Cursor[Any],
+        now: int,
+        lease: ControllerLease,
+        decision: Mapping[str, Any],
+        avoid_ms: int,
+    ) -> None:
+        deployment, node = decision["deployment"], decision["from_node"]
+        cursor.execute("DELETE FROM fleet_avoid WHERE until_ms <= %s", (now,))
+        cursor.execute(
+            "INSERT INTO fleet_avoid (deployment, node, until_ms, reason, placement)"
+            " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (deployment, node) DO UPDATE SET"
+            " until_ms = EXCLUDED.until_ms, reason = EXCLUDED.reason,"
+            " placement = EXCLUDED.placement",
+            (deployment, node, now + avoid_ms, decision["cause"], decision["replaces"]),
+        )
+        self._event(
+            cursor,
+            now,
+            "stuck_replaced",
+            decision["replaces"],
+            {
+                "deployment": deployment,
+                "node": node,
+                "reason": decision["cause"],
+                "avoid_until_ms": now + avoid_ms,
+                "epoch": lease.epoch,
+            },
+        )
 
     def stop_placement(self, lease: ControllerLease, placement_id: str, *, cause: str) -> bool:
         """Mark a placement ``stopping`` (its node stops the engine and removes the row).

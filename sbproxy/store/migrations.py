@@ -265,6 +265,33 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             """,
         ),
     ),
+    (
+        10,
+        "fleet: reported GGUF facts, per-placement variant and estimate basis, avoided nodes",
+        (
+            # ``{artifact digest: GGUF header facts}`` a node read from its own verified
+            # artifacts, so the controller sizes a replica from the model's shape even when
+            # it does not hold the file itself.
+            "ALTER TABLE fleet_nodes ADD COLUMN artifact_facts_json TEXT NOT NULL DEFAULT '{}'",
+            # The catalog variant a replica runs (per-node resolution under
+            # heterogeneous_variants; NULL: the node resolves it) and what its reservation
+            # was sized from (``gguf_header`` or ``file_size``).
+            "ALTER TABLE fleet_placements ADD COLUMN variant TEXT",
+            "ALTER TABLE fleet_placements ADD COLUMN estimate_basis TEXT",
+            # A node a deployment's stuck or failed placement was moved off: no replica of
+            # that deployment is placed there again before ``until_ms`` (database time).
+            """
+            CREATE TABLE fleet_avoid (
+                deployment TEXT NOT NULL,
+                node TEXT NOT NULL,
+                until_ms INTEGER NOT NULL,
+                reason TEXT NOT NULL,
+                placement TEXT NOT NULL,
+                PRIMARY KEY (deployment, node)
+            )
+            """,
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

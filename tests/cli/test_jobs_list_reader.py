@@ -114,10 +114,16 @@ def test_an_older_journal_is_listed_by_the_store_which_migrates_it(tmp_path: Pat
     anyio.run(fill_varied_journal, journal)
     with sqlite3.connect(journal) as raw:
         # Back to schema 4: before the recovery count (5), the job's node (6), the
-        # shared revision documents (7), idempotency keys per node (8) and the fleet's
-        # tables (9).
+        # shared revision documents (7), idempotency keys per node (8), the fleet's
+        # tables (9) and its avoided nodes (10; its new columns go with their tables).
         raw.execute("DELETE FROM schema_migrations WHERE version >= 5")
-        for table in ("fleet_events", "fleet_placements", "fleet_controller", "fleet_nodes"):
+        for table in (
+            "fleet_avoid",
+            "fleet_events",
+            "fleet_placements",
+            "fleet_controller",
+            "fleet_nodes",
+        ):
             raw.execute(f"DROP TABLE {table}")
         raw.execute("DROP TABLE desired_revisions")
         raw.execute("DROP INDEX jobs_active_idempotency_key")

@@ -31,6 +31,7 @@ def test_defaults() -> None:
     )
     assert fleet.placement is PlacementStrategy.SPREAD
     assert fleet.max_replacements_in_flight == 2
+    assert fleet.placement_timeout_ms == 600_000
 
 
 def test_a_full_node_and_fleet_block_loads() -> None:
@@ -73,6 +74,16 @@ def test_a_full_node_and_fleet_block_loads() -> None:
             "fence_after_ms: 30000",  # past the default lost_after_ms of 20000
             "proxy.model_host.fleet.lost_after_ms",
             "must stop its own engines before",
+        ),
+        (
+            "lost_after_ms: 20000, placement_timeout_ms: 20000",
+            "proxy.model_host.fleet.placement_timeout_ms",
+            "must be greater than lost_after_ms 20000",
+        ),
+        (
+            "lost_after_ms: 700000",  # past the default placement_timeout_ms of 600000
+            "proxy.model_host.fleet.placement_timeout_ms",
+            "a slow load must not be taken for a lost node",
         ),
         ("heartbeat_ms: 0", "proxy.model_host.fleet.heartbeat_ms", "greater than or equal to 1"),
         ("placement: random", "proxy.model_host.fleet.placement", "spread"),

@@ -15,8 +15,10 @@ access-log outcome. The scan collects string literals in the places such a code 
 * ``stop(..., reason="...")`` of the runtime: a stop's reason becomes the stopped
   deployment's ``reason_code``;
 * the values of :class:`~sbproxy.model_host.runtime.admission.AdmissionReason`, and of the
-  fleet planner's :class:`~sbproxy.fleet.placement.PlacementReason` and
-  :class:`~sbproxy.fleet.placement.DeferReason` (a decision's ``reason``).
+  fleet planner's :class:`~sbproxy.fleet.placement.PlacementReason`,
+  :class:`~sbproxy.fleet.placement.DeferReason` (a decision's ``reason``) and
+  :class:`~sbproxy.fleet.placement.StuckReason` (a stuck placement's, a re-placement's
+  ``cause``).
 
 In each place the value may be a literal, a module constant (``RECOVERY_EXHAUSTED``), a
 conditional (``a if x else "prepare_failed"``), an ``or`` (``reason or "admin_error"``), a
@@ -32,7 +34,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
-from sbproxy.fleet.placement import DeferReason, PlacementReason
+from sbproxy.fleet.placement import DeferReason, PlacementReason, StuckReason
 from sbproxy.model_host.runtime.admission import AdmissionReason
 
 __all__ = ["PACKAGE", "reason_codes"]
@@ -193,7 +195,7 @@ def reason_codes(package: Path = PACKAGE) -> dict[str, set[str]]:
         scan.visit(module)
     for reason in AdmissionReason:
         scan.found[reason.value].add("sbproxy/model_host/runtime/admission.py (AdmissionReason)")
-    for enum in (PlacementReason, DeferReason):
+    for enum in (PlacementReason, DeferReason, StuckReason):
         for value in enum:
             scan.found[value.value].add(f"sbproxy/fleet/placement.py ({enum.__name__})")
     return dict(scan.found)

@@ -10,17 +10,31 @@ from typing import Any
 
 import pytest
 
+from sbproxy.catalog import Catalog, ResolvedArtifact, parse_catalog, pinned_artifact
+from sbproxy.config import DeploymentConfig
 from sbproxy.fleet.control import (
+    avoided_nodes,
     definition_digest,
+    deployment_spec,
+    facts_of,
     forgettable,
     judge_own_lease,
     local_deployments,
     node_moves,
     observe,
     placement_views,
+    reported_facts,
+    stuck_placements,
 )
 from sbproxy.fleet.membership import FenceVerdict, FleetTiming, NodeState, PeerAnswer
-from sbproxy.fleet.placement import NodeView, PlacementState
+from sbproxy.fleet.placement import (
+    DeploymentSpec,
+    EstimateBasis,
+    NodeView,
+    PlacementState,
+    StuckReason,
+)
+from sbproxy.model_host.runtime.memory import GgufFacts, estimate_memory
 
 TIMING = FleetTiming(heartbeat_ms=1_000, fence_after_ms=5_000, lost_after_ms=10_000)
 NOW = 1_000_000
@@ -54,6 +68,7 @@ class Placement:
     devices: tuple[int, ...] = (0,)
     reserved_bytes: int = 10
     replaces: str | None = None
+    variant: str | None = None
 
 
 @pytest.mark.parametrize(
@@ -176,3 +191,259 @@ def test_judge_own_lease(
         unreached_before=unreached_before,
     )
     assert got == expected
+
+
+# -- stuck placements, avoided nodes, reported facts, specs --------------------------------
+
+
+@dataclass
+class Reported:
+    """A ``NodeRow``-shaped member with its replica reports and GGUF facts."""
+
+    id: str
+    replicas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    artifact_facts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    left: bool = False
+
+
+@dataclass
+class Pending:
+    id: str
+    node: str
+    state: str = "pending"
+    deployment: str = "chat"
+    updated_at_ms: int = NOW
+
+
+TIMEOUT = 60_000
+
+
+@pytest.mark.parametrize(
+    ("placement", "report", "expected"),
+    [
+        (Pending("p1", "a"), {}, None),
+        (Pending("p1", "a", updated_at_ms=NOW - TIMEOUT), {}, None),
+        (Pending("p1", "a", updated_at_ms=NOW - TIMEOUT - 1), {}, StuckReason.PLACEMENT_TIMEOUT),
+        (
+            Pending("p1", "a", state="starting", updated_at_ms=NOW - TIMEOUT - 1),
+            {},
+            StuckReason.PLACEMENT_TIMEOUT,
+        ),
+        # A ready or stopping placement is never stuck, however old.
+        (Pending("p1", "a", state="ready", updated_at_ms=0), {}, None),
+        (Pending("p1", "a", state="stopping", updated_at_ms=0), {}, None),
+        # The node reports the failure for this placement: at once.
+        (
+            Pending("p1", "a"),
+            {"chat": {"placement": "p1", "failure": "load_failed"}},
+            StuckReason.LOAD_FAILED,
+        ),
+        (
+            Pending("p1", "a"),
+            {"chat": {"placement": "p1", "crash_looped": True}},
+            StuckReason.CRASH_LOOP,
+        ),
+        # ...but a failure reported for another placement says nothing about this one.
+        (Pending("p2", "a"), {"chat": {"placement": "p1", "failure": "load_failed"}}, None),
+        (Pending("p1", "a"), {"chat": {"placement": "p1", "crash_looped": False}}, None),
+    ],
+)
+def test_stuck_placements(
+    placement: Pending, report: dict[str, Any], expected: StuckReason | None
+) -> None:
+    nodes = [Reported("a", replicas=report)]
+    found = stuck_placements([placement], nodes, now_ms=NOW, timeout_ms=TIMEOUT)
+    assert found == ({} if expected is None else {placement.id: expected})
+
+
+def test_a_placement_on_a_node_that_is_not_a_member_is_left_to_the_gone_path() -> None:
+    old = Pending("p1", "gone", updated_at_ms=0)
+    left = Reported("gone", left=True)
+    assert stuck_placements([old], [left], now_ms=NOW, timeout_ms=TIMEOUT) == {}
+    assert stuck_placements([old], [], now_ms=NOW, timeout_ms=TIMEOUT) == {}
+
+
+def test_placement_views_carry_the_stuck_reason() -> None:
+    views = placement_views(
+        [Placement("p1", "a", state="pending"), Placement("p2", "b")],
+        {},
+        {"p1": StuckReason.CRASH_LOOP},
+    )
+    assert [(v.id, v.stuck) for v in views] == [("p1", StuckReason.CRASH_LOOP), ("p2", None)]
+
+
+@dataclass
+class Avoid:
+    deployment: str
+    node: str
+    until_ms: int
+
+
+def test_avoided_nodes_are_those_still_in_their_cooldown() -> None:
+    rows = [Avoid("chat", "a", NOW + 1), Avoid("chat", "b", NOW), Avoid("embed", "a", NOW + 5)]
+    assert avoided_nodes(rows, now_ms=NOW) == {
+        "chat": frozenset({"a"}),
+        "embed": frozenset({"a"}),
+    }
+
+
+FACTS = GgufFacts(
+    architecture="llama",
+    version=3,
+    tensor_count=10,
+    block_count=24,
+    head_count=14,
+    head_count_kv=2,
+    key_length=64,
+    value_length=64,
+    embedding_length=896,
+    context_length=32_768,
+)
+
+
+def test_reported_facts_take_the_smallest_node_id_and_skip_a_malformed_report() -> None:
+    other = GgufFacts(**{**facts_of(FACTS), "block_count": 99})
+    nodes = [
+        Reported("b", artifact_facts={"d1": facts_of(other)}),
+        Reported("a", artifact_facts={"d1": facts_of(FACTS), "d2": {"architecture": "x"}}),
+    ]
+    assert reported_facts(nodes) == {"d1": FACTS}
+
+
+def test_local_deployments_pin_the_variant_a_placement_names() -> None:
+    placements = [
+        Placement(
+            "p1", "a", definition={"model": "m", "heterogeneous_variants": True}, variant="q8"
+        ),
+        Placement("p2", "a", deployment="other", definition={"model": "o"}),
+    ]
+    assert local_deployments(placements, "a") == {
+        "chat": {
+            "model": "m",
+            "heterogeneous_variants": True,
+            "variant": "q8",
+            "warm": True,
+            "pull": "on_boot",
+            "replicas": 1,
+        },
+        "other": {"model": "o", "warm": True, "pull": "on_boot", "replicas": 1},
+    }
+
+
+CATALOG = """
+schema_version: 2
+catalog_revision: fleet-test-1
+models:
+  chat:
+    params: 1B
+    license: apache-2.0
+    family: test
+    context_length: 8192
+    variants:
+""" + "".join(
+    f"""
+      - id: {variant}
+        format: {fmt}
+        quant: {quant}
+        engines: [{engines}]
+        source: hf:acme/chat
+        revision: 0123456789abcdef0123456789abcdef01234567
+        files: [{{path: {path}, sha256: "{digit * 64}", size_bytes: {size}}}]
+        requirements: {{accelerators: [cpu, cuda], min_memory_bytes: 1}}
+        stability: preview
+        certification: test
+"""
+    for variant, fmt, quant, engines, path, digit, size in (
+        ("bf16", "safetensors", "BF16", "vllm", "model.safetensors", "a", 2_000_000_000),
+        ("q8_0", "gguf", "Q8_0", "llama_cpp", "chat-q8.gguf", "b", 1_000_000_000),
+        ("q4_k_m", "gguf", "Q4_K_M", "llama_cpp", "chat-q4.gguf", "c", 500_000_000),
+    )
+)
+
+
+def catalog_and_artifacts() -> tuple[Catalog, dict[str, ResolvedArtifact]]:
+    catalog = parse_catalog(CATALOG, source="test")
+    entry = catalog.models["chat"]
+    artifacts = {
+        v.id: pinned_artifact(catalog, "chat", entry, v, engine=v.engines[0])
+        for v in entry.variants
+    }
+    return catalog, artifacts
+
+
+def expected(artifact: ResolvedArtifact, facts: GgufFacts | None, **config: Any) -> int:
+    chosen = DeploymentConfig.model_validate({"model": "chat", **config})
+    return estimate_memory(
+        weights_bytes=artifact.total_size_bytes,
+        facts=facts,
+        seq_len=chosen.max_context or artifact.context_length,
+        concurrency=chosen.max_concurrency,
+        kv_quant=chosen.kv_quant,
+        safety_margin=0.1,
+        format_quant=artifact.quant,
+        tensor_parallel=chosen.tensor_parallel or 1,
+    ).total_bytes
+
+
+def test_a_spec_is_sized_from_reported_gguf_facts_when_a_node_has_them() -> None:
+    catalog, artifacts = catalog_and_artifacts()
+    q8 = artifacts["q8_0"]
+    config = DeploymentConfig.model_validate({"model": "chat", "variant": "q8_0"})
+
+    def spec_with(facts: dict[str, GgufFacts]) -> DeploymentSpec:
+        return deployment_spec(
+            "chat",
+            config,
+            revision=3,
+            resolved=q8,
+            catalog=catalog,
+            facts=facts,
+            safety_margin=0.1,
+            avoid=frozenset({"n9"}),
+        )
+
+    sized = spec_with({q8.digest: FACTS})
+    assert sized.estimate_basis is EstimateBasis.GGUF_HEADER
+    assert sized.estimate.total_bytes == expected(q8, FACTS, variant="q8_0")
+    assert (sized.variant, sized.engines, sized.alternatives) == ("q8_0", ("llama_cpp",), ())
+    assert sized.avoid_nodes == frozenset({"n9"})
+    guessed = spec_with({"some-other-digest": FACTS})
+    assert guessed.estimate_basis is EstimateBasis.FILE_SIZE
+    assert guessed.estimate.total_bytes == expected(q8, None, variant="q8_0")
+    # The model's real shape gives another figure than the guess from its size.
+    assert guessed.estimate.total_bytes != sized.estimate.total_bytes
+
+
+def test_a_heterogeneous_spec_offers_every_variant_with_its_own_estimate() -> None:
+    catalog, artifacts = catalog_and_artifacts()
+    body = {"model": "chat", "replicas": 2, "heterogeneous_variants": True}
+    config = DeploymentConfig.model_validate(body)
+    spec = deployment_spec(
+        "chat",
+        config,
+        revision=1,
+        resolved=artifacts["q8_0"],
+        catalog=catalog,
+        facts={artifacts["q4_k_m"].digest: FACTS},
+        safety_margin=0.1,
+    )
+    choices = [
+        (c.variant, c.engines, c.estimate.total_bytes, c.estimate_basis) for c in spec.choices()
+    ]
+    assert choices == [
+        ("bf16", ("vllm",), expected(artifacts["bf16"], None, **body), EstimateBasis.FILE_SIZE),
+        ("q8_0", ("llama_cpp",), expected(artifacts["q8_0"], None, **body), "file_size"),
+        ("q4_k_m", ("llama_cpp",), expected(artifacts["q4_k_m"], FACTS, **body), "gguf_header"),
+    ]
+    # An explicit engine keeps only the variants it serves.
+    forced = DeploymentConfig.model_validate({**body, "engine": "llama_cpp"})
+    only = deployment_spec(
+        "chat",
+        forced,
+        revision=1,
+        resolved=artifacts["q8_0"],
+        catalog=catalog,
+        facts={},
+        safety_margin=0.1,
+    )
+    assert [c.variant for c in only.choices()] == ["q8_0", "q4_k_m"]

@@ -157,6 +157,19 @@ def test_timing_from_config_and_suspect_threshold() -> None:
     )
     assert timing.suspect_after_ms == 3_000
     assert FleetTiming.from_config(FleetConfig()).lost_after_ms == 20_000
+    assert FleetTiming.from_config(FleetConfig()).placement_timeout_ms == 600_000
+    slow = FleetConfig(lost_after_ms=21_000, placement_timeout_ms=30_000)
+    assert FleetTiming.from_config(slow).placement_timeout_ms == 30_000
+
+
+def test_timing_refuses_a_placement_timeout_not_past_lost_after() -> None:
+    with pytest.raises(ValueError, match=r"placement_timeout_ms \(8000\) must be greater"):
+        FleetTiming(
+            heartbeat_ms=1_000,
+            fence_after_ms=4_000,
+            lost_after_ms=8_000,
+            placement_timeout_ms=8_000,
+        )
 
 
 REACHED_RENEWING = PeerAnswer(node_id="b", reached=True, renewed_recently=True)

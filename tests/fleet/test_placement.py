@@ -14,8 +14,10 @@ from sbproxy.config import DeploymentConfig, FleetConfig, KvQuant, PlacementStra
 from sbproxy.fleet.membership import NodeState
 from sbproxy.fleet.placement import (
     DeferReason,
+    DeferredReplica,
     DeploymentSpec,
     DeviceCapacity,
+    EstimateBasis,
     NodeView,
     PlacementPlan,
     PlacementPolicy,
@@ -25,6 +27,9 @@ from sbproxy.fleet.placement import (
     ReplaceReplica,
     StartReplica,
     StopReplica,
+    StuckReason,
+    UnplacedReplica,
+    VariantChoice,
     plan,
 )
 from sbproxy.model_host.runtime.memory import GgufFacts, MemoryEstimate, estimate_memory
@@ -617,6 +622,9 @@ def test_decisions_have_a_stable_json_form() -> None:
                 "reserved_bytes": 4 * GIB,
                 "replaces": "p0",
                 "from_node": "a",
+                "cause": "node_gone",
+                "variant": None,
+                "estimate_basis": "file_size",
             },
             {
                 "kind": "stop",
@@ -822,3 +830,206 @@ def test_a_lost_replica_is_placed_before_another_deployments_rollout_surge() -> 
         ("replace", "zzz", 0, "b", "lost"),
         ("stop", "old", "make_room"),
     ]
+
+
+def started(result: PlacementPlan) -> list[StartReplica]:
+    return [d for d in result.decisions if isinstance(d, StartReplica)]
+
+
+def replaced(result: PlacementPlan) -> list[ReplaceReplica]:
+    return [d for d in result.decisions if isinstance(d, ReplaceReplica)]
+
+
+def note(result: PlacementPlan, index: int) -> UnplacedReplica | DeferredReplica:
+    """Decision ``index``, which must be an unplaced or deferred replica."""
+    decision = result.decisions[index]
+    assert isinstance(decision, UnplacedReplica | DeferredReplica), decision
+    return decision
+
+
+# -- several devices per node ------------------------------------------------------------
+
+
+def test_tensor_parallel_takes_two_devices_of_one_node() -> None:
+    nodes = [node("a", gib=(16,)), node("b", gib=(16, 16))]
+    result = plan(nodes, [spec(tensor_parallel=2)], [])
+    assert summary(result) == [("start", "chat", 0, "b", (0, 1), "missing")]
+
+
+def test_two_replicas_share_a_node_only_when_it_has_a_device_for_each() -> None:
+    two_gpus = [node("a", gib=(16, 16))]
+    assert summary(plan(two_gpus, [spec(replicas=2)], [])) == [
+        ("start", "chat", 0, "a", (0,), "missing"),
+        ("start", "chat", 1, "a", (1,), "missing"),
+    ]
+    one_gpu = [node("a", gib=(32,))]
+    assert summary(plan(one_gpu, [spec(replicas=2)], [])) == [
+        ("start", "chat", 0, "a", (0,), "missing"),
+        ("unplaced", "chat", 1, "insufficient_capacity"),
+    ]
+
+
+def test_max_replicas_per_node_keeps_a_second_replica_off_a_node_with_devices_for_both() -> None:
+    nodes = [node("a", gib=(16, 16))]
+    policy = PlacementPolicy(max_replicas_per_node=1)
+    result = plan(nodes, [spec(replicas=2)], [], policy=policy)
+    assert summary(result) == [
+        ("start", "chat", 0, "a", (0,), "missing"),
+        ("unplaced", "chat", 1, "insufficient_capacity"),
+    ]
+    assert "fewer than 1 other replica(s) of it on the node" in note(result, 1).message
+    # The same replica's next revision still rolls onto the node beside its old one.
+    old = [placed("p0", "a", devices=(0,))]
+    rolled = plan(nodes, [spec(revision=2)], old, policy=policy)
+    assert summary(rolled) == [("start", "chat", 0, "a", (1,), "rollout")]
+
+
+def test_the_fleet_policy_from_config_holds_one_replica_per_node() -> None:
+    assert PlacementPolicy.from_config(FleetConfig()).max_replicas_per_node == 1
+
+
+# -- variant choices (heterogeneous_variants) ---------------------------------------------
+
+
+def choice(variant: str, gib: int, *engines: str, digest: str | None = None) -> VariantChoice:
+    return VariantChoice(
+        variant=variant,
+        engines=engines or ("llama_cpp",),
+        estimate=MemoryEstimate.from_total(gib * GIB),
+        artifact_digest=digest,
+        estimate_basis=EstimateBasis.GGUF_HEADER,
+    )
+
+
+def varied(replicas: int = 2) -> DeploymentSpec:
+    """A deployment whose first choice is a 12 GiB vllm variant, then a 6 GiB and a 3 GiB
+    llama.cpp one."""
+    return DeploymentSpec(
+        id="chat",
+        revision=1,
+        replicas=replicas,
+        engines=("vllm",),
+        estimate=MemoryEstimate.from_total(12 * GIB),
+        variant="fp16",
+        alternatives=(choice("q8_0", 6), choice("q4_k_m", 3)),
+    )
+
+
+def test_each_replica_takes_the_first_variant_that_fits_its_node() -> None:
+    nodes = [
+        node("big", gib=(16,), engines=frozenset({"vllm", "llama_cpp"})),
+        node("mid", gib=(8,)),
+        node("small", gib=(4,)),
+    ]
+    result = plan(nodes, [varied(replicas=3)], [])
+    chosen = {(d.node, d.variant, d.reserved_bytes) for d in started(result)}
+    assert chosen == {
+        ("big", "fp16", 12 * GIB),
+        ("mid", "q8_0", 6 * GIB),
+        ("small", "q4_k_m", 3 * GIB),
+    }
+    assert {d.estimate_basis for d in started(result)} == {
+        EstimateBasis.FILE_SIZE,
+        EstimateBasis.GGUF_HEADER,
+    }
+
+
+def test_a_variant_the_node_has_no_engine_for_is_skipped_even_when_it_would_fit() -> None:
+    result = plan([node("a", gib=(64,))], [varied(replicas=1)], [])
+    (start,) = started(result)
+    assert (start.variant, start.engine, start.reserved_bytes) == ("q8_0", "llama_cpp", 6 * GIB)
+
+
+def test_no_variant_fitting_any_node_is_refused_naming_every_size() -> None:
+    result = plan([node("a", gib=(2,))], [varied(replicas=1)], [])
+    assert len(result.decisions) == 1
+    refused = note(result, 0)
+    assert refused.reason is PlacementReason.INSUFFICIENT_CAPACITY
+    assert str(6 * GIB) in refused.message and str(3 * GIB) in refused.message
+    no_engine = plan([node("a", engines=frozenset({"sglang"}))], [varied(replicas=1)], [])
+    assert summary(no_engine) == [("unplaced", "chat", 0, "engine_unavailable")]
+    assert "llama_cpp or vllm" in note(no_engine, 0).message
+
+
+def test_a_variant_choice_fills_the_ledger_with_its_own_size() -> None:
+    # Node a (two 8 GiB devices, no vllm) takes q8_0 (6 GiB) on each device; node b (4 GiB)
+    # only fits q4_k_m. No device holds two replicas, though 2 GiB is left on each of a's.
+    nodes = [node("a", gib=(8, 8)), node("b", gib=(4,))]
+    result = plan(nodes, [varied(replicas=3)], [])
+    chosen = sorted((d.node, d.devices, d.variant) for d in started(result))
+    assert chosen == [("a", (0,), "q8_0"), ("a", (1,), "q8_0"), ("b", (0,), "q4_k_m")]
+
+
+# -- stuck placements ---------------------------------------------------------------------
+
+
+def stuck(
+    placement_id: str,
+    node_id: str,
+    why: StuckReason,
+    *,
+    replica: int = 0,
+    devices: tuple[int, ...] = (0,),
+) -> PlacementView:
+    pending = placed(placement_id, node_id, state=P.PENDING, replica=replica, devices=devices)
+    return pending.model_copy(update={"stuck": why})
+
+
+@pytest.mark.parametrize("why", list(StuckReason))
+def test_a_stuck_placement_is_re_placed_on_another_node_and_stopped(why: StuckReason) -> None:
+    nodes = [node("a"), node("b")]
+    result = plan(nodes, [spec()], [stuck("p0", "a", why)])
+    assert summary(result) == [("replace", "chat", 0, "b", "p0"), ("stop", "p0", "stuck")]
+    (replace,) = replaced(result)
+    assert (replace.cause, replace.from_node) == (why.value, "a")
+
+
+def test_a_stuck_placement_with_no_other_node_stays_and_says_why() -> None:
+    result = plan(
+        [node("a"), node("b", gib=(2,))], [spec()], [stuck("p0", "a", StuckReason.CRASH_LOOP)]
+    )
+    assert summary(result) == [("unplaced", "chat", 0, "insufficient_capacity")]
+    message = note(result, 0).message
+    assert "p0 is stuck on a (crash_loop) and stays there" in message
+    assert "1 set aside after a stuck placement" in message
+    alone = plan([node("a")], [spec()], [stuck("p0", "a", StuckReason.PLACEMENT_TIMEOUT)])
+    assert summary(alone) == [("unplaced", "chat", 0, "no_matching_node")]
+
+
+def test_a_placement_not_marked_stuck_or_already_ready_is_left_alone() -> None:
+    nodes = [node("a"), node("b")]
+    assert plan(nodes, [spec()], [placed("p0", "a", state=P.PENDING)]).decisions == ()
+    ready = placed("p0", "a").model_copy(update={"stuck": StuckReason.CRASH_LOOP})
+    assert plan(nodes, [spec()], [ready]).decisions == ()
+
+
+def test_stuck_re_placements_share_the_in_flight_cap() -> None:
+    nodes = [node(n) for n in "abcd"]
+    placements = [
+        stuck("s0", "a", StuckReason.LOAD_FAILED, replica=0),
+        stuck("s1", "a", StuckReason.LOAD_FAILED, replica=1, devices=(0,)),
+    ]
+    result = plan(
+        nodes,
+        [spec(replicas=2)],
+        placements,
+        policy=PlacementPolicy(max_replacements_in_flight=1),
+    )
+    kinds = summary(result)
+    assert kinds[0][0] == "replace" and ("stop", "s0", "stuck") in kinds
+    assert kinds[-1] == ("deferred", "chat", 1, "replacements_capped")
+    assert "stuck on a (load_failed)" in note(result, -1).message
+
+
+def test_avoided_nodes_take_no_replica_of_the_deployment() -> None:
+    nodes = [node("a", gib=(64,)), node("b", gib=(8,))]
+    avoiding = spec().model_copy(update={"avoid_nodes": frozenset({"a"})})
+    assert summary(plan(nodes, [avoiding], [])) == [("start", "chat", 0, "b", (0,), "missing")]
+    # Another deployment still goes to a.
+    assert summary(plan(nodes, [spec("other")], [])) == [
+        ("start", "other", 0, "a", (0,), "missing")
+    ]
+    only_a = spec().model_copy(update={"avoid_nodes": frozenset({"a", "b"})})
+    refused = plan(nodes, [only_a], [])
+    assert summary(refused) == [("unplaced", "chat", 0, "no_matching_node")]
+    assert "2 set aside after a stuck placement of it" in note(refused, 0).message

@@ -171,3 +171,103 @@ def test_an_unreachable_server_is_journal_unavailable() -> None:
     with pytest.raises(JournalUnavailable):
         store.snapshot()
     store.close()
+
+
+FACTS = {
+    "architecture": "llama",
+    "version": 3,
+    "tensor_count": 10,
+    "block_count": 4,
+    "head_count": 8,
+    "head_count_kv": 2,
+    "key_length": 64,
+    "value_length": 64,
+    "embedding_length": 512,
+    "context_length": 4096,
+}
+
+
+def test_a_node_reports_every_device_and_its_gguf_facts_with_membership(url: str) -> None:
+    store = _open(url)
+    gpus = [{"index": 0, "capacity_bytes": 80 << 30}, {"index": 1, "capacity_bytes": 40 << 30}]
+    store.join(
+        "n1",
+        advertise_url=None,
+        labels={},
+        engines=["llama_cpp"],
+        devices=gpus,
+        artifacts=["d1"],
+        artifact_facts={"d1": FACTS},
+    )
+    (node,) = store.snapshot().nodes
+    assert node.devices == gpus
+    assert node.artifact_facts == {"d1": FACTS}
+    assert node.to_dict()["artifact_facts"] == {"d1": FACTS}
+    # A renewal without facts keeps the reported ones; with facts, replaces them.
+    store.renew("n1", replicas={}, artifacts=["d1"])
+    assert store.snapshot().nodes[0].artifact_facts == {"d1": FACTS}
+    store.renew("n1", replicas={}, artifacts=["d1", "d2"], artifact_facts={"d2": FACTS})
+    assert store.snapshot().nodes[0].artifact_facts == {"d2": FACTS}
+
+
+def test_a_placement_keeps_its_variant_and_estimate_basis(url: str) -> None:
+    store = _open(url)
+    _join(store, "n1")
+    lease = store.hold_controller("n1", lease_ms=LEASE_MS)
+    assert lease is not None
+    decision = {**_decision("n1"), "variant": "q4_k_m", "estimate_basis": "gguf_header"}
+    placement_id, _ = store.place(lease, decision, definition={"model": "m"})
+    (placement,) = store.snapshot().placements
+    assert (placement.id, placement.variant, placement.estimate_basis) == (
+        placement_id,
+        "q4_k_m",
+        "gguf_header",
+    )
+    assert placement.to_dict()["estimate_basis"] == "gguf_header"
+
+
+def test_a_stuck_re_placement_records_the_avoided_node_until_its_cooldown(url: str) -> None:
+    store = _open(url)
+    _join(store, "n1")
+    _join(store, "n2")
+    lease = store.hold_controller("n1", lease_ms=LEASE_MS)
+    assert lease is not None
+    stuck, _ = store.place(lease, _decision("n1"), definition={"model": "m"})
+    replace = {
+        **_decision("n2"),
+        "kind": "replace",
+        "replaces": stuck,
+        "from_node": "n1",
+        "cause": "crash_loop",
+    }
+    store.place(lease, replace, definition={"model": "m"}, avoid_ms=LEASE_MS)
+    snapshot = store.snapshot(events=5)
+    (avoid,) = snapshot.avoids
+    assert (avoid.deployment, avoid.node, avoid.reason, avoid.placement) == (
+        "chat",
+        "n1",
+        "crash_loop",
+        stuck,
+    )
+    assert LEASE_MS - 5_000 < avoid.until_ms - snapshot.now_ms <= LEASE_MS
+    kinds = [event["type"] for event in snapshot.events]
+    assert "stuck_replaced" in kinds
+    # A re-placement from a gone node avoids nothing; an expired avoidance is not shown.
+    gone = {**replace, "replaces": "p-gone", "cause": "node_gone", "from_node": "n3"}
+    store.place(lease, gone, definition={"model": "m"}, avoid_ms=LEASE_MS)
+    again = {**replace, "replaces": "p-x", "from_node": "n2", "cause": "placement_timeout"}
+    store.place(lease, again, definition={"model": "m"}, avoid_ms=0)
+    assert [(a.node, a.reason) for a in store.snapshot().avoids] == [("n1", "crash_loop")]
+
+
+def test_a_deposed_controller_records_no_avoidance(url: str) -> None:
+    store = _open(url)
+    _join(store, "n1")
+    lease = store.hold_controller("n1", lease_ms=LEASE_MS)
+    assert lease is not None
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute("UPDATE fleet_controller SET epoch = epoch + 1")
+    replace = {**_decision("n1"), "replaces": "p0", "from_node": "n2", "cause": "load_failed"}
+    with pytest.raises(Deposed):
+        store.place(lease, replace, definition={"model": "m"}, avoid_ms=LEASE_MS)
+    assert store.snapshot().avoids == ()

@@ -1,0 +1,169 @@
+"""What a fleet node reports of itself, and what the planner makes of it: the GGUF header
+facts of the artifacts verified in its real cache (each read once), every probed device with
+its own budget, and a two-GPU node's report placing a ``tensor_parallel: 2`` replica, or two
+replicas, on its two devices."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from sbproxy.catalog import Accelerator, WorkerProfile
+from sbproxy.fleet.cluster import CachedFacts
+from sbproxy.fleet.control import device_capacities, observe
+from sbproxy.fleet.membership import FleetTiming
+from sbproxy.fleet.placement import (
+    DeploymentSpec,
+    PlacementPolicy,
+    StartReplica,
+    UnplacedReplica,
+    plan,
+)
+from sbproxy.model_host.flows import PullInput, pull_workflow
+from sbproxy.model_host.runtime.devices import DeviceInfo
+from sbproxy.model_host.runtime.memory import MemoryEstimate, read_gguf_header
+from sbproxy.store.fleet import NodeRow
+from tests.model_host.artifacts.support import make_artifact, pull_engine
+from tests.model_host.runtime.support import write_gguf
+
+GIB = 2**30
+TIMING = FleetTiming(heartbeat_ms=1_000, fence_after_ms=5_000, lost_after_ms=10_000)
+NOW = 1_000_000
+
+
+def gpu(index: int, total_gib: int, free_gib: int) -> DeviceInfo:
+    return DeviceInfo(
+        index=index,
+        name=f"gpu{index}",
+        total_bytes=total_gib * GIB,
+        free_bytes=free_gib * GIB,
+        compute_capability=(9, 0),
+        utilization_percent=None,
+    )
+
+
+CPU = WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=11 * GIB)
+
+
+def test_every_gpu_is_its_own_device_with_its_own_budget() -> None:
+    # The probe lists GPUs in any order; each keeps its index and its total memory (the
+    # planner subtracts the fleet's own placements, so free memory would count them twice).
+    probed = [gpu(1, 40, 39), gpu(0, 80, 10)]
+    assert device_capacities(CPU, probed) == [
+        {"index": 0, "capacity_bytes": 80 * GIB},
+        {"index": 1, "capacity_bytes": 40 * GIB},
+    ]
+
+
+def test_a_host_without_gpus_is_one_cpu_device_with_the_worker_budget() -> None:
+    assert device_capacities(CPU, []) == [{"index": 0, "capacity_bytes": 11 * GIB}]
+
+
+def two_gpu_node() -> NodeRow:
+    return NodeRow(
+        id="big",
+        advertise_url=None,
+        labels={},
+        engines=["llama_cpp"],
+        devices=device_capacities(CPU, [gpu(0, 24, 24), gpu(1, 24, 24)]),
+        artifacts=[],
+        replicas={},
+        state="ready",
+        cordoned=False,
+        draining=False,
+        left=False,
+        joined_at_ms=NOW,
+        renewed_at_ms=NOW,
+    )
+
+
+def spec(*, replicas: int = 1, tensor_parallel: int = 1) -> DeploymentSpec:
+    return DeploymentSpec(
+        id="chat",
+        revision=1,
+        replicas=replicas,
+        engines=("llama_cpp",),
+        estimate=MemoryEstimate.from_total(16 * GIB),
+        tensor_parallel=tensor_parallel,
+    )
+
+
+def starts(
+    replicas: int, tensor_parallel: int, policy: PlacementPolicy
+) -> list[tuple[object, ...]]:
+    """The plan for the two-GPU node's report: (node, devices) per start, then
+    (``unplaced``, reason) per refusal."""
+    views = observe([two_gpu_node()], now_ms=NOW, timing=TIMING)
+    wanted = spec(replicas=replicas, tensor_parallel=tensor_parallel)
+    out: list[tuple[object, ...]] = []
+    for d in plan(views, [wanted], [], policy=policy).decisions:
+        if isinstance(d, StartReplica):
+            out.append((d.node, d.devices))
+        elif isinstance(d, UnplacedReplica):
+            out.append((d.kind, d.reason.value))
+    return out
+
+
+def test_a_two_gpu_node_report_takes_a_tensor_parallel_replica_across_both() -> None:
+    assert starts(1, 2, PlacementPolicy()) == [("big", (0, 1))]
+
+
+def test_a_two_gpu_node_report_takes_two_replicas_one_per_device_unless_capped() -> None:
+    assert starts(2, 1, PlacementPolicy()) == [("big", (0,)), ("big", (1,))]
+    # A fleet host's policy: its runtime runs one engine per deployment.
+    assert starts(2, 1, PlacementPolicy(max_replicas_per_node=1)) == [
+        ("big", (0,)),
+        ("unplaced", "insufficient_capacity"),
+    ]
+
+
+def test_a_one_gpu_node_report_never_takes_two_replicas() -> None:
+    row = two_gpu_node()
+    one = NodeRow(**{**asdict(row), "devices": device_capacities(CPU, [gpu(0, 80, 80)])})
+    views = observe([one], now_ms=NOW, timing=TIMING)
+    result = plan(views, [spec(replicas=2)], [])
+    assert [d.kind for d in result.decisions] == ["start", "unplaced"]
+
+
+@pytest.mark.anyio
+async def test_cached_facts_read_each_verified_gguf_header_once(tmp_path: Path) -> None:
+    model = write_gguf(tmp_path / "model.gguf", block_count=6, head_count_kv=4, vocab=50)
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf header at all")
+    sources = {"good": model, "bad": broken}
+    artifacts = {}
+    for name, path in sources.items():
+        folder = tmp_path / "sources" / name
+        folder.mkdir(parents=True)
+        (folder / path.name).write_bytes(path.read_bytes())
+        artifacts[name] = make_artifact(
+            {path.name: path.read_bytes()}, source=f"file:{folder}", model=name
+        )
+    weights = tmp_path / "sources" / "st"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"\0" * 64)
+    artifacts["st"] = make_artifact(
+        {"model.safetensors": b"\0" * 64}, source=f"file:{weights}", model="st"
+    )
+    async with pull_engine(tmp_path / "cache") as (engine, cache):
+        for artifact in artifacts.values():
+            submitted = await engine.submit(
+                pull_workflow,
+                PullInput(artifact=artifact),
+                idempotency_key=artifact.digest,
+            )
+            await engine.join(submitted.job.id)
+        assert len(cache.published()) == 3
+        facts = CachedFacts(cache)
+        reported = facts()
+        # The GGUF with a readable header reports its shape; the broken one and the
+        # safetensors artifact report nothing (they are sized from their files).
+        assert reported == {artifacts["good"].digest: asdict(read_gguf_header(model))}
+        assert reported[artifacts["good"].digest]["block_count"] == 6
+        # Read once: a header changed behind the cache's back is not read again.
+        snapshot = cache.snapshot(artifacts["good"].digest) / "model.gguf"
+        snapshot.chmod(0o644)
+        snapshot.write_bytes(b"gone")
+        assert facts() == reported
