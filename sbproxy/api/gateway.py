@@ -89,7 +89,13 @@ from sbproxy.api.errors import (
 )
 from sbproxy.api.keys import Caller, KeyPlane
 from sbproxy.api.metrics import Disconnects, Rejections
-from sbproxy.api.peers import NoReadyReplica, PeerDispatch, PeerOutcome, peer_headers
+from sbproxy.api.peers import (
+    NoReadyReplica,
+    PeerDispatch,
+    PeerOutcome,
+    peer_headers,
+    trace_context,
+)
 from sbproxy.api.relay import (
     StreamRelay,
     UpstreamUnavailable,
@@ -112,6 +118,8 @@ from sbproxy.telemetry import (
     ATTR_KEY_NAME,
     ATTR_MODEL,
     ATTR_OUTPUT_TOKENS,
+    ATTR_PEER_NODE,
+    ATTR_SPILLED,
     enabled,
 )
 
@@ -131,8 +139,14 @@ _PEER_OUTCOMES: Final = {
     "engine_timeout": PeerOutcome.TIMED_OUT,
     CLIENT_DISCONNECTED: PeerOutcome.CLIENT_GONE,
 }
-# An answer a peer host served (sbproxy/api/peers.py).
+# What a local replica may refuse before any byte reached the client and a peer replica can
+# take instead (spill-over, Gateway.spill).
+_SPILLABLE: Final = (AdmissionRejected, UpstreamUnavailable)
+# An answer a peer host served (sbproxy/api/peers.py), the node that served it, and the code
+# of this host's own refusal when the request spilled over.
 _PEER_CLASS: Final = (b"x-sbproxy-route-class", b"peer")
+_PEER_NODE: Final = b"x-sbproxy-peer-node"
+_SPILLED: Final = b"x-sbproxy-spilled"
 
 
 def _request_headers(scope: Scope) -> tuple[str | None, str | None, bytes | None]:
@@ -271,10 +285,20 @@ class _EventStream:
 
 
 class _PeerEventStream(_EventStream):
-    """A stream a peer host serves, relayed as it comes."""
+    """A stream a peer host serves, relayed as it comes (``extra``: the headers naming the
+    node, and the spill-over)."""
 
-    __slots__ = ()
-    stream_headers = _PEER_STREAM_HEADERS
+    __slots__ = ("stream_headers",)
+
+    def __init__(
+        self,
+        status: int,
+        model_header: bytes,
+        relay: StreamRelay,
+        extra: tuple[tuple[bytes, bytes], ...],
+    ) -> None:
+        super().__init__(status, model_header, relay)
+        self.stream_headers = (*_PEER_STREAM_HEADERS, *extra)
 
 
 def host_of(header: str | None) -> str:
@@ -508,16 +532,20 @@ class Gateway:
                 )  # fmt: skip
         else:
             self.hop_here(fleet, deployment)
-        body, strip_usage = self.prepare(path, head, body, route)
-        if hop is not None:
-            # The calling host counts usage: it gets the usage event and drops it for its
-            # client as needed.
-            strip_usage = False
+        sent, strip_usage = self.prepare(path, head, body, route)
+        # For a hop the calling host counts usage: it gets the usage event and drops it for
+        # its client as needed.
+        strip_usage = strip_usage and hop is None
         try:
             answer = await self.exchange(
-                request, route, caller=caller, path=path, body=body, streamed=head.stream
+                request, route, caller=caller, path=path, body=sent, streamed=head.stream
             )
         except SbproxyError as exc:  # a refusal, an engine timeout, an unreachable engine
+            if fleet is not None and hop is None and isinstance(exc, _SPILLABLE):
+                return await self.spill(
+                    request, route, fleet, exc, caller=caller, host=host, path=path, head=head,
+                    body=body, span=span, note=note,
+                )  # fmt: skip
             if note is not None:
                 note.outcome = exc.code
             raise
@@ -625,10 +653,14 @@ class Gateway:
         body: bytes,
         span: trace.Span | None,
         note: AccessNote | None,
+        spilled: str | None = None,
     ) -> ASGIApp:
         """Relay one request to a peer host's replica (:mod:`sbproxy.api.peers`): the
-        client's body as it came (checked here first), the peer's answer back byte for byte,
-        its usage counted here.
+        client's body as it came (checked here first), with the trace context
+        (:func:`~sbproxy.api.peers.trace_context`); the peer's answer back byte for byte,
+        naming the node that served it (``x-sbproxy-peer-node``; ``x-sbproxy-spilled``: the
+        code of this host's own refusal, ``spilled``, when the request spilled over), its
+        usage counted here.
 
         Raises:
             InvalidRequest: ``invalid_request`` (400) -- never forwarded.
@@ -651,6 +683,7 @@ class Gateway:
                 path=path,
                 body=body,
                 streamed=head.stream,
+                carrier=trace_context(request.scope),
             )
         except SbproxyError as exc:
             if note is not None:
@@ -660,6 +693,7 @@ class Gateway:
             return self.client_gone(deployment, note)
         response = answer.response
         model_header = self.model_header(route.public_model)
+        extra = _peer_note(answer.replica.node_id, spilled, span, note)
         if answer.data is not None:
             if response.content_type == "application/json" and response.status < 400:
                 usage = answer_usage(answer.data)
@@ -667,6 +701,7 @@ class Gateway:
                     self.count(caller, usage, span, note)
             plain = _PlainAnswer(response.status, model_header, response.content_type, answer.data)
             plain.headers[1] = _PEER_CLASS
+            plain.headers.extend(extra)
             retry_after = response.headers.get("Retry-After")
             if retry_after is not None:
                 plain.headers.append((b"retry-after", retry_after.encode("latin-1")))
@@ -685,7 +720,50 @@ class Gateway:
             on_usage=lambda usage: self.count(caller, usage, span, note),
             on_end=ended,
         )
-        return _PeerEventStream(response.status, model_header, relay)
+        return _PeerEventStream(response.status, model_header, relay, extra)
+
+    async def spill(
+        self,
+        request: Request[Any, Any, Any],
+        route: Route,
+        fleet: PeerDispatch,
+        refused: SbproxyError,
+        *,
+        caller: Caller,
+        host: str | None,
+        path: str,
+        head: Head,
+        body: bytes,
+        span: trace.Span | None,
+        note: AccessNote | None,
+    ) -> ASGIApp:
+        """Spill-over: send a request this host's own replica ``refused`` before any byte
+        reached the client (an admission refusal -- ``queue_full``, ``queue_timeout``,
+        ``crash_loop``, ``engine_unhealthy``, ... -- or an engine that could not be reached)
+        to the best ready peer replica instead, as :meth:`forward_to_peer` sends a request
+        with no replica here: the client's own ``body``, usage counted once, here. Counted in
+        ``sbproxy_gateway_peer_spills_total``. Only a client's request spills (a peer's hop is
+        answered here or refused), and only once.
+
+        Raises:
+            SbproxyError: ``refused`` itself when no peer replica is ready; else as
+                :meth:`forward_to_peer`.
+        """
+        key = (route.deployment, refused.code)
+        try:
+            app = await self.forward_to_peer(
+                request, route, fleet, caller=caller, host=host, path=path, head=head, body=body,
+                span=span, note=note, spilled=refused.code,
+            )  # fmt: skip
+        except NoReadyReplica:
+            if note is not None:
+                note.outcome = refused.code
+            raise refused from None
+        except SbproxyError:
+            fleet.spills[key] += 1
+            raise
+        fleet.spills[key] += 1
+        return app
 
     async def exchange(
         self,
@@ -793,6 +871,21 @@ def _annotate(
         if caller.name is not None:
             span.set_attribute(ATTR_KEY_NAME, caller.name)
     return note, span
+
+
+def _peer_note(
+    node: str, spilled: str | None, span: trace.Span | None, note: AccessNote | None
+) -> tuple[tuple[bytes, bytes], ...]:
+    """Note on the request's span and access-log line that peer ``node`` answered (after this
+    host refused with ``spilled``); the answer's headers saying so."""
+    if note is not None:
+        note.peer, note.spilled = node, spilled
+    if span is not None:
+        span.set_attribute(ATTR_PEER_NODE, node)
+        if spilled is not None:
+            span.set_attribute(ATTR_SPILLED, spilled)
+    named = (_PEER_NODE, node.encode("latin-1"))
+    return (named,) if spilled is None else (named, (_SPILLED, spilled.encode("latin-1")))
 
 
 def _first_limit(upstream: Upstream, *, streamed: bool) -> tuple[Limit, float]:
