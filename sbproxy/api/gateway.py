@@ -41,9 +41,11 @@ relay drops that usage-only event: the client sees exactly the stream it asked f
 Several hosts (:mod:`sbproxy.api.peers`): on a host of a fleet (``Gateway.fleet``), a request
 for a deployment with no ready replica here goes to a peer host's gateway -- the one with the
 fewest outstanding requests -- and its answer comes back byte for byte (``x-sbproxy-route-class:
-peer``); a peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet credential) is
-served here only, with no key, budget or usage. A single host never looks at any of it: with
-no fleet the request path is the one above.
+peer``, ``x-sbproxy-peer-node``); so does a client's request that the replica here refused
+before any byte went out (spill-over, :meth:`Gateway.spill`: only on that exception path). A
+peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet credential) is served here
+only, with no key, budget or usage, and never spills. A single host never looks at any of
+it: with no fleet the request path is the one above.
 
 Origin matching (``Host`` without its port, case-insensitive):
 
