@@ -40,12 +40,12 @@ relay drops that usage-only event: the client sees exactly the stream it asked f
 
 Several hosts (:mod:`sbproxy.api.peers`): on a host of a fleet (``Gateway.fleet``), a request
 for a deployment with no ready replica here goes to a peer host's gateway -- the one with the
-fewest outstanding requests -- and its answer comes back byte for byte (``x-sbproxy-route-class:
-peer``, ``x-sbproxy-peer-node``); so does a client's request that the replica here refused
-before any byte went out (spill-over, :meth:`Gateway.spill`: only on that exception path). A
-peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet credential) is served here
-only, with no key, budget or usage, and never spills. A single host never looks at any of
-it: with no fleet the request path is the one above.
+fewest outstanding requests -- and its answer comes back byte for byte
+(``x-sbproxy-route-class: peer``, ``x-sbproxy-peer-node``); so does a client's request that the
+replica here refused before any byte went out (spill-over, :meth:`Gateway.forward_to_peer`:
+only on that exception path). A peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet
+credential) is served here only, with no key, budget or usage, and never spills. A single host
+never looks at any of it: with no fleet the request path is the one above.
 
 Origin matching (``Host`` without its port, case-insensitive):
 
@@ -142,7 +142,7 @@ _PEER_OUTCOMES: Final = {
     CLIENT_DISCONNECTED: PeerOutcome.CLIENT_GONE,
 }
 # What a local replica may refuse before any byte reached the client and a peer replica can
-# take instead (spill-over, Gateway.spill).
+# take instead (spill-over, Gateway.forward_to_peer).
 _SPILLABLE: Final = (AdmissionRejected, UpstreamUnavailable)
 # An answer a peer host served (sbproxy/api/peers.py), the node that served it, and the code
 # of this host's own refusal when the request spilled over.
@@ -544,9 +544,9 @@ class Gateway:
             )
         except SbproxyError as exc:  # a refusal, an engine timeout, an unreachable engine
             if fleet is not None and hop is None and isinstance(exc, _SPILLABLE):
-                return await self.spill(
-                    request, route, fleet, exc, caller=caller, host=host, path=path, head=head,
-                    body=body, span=span, note=note,
+                return await self.forward_to_peer(
+                    request, route, fleet, caller=caller, host=host, path=path, head=head,
+                    body=body, span=span, note=note, spilled=exc,
                 )  # fmt: skip
             if note is not None:
                 note.outcome = exc.code
@@ -655,18 +655,24 @@ class Gateway:
         body: bytes,
         span: trace.Span | None,
         note: AccessNote | None,
-        spilled: str | None = None,
+        spilled: SbproxyError | None = None,
     ) -> ASGIApp:
         """Relay one request to a peer host's replica (:mod:`sbproxy.api.peers`): the
         client's body as it came (checked here first), with the trace context
         (:func:`~sbproxy.api.peers.trace_context`); the peer's answer back byte for byte,
-        naming the node that served it (``x-sbproxy-peer-node``; ``x-sbproxy-spilled``: the
-        code of this host's own refusal, ``spilled``, when the request spilled over), its
-        usage counted here.
+        naming the node that served it (``x-sbproxy-peer-node``), its usage counted here.
+
+        Spill-over (``spilled``: the refusal of this host's own replica, before any byte
+        reached the client -- an admission refusal such as ``queue_full``,
+        ``queue_timeout``, ``crash_loop``, or an engine that failed before answering): the
+        answer also carries ``x-sbproxy-spilled: <its code>``, and the spill is counted in
+        ``sbproxy_gateway_peer_spills_total``; with no peer replica ready, ``spilled``
+        itself is the answer. Only a client's request spills (a peer's hop is served here or
+        refused), and only once.
 
         Raises:
             InvalidRequest: ``invalid_request`` (400) -- never forwarded.
-            NoReadyReplica: ``no_ready_replica`` (503).
+            NoReadyReplica: ``no_ready_replica`` (503) -- ``spilled`` instead, when given.
             UpstreamUnavailable: ``upstream_unavailable`` (502): no peer answered.
             EngineTimeout: ``engine_timeout`` (504).
         """
@@ -688,9 +694,9 @@ class Gateway:
                 carrier=trace_context(request.scope),
             )
         except SbproxyError as exc:
-            if note is not None:
-                note.outcome = exc.code
-            raise
+            raise _peer_failure(fleet, deployment, exc, spilled, note) from None
+        if spilled is not None:
+            fleet.spills[(deployment, spilled.code)] += 1
         if answer is None:
             return self.client_gone(deployment, note)
         response = answer.response
@@ -723,49 +729,6 @@ class Gateway:
             on_end=ended,
         )
         return _PeerEventStream(response.status, model_header, relay, extra)
-
-    async def spill(
-        self,
-        request: Request[Any, Any, Any],
-        route: Route,
-        fleet: PeerDispatch,
-        refused: SbproxyError,
-        *,
-        caller: Caller,
-        host: str | None,
-        path: str,
-        head: Head,
-        body: bytes,
-        span: trace.Span | None,
-        note: AccessNote | None,
-    ) -> ASGIApp:
-        """Spill-over: send a request this host's own replica ``refused`` before any byte
-        reached the client (an admission refusal -- ``queue_full``, ``queue_timeout``,
-        ``crash_loop``, ``engine_unhealthy``, ... -- or an engine that could not be reached)
-        to the best ready peer replica instead, as :meth:`forward_to_peer` sends a request
-        with no replica here: the client's own ``body``, usage counted once, here. Counted in
-        ``sbproxy_gateway_peer_spills_total``. Only a client's request spills (a peer's hop is
-        answered here or refused), and only once.
-
-        Raises:
-            SbproxyError: ``refused`` itself when no peer replica is ready; else as
-                :meth:`forward_to_peer`.
-        """
-        key = (route.deployment, refused.code)
-        try:
-            app = await self.forward_to_peer(
-                request, route, fleet, caller=caller, host=host, path=path, head=head, body=body,
-                span=span, note=note, spilled=refused.code,
-            )  # fmt: skip
-        except NoReadyReplica:
-            if note is not None:
-                note.outcome = refused.code
-            raise refused from None
-        except SbproxyError:
-            fleet.spills[key] += 1
-            raise
-        fleet.spills[key] += 1
-        return app
 
     async def exchange(
         self,
@@ -875,19 +838,40 @@ def _annotate(
     return note, span
 
 
+def _peer_failure(
+    fleet: PeerDispatch,
+    deployment: str,
+    exc: SbproxyError,
+    spilled: SbproxyError | None,
+    note: AccessNote | None,
+) -> SbproxyError:
+    """The error to answer when peer dispatch raised ``exc``: ``spilled`` (this host's own
+    refusal) when a spill-over found no peer replica ready, else ``exc`` (a spill-over that
+    tried a peer is counted)."""
+    if spilled is not None:
+        if isinstance(exc, NoReadyReplica):
+            exc = spilled
+        else:
+            fleet.spills[(deployment, spilled.code)] += 1
+    if note is not None:
+        note.outcome = exc.code
+    return exc
+
+
 def _peer_note(
-    node: str, spilled: str | None, span: trace.Span | None, note: AccessNote | None
+    node: str, spilled: SbproxyError | None, span: trace.Span | None, note: AccessNote | None
 ) -> tuple[tuple[bytes, bytes], ...]:
     """Note on the request's span and access-log line that peer ``node`` answered (after this
     host refused with ``spilled``); the answer's headers saying so."""
+    code = spilled.code if spilled is not None else None
     if note is not None:
-        note.peer, note.spilled = node, spilled
+        note.peer, note.spilled = node, code
     if span is not None:
         span.set_attribute(ATTR_PEER_NODE, node)
-        if spilled is not None:
-            span.set_attribute(ATTR_SPILLED, spilled)
+        if code is not None:
+            span.set_attribute(ATTR_SPILLED, code)
     named = (_PEER_NODE, node.encode("latin-1"))
-    return (named,) if spilled is None else (named, (_SPILLED, spilled.encode("latin-1")))
+    return (named,) if code is None else (named, (_SPILLED, code.encode("latin-1")))
 
 
 def _first_limit(upstream: Upstream, *, streamed: bool) -> tuple[Limit, float]:

@@ -38,8 +38,8 @@ too; that request gets 504 ``engine_timeout``. Once a stream's headers went out,
 fails ends the stream with an ``upstream_unavailable`` error event, as an engine failing
 mid-stream does (:mod:`sbproxy.api.relay`).
 
-Spill-over (:meth:`sbproxy.api.gateway.Gateway.spill`): a client's request that this host's
-own replica refuses before any byte reached the client -- any admission refusal
+Spill-over (:meth:`sbproxy.api.gateway.Gateway.forward_to_peer`): a client's request that
+this host's own replica refuses before any byte reached the client -- any admission refusal
 (``queue_full``, ``queue_timeout``, ``crash_loop``, ``engine_unhealthy``, ``draining``,
 ``insufficient_capacity``) or an engine that failed before its answer
 (``upstream_unavailable``) -- goes to the best ready peer replica by the rules above; with

@@ -7,6 +7,8 @@ through it: the owning host loads it for the hop, as for a request of its own cl
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,17 @@ from tests.support.postgres import PostgresServer
 __all__ = ["mirror"]  # the fixture, used by name
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@contextmanager
+def fleet(url: str, mirror_url: str, root: Path, names: str) -> Iterator[list[FleetHost]]:
+    """Fleet hosts ``node-<name>`` on the database at ``url``, joined; stopped at the end."""
+    hosts = [FleetHost(f"node-{n}", root / f"node-{n}", url, mirror_url) for n in names]
+    try:
+        start_all(hosts)
+        yield hosts
+    finally:
+        stop_all(hosts)
 
 
 def runtime(host: FleetHost) -> dict[str, Any]:
@@ -47,10 +60,7 @@ def availability(host: FleetHost) -> dict[str, Any]:
 def test_a_replica_idle_after_keep_alive_is_woken_by_a_request_to_another_host(
     tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
 ) -> None:
-    url = postgres_server.create_database()
-    hosts = [FleetHost(f"node-{n}", tmp_path / f"node-{n}", url, mirror.url) for n in "ab"]
-    try:
-        start_all(hosts)
+    with fleet(postgres_server.create_database(), mirror.url, tmp_path, "ab") as hosts:
         apply(hosts[0], {"tiny": {**TINY, "keep_alive_secs": 1}})
         poll(lambda: len(ready_nodes(hosts[0], "tiny")) == 1, timeout_s=60, what="placed")
         (owner,) = [h for h in hosts if h.node in ready_nodes(hosts[0], "tiny")]
@@ -82,5 +92,3 @@ def test_a_replica_idle_after_keep_alive_is_woken_by_a_request_to_another_host(
         assert len(owner.engines()) == 1
         assert other.engines() == []
         poll(lambda: shown(other) == "ready", timeout_s=10, what="shown ready again")
-    finally:
-        stop_all(hosts)

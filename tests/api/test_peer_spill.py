@@ -7,8 +7,6 @@ host; a hop never spills; a hop carries the caller's trace context."""
 from __future__ import annotations
 
 import logging
-import os
-import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,7 +21,7 @@ from sbproxy.api.peers import PEER_HOP
 from sbproxy.config import ApiKeyRecord
 from tests.api.fleet_hosts import CREDENTIAL, Member, fleet_of
 from tests.api.support import ADMIN, TINY
-from tests.api.test_peer_dispatch import CHAT, STREAM, post, served_by
+from tests.api.test_peer_dispatch import CHAT, STREAM, post, served_by, stream_killing_engine
 from tests.model_host.runtime.support import until
 from tests.support.spans import memory_spans
 
@@ -172,20 +170,8 @@ async def test_a_local_stream_failing_after_its_first_byte_is_not_spilled(
 ) -> None:
     async with fleet_of(tmp_path, names=("b", "c"), modes={"b": "token_delay_s=0.5"}) as fleet:
         b = fleet["b"]
-        events: list[str] = []
-        async with (
-            httpx.AsyncClient(base_url=b.host.gateway_url, timeout=30) as http,
-            http.stream("POST", "/v1/chat/completions", json=STREAM) as stream,
-        ):
-            assert stream.headers["x-sbproxy-route-class"] == "local"
-            async for line in stream.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                events.append(line)
-                if len(events) == 1:  # b's engine dies mid-stream
-                    process = b.host.host.manager.deployment("tiny").process
-                    assert process is not None
-                    os.kill(process.pid, signal.SIGKILL)
+        route_class, events = await stream_killing_engine(b.host.gateway_url, b)
+        assert route_class == "local"
         assert '"code": "upstream_unavailable"' in events[-1]
         assert "[DONE]" not in "".join(events)
         assert served_by(fleet) == {"b": 1, "c": 0}
