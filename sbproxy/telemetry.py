@@ -37,6 +37,8 @@ __all__ = [
     "ATTR_KEY_NAME",
     "ATTR_MODEL",
     "ATTR_OUTPUT_TOKENS",
+    "ATTR_PEER_NODE",
+    "ATTR_SPILLED",
     "ATTR_STEP",
     "ATTR_STEP_ATTEMPT",
     "configure_from_environment",
@@ -63,6 +65,10 @@ ATTR_KEY_NAME = "sbproxy.key.name"
 # Token usage of a gateway answer (OpenTelemetry GenAI semantic conventions).
 ATTR_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 ATTR_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+# On a host of a fleet: the node of the peer replica that answered a gateway request, and the
+# code of this host's own refusal when the request spilled over to it.
+ATTR_PEER_NODE = "sbproxy.peer.node"
+ATTR_SPILLED = "sbproxy.peer.spilled"
 
 _provider: TracerProvider | None = None
 

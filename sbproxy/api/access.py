@@ -7,17 +7,20 @@ ASGI middleware that writes, when the request has ended (a stream at its last ev
     POST /v1/chat/completions 200 deployment=local-qwen 812.4ms
     POST /v1/completions 499 deployment=local-qwen 1003.0ms client_disconnected
     POST /v1/chat/completions 504 deployment=local-qwen 30001.2ms engine_timeout
+    POST /v1/chat/completions 200 deployment=local-qwen 93.1ms peer=gpu-02 spilled=queue_full
 
-to the logger ``sbproxy.api.access``: method, path (no query string), status,
-deployment (``-`` before one is known), duration in milliseconds from the request's arrival,
-and, when the request did not end in a relayed answer, its reason code (an admission
-refusal such as ``queue_timeout``, ``engine_timeout``, ``upstream_unavailable``,
-``client_disconnected``). Status ``499`` (nginx's "client closed request") is a client that
-went away before its answer ended; a stream whose headers already went out is logged with
-499 too, although 200 went out on the wire -- unless the stream's end (``[DONE]``, or its
-usage event) had gone out: a client that closes then completed its request. A stream cut
-by the gateway (``engine_timeout``, ``upstream_unavailable``) keeps the status it was sent
-with and names the reason.
+to the logger ``sbproxy.api.access``: method, path (no query string), status, deployment
+(``-`` before one is known), duration in milliseconds from the request's arrival, on a host
+of a fleet the node of the peer replica that answered (``peer=``) and, when this host's own
+replica refused first, that refusal's code (``spilled=``: the request spilled over to the
+peer; such a line is logged at INFO), and, when the request did not end in a relayed answer,
+its reason code (an admission refusal such as ``queue_timeout``, ``engine_timeout``,
+``upstream_unavailable``, ``client_disconnected``). Status ``499`` (nginx's "client closed
+request") is a client that went away before its answer ended; a stream whose headers already
+went out is logged with 499 too, although 200 went out on the wire -- unless the stream's
+end (``[DONE]``, or its usage event) had gone out: a client that closes then completed its
+request. A stream cut by the gateway (``engine_timeout``, ``upstream_unavailable``) keeps
+the status it was sent with and names the reason.
 
 Levels: a request that did not end in a plain answer (an outcome, a status >= 400 -- 499
 included) is logged at INFO, so a server logs every refusal, timeout and disconnect; a
@@ -76,6 +79,9 @@ class AccessNote:
         prompt_tokens: The answer's ``usage.prompt_tokens``.
         completion_tokens: The answer's ``usage.completion_tokens``.
         first_token_at: ``time.perf_counter()`` when a stream's first event was relayed.
+        peer: The node of the peer replica that answered (peer dispatch); ``None``: here.
+        spilled: The code of this host's own refusal when the request spilled over to a
+            peer (``queue_full``, ``upstream_unavailable``, ...).
         sent: The status that went out (set by the middleware; 500 until an answer starts:
             an exception that escapes every handler ends as uvicorn's 500).
     """
@@ -87,6 +93,8 @@ class AccessNote:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     first_token_at: float | None = None
+    peer: str | None = None
+    spilled: str | None = None
     sent: int = 500
 
 
@@ -157,15 +165,17 @@ def _finish(activity: Activity | None, scope: HTTPScope, note: AccessNote, start
     status = note.status or note.sent
     if activity is not None:
         _record(activity, scope, note, status, started)
-    level = logging.INFO if note.outcome or status >= 400 else logging.DEBUG
+    level = logging.INFO if note.outcome or note.spilled or status >= 400 else logging.DEBUG
     if logger.isEnabledFor(level):
         logger.log(
             level,
-            "%s %s %d deployment=%s %.1fms%s",
+            "%s %s %d deployment=%s %.1fms%s%s%s",
             scope["method"],
             scope["path"],
             status,
             note.deployment or "-",
             (perf_counter() - started) * 1000,
+            f" peer={note.peer}" if note.peer else "",
+            f" spilled={note.spilled}" if note.spilled else "",
             f" {note.outcome}" if note.outcome else "",
         )

@@ -91,10 +91,11 @@ def _shown_runtime(
     node_state: str | None, runtime: Mapping[str, Any] | None
 ) -> Mapping[str, Any] | None:
     """A replica's runtime as its node last reported it -- except on a lost or departed
-    node, whose report is history: shown ``unreachable`` (``reported_state`` keeps it)."""
+    node, whose report is history: shown ``unreachable``; and one keep-alive stopped, shown
+    ``idle`` (a request loads it again); ``reported_state`` keeps the report."""
     if runtime is None:
         return None
-    shown = replica_state(node_state, runtime.get("state"))
+    shown = replica_state(node_state, runtime.get("state"), reason_code=runtime.get("reason_code"))
     if shown == runtime.get("state"):
         return runtime
     return {**runtime, "state": shown, "reported_state": runtime.get("state")}

@@ -40,10 +40,12 @@ relay drops that usage-only event: the client sees exactly the stream it asked f
 
 Several hosts (:mod:`sbproxy.api.peers`): on a host of a fleet (``Gateway.fleet``), a request
 for a deployment with no ready replica here goes to a peer host's gateway -- the one with the
-fewest outstanding requests -- and its answer comes back byte for byte (``x-sbproxy-route-class:
-peer``); a peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet credential) is
-served here only, with no key, budget or usage. A single host never looks at any of it: with
-no fleet the request path is the one above.
+fewest outstanding requests -- and its answer comes back byte for byte
+(``x-sbproxy-route-class: peer``, ``x-sbproxy-peer-node``); so does a client's request that the
+replica here refused before any byte went out (spill-over, :meth:`Gateway.forward_to_peer`:
+only on that exception path). A peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet
+credential) is served here only, with no key, budget or usage, and never spills. A single host
+never looks at any of it: with no fleet the request path is the one above.
 
 Origin matching (``Host`` without its port, case-insensitive):
 
@@ -89,7 +91,13 @@ from sbproxy.api.errors import (
 )
 from sbproxy.api.keys import Caller, KeyPlane
 from sbproxy.api.metrics import Disconnects, Rejections
-from sbproxy.api.peers import NoReadyReplica, PeerDispatch, PeerOutcome, peer_headers
+from sbproxy.api.peers import (
+    NoReadyReplica,
+    PeerDispatch,
+    PeerOutcome,
+    peer_headers,
+    trace_context,
+)
 from sbproxy.api.relay import (
     StreamRelay,
     UpstreamUnavailable,
@@ -112,6 +120,8 @@ from sbproxy.telemetry import (
     ATTR_KEY_NAME,
     ATTR_MODEL,
     ATTR_OUTPUT_TOKENS,
+    ATTR_PEER_NODE,
+    ATTR_SPILLED,
     enabled,
 )
 
@@ -131,8 +141,14 @@ _PEER_OUTCOMES: Final = {
     "engine_timeout": PeerOutcome.TIMED_OUT,
     CLIENT_DISCONNECTED: PeerOutcome.CLIENT_GONE,
 }
-# An answer a peer host served (sbproxy/api/peers.py).
+# What a local replica may refuse before any byte reached the client and a peer replica can
+# take instead (spill-over, Gateway.forward_to_peer).
+_SPILLABLE: Final = (AdmissionRejected, UpstreamUnavailable)
+# An answer a peer host served (sbproxy/api/peers.py), the node that served it, and the code
+# of this host's own refusal when the request spilled over.
 _PEER_CLASS: Final = (b"x-sbproxy-route-class", b"peer")
+_PEER_NODE: Final = b"x-sbproxy-peer-node"
+_SPILLED: Final = b"x-sbproxy-spilled"
 
 
 def _request_headers(scope: Scope) -> tuple[str | None, str | None, bytes | None]:
@@ -271,10 +287,20 @@ class _EventStream:
 
 
 class _PeerEventStream(_EventStream):
-    """A stream a peer host serves, relayed as it comes."""
+    """A stream a peer host serves, relayed as it comes (``extra``: the headers naming the
+    node, and the spill-over)."""
 
-    __slots__ = ()
-    stream_headers = _PEER_STREAM_HEADERS
+    __slots__ = ("stream_headers",)
+
+    def __init__(
+        self,
+        status: int,
+        model_header: bytes,
+        relay: StreamRelay,
+        extra: tuple[tuple[bytes, bytes], ...],
+    ) -> None:
+        super().__init__(status, model_header, relay)
+        self.stream_headers = (*_PEER_STREAM_HEADERS, *extra)
 
 
 def host_of(header: str | None) -> str:
@@ -508,16 +534,20 @@ class Gateway:
                 )  # fmt: skip
         else:
             self.hop_here(fleet, deployment)
-        body, strip_usage = self.prepare(path, head, body, route)
-        if hop is not None:
-            # The calling host counts usage: it gets the usage event and drops it for its
-            # client as needed.
-            strip_usage = False
+        sent, strip_usage = self.prepare(path, head, body, route)
+        # For a hop the calling host counts usage: it gets the usage event and drops it for
+        # its client as needed.
+        strip_usage = strip_usage and hop is None
         try:
             answer = await self.exchange(
-                request, route, caller=caller, path=path, body=body, streamed=head.stream
+                request, route, caller=caller, path=path, body=sent, streamed=head.stream
             )
         except SbproxyError as exc:  # a refusal, an engine timeout, an unreachable engine
+            if fleet is not None and hop is None and isinstance(exc, _SPILLABLE):
+                return await self.forward_to_peer(
+                    request, route, fleet, caller=caller, host=host, path=path, head=head,
+                    body=body, span=span, note=note, spilled=exc,
+                )  # fmt: skip
             if note is not None:
                 note.outcome = exc.code
             raise
@@ -625,14 +655,24 @@ class Gateway:
         body: bytes,
         span: trace.Span | None,
         note: AccessNote | None,
+        spilled: SbproxyError | None = None,
     ) -> ASGIApp:
         """Relay one request to a peer host's replica (:mod:`sbproxy.api.peers`): the
-        client's body as it came (checked here first), the peer's answer back byte for byte,
-        its usage counted here.
+        client's body as it came (checked here first), with the trace context
+        (:func:`~sbproxy.api.peers.trace_context`); the peer's answer back byte for byte,
+        naming the node that served it (``x-sbproxy-peer-node``), its usage counted here.
+
+        Spill-over (``spilled``: the refusal of this host's own replica, before any byte
+        reached the client -- an admission refusal such as ``queue_full``,
+        ``queue_timeout``, ``crash_loop``, or an engine that failed before answering): the
+        answer also carries ``x-sbproxy-spilled: <its code>``, and the spill is counted in
+        ``sbproxy_gateway_peer_spills_total``; with no peer replica ready, ``spilled``
+        itself is the answer. Only a client's request spills (a peer's hop is served here or
+        refused), and only once.
 
         Raises:
             InvalidRequest: ``invalid_request`` (400) -- never forwarded.
-            NoReadyReplica: ``no_ready_replica`` (503).
+            NoReadyReplica: ``no_ready_replica`` (503) -- ``spilled`` instead, when given.
             UpstreamUnavailable: ``upstream_unavailable`` (502): no peer answered.
             EngineTimeout: ``engine_timeout`` (504).
         """
@@ -651,15 +691,17 @@ class Gateway:
                 path=path,
                 body=body,
                 streamed=head.stream,
+                carrier=trace_context(request.scope),
             )
         except SbproxyError as exc:
-            if note is not None:
-                note.outcome = exc.code
-            raise
+            raise _peer_failure(fleet, deployment, exc, spilled, note) from None
+        if spilled is not None:
+            fleet.spills[(deployment, spilled.code)] += 1
         if answer is None:
             return self.client_gone(deployment, note)
         response = answer.response
         model_header = self.model_header(route.public_model)
+        extra = _peer_note(answer.replica.node_id, spilled, span, note)
         if answer.data is not None:
             if response.content_type == "application/json" and response.status < 400:
                 usage = answer_usage(answer.data)
@@ -667,6 +709,7 @@ class Gateway:
                     self.count(caller, usage, span, note)
             plain = _PlainAnswer(response.status, model_header, response.content_type, answer.data)
             plain.headers[1] = _PEER_CLASS
+            plain.headers.extend(extra)
             retry_after = response.headers.get("Retry-After")
             if retry_after is not None:
                 plain.headers.append((b"retry-after", retry_after.encode("latin-1")))
@@ -685,7 +728,7 @@ class Gateway:
             on_usage=lambda usage: self.count(caller, usage, span, note),
             on_end=ended,
         )
-        return _PeerEventStream(response.status, model_header, relay)
+        return _PeerEventStream(response.status, model_header, relay, extra)
 
     async def exchange(
         self,
@@ -793,6 +836,42 @@ def _annotate(
         if caller.name is not None:
             span.set_attribute(ATTR_KEY_NAME, caller.name)
     return note, span
+
+
+def _peer_failure(
+    fleet: PeerDispatch,
+    deployment: str,
+    exc: SbproxyError,
+    spilled: SbproxyError | None,
+    note: AccessNote | None,
+) -> SbproxyError:
+    """The error to answer when peer dispatch raised ``exc``: ``spilled`` (this host's own
+    refusal) when a spill-over found no peer replica ready, else ``exc`` (a spill-over that
+    tried a peer is counted)."""
+    if spilled is not None:
+        if isinstance(exc, NoReadyReplica):
+            exc = spilled
+        else:
+            fleet.spills[(deployment, spilled.code)] += 1
+    if note is not None:
+        note.outcome = exc.code
+    return exc
+
+
+def _peer_note(
+    node: str, spilled: SbproxyError | None, span: trace.Span | None, note: AccessNote | None
+) -> tuple[tuple[bytes, bytes], ...]:
+    """Note on the request's span and access-log line that peer ``node`` answered (after this
+    host refused with ``spilled``); the answer's headers saying so."""
+    code = spilled.code if spilled is not None else None
+    if note is not None:
+        note.peer, note.spilled = node, code
+    if span is not None:
+        span.set_attribute(ATTR_PEER_NODE, node)
+        if code is not None:
+            span.set_attribute(ATTR_SPILLED, code)
+    named = (_PEER_NODE, node.encode("latin-1"))
+    return (named,) if code is None else (named, (_SPILLED, code.encode("latin-1")))
 
 
 def _first_limit(upstream: Upstream, *, streamed: bool) -> tuple[Limit, float]:

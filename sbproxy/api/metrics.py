@@ -27,9 +27,13 @@ Gateway and job metrics (this project's own names, outside the reference's table
   worked on a plain answer, or in the middle of a stream (counted by the gateway);
 * ``sbproxy_gateway_peer_requests_total{deployment,node,outcome}`` (counter): each try this
   gateway made at a peer host's replica (peer dispatch, :mod:`sbproxy.api.peers`), by how it
-  ended: ``answered``, ``refused`` (502/503, the next replica tried), ``unreachable``
+  ended: ``answered``, ``refused`` (429/502/503, the next replica tried), ``unreachable``
   (failed before its answer; the peer left the rotation), ``cut`` (its stream failed after
-  the first byte), ``timed_out``, ``client_gone``; and
+  the first byte), ``timed_out``, ``client_gone``;
+  ``sbproxy_gateway_peer_spills_total{deployment,reason}`` (counter): requests this host's
+  own replica refused before any byte reached the client (``reason``: the refusal's code,
+  e.g. ``queue_full``, ``upstream_unavailable``) and that went to a peer's replica instead
+  (spill-over; the tries themselves count above); and
   ``sbproxy_gateway_peers_out_of_rotation`` (gauge): peers this gateway keeps out of its
   rotation now -- both only on a host with a fleet;
 * ``sbproxy_jobs_total{workflow,status}`` (counter): jobs this process brought to a terminal
@@ -258,6 +262,15 @@ class _PeerCollector(Collector):
         for (deployment, node, outcome), count in sorted(self.peers.tries.items()):
             tries.add_metric([deployment, node, outcome], count)
         yield tries
+        spills = CounterMetricFamily(
+            "sbproxy_gateway_peer_spills",
+            "Requests this host's own replica refused before any byte reached the client and "
+            "that went to a peer's replica instead (spill-over), by deployment and refusal.",
+            labels=["deployment", "reason"],
+        )
+        for (deployment, reason), count in sorted(self.peers.spills.items()):
+            spills.add_metric([deployment, reason], count)
+        yield spills
         yield GaugeMetricFamily(
             "sbproxy_gateway_peers_out_of_rotation",
             "Peer hosts this gateway keeps out of its rotation now (they failed a request "

@@ -31,15 +31,35 @@ peer's bytes: the answer's status, body and stream are relayed unchanged.
 Retries: another replica is tried only while nothing has reached the client -- when the
 peer cannot be reached or fails before its answer's headers (the peer is then out of this
 gateway's rotation at once, for ``peer_cooldown_ms`` on an injected monotonic clock, before
-membership notices), or when it answers 502/503 and another replica is left. A peer that does
-not answer within the deployment's limit (its own supervision would have answered by then,
-so it is hung) leaves the rotation too; that request gets 504 ``engine_timeout``. Once a stream's
-headers went out, a peer that fails ends the stream with an ``upstream_unavailable`` error
-event, as an engine failing mid-stream does (:mod:`sbproxy.api.relay`).
+membership notices), or when it answers 429/502/503 (its queue is full, its engine cannot
+serve now) and another replica is left. A peer that does not answer within the deployment's
+limit (its own supervision would have answered by then, so it is hung) leaves the rotation
+too; that request gets 504 ``engine_timeout``. Once a stream's headers went out, a peer that
+fails ends the stream with an ``upstream_unavailable`` error event, as an engine failing
+mid-stream does (:mod:`sbproxy.api.relay`).
+
+Spill-over (:meth:`sbproxy.api.gateway.Gateway.forward_to_peer`): a client's request that
+this host's own replica refuses before any byte reached the client -- any admission refusal
+(``queue_full``, ``queue_timeout``, ``crash_loop``, ``engine_unhealthy``, ``draining``,
+``insufficient_capacity``) or an engine that failed before its answer
+(``upstream_unavailable``) -- goes to the best ready peer replica by the rules above; with
+none, the host's own refusal is the answer. A hop never spills (it is served here or
+refused), so a request crosses at most one hop.
+
+Idle replicas: a replica the table lists ``ready`` but not ``loaded`` (keep-alive stopped
+its engine) is picked only when no loaded one is ready; its node loads it for the hop, as
+for a request of its own client.
+
+Trace context (:func:`trace_context`): a hop carries the W3C ``traceparent`` and
+``tracestate`` of the calling host's request span (OpenTelemetry's propagator writes them),
+so the peer's server span is a child of it in the same trace.
 
 Metrics (:func:`sbproxy.api.metrics.build_registry`):
 ``sbproxy_gateway_peer_requests_total{deployment,node,outcome}`` -- each try at a peer, by
-:class:`PeerOutcome` -- and ``sbproxy_gateway_peers_out_of_rotation`` (gauge).
+:class:`PeerOutcome` --, ``sbproxy_gateway_peer_spills_total{deployment,reason}`` and
+``sbproxy_gateway_peers_out_of_rotation`` (gauge). Each answer a peer served names its node
+(``x-sbproxy-peer-node``, and ``x-sbproxy-spilled: <code>`` after a spill-over), as do the
+access-log line and the request span (``sbproxy.peer.node``, ``sbproxy.peer.spilled``).
 """
 
 from __future__ import annotations
@@ -50,13 +70,14 @@ import hmac
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
 import aiohttp
 from litestar.types import Receive, Scope
+from opentelemetry import propagate
 from yarl import URL
 
 from sbproxy.api import engine_client
@@ -66,6 +87,7 @@ from sbproxy.api.relay import UpstreamUnavailable
 from sbproxy.api.supervision import ExchangeBound, Limit, engine_timeout
 from sbproxy.config import DeploymentConfig, PriorityClass
 from sbproxy.fleet.routing import FleetDirectory, PeerReplica, RoutingTable
+from sbproxy.telemetry import enabled
 
 __all__ = [
     "PEER_HOP",
@@ -78,6 +100,7 @@ __all__ = [
     "PeerTicket",
     "PeerUnauthorized",
     "peer_headers",
+    "trace_context",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,13 +109,16 @@ PEER_HOP: Final = "X-Sbproxy-Peer-Hop"
 PEER_PRIORITY: Final = "X-Sbproxy-Peer-Priority"
 _HOP: Final = PEER_HOP.lower().encode()
 _PRIORITY: Final = PEER_PRIORITY.lower().encode()
-# Peer answers that leave the client untouched and are worth another replica.
-_REFUSALS: Final = frozenset({502, 503})
+# Peer answers that leave the client untouched and are worth another replica: 429 is a full
+# queue there (a hop is checked against no key, budget or rate), 502/503 a replica that
+# cannot serve now.
+_REFUSALS: Final = frozenset({429, 502, 503})
 # The calling gateway's limits on a peer exceed the deployment's own by this much, so that
 # the peer's supervision (which knows the engine) speaks first.
 _MARGIN_S: Final = 1.0
 _DEFAULTS: Final = (300.0, 120.0, 30.0)
 _PRIORITIES: Final = {p.value: p for p in PriorityClass}
+_TRACE_HEADERS: Final = frozenset({b"traceparent", b"tracestate"})
 
 
 class PeerUnauthorized(ApiError):
@@ -114,7 +140,7 @@ class PeerOutcome(StrEnum):
     ``sbproxy_gateway_peer_requests_total``)."""
 
     ANSWERED = "answered"  # its answer (any status) or its whole stream went to the client
-    REFUSED = "refused"  # 502/503 before any byte reached the client; the next replica tried
+    REFUSED = "refused"  # 429/502/503 before any byte reached the client; the next one tried
     UNREACHABLE = "unreachable"  # failed before its answer's headers; out of rotation
     CUT = "cut"  # its stream failed after the first byte reached the client
     TIMED_OUT = "timed_out"  # a limit ran out waiting for it (before its answer: out of rotation)
@@ -144,6 +170,26 @@ def peer_headers(scope: Scope) -> tuple[str | None, str | None]:
         elif name == _PRIORITY:
             priority = value.decode("latin-1")
     return hop, priority
+
+
+def trace_context(scope: Scope) -> dict[str, str]:
+    """The W3C trace-context headers (``traceparent``, ``tracestate``) a hop carries, written
+    by OpenTelemetry's configured propagator: the calling host's current span when it traces
+    (the peer's server span is then its child); else the client's own trace context passed
+    on, so that a peer that traces still joins the client's trace; empty when there is
+    neither."""
+    carrier: dict[str, str] = {}
+    if enabled():
+        propagate.inject(carrier)
+        return carrier
+    incoming = {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in scope["headers"]
+        if name in _TRACE_HEADERS
+    }
+    if incoming:
+        propagate.inject(carrier, context=propagate.extract(incoming))
+    return carrier
 
 
 @dataclass(slots=True)
@@ -209,6 +255,9 @@ class PeerDispatch:
         self._turn = 0
         self.tries: Counter[tuple[str, str, str]] = Counter()
         """Tries at peers by ``(deployment, node, outcome)``."""
+        self.spills: Counter[tuple[str, str]] = Counter()
+        """Requests this host's own replica refused before any byte reached the client and
+        that went to a peer instead (spill-over), by ``(deployment, refusal code)``."""
 
     def configure(self, *, credential: str | None, cooldown_s: float) -> None:
         """Take a (reloaded) fleet credential and cool-down; rotation and counts stay."""
@@ -269,30 +318,35 @@ class PeerDispatch:
         self, deployment: str, *, local: dict[str, object] | None
     ) -> dict[str, object]:
         """What ``/v1/models`` says of ``deployment`` on a host of a fleet:
-        ``{state: ready|unavailable, ready_replicas, desired_replicas}`` over the replicas the
-        table lists (``ready`` when one is ready: here, or a peer's in this gateway's
-        rotation); ``local`` (this host's own availability, ``None`` when it lacks the
+        ``{state: ready|cold|unavailable, ready_replicas, desired_replicas}`` over the
+        replicas the table lists: ``ready`` when a loaded one can take requests (here, or a
+        peer's in this gateway's rotation), else ``cold`` when an idle one can be loaded by a
+        request (as a single host's idle deployment shows); ``ready_replicas`` counts the
+        loaded ones. ``local`` (this host's own availability, ``None`` when it lacks the
         deployment) for one the table does not list."""
         table = self.directory.routing()
         replicas = table.for_deployment(deployment)
         if not replicas:
             return local or {"state": "unavailable", "ready_replicas": 0, "desired_replicas": 0}
         now = self.clock()
-        ready = sum(
-            r.ready and (r.node_id == table.local_node_id or self._in_rotation(r.node_id, now))
+        usable = [
+            r
             for r in replicas
-        )
-        state = "ready" if ready else "unavailable"
+            if r.ready and (r.node_id == table.local_node_id or self._in_rotation(r.node_id, now))
+        ]
+        ready = sum(r.loaded for r in usable)
+        state = "ready" if ready else ("cold" if usable else "unavailable")
         return {"state": state, "ready_replicas": ready, "desired_replicas": len(replicas)}
 
     def pick(self, deployment: str, tried: set[str]) -> PeerReplica | None:
         """The ready peer replica of ``deployment`` with the fewest outstanding requests,
-        among those in rotation and not in ``tried`` (node ids); ``None`` when none is left."""
+        among those in rotation and not in ``tried`` (node ids) -- a loaded one before any
+        idle one (which its node has to load first); ``None`` when none is left."""
         table = self.directory.routing()
         local = table.local_node_id
         now = self.clock()
         best: list[PeerReplica] = []
-        fewest = 0
+        fewest = (0, 0)
         for replica in table.for_deployment(deployment):
             node = replica.node_id
             if node == local or not replica.ready or not replica.base_url or node in tried:
@@ -300,9 +354,10 @@ class PeerDispatch:
             if not self._in_rotation(node, now):
                 continue
             outstanding = replica.active + replica.queued + self._in_flight[(node, deployment)]
-            if not best or outstanding < fewest:
-                best, fewest = [replica], outstanding
-            elif outstanding == fewest:
+            rank = (0 if replica.loaded else 1, outstanding)
+            if not best or rank < fewest:
+                best, fewest = [replica], rank
+            elif rank == fewest:
                 best.append(replica)
         if not best:
             return None
@@ -383,9 +438,11 @@ class PeerDispatch:
         path: str,
         body: bytes,
         streamed: bool,
+        carrier: Mapping[str, str] | None = None,
     ) -> PeerAnswer | None:
         """Send one request to the best peer replica of ``deployment``, and to the next while
-        nothing has reached the client (see the module docstring).
+        nothing has reached the client (see the module docstring); ``carrier``: the trace
+        context headers to send along (:func:`trace_context`).
 
         A plain answer comes back read whole (its ticket released); a stream with its
         headers read, for the relay to finish (it releases the ticket).
@@ -407,6 +464,8 @@ class PeerDispatch:
                 details={"deployment": deployment},
             )
         headers = self._headers(caller, host)
+        if carrier:
+            headers.update(carrier)
         bound = ExchangeBound(receive)
         tried: set[str] = set()
         failed = False

@@ -65,7 +65,13 @@ from sbproxy.fleet.control import (
     reported_facts,
     stuck_placements,
 )
-from sbproxy.fleet.membership import FenceVerdict, FleetTiming, PeerAnswer, replica_state
+from sbproxy.fleet.membership import (
+    FenceVerdict,
+    FleetTiming,
+    PeerAnswer,
+    idle_loadable,
+    replica_state,
+)
 from sbproxy.fleet.placement import (
     DeploymentSpec,
     NodeView,
@@ -318,6 +324,7 @@ class FleetAgent:
             row.deployment: {
                 "generation": row.generation,
                 "state": row.state.value,
+                "reason_code": row.reason_code,
                 "routable": row.routable,
                 "active": row.active_requests,
                 "queued": row.queued_requests,
@@ -626,6 +633,8 @@ class FleetAgent:
             row = status.get(deployment)
             if row is None or row.routable or row.state not in _STARTABLE:
                 continue
+            if row.reason_code == "keep_alive":
+                continue  # idle: the first request loads it (a routing candidate meanwhile)
             if now - self._loaded_at.get(deployment, -RELOAD_RETRY_S) < RELOAD_RETRY_S:
                 continue
             self._loaded_at[deployment] = now
@@ -656,6 +665,11 @@ class FleetAgent:
     # -- routing -----------------------------------------------------------------------
 
     def _refresh_routing(self, snapshot: FleetSnapshot | None) -> None:
+        """Rebuild the routing table from ``snapshot``: every placement not being stopped,
+        ``ready`` when its engine is routable on a ``ready``, ``cordoned`` or ``draining``
+        node, or when keep-alive stopped it on a ``ready`` node (idle and loadable: listed
+        ``loaded=False``, picked after loaded replicas, loaded by the hop's request); this
+        node's own replicas are never ready while it is fenced."""
         if snapshot is None:
             return
         states = {view.id: view.state.value for view in self.views}
@@ -666,11 +680,11 @@ class FleetAgent:
             if node is None or placement.state == "stopping":
                 continue
             reported = node.replicas.get(placement.deployment, {})
-            local = node.id == self.identity.id
-            ready = (
-                states.get(node.id) in ("ready", "cordoned", "draining")
-                and bool(reported.get("routable"))
-                and not (local and self.fenced)
+            state = states.get(node.id)
+            routable = bool(reported.get("routable"))
+            idle = state == "ready" and placement.state == "ready" and idle_loadable(reported)
+            ready = ((routable and state in ("ready", "cordoned", "draining")) or idle) and not (
+                node.id == self.identity.id and self.fenced
             )
             table.setdefault(placement.deployment, []).append(
                 PeerReplica(
@@ -681,6 +695,7 @@ class FleetAgent:
                     ready=ready,
                     active=int(reported.get("active") or 0),
                     queued=int(reported.get("queued") or 0),
+                    loaded=routable,
                 )
             )
         self._table = RoutingTable(
@@ -713,7 +728,10 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
             ReplicaRow(
                 deployment=placement.deployment,
                 node_id=placement.node,
-                state=replica_state(views.get(placement.node), row.get("state")) or "placing",
+                state=replica_state(
+                    views.get(placement.node), row.get("state"), reason_code=row.get("reason_code")
+                )
+                or "placing",
                 generation=int(row.get("generation") or 0),
                 port=row.get("port"),
                 active=int(row.get("active") or 0),

@@ -38,6 +38,7 @@ from sbproxy.config import FleetConfig
 from sbproxy.errors import SbproxyError
 
 __all__ = [
+    "IDLE",
     "NODE_TRANSITIONS",
     "SUSPECT_AFTER_HEARTBEATS",
     "TERMINAL_NODE_STATES",
@@ -50,6 +51,7 @@ __all__ = [
     "PeerAnswer",
     "derive_state",
     "fence_verdict",
+    "idle_loadable",
     "move",
     "replica_state",
 ]
@@ -75,12 +77,34 @@ UNREACHABLE: Final = "unreachable"
 is history, and nobody can reach that replica now."""
 
 
-def replica_state(node_state: NodeState | str | None, reported: str | None) -> str | None:
+IDLE: Final = "idle"
+"""A replica's shown state when keep-alive stopped its engine: not running, and loaded again
+by the first request for it (its own client's, or a peer's hop) -- not ``ready``, not
+``unreachable``."""
+
+_KEEP_ALIVE: Final = "keep_alive"
+
+
+def idle_loadable(reported: Mapping[str, object]) -> bool:
+    """Whether a node's report of one replica (``{state, reason_code, ...}`` as it renews)
+    says keep-alive stopped it: a request loads it again, as on a single host."""
+    return reported.get("state") == "stopped" and reported.get("reason_code") == _KEEP_ALIVE
+
+
+def replica_state(
+    node_state: NodeState | str | None,
+    reported: str | None,
+    *,
+    reason_code: str | None = None,
+) -> str | None:
     """The state to show for a replica whose node is in ``node_state`` and last reported
-    ``reported`` (``None``: nothing yet): :data:`UNREACHABLE` on a lost or departed node,
-    else the report."""
+    ``reported`` (``None``: nothing yet) with ``reason_code``: :data:`UNREACHABLE` on a lost
+    or departed node, :data:`IDLE` for one keep-alive stopped (:func:`idle_loadable`), else
+    the report."""
     if node_state in (_S.LOST, _S.LEFT, _S.LOST.value, _S.LEFT.value):
         return UNREACHABLE
+    if idle_loadable({"state": reported, "reason_code": reason_code}):
+        return IDLE
     return reported
 
 

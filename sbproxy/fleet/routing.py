@@ -31,6 +31,10 @@ class PeerReplica:
         active: Requests in flight at the replica when it last reported (heartbeat or
             health answer).
         queued: Requests waiting for admission at the replica when it last reported.
+        loaded: Its engine runs now. ``False`` with ``ready``: idle and loadable -- keep-alive
+            stopped its engine, and the node loads it again for the first request (hop or
+            its own), as a single host does; the gateway picks such a replica only when no
+            loaded one is ready.
     """
 
     deployment: str
@@ -40,6 +44,7 @@ class PeerReplica:
     ready: bool
     active: int
     queued: int
+    loaded: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,9 @@ from sbproxy.fleet.routing import PeerReplica
 from tests.api.fleet_hosts import CREDENTIAL, Clock, StaticDirectory
 
 
-def rep(node: str, *, ready: bool = True, active: int = 0, queued: int = 0) -> PeerReplica:
+def rep(
+    node: str, *, ready: bool = True, active: int = 0, queued: int = 0, loaded: bool = True
+) -> PeerReplica:
     return PeerReplica(
         deployment="tiny",
         node_id=node,
@@ -21,6 +23,7 @@ def rep(node: str, *, ready: bool = True, active: int = 0, queued: int = 0) -> P
         ready=ready,
         active=active,
         queued=queued,
+        loaded=loaded,
     )
 
 
@@ -72,6 +75,24 @@ def test_the_fewest_outstanding_ready_peer_is_picked_and_ties_take_turns() -> No
     assert chooser.pick("tiny", {"c", "d"}) == rep("b", active=1, queued=1)
     assert chooser.pick("tiny", {"b", "c", "d"}) is None
     assert chooser.pick("other", set()) is None
+
+
+def test_an_idle_loadable_peer_is_picked_only_when_no_loaded_one_is_left() -> None:
+    chooser = dispatch(
+        rep("b", loaded=False),  # idle: its node loads it first
+        rep("c", active=4, queued=4),
+        rep("d", active=1, loaded=False),
+    )
+    picked = chooser.pick("tiny", set())
+    assert picked is not None and picked.node_id == "c"  # however busy
+    picked = chooser.pick("tiny", {"c"})
+    assert picked is not None and picked.node_id == "b"  # the least busy idle one
+    picked = chooser.pick("tiny", {"b", "c"})
+    assert picked is not None and picked.node_id == "d"
+    # An idle one placed here is served here (its own client's request loads it).
+    assert chooser.serves_here("tiny", known=True, running=lambda: False) is False
+    here = dispatch(rep("a", loaded=False), rep("c"))
+    assert here.serves_here("tiny", known=True, running=lambda: False) is True
 
 
 def test_a_peer_that_advertises_no_url_is_never_picked() -> None:
@@ -138,6 +159,9 @@ COLD = {"state": "cold", "ready_replicas": 0, "desired_replicas": 1}
         ((), COLD, ("cold", 0, 1)),  # not the fleet's: this host's own
         ((rep("b"), rep("c")), None, ("ready", 2, 2)),
         ((rep("b"), rep("c", ready=False)), None, ("ready", 1, 2)),
+        # Idle and loadable: a request loads it, as a single host's idle deployment.
+        ((rep("b", loaded=False), rep("c")), None, ("ready", 1, 2)),
+        ((rep("b", loaded=False), rep("c", ready=False)), None, ("cold", 0, 2)),
         # Listed, none ready: nothing answers now (the gateway starts no fleet replica).
         ((rep("a", ready=False), rep("b", ready=False)), COLD, ("unavailable", 0, 2)),
         ((rep("b", ready=False),), COLD, ("unavailable", 0, 1)),

@@ -17,7 +17,7 @@ from pydantic import SecretStr
 from sbproxy.api.peers import PEER_HOP
 from sbproxy.config import ApiKeyRecord
 from sbproxy.fleet.routing import PeerReplica
-from tests.api.fleet_hosts import COOLDOWN_S, CREDENTIAL, Fleet, fleet_of
+from tests.api.fleet_hosts import COOLDOWN_S, CREDENTIAL, Fleet, Member, fleet_of
 from tests.api.support import ADMIN, TINY
 from tests.model_host.engines.support import free_port
 from tests.model_host.runtime.support import until
@@ -36,6 +36,25 @@ def served_by(fleet: Fleet) -> dict[str, int]:
 async def post(url: str, body: dict[str, object], **headers: str) -> httpx.Response:
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         return await http.post("/v1/chat/completions", json=body, headers=headers)
+
+
+async def stream_killing_engine(url: str, victim: Member) -> tuple[str, list[str]]:
+    """Stream a chat from the gateway at ``url``, SIGKILL ``victim``'s engine once the first
+    event arrived, and read the stream to its end: the answer's route class and its events."""
+    events: list[str] = []
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=STREAM) as stream,
+    ):
+        async for line in stream.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            events.append(line)
+            if len(events) == 1:
+                process = victim.host.host.manager.deployment("tiny").process
+                assert process is not None
+                os.kill(process.pid, signal.SIGKILL)
+    return stream.headers["x-sbproxy-route-class"], events
 
 
 async def test_a_host_without_the_deployment_answers_through_a_peer(tmp_path: Path) -> None:
@@ -232,20 +251,8 @@ async def test_no_retry_once_a_byte_reached_the_client(tmp_path: Path) -> None:
     async with fleet_of(tmp_path, mode="token_delay_s=0.5") as fleet:
         a, b = fleet["a"], fleet["b"]
         fleet.route("a", [fleet.replica("b"), fleet.replica("c", active=3)])
-        events: list[str] = []
-        async with (
-            httpx.AsyncClient(base_url=a.host.gateway_url, timeout=30) as http,
-            http.stream("POST", "/v1/chat/completions", json=STREAM) as stream,
-        ):
-            assert stream.headers["x-sbproxy-route-class"] == "peer"
-            async for line in stream.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                events.append(line)
-                if len(events) == 1:  # b's engine dies mid-stream
-                    process = b.host.host.manager.deployment("tiny").process
-                    assert process is not None
-                    os.kill(process.pid, signal.SIGKILL)
+        route_class, events = await stream_killing_engine(a.host.gateway_url, b)
+        assert route_class == "peer"
         assert '"model": "tiny-chat"' in events[0]
         assert '"code": "upstream_unavailable"' in events[-1]
         assert "[DONE]" not in "".join(events)

@@ -1,7 +1,9 @@
 """Peer dispatch to real ``sbproxy serve`` processes (each its own cache, stand-in engine and
 fleet credential from the environment), killed with SIGKILL: a peer that dies after the
 first byte ends the client's stream with an error event and is not retried; a dead peer is
-retried elsewhere before the first byte and leaves the rotation."""
+retried elsewhere before the first byte and leaves the rotation. A request the calling
+host's own replica refuses spills over to a peer process, whose exported server span
+continues the calling host's trace."""
 
 from __future__ import annotations
 
@@ -17,11 +19,23 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from sbproxy.fleet.routing import PeerReplica
 from tests.api.fleet_hosts import CREDENTIAL, fleet_of
+from tests.api.test_otlp import Received, collector
+from tests.api.test_peer_dispatch import post
+from tests.api.test_peer_spill import (
+    CLIENT_SPAN_ID,
+    ONE_AT_A_TIME,
+    TRACE_ID,
+    busy,
+    spilled_to,
+)
 from tests.api.test_serve import write_config
 from tests.model_host.engines.support import free_port
+from tests.support.spans import memory_spans
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -50,8 +64,9 @@ class Peer:
 
 
 @contextlib.contextmanager
-def peer(root: Path, name: str) -> Iterator[Peer]:
-    """``sbproxy serve`` of deployment ``tiny`` (slow tokens), taking peer hops."""
+def peer(root: Path, name: str, *, env: dict[str, str] | None = None) -> Iterator[Peer]:
+    """``sbproxy serve`` of deployment ``tiny`` (slow tokens), taking peer hops (``env``:
+    more environment, e.g. an OTLP endpoint)."""
     gateway_port = free_port()
     log = root / name / "requests.jsonl"
     config = write_config(
@@ -65,13 +80,20 @@ def peer(root: Path, name: str) -> Iterator[Peer]:
         [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config)],
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore", "FLEET_CREDENTIAL": CREDENTIAL},
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+            "PYTHONWARNINGS": "ignore",
+            "FLEET_CREDENTIAL": CREDENTIAL,
+            **(env or {}),
+        },
     )
     found = Peer(name=name, process=process, url=f"http://127.0.0.1:{gateway_port}", log=log)
     try:
         assert process.stderr is not None
-        line = process.stderr.readline()
-        assert "gateway listening" in line, line
+        lines = [process.stderr.readline()]
+        while "gateway listening" not in lines[-1]:  # after the tracing line, when tracing
+            assert len(lines) < 5 and lines[-1], lines
+            lines.append(process.stderr.readline())
         yield found
     finally:
         if process.poll() is None:
@@ -132,3 +154,57 @@ async def test_a_peer_killed_mid_stream_cuts_the_stream_and_is_then_retried_arou
             assert a.dispatch.tries[("tiny", "c", "answered")] == 1
             assert a.dispatch.out_now() == ["b"]
             assert c.engine_requests() == 1
+
+
+def exported_chat_spans(received: Received) -> list[Span]:
+    """The ``POST /v1/chat/completions`` spans a process exported over OTLP."""
+    found: list[Span] = []
+    for _, _, body in received.posts:
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        for resource in request.resource_spans:
+            for scope in resource.scope_spans:
+                found.extend(s for s in scope.spans if s.name == "POST /v1/chat/completions")
+    return found
+
+
+async def test_a_spill_over_to_a_peer_process_continues_the_callers_trace(
+    tmp_path: Path,
+) -> None:
+    spans = memory_spans()  # the calling host (this process) traces in memory
+    traceparent = f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-01"
+    with (
+        collector() as (endpoint, received),
+        peer(tmp_path, "c", env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}) as c,
+    ):
+        async with fleet_of(
+            tmp_path,
+            hosting=("a",),
+            names=("a",),
+            tiny=ONE_AT_A_TIME,
+            modes={"a": "token_delay_s=5"},
+        ) as fleet:
+            a = fleet["a"]
+            fleet.route("a", [fleet.replica("a"), replica(c)])
+            async with busy(a):
+                answer = await post(
+                    a.host.gateway_url,
+                    {**STREAM, "stream": False},
+                    traceparent=traceparent,
+                    tracestate="vendor=opaque-value",
+                )
+            spilled_to(answer, "c", "queue_full")
+            assert c.engine_requests() == 1
+        c.process.send_signal(signal.SIGTERM)  # its exit flushes the batched spans
+        assert c.process.wait(timeout=30) == 0
+    (caller,) = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == "POST /v1/chat/completions"
+        and (s.attributes or {}).get("sbproxy.peer.node") == "c"
+    ]
+    assert (caller.attributes or {})["sbproxy.peer.spilled"] == "queue_full"
+    (exported,) = exported_chat_spans(received)
+    assert exported.trace_id.hex() == TRACE_ID
+    assert exported.parent_span_id.hex() == f"{caller.context.span_id:016x}"
+    assert exported.trace_state == "vendor=opaque-value"

@@ -16,6 +16,7 @@ from sbproxy.fleet.membership import (
     PeerAnswer,
     derive_state,
     fence_verdict,
+    idle_loadable,
     move,
     replica_state,
 )
@@ -220,3 +221,23 @@ def test_a_replica_on_a_lost_or_departed_node_is_shown_unreachable(
     node_state: NodeState | str | None, reported: str | None, shown: str | None
 ) -> None:
     assert replica_state(node_state, reported) == shown
+
+
+@pytest.mark.parametrize(
+    ("node_state", "reported", "reason_code", "shown"),
+    [
+        (NodeState.READY, "stopped", "keep_alive", "idle"),
+        (NodeState.CORDONED, "stopped", "keep_alive", "idle"),
+        (NodeState.LOST, "stopped", "keep_alive", "unreachable"),
+        (NodeState.READY, "stopped", None, "stopped"),  # stopped by hand: not idle
+        (NodeState.READY, "failed", "keep_alive", "failed"),
+        (NodeState.READY, "ready", None, "ready"),
+    ],
+)
+def test_a_replica_keep_alive_stopped_is_shown_idle(
+    node_state: NodeState, reported: str, reason_code: str | None, shown: str
+) -> None:
+    assert replica_state(node_state, reported, reason_code=reason_code) == shown
+    assert idle_loadable({"state": reported, "reason_code": reason_code}) is (
+        reported == "stopped" and reason_code == "keep_alive"
+    )

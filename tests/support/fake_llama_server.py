@@ -30,7 +30,10 @@ that closes is noticed at once and logged as ``closed``):
   this long after (llama-server itself sends the headers with the first event: this mode
   reaches the part of the gateway that relays an open stream);
 * ``stall_after_events=<n>`` -- a stream stops after ``n`` events and then sends nothing
-  more, keeping the connection open.
+  more, keeping the connection open;
+* ``drop_completions`` -- ``/health`` answers 200, but each chat completion and completion
+  has its connection closed at once, before any status line (an engine that fails a request
+  before answering it).
 
 The end of a stream, spread out in time (each wait watches the socket like the faults
 above), so that a client that stops reading at the last event or at ``data: [DONE]`` and
@@ -108,6 +111,7 @@ class _State:
         self.token_delay_s = token_delay_s
         self.hang = False
         self.hang_completions = False
+        self.drop_completions = False
         self.requests_log: str | None = None
         self.log_lock = threading.Lock()
         self.reply_delay_s = 0.0
@@ -219,6 +223,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _complete(self, body: dict[str, Any]) -> None:
         if self.state.hang_completions:
             self._hang()
+            self.close_connection = True
+            return
+        if self.state.drop_completions:
             self.close_connection = True
             return
         chat = self.path == "/v1/chat/completions"
@@ -355,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     state.hang = "hang" in modes
     state.hold_file = modes.get("hold_file") or None
     state.hang_completions = "hang_completions" in modes
+    state.drop_completions = "drop_completions" in modes
     state.requests_log = modes.get("requests_log") or None
     state.reply_delay_s = float(modes.get("reply_delay_s") or 0)
     state.first_token_delay_s = float(modes.get("first_token_delay_s") or 0)
