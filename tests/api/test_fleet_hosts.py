@@ -92,6 +92,27 @@ def node_state(host: FleetHost, node: str) -> str | None:
     return {n["id"]: n["state"] for n in host.fleet("nodes").get("nodes", [])}.get(node)
 
 
+def controller_first(
+    root: Path, url: str, mirror: HfMirror, *, fault: str | None = None
+) -> list[FleetHost]:
+    """node-a (no labels; ``fault`` armed) started alone, so that it is the controller,
+    then node-b and node-c (``role: serve``); returns them once all three joined. The
+    caller stops them."""
+    a = FleetHost("node-a", root / "node-a", url, mirror.url)
+    b = FleetHost("node-b", root / "node-b", url, mirror.url, labels={"role": "serve"})
+    c = FleetHost("node-c", root / "node-c", url, mirror.url, labels={"role": "serve"})
+    a.start(fault=fault)
+    poll(
+        lambda: (a.fleet("controller").get("controller") or {}).get("holder") == "node-a",
+        timeout_s=60,
+        what="node-a the controller",
+    )
+    b.start()
+    c.start()
+    poll(lambda: len(a.fleet("nodes").get("nodes", [])) == 3, timeout_s=60, what="3 nodes")
+    return [a, b, c]
+
+
 def fleet_jobs(url: str) -> list[tuple[str, str]]:
     return [
         (str(k), str(s))
@@ -388,22 +409,9 @@ def test_a_killed_controller_is_taken_over_under_a_higher_epoch_and_the_fleet_co
     tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
 ) -> None:
     url = postgres_server.create_database()
-    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
-    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, labels={"role": "serve"})
-    c = FleetHost("node-c", tmp_path / "node-c", url, mirror.url, labels={"role": "serve"})
-    b.write({})
-    c.write({})
-    hosts = [a, b, c]
+    hosts = controller_first(tmp_path, url, mirror)
+    a, b, c = hosts
     try:
-        a.start()  # alone first: it is the controller
-        poll(
-            lambda: (a.fleet("controller").get("controller") or {}).get("holder") == "node-a",
-            timeout_s=60,
-            what="node-a the controller",
-        )
-        b.start()
-        c.start()
-        poll(lambda: len(a.fleet("nodes").get("nodes", [])) == 3, timeout_s=60, what="3 nodes")
         apply(a, {"tiny": {**TINY, "replicas": 2, "required_labels": {"role": "serve"}}})
         poll(lambda: ready_nodes(b, "tiny") == ["node-b", "node-c"], timeout_s=60, what="b, c")
         a.kill()
@@ -478,21 +486,10 @@ def test_a_controller_killed_at_a_fault_point_of_a_placement_job_is_taken_over_a
     serving host takes over under epoch 2 and the fleet ends with exactly the desired
     placements, each once, and one engine per placement."""
     url = postgres_server.create_database()
-    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
-    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, labels={"role": "serve"})
-    c = FleetHost("node-c", tmp_path / "node-c", url, mirror.url, labels={"role": "serve"})
-    hosts = [a, b, c]
+    hosts = controller_first(tmp_path, url, mirror, fault=fault)
+    a, b, c = hosts
     serving = {"required_labels": {"role": "serve"}}
     try:
-        a.start(fault=fault)
-        poll(
-            lambda: (a.fleet("controller").get("controller") or {}).get("holder") == "node-a",
-            timeout_s=60,
-            what="node-a the controller",
-        )
-        b.start()
-        c.start()
-        poll(lambda: len(a.fleet("nodes").get("nodes", [])) == 3, timeout_s=60, what="3 nodes")
         # Applied through node-b: node-a may die while it answers.
         apply(b, {"tiny": {**TINY, "replicas": 2, **serving}})
         if fault.startswith("fleet.stop"):
@@ -542,20 +539,9 @@ def test_a_controller_paused_at_a_placement_is_deposed_and_its_late_write_refuse
     node-b or node-c under epoch 2 and places both replicas. SIGCONT: node-a's write under
     epoch 1 is refused (``controller_deposed``) and nothing is placed twice."""
     url = postgres_server.create_database()
-    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
-    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, labels={"role": "serve"})
-    c = FleetHost("node-c", tmp_path / "node-c", url, mirror.url, labels={"role": "serve"})
-    hosts = [a, b, c]
+    hosts = controller_first(tmp_path, url, mirror, fault="fleet.place:before@stop")
+    a, b, _ = hosts
     try:
-        a.start(fault="fleet.place:before@stop")
-        poll(
-            lambda: (a.fleet("controller").get("controller") or {}).get("holder") == "node-a",
-            timeout_s=60,
-            what="node-a the controller",
-        )
-        b.start()
-        c.start()
-        poll(lambda: len(a.fleet("nodes").get("nodes", [])) == 3, timeout_s=60, what="3 nodes")
         apply(b, {"tiny": {**TINY, "replicas": 2, "required_labels": {"role": "serve"}}})
         poll(
             lambda: (b.fleet("controller").get("controller") or {}).get("epoch") == 2,
