@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -108,6 +109,12 @@ def test_four_hosts_pull_import_load_and_reload_at_once(
         " AND (input_json::jsonb -> 'local_files') <> '{}'::jsonb GROUP BY node ORDER BY node",
     )
     assert imports == [(f"node-{n}", 1) for n in "abcd"]  # each node imported once, itself
+    by_kind = Counter(kind for _, _, kind, _, _ in jobs)
+    print(
+        f"4 hosts: {len(jobs)} jobs ({dict(sorted(by_kind.items()))}), all succeeded,"
+        f" {sum(rows['claims'].values())} claims, {rows['steps'][0]} step rows,"
+        f" {len(rows['duplicate_results'])} step results written twice"
+    )
 
 
 PULL_POINTS = [
