@@ -294,13 +294,14 @@ def local_deployments(placements: Sequence[Any], node_id: str) -> dict[str, dict
 def stuck_placements(
     placements: Sequence[Any], nodes: Sequence[Any], *, now_ms: int, timeout_ms: int
 ) -> dict[str, StuckReason]:
-    """The ``pending``/``starting`` placements to move elsewhere, by id.
+    """The placements to move elsewhere, by id.
 
-    A placement is stuck when its node reports, for it (the report names the placement),
-    ``failure: load_failed`` (preparing it failed) or ``crash_looped`` (its engine is held
-    in a crash loop) -- at once; else when it was last moved more than ``timeout_ms`` ago
-    on database time (``placement_timeout``). Placements on nodes that are not members are
-    left to the gone-node path.
+    A ``pending``/``starting`` placement is stuck when its node reports, for it (the report
+    names the placement), ``failure: load_failed`` (preparing it failed) or ``crash_looped``
+    (its engine is held in a crash loop) -- at once; else when it was last moved more than
+    ``timeout_ms`` ago on database time (``placement_timeout``). A ``ready`` placement is
+    stuck only when its node reports its engine held in a crash loop (it served once, and
+    no longer can). Placements on nodes that are not members are left to the gone-node path.
 
     Args:
         placements: ``PlacementRow``-shaped placements.
@@ -311,12 +312,20 @@ def stuck_placements(
     reports = {node.id: node.replicas for node in nodes if not node.left}
     found: dict[str, StuckReason] = {}
     for placement in placements:
-        if placement.state not in (PlacementState.PENDING.value, PlacementState.STARTING.value):
+        ready = placement.state == PlacementState.READY.value
+        if not ready and placement.state not in (
+            PlacementState.PENDING.value,
+            PlacementState.STARTING.value,
+        ):
             continue
         report = reports.get(placement.node)
         if report is None:
             continue
         mine = report.get(placement.deployment) or {}
+        if ready:
+            if mine.get("placement") == placement.id and mine.get("crash_looped"):
+                found[placement.id] = StuckReason.CRASH_LOOP
+            continue
         if mine.get("placement") == placement.id:
             if mine.get("failure") == StuckReason.LOAD_FAILED.value:
                 found[placement.id] = StuckReason.LOAD_FAILED

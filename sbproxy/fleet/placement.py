@@ -28,8 +28,9 @@ whose estimate fits; the decision names that variant and its reservation. Nodes 
 spec's ``avoid_nodes`` (a stuck placement of it was moved off them) take none of its
 replicas.
 
-**Stuck placements**: a ``pending``/``starting`` placement the caller marks ``stuck``
-(``placement_timeout``, ``crash_loop``, ``load_failed``) is re-placed like a replica on a gone
+**Stuck placements**: a placement the caller marks ``stuck`` (a ``pending``/``starting`` one:
+``placement_timeout``, ``crash_loop``, ``load_failed``; a ``ready`` one: ``crash_loop``) is
+re-placed like a replica on a gone
 node (decision ``replace`` with that ``cause``, the same in-flight cap) on another node, and
 stopped (cause ``stuck``) in the same plan; when no other node fits it stays where it is and
 the replica is reported ``unplaced`` with the reason of the filter that refused.
@@ -302,7 +303,8 @@ class PlacementView(_Frozen):
         state: Its :class:`PlacementState`.
         replaces: The placement it re-placed from a lost node, if any (counts against
             ``max_replacements_in_flight`` until ``ready``).
-        stuck: Set by the caller on a ``pending``/``starting`` placement to move elsewhere.
+        stuck: Set by the caller on a placement to move elsewhere (a ``pending``/``starting``
+            one, or a ``ready`` one whose engine is held in a crash loop).
     """
 
     id: str = Field(min_length=1)
@@ -656,7 +658,7 @@ class _Planner:
                 if keep.state is PlacementState.READY:
                     for placement in retiring:
                         self._stop(placement, "drain" if self._draining(placement) else "rollout")
-                elif keep.stuck is not None:
+                if keep.stuck is not None:
                     replacements.append((spec, replica, keep))
                 continue
             if not retiring and lost:

@@ -229,9 +229,26 @@ TIMEOUT = 60_000
             {},
             StuckReason.PLACEMENT_TIMEOUT,
         ),
-        # A ready or stopping placement is never stuck, however old.
+        # A ready or stopping placement is never stuck for its age.
         (Pending("p1", "a", state="ready", updated_at_ms=0), {}, None),
         (Pending("p1", "a", state="stopping", updated_at_ms=0), {}, None),
+        # A ready placement whose engine its node reports held in a crash loop is stuck;
+        # a stopping one is already on its way out.
+        (
+            Pending("p1", "a", state="ready"),
+            {"chat": {"placement": "p1", "crash_looped": True}},
+            StuckReason.CRASH_LOOP,
+        ),
+        (
+            Pending("p1", "a", state="ready"),
+            {"chat": {"placement": "p0", "crash_looped": True}},
+            None,
+        ),
+        (
+            Pending("p1", "a", state="stopping"),
+            {"chat": {"placement": "p1", "crash_looped": True}},
+            None,
+        ),
         # The node reports the failure for this placement: at once.
         (
             Pending("p1", "a"),

@@ -996,11 +996,19 @@ def test_a_stuck_placement_with_no_other_node_stays_and_says_why() -> None:
     assert summary(alone) == [("unplaced", "chat", 0, "no_matching_node")]
 
 
-def test_a_placement_not_marked_stuck_or_already_ready_is_left_alone() -> None:
+def test_a_placement_not_marked_stuck_is_left_alone() -> None:
     nodes = [node("a"), node("b")]
     assert plan(nodes, [spec()], [placed("p0", "a", state=P.PENDING)]).decisions == ()
-    ready = placed("p0", "a").model_copy(update={"stuck": StuckReason.CRASH_LOOP})
-    assert plan(nodes, [spec()], [ready]).decisions == ()
+    assert plan(nodes, [spec()], [placed("p0", "a")]).decisions == ()
+
+
+def test_a_ready_placement_whose_engine_crash_loops_is_re_placed_and_stopped() -> None:
+    nodes = [node("a"), node("b")]
+    looping = placed("p0", "a").model_copy(update={"stuck": StuckReason.CRASH_LOOP})
+    result = plan(nodes, [spec()], [looping])
+    assert summary(result) == [("replace", "chat", 0, "b", "p0"), ("stop", "p0", "stuck")]
+    (replace,) = replaced(result)
+    assert (replace.cause, replace.from_node) == ("crash_loop", "a")
 
 
 def test_stuck_re_placements_share_the_in_flight_cap() -> None:
