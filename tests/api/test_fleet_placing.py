@@ -2,7 +2,8 @@
 placement whose node cannot load it (the stand-in engine exits at start) stays, reported,
 while no other node fits, and moves to a node that joins -- once, sized from the GGUF header
 the failing node read, with the failing node avoided; a placement whose engine never becomes
-ready moves after ``placement_timeout_ms``; under ``heterogeneous_variants`` each replica runs
+ready moves after ``placement_timeout_ms``; a replica that served and whose engine then
+crash-loops moves too; under ``heterogeneous_variants`` each replica runs
 the variant that fits its node. Real PostgreSQL, real processes; fleet timing as in
 ``cluster_hosts`` (lost 3 s)."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import psutil
@@ -19,7 +21,7 @@ import yaml
 from tests.api.cluster_hosts import FleetHost, placements, ready_nodes
 from tests.api.pg_hosts import REPO, REVISION, poll, query, tiny_gguf
 from tests.api.test_fleet_hosts import TINY, apply, cli, mirror, start_all, stop_all
-from tests.model_host.engines.support import fake_llama_server
+from tests.model_host.engines.support import FAKE_SERVER, fake_llama_server
 from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer
 
@@ -210,3 +212,50 @@ def test_heterogeneous_replicas_each_run_the_variant_that_fits_their_node(
             assert host.chat().status_code == 200
     finally:
         stop_all(hosts)
+
+
+def test_a_ready_replica_whose_engine_then_crash_loops_moves_to_another_node(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    """node-a serves the replica (ready), then its engine dies and every relaunch exits at
+    start (a flag file switches the stand-in's mode): node-a holds it in ``crash_loop`` and
+    reports that; the controller moves the replica to node-b once and node-a keeps no
+    engine."""
+    url = postgres_server.create_database()
+    flaky = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    healthy = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
+    broken_from_now = tmp_path / "relaunches-fail"
+    wrapper = tmp_path / "bin-flaky" / "llama-server"
+    wrapper.parent.mkdir()
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ -e "{broken_from_now}" ]; then export FAKE_LLAMA_MODE=exit_at_start;'
+        " else export FAKE_LLAMA_MODE=crash_after_ready_s=2; fi\n"
+        f'exec "{sys.executable}" "{FAKE_SERVER}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    flaky.executable = wrapper
+    flaky.write({})
+    try:
+        start_all([flaky])
+        apply(flaky, {"tiny": {**TINY, "max_launch_attempts": 2}})
+        poll(lambda: ready_nodes(flaky, "tiny") == ["node-a"], timeout_s=60, what="ready on a")
+        (first,) = placements(flaky)
+        broken_from_now.touch()  # the engine dies in 2 s; every relaunch fails from here
+        healthy.start()
+        poll(lambda: ready_nodes(flaky, "tiny") == ["node-b"], timeout_s=90, what="moved to b")
+        poll(
+            lambda: [p["node"] for p in placements(flaky)] == ["node-b"],
+            timeout_s=30,
+            what="node-a's placement stopped and removed",
+        )
+        (moved,) = placements(flaky)
+        assert moved["replaces"] == first["id"]
+        assert healthy.chat().status_code == 200
+        poll(lambda: flaky.engines() == [], timeout_s=30, what="no engine left on node-a")
+        rows = query(url, "SELECT data_json FROM fleet_events WHERE type = 'stuck_replaced'")
+        assert [json.loads(data)["reason"] for (data,) in rows] == ["crash_loop"]
+        placed = query(url, "SELECT count(*) FROM jobs WHERE kind = 'fleet.place'")
+        assert placed == [(2,)]
+    finally:
+        stop_all([flaky, healthy])
