@@ -22,6 +22,7 @@ from sbproxy.errors import SbproxyError
 from sbproxy.store import (
     Database,
     EndedStep,
+    JobRecord,
     JobStatus,
     JobStore,
     StepRecord,
@@ -388,16 +389,21 @@ async def test_a_failed_last_statement_commits_nothing(database: Database) -> No
     assert await rows(database) == [1, 3]
 
 
+async def claimed_demo_job(store: JobStore) -> tuple[JobRecord, int]:
+    """A new ``demo`` job claimed by owner ``w``: the job and its attempt."""
+    job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
+    claimed = await store.claim(owner="w", lease_ms=60_000, job_id=job.id)
+    assert claimed is not None
+    return job, claimed.attempt
+
+
 @on_postgresql
 async def test_a_step_start_and_end_are_one_round_trip_each_and_both_wait_for_the_wal(
     database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = JobStore(database)
-    job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
-    claimed = await store.claim(owner="w", lease_ms=60_000)
-    assert claimed is not None
+    job, attempt = await claimed_demo_job(store)
     sent = SentQueries(monkeypatch)
-    attempt = claimed.attempt
     started = await store.begin_step(job.id, owner="w", attempt=attempt, seq=0, name="s")
     [start] = sent.take()
     assert await store.end_step(
@@ -422,10 +428,7 @@ async def test_a_step_end_and_the_next_start_are_one_round_trip(
     database: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = JobStore(database)
-    job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
-    claimed = await store.claim(owner="w", lease_ms=60_000)
-    assert claimed is not None
-    attempt = claimed.attempt
+    job, attempt = await claimed_demo_job(store)
     assert isinstance(
         await store.begin_step(job.id, owner="w", attempt=attempt, seq=0, name="a"), StepRecord
     )
@@ -472,10 +475,7 @@ async def prepared_on_the_writer(location: str) -> int:
     database = await Database.open(location)
     try:
         store = JobStore(database)
-        job = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job
-        claimed = await store.claim(owner="w", lease_ms=60_000, job_id=job.id)
-        assert claimed is not None
-        attempt = claimed.attempt
+        job, attempt = await claimed_demo_job(store)
         assert isinstance(
             await store.begin_step(job.id, owner="w", attempt=attempt, seq=0, name="a"), StepRecord
         )
