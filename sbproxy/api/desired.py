@@ -44,6 +44,7 @@ from sbproxy.config import CompiledConfig, DeploymentConfig, load_config
 from sbproxy.config._rules import Identifier
 from sbproxy.config.model_host import Authority
 from sbproxy.errors import ConfigError, SbproxyError
+from sbproxy.fleet.routing import replica_id_clashes
 from sbproxy.model_host.runtime.desired_store import MAX_REVISION, RevisionStore
 from sbproxy.model_host.runtime.manager import RuntimeManager, desired_digest, desired_of
 from sbproxy.model_host.runtime.reload import (
@@ -251,11 +252,23 @@ async def _fleet_write(
 
     Raises:
         SbproxyError: a resolution failure (``unknown_catalog_model``, ...),
-            ``revision_conflict``, ``journal_unavailable``.
+            ``revision_conflict``, ``journal_unavailable``, ``invalid_desired`` (a
+            deployment id that is another one's replica id on a node: ``chat.r1`` beside
+            ``chat`` with two or more replicas).
     """
     catalog = ModelHostService.serving(manager).catalog
     for deployment in deployments.values():
         manager.resolve_config(deployment, catalog)
+    clashes = replica_id_clashes({d: c.replicas for d, c in deployments.items()})
+    if clashes:
+        name, owner, replica = clashes[0]
+        raise SbproxyError(
+            f"deployment id {name!r} is the id a node runs replica {replica} of "
+            f"{owner!r} under, so the two would collide on a node",
+            code="invalid_desired",
+            remediation=f"Rename deployment {name!r}.",
+            details={"path": f"proxy.model_host.deployments.{name}", "deployment": name},
+        )
     written = await anyio.to_thread.run_sync(
         lambda: store.compare_and_set(
             expected_revision=expected,

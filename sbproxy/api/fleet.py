@@ -40,6 +40,7 @@ from sbproxy.errors import SbproxyError
 from sbproxy.fleet.agent import FleetAgent
 from sbproxy.fleet.control import observe, stuck_placements
 from sbproxy.fleet.membership import replica_state
+from sbproxy.fleet.routing import replica_deployment_id
 from sbproxy.store.fleet import FleetSnapshot
 
 __all__ = ["fleet_admin_handlers", "peer_handlers"]
@@ -99,6 +100,25 @@ def _shown_runtime(
     if shown == runtime.get("state"):
         return runtime
     return {**runtime, "state": shown, "reported_state": runtime.get("state")}
+
+
+def _placement_row(
+    placement: Any,
+    states: dict[str, Any],
+    reported: dict[str, dict[str, Any]],
+    stuck: dict[str, Any],
+) -> dict[str, Any]:
+    """One placement as ``GET /admin/fleet/placements`` shows it: its row without the
+    definition, whether it is stuck, its node's state, the id its node runs it under and
+    that node's report of it."""
+    row: dict[str, Any] = placement.to_dict()
+    row.pop("definition")
+    row["stuck"] = stuck.get(placement.id)
+    row["node_state"] = states.get(placement.node)
+    local = replica_deployment_id(placement.deployment, placement.replica)
+    row["local_id"] = local
+    row["runtime"] = _shown_runtime(row["node_state"], reported.get(placement.node, {}).get(local))
+    return row
 
 
 def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
@@ -193,16 +213,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
             now_ms=snapshot.now_ms,
             timeout_ms=agent.timing.placement_timeout_ms,
         )
-        rows = []
-        for placement in snapshot.placements:
-            row = placement.to_dict()
-            row.pop("definition")
-            row["stuck"] = stuck.get(placement.id)
-            row["node_state"] = states.get(placement.node)
-            row["runtime"] = _shown_runtime(
-                row["node_state"], reported.get(placement.node, {}).get(placement.deployment)
-            )
-            rows.append(row)
+        rows = [_placement_row(p, states, reported, stuck) for p in snapshot.placements]
         return Response(
             {
                 "schema_version": 1,

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import aiohttp
@@ -407,6 +407,7 @@ class Gateway:
     usage: UsageLedger = field(init=False)
     _urls: dict[tuple[str, str], URL] = field(default_factory=dict, init=False, repr=False)
     _model_headers: dict[str, bytes] = field(default_factory=dict, init=False, repr=False)
+    _turn: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.usage = UsageLedger(ModelHostService.serving(self.manager).usage(), self.keys.budgets)
@@ -534,13 +535,16 @@ class Gateway:
                 )  # fmt: skip
         else:
             self.hop_here(fleet, deployment)
-        sent, strip_usage = self.prepare(path, head, body, route)
+        # On a host of a fleet, the replica of this node that takes it (one of several).
+        here = route if fleet is None else self.local_route(fleet, route)
+        deployment = here.deployment
+        sent, strip_usage = self.prepare(path, head, body, here)
         # For a hop the calling host counts usage: it gets the usage event and drops it for
         # its client as needed.
         strip_usage = strip_usage and hop is None
         try:
             answer = await self.exchange(
-                request, route, caller=caller, path=path, body=sent, streamed=head.stream
+                request, here, caller=caller, path=path, body=sent, streamed=head.stream
             )
         except SbproxyError as exc:  # a refusal, an engine timeout, an unreachable engine
             if fleet is not None and hop is None and isinstance(exc, _SPILLABLE):
@@ -611,12 +615,44 @@ class Gateway:
     def serves_here(self, fleet: PeerDispatch, deployment: str) -> bool:
         """Whether this node serves ``deployment`` itself (:meth:`PeerDispatch.serves_here`):
         a client's request goes to a peer otherwise, a peer's hop is refused."""
+        listed = fleet.local_replicas(deployment) or (deployment,)
+        here = [local for local in listed if local in self.deployments]
 
         def running() -> bool:
-            status = self.local_status(deployment)
-            return status is not None and status.routable
+            for local in here:
+                status = self.local_status(local)
+                if status is not None and status.routable:
+                    return True
+            return False
 
-        return fleet.serves_here(deployment, known=deployment in self.deployments, running=running)
+        return fleet.serves_here(deployment, known=bool(here), running=running)
+
+    def local_route(self, fleet: PeerDispatch, route: Route) -> Route:
+        """``route`` aimed at the replica of this node that takes a request for its
+        deployment: with several replicas here (``chat``, ``chat.r1``, each on its own
+        devices), a routable one with the fewest requests in flight and queued, in turn
+        among equals; with one, that one; with none listed, ``route`` itself (a deployment
+        that is not the fleet's)."""
+        here = [i for i in fleet.local_replicas(route.deployment) if i in self.deployments]
+        if not here:
+            return route
+        if len(here) == 1:
+            target = here[0]
+        else:
+            ranked = [(self._load_of(local), local) for local in here]
+            fewest = min(rank for rank, _ in ranked)
+            best = [local for rank, local in ranked if rank == fewest]
+            self._turn += 1
+            target = best[self._turn % len(best)]
+        return route if target == route.deployment else replace(route, deployment=target)
+
+    def _load_of(self, local: str) -> tuple[int, int]:
+        """How a local replica ranks for the next request: routable ones first, then by
+        requests in flight plus queued."""
+        status = self.local_status(local)
+        if status is None or not status.routable:
+            return (1, 0)
+        return (0, status.active_requests + status.queued_requests)
 
     def local_status(self, deployment: str) -> DeploymentStatus | None:
         """This host's runtime status of ``deployment``; ``None`` when it has none (on a

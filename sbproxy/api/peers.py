@@ -299,8 +299,8 @@ class PeerDispatch:
 
         A deployment the table does not list is not the fleet's: this host serves it as a
         single host would, when its runtime has it (``known``). One the table lists is
-        served here only from the replica placed here (listed under this node), when the
-        table says it is ready or its engine is running here now (``running``: the table
+        served here only from the replicas placed here (listed under this node), when the
+        table says one is ready or an engine of one runs here now (``running``: the table
         lags a load by up to a heartbeat). Never otherwise: a replica the table lists as not
         ready may be on a node that fenced itself, whose engines must stay stopped.
         """
@@ -308,11 +308,21 @@ class PeerDispatch:
         replicas = table.for_deployment(deployment)
         if not replicas:
             return known
+        local = [r for r in replicas if r.node_id == table.local_node_id]
+        return bool(local) and known and (any(r.ready for r in local) or running())
+
+    def local_replicas(self, deployment: str) -> tuple[str, ...]:
+        """The runtime ids of this node's replicas of ``deployment`` the table lists
+        (``chat``, ``chat.r1``: :func:`~sbproxy.fleet.routing.replica_deployment_id`), in
+        replica order; empty when it lists none here."""
+        table = self.directory.routing()
         local = table.local_node_id
-        for replica in replicas:
-            if replica.node_id == local:
-                return known and (replica.ready or running())
-        return False
+        return tuple(
+            sorted(
+                {r.runtime_id for r in table.for_deployment(deployment) if r.node_id == local},
+                key=lambda i: (len(i), i),
+            )
+        )
 
     def availability(
         self, deployment: str, *, local: dict[str, object] | None

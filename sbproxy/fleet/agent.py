@@ -83,7 +83,7 @@ from sbproxy.fleet.placement import (
     UnplacedReplica,
     plan,
 )
-from sbproxy.fleet.routing import PeerReplica, RoutingTable
+from sbproxy.fleet.routing import PeerReplica, RoutingTable, replica_deployment_id
 from sbproxy.fleet.view import ControllerRow, FleetView, NodeRow, PlacementJobRow, ReplicaRow
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.reload import reload, with_deployments
@@ -349,12 +349,12 @@ class FleetAgent:
         return counts
 
     def _my_placements(self) -> dict[str, str]:
-        """``{deployment: placement id}`` this node runs (the newest, not stopping)."""
+        """``{local id: placement id}`` this node runs (the newest, not stopping)."""
         snapshot = self.snapshot
         if snapshot is None:
             return {}
         chosen = local_placements(snapshot.placements, self.identity.id)
-        return {deployment: placement.id for deployment, placement in chosen.items()}
+        return {local: placement.id for local, placement in chosen.items()}
 
     async def _renew(self) -> bool:
         counts = self._replica_counts()
@@ -615,8 +615,9 @@ class FleetAgent:
         for placement in snapshot.placements:
             if placement.node != self.identity.id:
                 continue
-            row = status.get(placement.deployment)
-            if placement.state == "stopping" and placement.deployment not in wanted:
+            local = replica_deployment_id(placement.deployment, placement.replica)
+            row = status.get(local)
+            if placement.state == "stopping" and local not in wanted:
                 await anyio.to_thread.run_sync(
                     partial(self.store.placement_stopped, self.identity.id, placement.id)
                 )
@@ -679,7 +680,8 @@ class FleetAgent:
             node = nodes.get(placement.node)
             if node is None or placement.state == "stopping":
                 continue
-            reported = node.replicas.get(placement.deployment, {})
+            local = replica_deployment_id(placement.deployment, placement.replica)
+            reported = node.replicas.get(local, {})
             state = states.get(node.id)
             routable = bool(reported.get("routable"))
             idle = state == "ready" and placement.state == "ready" and idle_loadable(reported)
@@ -696,6 +698,7 @@ class FleetAgent:
                     active=int(reported.get("active") or 0),
                     queued=int(reported.get("queued") or 0),
                     loaded=routable,
+                    local_id=local,
                 )
             )
         self._table = RoutingTable(
@@ -723,7 +726,8 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
     replicas = []
     jobs = []
     for placement in sorted(snapshot.placements, key=lambda p: (p.deployment, p.node)):
-        row = reported.get(placement.node, {}).get(placement.deployment) or {}
+        local = replica_deployment_id(placement.deployment, placement.replica)
+        row = reported.get(placement.node, {}).get(local) or {}
         replicas.append(
             ReplicaRow(
                 deployment=placement.deployment,

@@ -64,6 +64,7 @@ from sbproxy.fleet.placement import (
     StuckReason,
     VariantChoice,
 )
+from sbproxy.fleet.routing import replica_deployment_id
 from sbproxy.model_host.runtime.memory import GgufFacts, estimate_memory
 
 __all__ = [
@@ -262,32 +263,37 @@ def forgettable(views: Sequence[PlacementView], nodes: Sequence[NodeView]) -> li
 
 
 def local_placements(placements: Sequence[Any], node_id: str) -> dict[str, Any]:
-    """``{deployment: placement}`` node ``node_id`` runs: its placements that are not
-    ``stopping``, the newest revision when one deployment has several."""
+    """``{local id: placement}`` node ``node_id`` runs: its placements that are not
+    ``stopping``, keyed by the id its runtime runs each replica under
+    (:func:`~sbproxy.fleet.routing.replica_deployment_id`), the newest revision when one
+    replica has several there."""
     chosen: dict[str, Any] = {}
     for placement in placements:
         if placement.node != node_id or placement.state == PlacementState.STOPPING.value:
             continue
-        held = chosen.get(placement.deployment)
+        local = replica_deployment_id(placement.deployment, placement.replica)
+        held = chosen.get(local)
         if held is None or placement.revision > held.revision:
-            chosen[placement.deployment] = placement
+            chosen[local] = placement
     return chosen
 
 
 def local_deployments(placements: Sequence[Any], node_id: str) -> dict[str, dict[str, Any]]:
-    """The deployment definitions node ``node_id`` must run (:func:`local_placements`),
-    each warm and pulled on boot (a placed replica is started, not left for the first
-    request), with the variant its placement names pinned."""
+    """The deployment definitions node ``node_id`` must run (:func:`local_placements`), by
+    local id: each warm and pulled on boot (a placed replica is started, not left for the
+    first request), one replica, on the devices its placement holds, with the variant its
+    placement names pinned."""
     chosen = local_placements(placements, node_id)
     return {
-        deployment: {
+        local: {
             **placement.definition,
             **({"variant": placement.variant} if placement.variant else {}),
             "warm": True,
             "pull": "on_boot",
             "replicas": 1,
+            "devices": sorted(placement.devices),
         }
-        for deployment, placement in sorted(chosen.items())
+        for local, placement in sorted(chosen.items())
     }
 
 
@@ -321,7 +327,7 @@ def stuck_placements(
         report = reports.get(placement.node)
         if report is None:
             continue
-        mine = report.get(placement.deployment) or {}
+        mine = report.get(replica_deployment_id(placement.deployment, placement.replica)) or {}
         if ready:
             if mine.get("placement") == placement.id and mine.get("crash_looped"):
                 found[placement.id] = StuckReason.CRASH_LOOP

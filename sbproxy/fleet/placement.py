@@ -329,13 +329,13 @@ class PlacementPolicy(_Frozen):
 
     @classmethod
     def from_config(cls, config: FleetConfig) -> PlacementPolicy:
-        """The policy of ``proxy.model_host.fleet``. A node's runtime runs one engine per
-        deployment id, so a fleet host takes one replica of a deployment
-        (``max_replicas_per_node=1``) whatever its devices."""
+        """The policy of ``proxy.model_host.fleet``: a node takes as many replicas of one
+        deployment as it has devices for (each replica on devices no other replica of it
+        holds; its runtime runs each under its own id,
+        :func:`~sbproxy.fleet.routing.replica_deployment_id`)."""
         return cls(
             strategy=config.placement,
             max_replacements_in_flight=config.max_replacements_in_flight,
-            max_replicas_per_node=1,
         )
 
 

@@ -9,11 +9,52 @@ directory stamps each table with the monotonic time it was made.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["FleetDirectory", "PeerReplica", "RoutingTable"]
+__all__ = [
+    "FleetDirectory",
+    "PeerReplica",
+    "RoutingTable",
+    "replica_deployment_id",
+    "replica_id_clashes",
+]
+
+_REPLICA_ID = re.compile(r"^(?P<deployment>.+)\.r(?P<replica>[1-9][0-9]*)$")
+
+
+def replica_deployment_id(deployment: str, replica: int) -> str:
+    """The id a node's runtime runs replica ``replica`` of fleet deployment ``deployment``
+    under: the deployment's own id for replica 0, ``<deployment>.r<replica>`` for the others
+    (``chat``, ``chat.r1``, ``chat.r2``). A pure function of the placement, so a replica
+    keeps its local id (its engine, its logs, its generations) for its whole life on a node,
+    whichever other replicas come and go there; a node can run several replicas of one
+    deployment side by side, each on its own devices. The fleet refuses a desired state
+    where one deployment's id is another's replica id (``invalid_desired``).
+
+    Raises:
+        ValueError: ``replica`` < 0 (a caller bug).
+    """
+    if replica < 0:
+        raise ValueError(f"replica must be >= 0, got {replica}")
+    return deployment if replica == 0 else f"{deployment}.r{replica}"
+
+
+def replica_id_clashes(replicas: Mapping[str, int]) -> list[tuple[str, str, int]]:
+    """The deployment ids of a fleet's desired state (``{id: replicas}``) that are also
+    the local id of another deployment's replica (``chat.r1`` beside ``chat`` with 2 or
+    more replicas), as ``(id, deployment, replica)``, sorted; empty when none clash."""
+    clashes = []
+    for name in sorted(replicas):
+        found = _REPLICA_ID.match(name)
+        if found is None:
+            continue
+        deployment, replica = found["deployment"], int(found["replica"])
+        if replica < replicas.get(deployment, 0):
+            clashes.append((name, deployment, replica))
+    return clashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +76,8 @@ class PeerReplica:
             stopped its engine, and the node loads it again for the first request (hop or
             its own), as a single host does; the gateway picks such a replica only when no
             loaded one is ready.
+        local_id: The id its node's runtime runs it under (:func:`replica_deployment_id`);
+            the deployment id when not given.
     """
 
     deployment: str
@@ -45,6 +88,12 @@ class PeerReplica:
     active: int
     queued: int
     loaded: bool = True
+    local_id: str = ""
+
+    @property
+    def runtime_id(self) -> str:
+        """``local_id``, or the deployment id when the table did not name one."""
+        return self.local_id or self.deployment
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from sbproxy.fleet.control import (
     forgettable,
     judge_own_lease,
     local_deployments,
+    local_placements,
     node_moves,
     observe,
     placement_views,
@@ -150,11 +151,31 @@ def test_local_deployments_are_the_node_s_own_placements_warm_newest_first() -> 
             "p5", "a", deployment="embed", definition={"model": "e", "replicas": 3, "warm": False}
         ),
     ]
+    placed = {"warm": True, "pull": "on_boot", "replicas": 1, "devices": [0]}
     assert local_deployments(placements, "a") == {
-        "chat": {"model": "new", "warm": True, "pull": "on_boot", "replicas": 1},
-        "embed": {"model": "e", "warm": True, "pull": "on_boot", "replicas": 1},
+        "chat": {"model": "new", **placed},
+        "embed": {"model": "e", **placed},
     }
     assert local_deployments(placements, "c") == {}
+
+
+def test_two_replicas_on_one_node_run_under_their_own_ids_on_their_own_devices() -> None:
+    placements = [
+        Placement("p1", "a", replica=1, devices=(1,), definition={"model": "m", "replicas": 3}),
+        Placement("p2", "a", replica=0, devices=(0,), definition={"model": "m", "replicas": 3}),
+        Placement("p3", "b", replica=2, devices=(0,), definition={"model": "m", "replicas": 3}),
+        Placement("p4", "a", replica=2, devices=(2, 3), state="stopping"),
+    ]
+    placed = {"model": "m", "warm": True, "pull": "on_boot", "replicas": 1}
+    assert local_deployments(placements, "a") == {
+        "chat": {**placed, "devices": [0]},
+        "chat.r1": {**placed, "devices": [1]},
+    }
+    assert {k: p.id for k, p in local_placements(placements, "a").items()} == {
+        "chat": "p2",
+        "chat.r1": "p1",
+    }
+    assert list(local_deployments(placements, "b")) == ["chat.r2"]
 
 
 UNREACHED = PeerAnswer(node_id="b", reached=False)
@@ -213,6 +234,7 @@ class Pending:
     state: str = "pending"
     deployment: str = "chat"
     updated_at_ms: int = NOW
+    replica: int = 0
 
 
 TIMEOUT = 60_000
@@ -271,6 +293,17 @@ def test_stuck_placements(
     nodes = [Reported("a", replicas=report)]
     found = stuck_placements([placement], nodes, now_ms=NOW, timeout_ms=TIMEOUT)
     assert found == ({} if expected is None else {placement.id: expected})
+
+
+def test_a_replica_s_report_is_read_under_its_local_id() -> None:
+    # Node a runs replicas 0 and 1 of chat: its report names them chat and chat.r1.
+    first = Pending("p0", "a", state="ready")
+    second = Pending("p1", "a", state="ready", replica=1)
+    looping = {"placement": "p1", "crash_looped": True}
+    report = {"chat": {"placement": "p0", "routable": True}, "chat.r1": looping}
+    nodes = [Reported("a", replicas=report)]
+    found = stuck_placements([first, second], nodes, now_ms=NOW, timeout_ms=TIMEOUT)
+    assert found == {"p1": StuckReason.CRASH_LOOP}
 
 
 def test_a_placement_on_a_node_that_is_not_a_member_is_left_to_the_gone_path() -> None:
@@ -342,8 +375,9 @@ def test_local_deployments_pin_the_variant_a_placement_names() -> None:
             "warm": True,
             "pull": "on_boot",
             "replicas": 1,
+            "devices": [0],
         },
-        "other": {"model": "o", "warm": True, "pull": "on_boot", "replicas": 1},
+        "other": {"model": "o", "warm": True, "pull": "on_boot", "replicas": 1, "devices": [0]},
     }
 
 

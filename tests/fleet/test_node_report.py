@@ -112,7 +112,7 @@ def test_a_two_gpu_node_report_takes_a_tensor_parallel_replica_across_both() -> 
 
 def test_a_two_gpu_node_report_takes_two_replicas_one_per_device_unless_capped() -> None:
     assert starts(2, 1, PlacementPolicy()) == [("big", (0,)), ("big", (1,))]
-    # A fleet host's policy: its runtime runs one engine per deployment.
+    # The cap, when a policy sets one.
     assert starts(2, 1, PlacementPolicy(max_replicas_per_node=1)) == [
         ("big", (0,)),
         ("unplaced", "insufficient_capacity"),

@@ -703,6 +703,8 @@ def test_spec_from_config_and_a_gguf_estimate() -> None:
         FleetConfig(placement=PlacementStrategy.BINPACK, max_replacements_in_flight=5)
     )
     assert (policy.strategy, policy.max_replacements_in_flight) == (PlacementStrategy.BINPACK, 5)
+    # A fleet host runs each replica under its own id: as many per node as it has devices.
+    assert policy.max_replicas_per_node is None
 
 
 def test_reason_codes_are_the_documented_ones() -> None:
