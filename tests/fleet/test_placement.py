@@ -703,8 +703,6 @@ def test_spec_from_config_and_a_gguf_estimate() -> None:
         FleetConfig(placement=PlacementStrategy.BINPACK, max_replacements_in_flight=5)
     )
     assert (policy.strategy, policy.max_replacements_in_flight) == (PlacementStrategy.BINPACK, 5)
-    # A fleet host runs each replica under its own id: as many per node as it has devices.
-    assert policy.max_replicas_per_node is None
 
 
 def test_reason_codes_are_the_documented_ones() -> None:
@@ -886,8 +884,8 @@ def test_max_replicas_per_node_keeps_a_second_replica_off_a_node_with_devices_fo
     assert summary(rolled) == [("start", "chat", 0, "a", (1,), "rollout")]
 
 
-def test_the_fleet_policy_from_config_holds_one_replica_per_node() -> None:
-    assert PlacementPolicy.from_config(FleetConfig()).max_replicas_per_node == 1
+def test_the_fleet_policy_from_config_takes_as_many_replicas_as_a_node_has_devices() -> None:
+    assert PlacementPolicy.from_config(FleetConfig()).max_replicas_per_node is None
 
 
 # -- variant choices (heterogeneous_variants) ---------------------------------------------
