@@ -14,7 +14,7 @@ variable ``FAKE_LLAMA_MODE`` (comma-separated):
 * ``hang`` -- listen but never become ready;
 * ``ignore_sigterm`` -- ignore SIGTERM, printing ``SIGTERM ignored`` (only SIGKILL stops it);
 * ``token_delay_s=<seconds>`` -- delay between streamed tokens (default 0.01);
-* ``requests_log=<file>`` -- append one JSON line ``{"path", "body"}`` per POST received,
+* ``requests_log=<file>`` -- append one JSON line ``{"path", "body", "port"}`` per POST received,
   and ``{"event": "closed", "path", "after_s"}`` when the client closes its connection while
   the stand-in is still "generating" (``after_s``: seconds since the request arrived) --
   how a test sees that the gateway cancelled the engine's work.
@@ -200,7 +200,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._json(400, {"error": {"code": 400, "message": "bad json"}})
             return
-        self._log({"path": self.path, "body": body})
+        self._log({"path": self.path, "body": body, "port": self.server.server_address[1]})
         if not self.state.ready:
             self._json(503, {"error": {"code": 503, "message": "Loading model"}})
             return
