@@ -359,14 +359,23 @@ class _FleetCollector(Collector):
         )
         ready = GaugeMetricFamily(
             "sbproxy_fleet_replicas_ready",
-            "Replicas placed, ready and on a live node, by deployment.",
+            "Replicas placed, ready and on a live node, with their engine running, by "
+            "deployment.",
             labels=["deployment"],
         )
-        for deployment, (want, have) in sorted(agent.replica_counts().items()):
+        idle = GaugeMetricFamily(
+            "sbproxy_fleet_replicas_idle",
+            "Replicas placed and ready on a live node whose engine keep-alive stopped (the "
+            "next request loads it), by deployment.",
+            labels=["deployment"],
+        )
+        for deployment, (want, have, resting) in sorted(agent.replica_counts().items()):
             desired.add_metric([deployment], want)
             ready.add_metric([deployment], have)
+            idle.add_metric([deployment], resting)
         yield desired
         yield ready
+        yield idle
         moves = CounterMetricFamily(
             "sbproxy_fleet_node_transitions",
             "Node state changes this host recorded as the controller.",

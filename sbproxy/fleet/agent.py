@@ -227,22 +227,28 @@ class FleetAgent:
             return False
         return (self.clock() - self.last_renewal) * 1000 < self.timing.fence_after_ms
 
-    def replica_counts(self) -> dict[str, tuple[int, int]]:
-        """``{deployment: (desired, ready)}`` at the last heartbeat: ready counts placements
-        ``ready`` on a live (not lost or left) node."""
+    def replica_counts(self) -> dict[str, tuple[int, int, int]]:
+        """``{deployment: (desired, ready, idle)}`` at the last heartbeat, over placements
+        ``ready`` on a live (not lost or left) node: ``idle`` counts the replicas whose
+        engine keep-alive stopped (its node loads it for the next request), ``ready`` the
+        others."""
         snapshot = self.snapshot
         if snapshot is None or snapshot.desired_document is None:
             return {}
         wanted = json.loads(snapshot.desired_document).get("deployments", {})
         live = {v.id for v in self.views if v.state.value not in ("lost", "left")}
-        counts: dict[str, tuple[int, int]] = {}
+        reports = {node.id: node.replicas for node in snapshot.nodes}
+        counts: dict[str, tuple[int, int, int]] = {}
         for deployment, body in wanted.items():
-            ready = {
-                p.replica
-                for p in snapshot.placements
-                if p.deployment == deployment and p.state == "ready" and p.node in live
-            }
-            counts[deployment] = (int(body.get("replicas", 1)), len(ready))
+            ready: set[int] = set()
+            idle: set[int] = set()
+            for p in snapshot.placements:
+                if p.deployment != deployment or p.state != "ready" or p.node not in live:
+                    continue
+                local = replica_deployment_id(p.deployment, p.replica)
+                report = reports.get(p.node, {}).get(local) or {}
+                (idle if idle_loadable(report) else ready).add(p.replica)
+            counts[deployment] = (int(body.get("replicas", 1)), len(ready), len(idle - ready))
         return counts
 
     async def view(self) -> FleetView:

@@ -80,6 +80,17 @@ def test_a_replica_idle_after_keep_alive_is_woken_by_a_request_to_another_host(
         # Every gateway of the fleet lists it cold: a request loads it.
         poll(lambda: availability(other)["state"] == "cold", timeout_s=10, what="listed cold there")
         assert availability(other) == {"state": "cold", "ready_replicas": 0, "desired_replicas": 1}
+        # Counted idle, not ready, in every host's fleet metrics.
+        counted = (
+            'sbproxy_fleet_replicas_ready{deployment="tiny"} 0.0',
+            'sbproxy_fleet_replicas_idle{deployment="tiny"} 1.0',
+        )
+
+        def counted_idle() -> bool:
+            text = other.admin_call("GET", "/metrics").text
+            return all(line in text for line in counted)
+
+        poll(counted_idle, timeout_s=10, what="counted idle in the metrics")
         # The fleet left it idle: nothing but a request loaded it again.
         assert runtime(owner)["generation"] == loaded_generation
         answer = other.chat()
