@@ -359,8 +359,7 @@ class _FleetCollector(Collector):
         )
         ready = GaugeMetricFamily(
             "sbproxy_fleet_replicas_ready",
-            "Replicas placed, ready and on a live node, with their engine running, by "
-            "deployment.",
+            "Replicas placed, ready and on a live node, with their engine running, by deployment.",
             labels=["deployment"],
         )
         idle = GaugeMetricFamily(

@@ -77,7 +77,7 @@ from typing import Final
 
 import aiohttp
 from litestar.types import Receive, Scope
-from opentelemetry import propagate
+from opentelemetry import propagate, trace
 from yarl import URL
 
 from sbproxy.api import engine_client
@@ -87,7 +87,7 @@ from sbproxy.api.relay import UpstreamUnavailable
 from sbproxy.api.supervision import ExchangeBound, Limit, engine_timeout
 from sbproxy.config import DeploymentConfig, PriorityClass
 from sbproxy.fleet.routing import FleetDirectory, PeerReplica, RoutingTable
-from sbproxy.telemetry import enabled
+from sbproxy.telemetry import ATTR_DEPLOYMENT, ATTR_PEER_NODE, enabled, tracer
 
 __all__ = [
     "PEER_HOP",
@@ -561,7 +561,41 @@ class PeerDispatch:
         streamed: bool,
     ) -> PeerAnswer | None:
         """One try at ``replica``; ``None`` (the peer out of rotation) when it failed before
-        its answer was in hand."""
+        its answer was in hand. When this host traces, the try is a client span
+        (``peer hop``: the peer's node, the deployment, the answer's status) from the send
+        until the answer -- a stream's headers -- is in hand, and the hop carries that span's
+        context, so the peer's server span is its child."""
+        if not enabled():
+            return await self._send(session, replica, ticket, headers, path, body, streamed)
+        attributes = {
+            ATTR_PEER_NODE: replica.node_id,
+            ATTR_DEPLOYMENT: replica.deployment,
+            "http.request.method": "POST",
+            "url.path": path,
+        }
+        with tracer().start_as_current_span(
+            "peer hop", kind=trace.SpanKind.CLIENT, attributes=attributes
+        ) as span:
+            sent = dict(headers)
+            propagate.inject(sent)
+            answer = await self._send(session, replica, ticket, sent, path, body, streamed)
+            if answer is None:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, "peer unreachable"))
+            else:
+                span.set_attribute("http.response.status_code", answer.response.status)
+            return answer
+
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        replica: PeerReplica,
+        ticket: PeerTicket,
+        headers: dict[str, str],
+        path: str,
+        body: bytes,
+        streamed: bool,
+    ) -> PeerAnswer | None:
+        """Send one try (:meth:`_try`)."""
         response: aiohttp.ClientResponse | None = None
         started = asyncio.get_running_loop().time()
         url = URL(replica.base_url.rstrip("/") + path)

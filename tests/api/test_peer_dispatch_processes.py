@@ -204,7 +204,9 @@ async def test_a_spill_over_to_a_peer_process_continues_the_callers_trace(
         and (s.attributes or {}).get("sbproxy.peer.node") == "c"
     ]
     assert (caller.attributes or {})["sbproxy.peer.spilled"] == "queue_full"
+    (hop,) = [s for s in spans.get_finished_spans() if s.name == "peer hop"]
+    assert hop.parent is not None and hop.parent.span_id == caller.context.span_id
     (exported,) = exported_chat_spans(received)
     assert exported.trace_id.hex() == TRACE_ID
-    assert exported.parent_span_id.hex() == f"{caller.context.span_id:016x}"
+    assert exported.parent_span_id.hex() == f"{hop.context.span_id:016x}"
     assert exported.trace_state == "vendor=opaque-value"

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from pydantic import SecretStr
 
 from sbproxy.api.peers import PEER_HOP
@@ -201,10 +202,17 @@ async def test_a_hop_carries_the_trace_context_and_the_peers_span_continues_it(
     assert (caller.attributes or {})["sbproxy.peer.node"] == "b"
     assert f"{caller.context.trace_id:032x}" == TRACE_ID
     assert caller.parent is not None and f"{caller.parent.span_id:016x}" == CLIENT_SPAN_ID
-    # The peer's server span: same trace, a child of the calling host's span.
+    # The hop: a client span of the calling host, a child of its server span.
+    (hop,) = [s for s in spans.get_finished_spans() if s.name == "peer hop"]
+    assert hop.kind is SpanKind.CLIENT
+    assert hop.parent is not None and hop.parent.span_id == caller.context.span_id
+    shown = dict(hop.attributes or {})
+    assert (shown["sbproxy.peer.node"], shown["sbproxy.deployment"]) == ("b", "tiny")
+    assert shown["http.response.status_code"] == 200
+    # The peer's server span: same trace, a child of the hop.
     assert f"{peer.context.trace_id:032x}" == TRACE_ID
     assert peer.parent is not None
-    assert peer.parent.span_id == caller.context.span_id
+    assert peer.parent.span_id == hop.context.span_id
     assert peer.parent.is_remote
     assert peer.context.trace_state.get("vendor") == "opaque-value"
     assert (peer.attributes or {})["sbproxy.deployment"] == "tiny"
