@@ -408,7 +408,10 @@ def _choice(
     safety_margin: float,
     variant: str | None,
     engines: Sequence[str],
+    catalog: Catalog,
 ) -> VariantChoice:
+    """One variant choice: its estimate, and the hardware it needs when it is named (a
+    variant the node resolves itself runs anywhere)."""
     known = facts.get(artifact.digest)
     estimate = estimate_memory(
         weights_bytes=max(1, artifact.total_size_bytes),
@@ -420,12 +423,19 @@ def _choice(
         format_quant=artifact.quant,
         tensor_parallel=config.tensor_parallel or 1,
     )
+    needs = None
+    if variant is not None:
+        entry = catalog.models[config.model]
+        needs = next((v.requirements for v in entry.variants if v.id == variant), None)
+    minimum = needs.min_compute_capability if needs is not None else None
     return VariantChoice(
         variant=variant,
         engines=tuple(engines),
         estimate=estimate,
         artifact_digest=artifact.digest,
         estimate_basis=EstimateBasis.FILE_SIZE if known is None else EstimateBasis.GGUF_HEADER,
+        accelerators=frozenset(a.value for a in needs.accelerators) if needs else frozenset(),
+        min_compute_capability=minimum.as_tuple() if minimum is not None else None,
     )
 
 
@@ -484,7 +494,7 @@ def deployment_spec(
         options = [
             _choice(
                 config, artifact, facts=facts, safety_margin=safety_margin,
-                variant=artifact.variant_id, engines=engines,
+                variant=artifact.variant_id, engines=engines, catalog=catalog,
             )
             for artifact, engines in _alternatives(config, catalog)
         ]  # fmt: skip
@@ -494,7 +504,7 @@ def deployment_spec(
         options = [
             _choice(
                 config, resolved, facts=facts, safety_margin=safety_margin,
-                variant=config.variant, engines=[resolved.engine.value],
+                variant=config.variant, engines=[resolved.engine.value], catalog=catalog,
             )
         ]  # fmt: skip
     first, rest = options[0], options[1:]
@@ -509,4 +519,6 @@ def deployment_spec(
         estimate_basis=first.estimate_basis,
         alternatives=rest,
         avoid_nodes=avoid,
+        accelerators=first.accelerators,
+        min_compute_capability=first.min_compute_capability,
     )

@@ -14,17 +14,20 @@ Filter, then score (issue 20 "Placement"):
    re-placed (decision ``replace``) before any other replica takes memory, at most
    ``max_replacements_in_flight`` not yet ready at once;
 2. **labels** -- every ``required_labels`` key with the same value;
-3. **engine** -- the node offers one of the deployment's engines (first listed wins);
+3. **engine and hardware** -- the node offers one of the deployment's engines (first
+   listed wins) and has a device the variant runs on: its kind among the variant's
+   ``accelerators`` and, on CUDA, its compute capability at least the variant's
+   ``min_compute_capability`` (a variant the node resolves itself runs anywhere);
 4. **memory fit** -- ``tensor_parallel`` distinct devices each with ``estimate.total_bytes``
-   free (the GGUF estimate with the safety margin, :mod:`~sbproxy.model_host.runtime.memory`)
-   after every placement already on the device, stopping ones included, and every
+   free, each one the variant runs on (the GGUF estimate with the safety margin,
+   :mod:`~sbproxy.model_host.runtime.memory`) after every placement already on the device, stopping ones included, and every
    placement this plan adds; two replicas of one deployment never share a device, so a node
    takes a second replica only when it has devices for both (and, with
    ``max_replicas_per_node``, only that many distinct replicas of one deployment at all).
 
 A deployment may offer several **variant choices** (``heterogeneous_variants`` with no pinned
-variant): filters 3 and 4 take, per node, the first choice whose engine the node offers and
-whose estimate fits; the decision names that variant and its reservation. Nodes in a
+variant): filters 3 and 4 take, per node, the first choice whose engine the node offers, that
+runs on its devices and whose estimate fits; the decision names that variant and its reservation. Nodes in a
 spec's ``avoid_nodes`` (a stuck placement of it was moved off them) take none of its
 replicas.
 
@@ -36,8 +39,8 @@ stopped (cause ``stuck``) in the same plan; when no other node fits it stays whe
 the replica is reported ``unplaced`` with the reason of the filter that refused.
 
 A replica no node passes gets ``unplaced`` with the reason of the first filter that left
-no candidate: ``no_matching_node`` (state or labels), ``engine_unavailable``,
-``insufficient_capacity`` (memory or devices).
+no candidate: ``no_matching_node`` (state or labels), ``engine_unavailable`` (engine or
+hardware), ``insufficient_capacity`` (memory or devices).
 
 Score: ``spread`` (default) prefers fewer replicas of the deployment in the node's
 ``spread_by`` label domains, then on the node, then nodes that hold the artifact already,
@@ -154,10 +157,14 @@ class PlacementState(StrEnum):
 
 
 class DeviceCapacity(_Frozen):
-    """One device of a node: ``index`` and the bytes it offers to models (>= 0)."""
+    """One device of a node: ``index``, the bytes it offers to models (>= 0), its kind
+    (``cpu``, ``cuda``, ``metal``) and, for a CUDA device, its compute capability
+    (``None``: unknown)."""
 
     index: int = Field(ge=0)
     capacity_bytes: int = Field(ge=0)
+    accelerator: str = "cpu"
+    compute_capability: tuple[int, int] | None = None
 
 
 class NodeView(_Frozen):
@@ -204,6 +211,27 @@ class VariantChoice(_Frozen):
     estimate: MemoryEstimate
     artifact_digest: str | None = None
     estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE
+    accelerators: frozenset[str] = frozenset()
+    min_compute_capability: tuple[int, int] | None = None
+
+    def runs_on(self, device: DeviceCapacity) -> bool:
+        """Whether this variant can run on ``device``: its kind is one of ``accelerators``
+        (any when empty) and, on CUDA, its compute capability is known and at least
+        ``min_compute_capability`` (when set)."""
+        if self.accelerators and device.accelerator not in self.accelerators:
+            return False
+        minimum = self.min_compute_capability
+        if minimum is None or device.accelerator != "cuda":
+            return True
+        return device.compute_capability is not None and device.compute_capability >= minimum
+
+    def describe_hardware(self) -> str:
+        """The hardware it needs, in words (``cuda with compute capability 8.0 or newer``)."""
+        kinds = " or ".join(sorted(self.accelerators)) or "any device"
+        if self.min_compute_capability is None:
+            return kinds
+        major, minor = self.min_compute_capability
+        return f"{kinds} with compute capability {major}.{minor} or newer"
 
 
 class DeploymentSpec(_Frozen):
@@ -226,6 +254,8 @@ class DeploymentSpec(_Frozen):
         alternatives: Further :class:`VariantChoice` s, tried in order per node after the
             first (``heterogeneous_variants``).
         avoid_nodes: Nodes none of its replicas is placed on now.
+        accelerators: Device kinds ``variant`` runs on (any when empty: the node resolves).
+        min_compute_capability: The lowest CUDA compute capability ``variant`` accepts.
     """
 
     id: str = Field(min_length=1)
@@ -242,6 +272,8 @@ class DeploymentSpec(_Frozen):
     estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE
     alternatives: tuple[VariantChoice, ...] = ()
     avoid_nodes: frozenset[str] = frozenset()
+    accelerators: frozenset[str] = frozenset()
+    min_compute_capability: tuple[int, int] | None = None
 
     def choices(self) -> tuple[VariantChoice, ...]:
         """The first choice (this spec's own variant, engines and estimate), then the
@@ -252,6 +284,8 @@ class DeploymentSpec(_Frozen):
             estimate=self.estimate,
             artifact_digest=self.artifact_digest,
             estimate_basis=self.estimate_basis,
+            accelerators=self.accelerators,
+            min_compute_capability=self.min_compute_capability,
         )
         return (first, *self.alternatives)
 
@@ -269,6 +303,8 @@ class DeploymentSpec(_Frozen):
         estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE,
         alternatives: Sequence[VariantChoice] = (),
         avoid_nodes: Iterable[str] = (),
+        accelerators: Iterable[str] = (),
+        min_compute_capability: tuple[int, int] | None = None,
     ) -> DeploymentSpec:
         """The spec of a configured deployment; ``engines`` come from its resolved variant."""
         return cls(
@@ -286,6 +322,8 @@ class DeploymentSpec(_Frozen):
             estimate_basis=estimate_basis,
             alternatives=tuple(alternatives),
             avoid_nodes=frozenset(avoid_nodes),
+            accelerators=frozenset(accelerators),
+            min_compute_capability=min_compute_capability,
         )
 
 
@@ -848,19 +886,31 @@ class _Planner:
                 f"{len(labelled)} ready node(s) match {spec.id}{aside}, but none offers "
                 f"{' or '.join(offered)}",
             )
+        suited = [
+            (n, choice, engine)
+            for n, choice, engine in engined
+            if any(choice.runs_on(device) for device in n.devices)
+        ]
+        if not suited:
+            needs = "; ".join(sorted({choice.describe_hardware() for _, choice, _ in engined}))
+            return _Refusal(
+                PlacementReason.ENGINE_UNAVAILABLE,
+                f"{len({n.id for n, _, _ in engined})} ready node(s) match {spec.id} with its "
+                f"engine{aside}, but none has a device its variant runs on ({needs})",
+            )
         fits: dict[str, _Fit] = {}
-        for node, choice, engine in engined:
+        for node, choice, engine in suited:
             if node.id in fits:  # the first choice that fits this node wins
                 continue
-            devices = self._devices(spec, replica, node, choice.estimate.total_bytes)
+            devices = self._devices(spec, replica, node, choice)
             if devices is not None:
                 fits[node.id] = _Fit(node, devices, engine, choice)
         if not fits:
-            sizes = sorted({choice.estimate.total_bytes for _, choice, _ in engined})
+            sizes = sorted({choice.estimate.total_bytes for _, choice, _ in suited})
             per_node = self.policy.max_replicas_per_node
             return _Refusal(
                 PlacementReason.INSUFFICIENT_CAPACITY,
-                f"{len({n.id for n, _, _ in engined})} ready node(s) match {spec.id} with its "
+                f"{len({n.id for n, _, _ in suited})} ready node(s) match {spec.id} with its "
                 f"engine{aside}, but none has {spec.tensor_parallel} device(s) with "
                 f"{' or '.join(str(size) for size in sizes)} bytes free that no other "
                 "replica of it holds"
@@ -873,16 +923,18 @@ class _Planner:
         return min(fits.values(), key=lambda fit: self._score(spec, fit))
 
     def _devices(
-        self, spec: DeploymentSpec, replica: int, node: NodeView, size: int
+        self, spec: DeploymentSpec, replica: int, node: NodeView, choice: VariantChoice
     ) -> tuple[int, ...] | None:
         limit = self.policy.max_replicas_per_node
         if limit is not None and self.ledger.other_replicas(spec.id, node.id, replica) >= limit:
             return None
+        size = choice.estimate.total_bytes
         held = self.ledger.holders[(spec.id, node.id)]
         free = [
             (device.capacity_bytes - self.ledger.used[(node.id, device.index)], device.index)
             for device in node.devices
             if device.index not in held
+            and choice.runs_on(device)
             and device.capacity_bytes - self.ledger.used[(node.id, device.index)] >= size
         ]
         if len(free) < spec.tensor_parallel:

@@ -400,14 +400,41 @@ models:
         source: hf:acme/chat
         revision: 0123456789abcdef0123456789abcdef01234567
         files: [{{path: {path}, sha256: "{digit * 64}", size_bytes: {size}}}]
-        requirements: {{accelerators: [cpu, cuda], min_memory_bytes: 1}}
+        requirements: {{{needs}, min_memory_bytes: 1}}
         stability: preview
         certification: test
 """
-    for variant, fmt, quant, engines, path, digit, size in (
-        ("bf16", "safetensors", "BF16", "vllm", "model.safetensors", "a", 2_000_000_000),
-        ("q8_0", "gguf", "Q8_0", "llama_cpp", "chat-q8.gguf", "b", 1_000_000_000),
-        ("q4_k_m", "gguf", "Q4_K_M", "llama_cpp", "chat-q4.gguf", "c", 500_000_000),
+    for variant, fmt, quant, engines, path, digit, size, needs in (
+        (
+            "bf16",
+            "safetensors",
+            "BF16",
+            "vllm",
+            "model.safetensors",
+            "a",
+            2_000_000_000,
+            "accelerators: [cuda], min_compute_capability: {major: 8, minor: 0}",
+        ),
+        (
+            "q8_0",
+            "gguf",
+            "Q8_0",
+            "llama_cpp",
+            "chat-q8.gguf",
+            "b",
+            1_000_000_000,
+            "accelerators: [cpu, cuda]",
+        ),
+        (
+            "q4_k_m",
+            "gguf",
+            "Q4_K_M",
+            "llama_cpp",
+            "chat-q4.gguf",
+            "c",
+            500_000_000,
+            "accelerators: [cpu, cuda]",
+        ),
     )
 )
 
@@ -458,6 +485,8 @@ def test_a_spec_is_sized_from_reported_gguf_facts_when_a_node_has_them() -> None
     assert sized.estimate.total_bytes == expected(q8, FACTS, variant="q8_0")
     assert (sized.variant, sized.engines, sized.alternatives) == ("q8_0", ("llama_cpp",), ())
     assert sized.avoid_nodes == frozenset({"n9"})
+    # A pinned variant carries the hardware it needs from the catalog.
+    assert (sized.accelerators, sized.min_compute_capability) == (frozenset({"cpu", "cuda"}), None)
     guessed = spec_with({"some-other-digest": FACTS})
     assert guessed.estimate_basis is EstimateBasis.FILE_SIZE
     assert guessed.estimate.total_bytes == expected(q8, None, variant="q8_0")
@@ -485,6 +514,12 @@ def test_a_heterogeneous_spec_offers_every_variant_with_its_own_estimate() -> No
         ("bf16", ("vllm",), expected(artifacts["bf16"], None, **body), EstimateBasis.FILE_SIZE),
         ("q8_0", ("llama_cpp",), expected(artifacts["q8_0"], None, **body), "file_size"),
         ("q4_k_m", ("llama_cpp",), expected(artifacts["q4_k_m"], FACTS, **body), "gguf_header"),
+    ]
+    needs = [(c.accelerators, c.min_compute_capability) for c in spec.choices()]
+    assert needs == [
+        (frozenset({"cuda"}), (8, 0)),
+        (frozenset({"cpu", "cuda"}), None),
+        (frozenset({"cpu", "cuda"}), None),
     ]
     # An explicit engine keeps only the variants it serves.
     forced = DeploymentConfig.model_validate({**body, "engine": "llama_cpp"})

@@ -960,6 +960,87 @@ def test_a_variant_choice_fills_the_ledger_with_its_own_size() -> None:
     assert chosen == [("a", (0,), "q8_0"), ("a", (1,), "q8_0"), ("b", (0,), "q4_k_m")]
 
 
+# -- hardware a variant needs -------------------------------------------------------------
+
+
+def gpu_node(node_id: str, *capabilities: tuple[int, int] | None, gib: int = 16) -> NodeView:
+    """A ready node with one CUDA device of ``gib`` GiB per compute capability given."""
+    devices = tuple(
+        DeviceCapacity(index=i, capacity_bytes=gib * GIB, accelerator="cuda", compute_capability=cc)
+        for i, cc in enumerate(capabilities)
+    )
+    return NodeView(id=node_id, state=S.READY, engines=frozenset({"llama_cpp"}), devices=devices)
+
+
+def needing(accelerators: frozenset[str], minimum: tuple[int, int] | None = None) -> DeploymentSpec:
+    return spec().model_copy(
+        update={"variant": "v", "accelerators": accelerators, "min_compute_capability": minimum}
+    )
+
+
+CUDA = frozenset({"cuda"})
+
+
+@pytest.mark.parametrize(
+    ("nodes", "wanted", "expected"),
+    [
+        # A CUDA-only variant skips the roomier CPU node.
+        ([node("a", gib=(64,)), gpu_node("g", (8, 0))], needing(CUDA), [("g", (0,))]),
+        # Compute capability: the device below the minimum is skipped, on the same node too.
+        ([gpu_node("g", (7, 5), (8, 9))], needing(CUDA, (8, 0)), [("g", (1,))]),
+        (
+            [gpu_node("old", (7, 0)), gpu_node("new", (9, 0))],
+            needing(CUDA, (8, 0)),
+            [("new", (0,))],
+        ),
+        # An unknown capability does not pass a minimum.
+        ([gpu_node("g", None)], needing(CUDA, (8, 0)), [("unplaced", "engine_unavailable")]),
+        # No minimum: any CUDA device; a variant with no named needs runs anywhere.
+        ([gpu_node("g", None)], needing(CUDA), [("g", (0,))]),
+        ([node("a")], needing(frozenset()), [("a", (0,))]),
+        # A cpu-or-cuda variant takes the CPU node too.
+        ([node("a")], needing(frozenset({"cpu", "cuda"})), [("a", (0,))]),
+        # CUDA only, CPU nodes only: refused as the engine's hardware missing.
+        ([node("a"), node("b")], needing(CUDA), [("unplaced", "engine_unavailable")]),
+    ],
+)
+def test_a_variant_is_placed_only_on_devices_it_runs_on(
+    nodes: list[NodeView], wanted: DeploymentSpec, expected: list[tuple[object, ...]]
+) -> None:
+    result = plan(nodes, [wanted], [])
+    got: list[tuple[object, ...]] = [(d.node, d.devices) for d in started(result)]
+    got += [("unplaced", d.reason.value) for d in result.of_kind("unplaced")]
+    assert got == expected
+
+
+def test_a_hardware_refusal_says_what_the_variant_runs_on() -> None:
+    result = plan([node("a")], [needing(CUDA, (8, 0))], [])
+    message = note(result, 0).message
+    assert "none has a device its variant runs on" in message
+    assert "cuda with compute capability 8.0 or newer" in message
+
+
+def test_each_replica_takes_the_first_variant_its_node_s_hardware_runs() -> None:
+    # fp16 needs CUDA 8.0+; the CPU node falls back to the q4 variant, the GPU node keeps fp16.
+    fp16 = choice("fp16", 6).model_copy(
+        update={"accelerators": CUDA, "min_compute_capability": (8, 0)}
+    )
+    wanted = spec(replicas=2).model_copy(
+        update={
+            "variant": fp16.variant,
+            "estimate": fp16.estimate,
+            "accelerators": fp16.accelerators,
+            "min_compute_capability": fp16.min_compute_capability,
+            "alternatives": (choice("q4_k_m", 3),),
+        }
+    )
+    result = plan([node("cpu", gib=(64,)), gpu_node("gpu", (9, 0))], [wanted], [])
+    assert sorted((d.node, d.variant) for d in started(result)) == [
+        ("cpu", "q4_k_m"),
+        ("gpu", "fp16"),
+    ]
+
+
 # -- stuck placements ---------------------------------------------------------------------
 
 
