@@ -1009,7 +1009,9 @@ def test_a_variant_is_placed_only_on_devices_it_runs_on(
 ) -> None:
     result = plan(nodes, [wanted], [])
     got: list[tuple[object, ...]] = [(d.node, d.devices) for d in started(result)]
-    got += [("unplaced", d.reason.value) for d in result.of_kind("unplaced")]
+    got += [
+        ("unplaced", d.reason.value) for d in result.decisions if isinstance(d, UnplacedReplica)
+    ]
     assert got == expected
 
 
