@@ -34,6 +34,9 @@ class FleetHost(PgHost):
         }
     )
 
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Further ``proxy.model_host`` keys of this host (``cpu_devices``, ...)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.write({})
@@ -47,6 +50,7 @@ class FleetHost(PgHost):
                 "authority": "cluster_authority",
                 "node": {"id": self.node, "labels": getattr(self, "labels", {}) or {}},
                 "fleet": {**(getattr(self, "timing", None) or {}), "credential": CREDENTIAL},
+                **(getattr(self, "settings", None) or {}),
             }
         )
         return document
