@@ -489,7 +489,12 @@ class FleetAgent:
             now_ms=snapshot.now_ms,
             timeout_ms=self.timing.placement_timeout_ms,
         )
-        placed = placement_views(snapshot.placements, current, stuck)
+        sizes = {
+            (d, choice.variant): choice.estimate.total_bytes
+            for d, spec in specs.items()
+            for choice in spec.choices()
+        }
+        placed = placement_views(snapshot.placements, current, stuck, sizes)
         decided = plan(views, list(specs.values()), placed, policy=self.policy)
         self._note_staying(stuck, placed, decided.decisions)
         await self._carry_out(lease, decided.decisions, definitions)

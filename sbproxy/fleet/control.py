@@ -211,6 +211,7 @@ def placement_views(
     placements: Sequence[Any],
     current: Mapping[str, tuple[int, str]],
     stuck: Mapping[str, StuckReason] | None = None,
+    sizes: Mapping[tuple[str, str | None], int] | None = None,
 ) -> list[PlacementView]:
     """Recorded placements for :func:`~sbproxy.fleet.placement.plan`.
 
@@ -219,14 +220,21 @@ def placement_views(
         current: ``{deployment: (revision, definition digest)}`` of the desired state; a
             placement with that digest is shown at that revision.
         stuck: ``{placement id: reason}`` from :func:`stuck_placements`.
+        sizes: ``{(deployment, variant): bytes per device}`` of the desired state's choices
+            now; a placement of the current definition holds that many bytes in the plan
+            rather than what it was placed with (so a replica placed on file sizes before
+            any node reported the GGUF header is sized from the header once one has).
     """
     stuck = stuck or {}
+    sizes = sizes or {}
     views = []
     for placement in placements:
         revision = placement.revision
+        reserved = placement.reserved_bytes
         wanted = current.get(placement.deployment)
         if wanted is not None and definition_digest(placement.definition) == wanted[1]:
             revision = wanted[0]
+            reserved = sizes.get((placement.deployment, placement.variant), reserved)
         views.append(
             PlacementView(
                 id=placement.id,
@@ -235,7 +243,7 @@ def placement_views(
                 revision=revision,
                 node=placement.node,
                 devices=tuple(placement.devices),
-                reserved_bytes=placement.reserved_bytes,
+                reserved_bytes=reserved,
                 state=PlacementState(placement.state),
                 replaces=placement.replaces,
                 stuck=stuck.get(placement.id),

@@ -18,18 +18,19 @@ Filter, then score (issue 20 "Placement"):
    listed wins) and has a device the variant runs on: its kind among the variant's
    ``accelerators`` and, on CUDA, its compute capability at least the variant's
    ``min_compute_capability`` (a variant the node resolves itself runs anywhere);
-4. **memory fit** -- ``tensor_parallel`` distinct devices each with ``estimate.total_bytes``
-   free, each one the variant runs on (the GGUF estimate with the safety margin,
-   :mod:`~sbproxy.model_host.runtime.memory`) after every placement already on the device, stopping ones included, and every
-   placement this plan adds; two replicas of one deployment never share a device, so a node
-   takes a second replica only when it has devices for both (and, with
-   ``max_replicas_per_node``, only that many distinct replicas of one deployment at all).
+4. **memory fit** -- ``tensor_parallel`` distinct devices the variant runs on, each with
+   ``estimate.total_bytes`` free (the GGUF estimate with the safety margin,
+   :mod:`~sbproxy.model_host.runtime.memory`) after every placement already on the device,
+   stopping ones included, and every placement this plan adds; two replicas of one
+   deployment never share a device, so a node takes a second replica only when it has
+   devices for both (and, with ``max_replicas_per_node``, only that many distinct replicas
+   of one deployment at all).
 
 A deployment may offer several **variant choices** (``heterogeneous_variants`` with no pinned
 variant): filters 3 and 4 take, per node, the first choice whose engine the node offers, that
-runs on its devices and whose estimate fits; the decision names that variant and its reservation. Nodes in a
-spec's ``avoid_nodes`` (a stuck placement of it was moved off them) take none of its
-replicas.
+runs on its devices and whose estimate fits; the decision names that variant and its
+reservation. Nodes in a spec's ``avoid_nodes`` (a stuck placement of it was moved off them)
+take none of its replicas.
 
 **Stuck placements**: a placement the caller marks ``stuck`` (a ``pending``/``starting`` one:
 ``placement_timeout``, ``crash_loop``, ``load_failed``; a ``ready`` one: ``crash_loop``) is
