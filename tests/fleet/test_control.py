@@ -117,6 +117,20 @@ def test_a_placement_with_the_current_definition_counts_at_the_current_revision(
     assert [(v.id, v.revision) for v in views] == [("p1", 7), ("p2", 1)]
 
 
+def test_a_placement_of_the_current_definition_holds_what_its_variant_is_sized_at_now() -> None:
+    # Placed on file sizes (10 bytes); the header-based estimate (7) arrived since.
+    current_one = Placement("p1", "a", definition={"model": "m"})
+    older = Placement("p2", "b", definition={"model": "old"})
+    pinned = Placement("p3", "c", deployment="pinned", definition={"model": "m"}, variant="q8")
+    current = {
+        "chat": (2, definition_digest({"model": "m"})),
+        "pinned": (1, definition_digest({"model": "m"})),
+    }
+    sizes = {("chat", None): 7, ("pinned", "q8"): 5, ("pinned", "q4"): 3}
+    views = placement_views([current_one, older, pinned], current, sizes=sizes)
+    assert [(v.id, v.reserved_bytes) for v in views] == [("p1", 7), ("p2", 10), ("p3", 5)]
+
+
 def test_a_change_of_where_or_how_many_is_not_a_new_definition() -> None:
     base = {"model": "m", "replicas": 2, "required_labels": {"zone": "a"}}
     moved = {"model": "m", "replicas": 1, "required_labels": {"zone": "b"}, "spread_by": ["z"]}
