@@ -237,6 +237,38 @@ async def test_deployments_pinned_to_two_gpus_are_resident_together(tmp_path: Pa
         assert states == {"a": (DeploymentState.READY, (0,)), "b": (DeploymentState.READY, (1,))}
 
 
+async def test_a_generation_restarted_under_its_number_keeps_its_devices(
+    tmp_path: Path,
+) -> None:
+    # What a failed recreate rollout does: restart the stopped generation, same number.
+    async with runtime_host(
+        tmp_path, deployments={"a": TINY, "b": TINY}, launcher=FakeLauncher(), devices=cuda(16, 24)
+    ) as host:
+        manager = host.manager
+        assert (await load(host, "a")).devices == (1,)
+        found = manager.deployment("a")
+        generation = found.generation
+        stop = await manager.stop("a")
+        await host.engine.join(stop.id)
+        assert found.state == DeploymentState.STOPPED
+        # b takes device 1 now; device 0 has the most free memory (16 MiB against ~13.9).
+        assert (await load(host, "b")).devices == (1,)
+        assert manager.residency.free_bytes(0) > manager.residency.free_bytes(1)
+        executable = host.root / "bin" / "llama-server"
+        await manager.launch_generation(
+            found, executable=executable, job_id=stop.id, generation=generation
+        )
+        assert found.generation == generation
+        assert manager.snapshot("a").selected_devices == (1,)
+        launcher = manager.launcher
+        assert isinstance(launcher, FakeLauncher)
+        assert launcher.specs[-1].request.devices == (1,)
+        # A new generation chooses afresh: the freest device.
+        stop = await manager.stop("a")
+        await host.engine.join(stop.id)
+        assert (await load(host, "a")).devices == (0,)
+
+
 # -- launches on a CPU host ----------------------------------------------------------------
 
 
