@@ -36,7 +36,7 @@ from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cac
 from sbproxy.model_host.artifacts.locks import HostLock
 from sbproxy.model_host.engines import kill_owned
 from sbproxy.model_host.flows import registry
-from sbproxy.model_host.runtime import probe_worker
+from sbproxy.model_host.runtime import probe_host
 from sbproxy.model_host.runtime.manager import (
     RUNTIME_JOB_KINDS,
     RuntimeManager,
@@ -98,7 +98,8 @@ async def open_host(
     store, node, compiled = await _cluster_start(compiled, layout)
     catalog_file = host_config.catalog_file if host_config else None
     catalog = load_catalog(Path(catalog_file) if catalog_file else None)
-    worker = await anyio.to_thread.run_sync(probe_worker)
+    cpu_devices = host_config.cpu_devices if host_config else 1
+    worker, devices = await anyio.to_thread.run_sync(probe_host, cpu_devices)
     _check_resolvable(compiled, catalog, worker)
     cache = ArtifactCache(layout)
     cache.ensure_dirs()
@@ -125,6 +126,7 @@ async def open_host(
             engine=engine,
             runtime_store=RuntimeStore(journal.database),
             worker=worker,
+            devices=devices,
         )
         engine.add_resource(manager)
         engine.add_resource(manager.port)

@@ -32,6 +32,7 @@ from sbproxy.errors import SbproxyError
 __all__ = [
     "admin_call",
     "admin_options",
+    "devices_cell",
     "load_command",
     "ps_command",
     "stop_command",
@@ -199,7 +200,7 @@ def ps_command(
         return
     rows = body.get("deployments", [])
     _print_table(
-        ("DEPLOYMENT", "STATE", "GEN", "PORT", "ACTIVE", "QUEUED", "REASON"),
+        ("DEPLOYMENT", "STATE", "GEN", "PORT", "ACTIVE", "QUEUED", "DEVICES", "REASON"),
         [
             (
                 str(r.get("deployment")),
@@ -208,11 +209,20 @@ def ps_command(
                 str(r.get("port") or "-"),
                 str(r.get("active_requests")),
                 str(r.get("queued_requests")),
+                devices_cell(r.get("selected_devices")),
                 str(r.get("reason_code") or "-"),
             )
             for r in rows
         ],
     )
+
+
+def devices_cell(devices: object) -> str:
+    """``-`` (none), ``0`` (one device) or ``0,1 tp2`` (split across several)."""
+    if not isinstance(devices, list) or not devices:
+        return "-"
+    listed = ",".join(str(device) for device in devices)
+    return listed if len(devices) == 1 else f"{listed} tp{len(devices)}"
 
 
 def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:

@@ -567,6 +567,15 @@ class DeploymentConfig(ConfigModel):
     tensor_parallel: int | None = Field(
         default=None, ge=1, le=1024, description="Devices per replica; default: planner's choice."
     )
+    devices: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="Device indexes this deployment's engine runs on (distinct, each >= 0; "
+        "with tensor_parallel, exactly that many). Omitted: the runtime picks the devices "
+        "with the most free memory. A fleet placement sets it for the replica it places on a "
+        "node.",
+    )
     required_labels: dict[NonBlank, NonBlank] = Field(
         default_factory=dict,
         description="Node labels (proxy.model_host.node.labels) a replica's node must carry, "
@@ -736,9 +745,29 @@ class DeploymentConfig(ConfigModel):
             raise ValueError("labels must be unique (duplicate label)")
         return value
 
+    @field_validator("devices")
+    @classmethod
+    def _distinct_devices(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError(f"device indexes must be distinct (duplicate device in {value})")
+        return value
+
     @model_validator(mode="after")
     def _cross_field(self) -> DeploymentConfig:
         problems: list[tuple[tuple[str | int, ...], str]] = []
+        if (
+            self.devices is not None
+            and self.tensor_parallel is not None
+            and len(self.devices) != self.tensor_parallel
+        ):
+            problems.append(
+                (
+                    ("devices",),
+                    f"devices lists {len(self.devices)} device(s) but tensor_parallel is "
+                    f"{self.tensor_parallel}; list exactly tensor_parallel devices or drop "
+                    "one of the two",
+                )
+            )
         if self.replicas > 1 and self.variant is None and not self.heterogeneous_variants:
             problems.append(
                 (
@@ -837,6 +866,15 @@ class ModelHostConfig(ConfigModel):
     )
     max_parallel_prepares: int = Field(
         default=2, ge=1, le=1024, description="Artifact and engine preparations run at once."
+    )
+    cpu_devices: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="On a CPU host, split the CPU memory budget (and the cores) into this "
+        "many equal devices, so that several engines -- e.g. two replicas of one deployment "
+        "the fleet places on this node -- run side by side, each with its share. Ignored on "
+        "a GPU host, whose devices are its GPUs.",
     )
     safety_margin: float = Field(
         default=0.10,

@@ -391,21 +391,31 @@ class ProbedGpu(Protocol):
     def total_bytes(self) -> int: ...
 
 
-def device_capacities(worker: WorkerProfile, gpus: Sequence[ProbedGpu]) -> list[dict[str, int]]:
+def device_capacities(
+    worker: WorkerProfile, gpus: Sequence[ProbedGpu], *, cpu_devices: int = 1
+) -> list[dict[str, int]]:
     """The devices a node reports at join, each with the bytes it offers to models.
 
     With GPUs (the probe's :class:`~sbproxy.model_host.runtime.devices.DeviceInfo` list),
     one entry per GPU with its own index and total memory (the planner subtracts the
     fleet's placements; memory used outside the fleet is not seen, so leave room with
-    ``safety_margin``). Without: the CPU as device 0 with the worker's budget (RAM times
-    the CPU memory fraction).
+    ``safety_margin``). Without: the CPU budget (RAM times the CPU memory fraction) split
+    into ``cpu_devices`` equal devices ``0..n-1`` (``proxy.model_host.cpu_devices``) -- the
+    devices the node's runtime reserves against, so that the planner may place a replica
+    on each.
+
+    Raises:
+        ValueError: ``cpu_devices`` is below 1.
     """
+    if cpu_devices < 1:
+        raise ValueError(f"cpu_devices must be >= 1, got {cpu_devices}")
     if gpus:
         return [
             {"index": gpu.index, "capacity_bytes": max(0, gpu.total_bytes)}
             for gpu in sorted(gpus, key=lambda g: g.index)
         ]
-    return [{"index": 0, "capacity_bytes": worker.memory_bytes}]
+    share = worker.memory_bytes // cpu_devices
+    return [{"index": index, "capacity_bytes": share} for index in range(cpu_devices)]
 
 
 def _choice(

@@ -8,6 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
+from sbproxy.cli.models_admin_cmd import devices_cell
 from tests.api.test_serve import PASSWORD, write_config
 from tests.api.test_serve_reload import admin_cli, serving
 from tests.model_host.engines.support import free_port
@@ -41,7 +42,14 @@ def test_ps_load_and_stop_through_the_admin_api(tmp_path: Path) -> None:
         )
         text = models(admin_port, "ps")
         assert text.returncode == 0
-        assert "tiny" in text.stdout and "ready" in text.stdout
+        header, row = (line.split() for line in text.stdout.splitlines())
+        assert header == [
+            "DEPLOYMENT", "STATE", "GEN", "PORT", "ACTIVE", "QUEUED", "DEVICES", "REASON"
+        ]  # fmt: skip
+        # A CPU host of one device: the ready generation holds memory on device 0.
+        assert (row[0], row[1], row[6]) == ("tiny", "ready", "0")
+        shown = json.loads(models(admin_port, "ps", "--format", "json").stdout)
+        assert shown["deployments"][0]["selected_devices"] == [0]
 
         stopped = models(admin_port, "stop", "tiny", "--wait", "--format", "json")
         assert stopped.returncode == 0, stopped.stderr
@@ -62,3 +70,13 @@ def test_ps_load_and_stop_through_the_admin_api(tmp_path: Path) -> None:
         for run in (listed, loaded, text, stopped, unknown, wrong):
             assert PASSWORD not in run.stdout + run.stderr
             assert "not-the-password" not in run.stdout + run.stderr
+
+
+def test_the_devices_column_lists_a_generations_devices() -> None:
+    assert [devices_cell(d) for d in (None, [], [0], [0, 1], [3, 1, 2])] == [
+        "-",
+        "-",
+        "0",
+        "0,1 tp2",
+        "3,1,2 tp3",
+    ]

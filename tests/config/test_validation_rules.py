@@ -67,6 +67,14 @@ def test_models_are_frozen() -> None:
         ({"variant": "'q4 k m'"}, f"{DEPLOYMENT}.variant", "letters, digits"),
         ({"model": "'  '"}, f"{DEPLOYMENT}.model", "must not be empty"),
         ({"tensor_parallel": 0}, f"{DEPLOYMENT}.tensor_parallel", "greater than or equal to 1"),
+        ({"devices": "[0, 1, 0]"}, f"{DEPLOYMENT}.devices", "distinct (duplicate device"),
+        ({"devices": "[-1]"}, f"{DEPLOYMENT}.devices[0]", "greater than or equal to 0"),
+        ({"devices": "[]"}, f"{DEPLOYMENT}.devices", "at least 1 item"),
+        (
+            {"devices": "[0, 1]", "tensor_parallel": 4},
+            f"{DEPLOYMENT}.devices",
+            "devices lists 2 device(s) but tensor_parallel is 4",
+        ),
         ({"max_context": 0}, f"{DEPLOYMENT}.max_context", "greater than or equal to 1"),
         ({"spread_by": "[zone, zone]"}, f"{DEPLOYMENT}.spread_by", "duplicate label"),
         ({"spread_by": "['bad label']"}, f"{DEPLOYMENT}.spread_by", "letters, digits"),
@@ -82,6 +90,14 @@ def test_deployment_field_rules(
     found = errors_at(with_deployment(**fields))
     assert path in found, found
     assert phrase in found[path]
+
+
+def test_devices_pin_a_deployment_and_match_tensor_parallel() -> None:
+    pinned = load(with_deployment(devices="[2, 0]", tensor_parallel=2))
+    assert pinned.deployments["local-qwen"].devices == [2, 0]
+    base = load(BASE)
+    assert base.deployments["local-qwen"].devices is None
+    assert base.model_host is not None and base.model_host.cpu_devices == 1
 
 
 def test_replicas_above_one_need_a_pinned_variant(errors_at: ErrorsAt) -> None:
@@ -180,6 +196,16 @@ def test_deployment_id_charset(errors_at: ErrorsAt) -> None:
             "    cache:\n      directory: /m\n    max_parallel_prepares: 0\n",
             "proxy.model_host.max_parallel_prepares",
             "greater than or equal to 1",
+        ),
+        (
+            "    cache:\n      directory: /m\n    cpu_devices: 0\n",
+            "proxy.model_host.cpu_devices",
+            "greater than or equal to 1",
+        ),
+        (
+            "    cache:\n      directory: /m\n    cpu_devices: 257\n",
+            "proxy.model_host.cpu_devices",
+            "less than or equal to 256",
         ),
         (
             "    cache:\n      directory: /m\n    shutdown_deadline_ms: 0\n",

@@ -22,7 +22,7 @@ from sbproxy.fleet.placement import (
     plan,
 )
 from sbproxy.model_host.flows import PullInput, pull_workflow
-from sbproxy.model_host.runtime.devices import DeviceInfo
+from sbproxy.model_host.runtime.devices import DeviceInfo, host_devices
 from sbproxy.model_host.runtime.memory import MemoryEstimate, read_gguf_header
 from sbproxy.store.fleet import NodeRow
 from tests.model_host.artifacts.support import make_artifact, pull_engine
@@ -59,6 +59,19 @@ def test_every_gpu_is_its_own_device_with_its_own_budget() -> None:
 
 def test_a_host_without_gpus_is_one_cpu_device_with_the_worker_budget() -> None:
     assert device_capacities(CPU, []) == [{"index": 0, "capacity_bytes": 11 * GIB}]
+
+
+def test_a_cpu_host_split_in_devices_reports_each_share() -> None:
+    # The same devices its runtime reserves against (host_devices with cpu_devices).
+    assert device_capacities(CPU, [], cpu_devices=2) == [
+        {"index": 0, "capacity_bytes": 11 * GIB // 2},
+        {"index": 1, "capacity_bytes": 11 * GIB // 2},
+    ]
+    assert host_devices(CPU, [], cpu_devices=2).capacities() == {0: 11 * GIB // 2, 1: 11 * GIB // 2}
+    # GPUs are the devices of a GPU host, whatever cpu_devices says.
+    assert device_capacities(CPU, [gpu(0, 24, 20)], cpu_devices=4) == [
+        {"index": 0, "capacity_bytes": 24 * GIB}
+    ]
 
 
 def two_gpu_node() -> NodeRow:

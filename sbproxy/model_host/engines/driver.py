@@ -97,6 +97,8 @@ class LaunchRequest:
         chat_template: A template name the catalog pins for chat requests (llama.cpp
             ``--chat-template``); ``None`` when the weights carry their own, or the model
             does not chat.
+        threads: CPU threads the engine computes with (llama.cpp ``--threads``, >= 1);
+            ``None`` leaves the engine's default (every core).
     """
 
     deployment: str
@@ -113,6 +115,7 @@ class LaunchRequest:
     gpu_memory_bytes: int | None = None
     device_memory_bytes: int | None = None
     chat_template: str | None = None
+    threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,8 @@ def check_snapshot(request: LaunchRequest) -> None:
             )
     if request.generation <= 0 or request.port <= 0 or request.max_concurrency <= 0:
         raise EngineError("generation, port and max_concurrency must be positive")
+    if request.threads is not None and request.threads <= 0:
+        raise EngineError("threads must be positive")
     if len(set(request.devices)) != len(request.devices):
         raise EngineError("selected devices must be unique", code="engine_incompatible")
     if request.accelerator == "cpu" and request.devices:

@@ -11,8 +11,10 @@ Acquisition order (reference 4.4 and 8.1):
    version without a digest is refused: nothing unpinned is ever fetched or built.
 
 Launch argv: ``--model <the one .gguf of the verified snapshot> --host 127.0.0.1 --port P
---ctx-size N --parallel C --n-gpu-layers 0|999`` plus ``--cache-type-k/-v q8_0|q4_0`` for a
-quantised KV cache and the allowlisted ``extra_args``. Never ``--hf-repo``/``--hf-file``.
+--ctx-size N --parallel C --n-gpu-layers 0|999`` plus ``--split-mode row --tensor-split 1,..``
+across several CUDA devices (``CUDA_VISIBLE_DEVICES`` lists them), ``--cache-type-k/-v
+q8_0|q4_0`` for a quantised KV cache, ``--threads T`` when the runtime splits the CPU, and
+the allowlisted ``extra_args``. Never ``--hf-repo``/``--hf-file``.
 """
 
 from __future__ import annotations
@@ -290,6 +292,8 @@ def plan_llama_launch(request: LaunchRequest, *, executable: Path) -> LaunchPlan
         argv += ["--cache-type-k", cache_type, "--cache-type-v", cache_type]
     if request.chat_template:
         argv += ["--chat-template", request.chat_template]
+    if request.threads is not None:
+        argv += ["--threads", str(request.threads)]
     argv += list(request.extra_args)
     env = minimal_env({"LD_LIBRARY_PATH": str(executable.parent)})
     if request.accelerator == "cuda":

@@ -20,8 +20,12 @@ _LAZY = {
     ),
     "sbproxy.model_host.runtime.devices": (
         "DeviceInfo",
+        "HostDevice",
+        "HostDevices",
         "cpu_memory_fraction",
+        "host_devices",
         "probe_devices",
+        "probe_host",
         "probe_worker",
     ),
     "sbproxy.model_host.runtime.memory": (
@@ -52,8 +56,12 @@ if TYPE_CHECKING:
     )
     from sbproxy.model_host.runtime.devices import (
         DeviceInfo,
+        HostDevice,
+        HostDevices,
         cpu_memory_fraction,
+        host_devices,
         probe_devices,
+        probe_host,
         probe_worker,
     )
     from sbproxy.model_host.runtime.memory import (
@@ -84,6 +92,8 @@ __all__ = [
     "EvictionPolicy",
     "GgufError",
     "GgufFacts",
+    "HostDevice",
+    "HostDevices",
     "MemoryEstimate",
     "Permit",
     "Reservation",
@@ -92,8 +102,10 @@ __all__ = [
     "ResidencyKey",
     "cpu_memory_fraction",
     "estimate_memory",
+    "host_devices",
     "keep_alive_expired",
     "probe_devices",
+    "probe_host",
     "probe_worker",
     "read_gguf_header",
     "reject",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -28,8 +28,12 @@ __all__ = [
     "DEFAULT_CPU_MEMORY_FRACTION",
     "MAX_CPU_MEMORY_FRACTION",
     "DeviceInfo",
+    "HostDevice",
+    "HostDevices",
     "cpu_memory_fraction",
+    "host_devices",
     "probe_devices",
+    "probe_host",
     "probe_worker",
 ]
 
@@ -70,9 +74,32 @@ def probe_worker(environ: Mapping[str, str] | None = None) -> WorkerProfile:
             way other than "no driver/library", since guessing CPU there could pick the wrong
             artifact.
     """
-    gpu = _probe_nvidia()
-    if gpu is not None:
-        return gpu
+    return _worker_of(probe_devices(), environ)
+
+
+def probe_host(
+    cpu_devices: int = 1, environ: Mapping[str, str] | None = None
+) -> tuple[WorkerProfile, HostDevices]:
+    """Probe the GPUs once: this host's worker profile (:func:`probe_worker`) and device
+    table (:func:`host_devices`, with ``cpu_devices`` shares on a CPU host).
+
+    Raises:
+        SbproxyError: as :func:`probe_worker`.
+    """
+    gpus = probe_devices()
+    worker = _worker_of(gpus, environ)
+    return worker, host_devices(worker, gpus, cpu_devices)
+
+
+def _worker_of(gpus: Sequence[DeviceInfo], environ: Mapping[str, str] | None) -> WorkerProfile:
+    """The worker: the GPU with the most free memory, else the CPU budget."""
+    if gpus:
+        best = max(gpus, key=lambda d: (d.free_bytes, -d.index))
+        return WorkerProfile(
+            accelerator=Accelerator.CUDA,
+            memory_bytes=best.free_bytes,
+            compute_capability=best.compute_capability,
+        )
     fraction = cpu_memory_fraction(os.environ if environ is None else environ)
     total = psutil.virtual_memory().total
     return WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=int(total * fraction))
@@ -189,19 +216,6 @@ def _optional(read: Callable[[object], T], handle: object) -> T | None:
         return None
 
 
-def _probe_nvidia() -> WorkerProfile | None:
-    """The NVIDIA device with the most free memory, or ``None`` when there is none."""
-    devices = probe_devices()
-    if not devices:
-        return None
-    best = max(devices, key=lambda d: (d.free_bytes, -d.index))
-    return WorkerProfile(
-        accelerator=Accelerator.CUDA,
-        memory_bytes=best.free_bytes,
-        compute_capability=best.compute_capability,
-    )
-
-
 def _compute_capability(handle: object) -> tuple[int, int] | None:
     # Unknown is a valid answer: resolution then refuses variants that set a minimum.
     try:
@@ -218,3 +232,88 @@ def _probe_failed(exc: Exception) -> SbproxyError:
         code="device_probe_failed",
         remediation="Check the NVIDIA driver (nvidia-smi) or unload it to run on CPU.",
     )
+
+
+@dataclass(frozen=True)
+class HostDevice:
+    """One device engines of this host run on.
+
+    Attributes:
+        index: Device index (the CUDA ordinal on a GPU host; 0..n-1 on a CPU host).
+        capacity_bytes: Bytes the runtime reserves generations against (a GPU's free
+            memory at the probe; a CPU host's share of the CPU memory budget).
+        total_bytes: The device's whole memory (a GPU's total; the share on a CPU host).
+        compute_capability: CUDA compute capability (major, minor); ``None`` on CPU or when
+            unknown.
+    """
+
+    index: int
+    capacity_bytes: int
+    total_bytes: int
+    compute_capability: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class HostDevices:
+    """The devices of one host, as the runtime admits and launches engines on them.
+
+    Attributes:
+        accelerator: ``cuda``, ``metal`` or ``cpu`` -- what every engine launch asks for.
+        devices: One entry per device, by ascending index (never empty).
+    """
+
+    accelerator: Accelerator
+    devices: tuple[HostDevice, ...]
+
+    def capacities(self) -> dict[int, int]:
+        """Bytes each device offers, by index (what residency reserves against)."""
+        return {device.index: device.capacity_bytes for device in self.devices}
+
+    def get(self, index: int) -> HostDevice | None:
+        """The device ``index``, or ``None`` when this host has none by that index."""
+        return next((device for device in self.devices if device.index == index), None)
+
+    def indexes(self) -> tuple[int, ...]:
+        """Every device index, ascending."""
+        return tuple(device.index for device in self.devices)
+
+
+def host_devices(
+    worker: WorkerProfile, gpus: Sequence[DeviceInfo], cpu_devices: int = 1
+) -> HostDevices:
+    """The device table of a host from its worker profile and probed GPUs (pure).
+
+    A CUDA worker gets one device per probed GPU: capacity its free bytes at the probe,
+    total its total bytes. A CPU worker gets ``cpu_devices`` devices indexed
+    ``0..n-1``, each with ``worker.memory_bytes // n`` -- the budget split evenly, so that
+    ``n`` engines run side by side. A Metal worker, or a CUDA worker without probed GPUs,
+    gets one device 0 of ``worker.memory_bytes``.
+
+    Raises:
+        ValueError: ``cpu_devices`` is below 1.
+    """
+    if cpu_devices < 1:
+        raise ValueError(f"cpu_devices must be >= 1, got {cpu_devices}")
+    if worker.accelerator is Accelerator.CUDA and gpus:
+        table = tuple(
+            HostDevice(
+                index=gpu.index,
+                capacity_bytes=gpu.free_bytes,
+                total_bytes=gpu.total_bytes,
+                compute_capability=gpu.compute_capability,
+            )
+            for gpu in sorted(gpus, key=lambda gpu: gpu.index)
+        )
+        return HostDevices(accelerator=Accelerator.CUDA, devices=table)
+    count = cpu_devices if worker.accelerator is Accelerator.CPU else 1
+    share = worker.memory_bytes // count
+    table = tuple(
+        HostDevice(
+            index=index,
+            capacity_bytes=share,
+            total_bytes=share,
+            compute_capability=worker.compute_capability,
+        )
+        for index in range(count)
+    )
+    return HostDevices(accelerator=worker.accelerator, devices=table)

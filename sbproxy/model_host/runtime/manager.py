@@ -47,6 +47,7 @@ import functools
 import hashlib
 import logging
 import math
+import os
 import random
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -59,6 +60,7 @@ import anyio.to_thread
 import rfc8785
 
 from sbproxy.catalog import (
+    Accelerator,
     ArtifactRequest,
     Catalog,
     ResolvedArtifact,
@@ -86,6 +88,7 @@ from sbproxy.model_host.runtime.deployment import (
     Transition,
     UnknownDeployment,
 )
+from sbproxy.model_host.runtime.devices import HostDevices, host_devices
 from sbproxy.model_host.runtime.jobs import pull_artifact, submit_drain, submit_load, submit_reset
 from sbproxy.model_host.runtime.lanes import CommandLanes
 from sbproxy.model_host.runtime.launcher import Engine, EngineLauncher, Launcher, LaunchSpec
@@ -105,7 +108,12 @@ from sbproxy.model_host.runtime.policy import (
     start_timeout_s,
 )
 from sbproxy.model_host.runtime.port import Launched
-from sbproxy.model_host.runtime.residency import ReservationRequest, Residency, ResidencyKey
+from sbproxy.model_host.runtime.residency import (
+    ReservationRequest,
+    Residency,
+    ResidencyKey,
+    select_devices,
+)
 from sbproxy.model_host.runtime.staging import Staging
 from sbproxy.model_host.runtime.state import (
     CrashLoop,
@@ -169,6 +177,11 @@ async def contained(work: Callable[[], Awaitable[object]], *, what: str) -> None
         logger.exception("%s failed; the host stays up", what)
 
 
+def _sets_threads(extra_args: Iterable[str]) -> bool:
+    """Whether the operator's engine flags already set llama.cpp's thread count."""
+    return any(arg in ("-t", "--threads") or arg.startswith("--threads=") for arg in extra_args)
+
+
 def _pinned_template(deployment: Deployment) -> str | None:
     """The chat template name the catalog pins for the deployment's artifact, if any."""
     artifact = deployment.artifact
@@ -194,6 +207,9 @@ class RuntimeManager:
         clock: Monotonic time for keep-alive, backoff and swap waits.
         jitter: Source of backoff jitter in ``[0, 1)`` (tests pin it).
         launcher: The effects on engines (default: real llama-server children).
+        devices: This host's device table (:func:`host_devices`): residency capacities per
+            device index and the accelerator every launch asks for. Default: one device 0
+            of ``worker.memory_bytes`` on the worker's accelerator.
     """
 
     def __init__(
@@ -211,6 +227,7 @@ class RuntimeManager:
         clock: Clock | None = None,
         jitter: Callable[[], float] = random.random,
         launcher: Launcher | None = None,
+        devices: HostDevices | None = None,
     ) -> None:
         self.compiled = compiled
         self.layout = layout
@@ -219,6 +236,10 @@ class RuntimeManager:
         self._engine = engine
         self.runtime_store = runtime_store
         self.worker = worker
+        self.devices = devices or host_devices(worker, ())
+        # The devices each recent generation ran on, by deployment, so that restarting a
+        # stopped generation under its own number keeps them (the last two per deployment).
+        self._placed: dict[str, dict[int, tuple[int, ...]]] = {}
         self.backoff_override = backoff
         self.ready_timeout_s = ready_timeout_s
         self.health_interval_s = health_interval_s
@@ -233,7 +254,7 @@ class RuntimeManager:
         # Checks a configuration file's candidate before a file reload plans it (`serve
         # --locked` refuses one that drifts from the lockfile); raising refuses the reload.
         self.config_guard: Callable[[CompiledConfig], Awaitable[None]] | None = None
-        self.residency = self._residency_for(compiled, worker)
+        self.residency = self._residency_for(compiled)
         self.lanes = CommandLanes()
         self.staging = Staging()
         self.outbox = Outbox()
@@ -251,11 +272,11 @@ class RuntimeManager:
         self.reload_lock = anyio.Lock()
         self.revision: int | None = None
 
-    def _residency_for(self, compiled: CompiledConfig, worker: WorkerProfile) -> Residency:
+    def _residency_for(self, compiled: CompiledConfig) -> Residency:
         host = compiled.model_host
         cache_config = host.cache if host else None
         return Residency(
-            {0: worker.memory_bytes},
+            self.devices.capacities(),
             max_resident_models=cache_config.max_resident_models if cache_config else None,
             eviction=cache_config.eviction if cache_config else "lru",
             is_protected=self._protected,
@@ -372,7 +393,7 @@ class RuntimeManager:
             engine_version=None,
             driver_availability="available" if found.executable else None,
             artifact_digest=found.artifact.digest if found.artifact else None,
-            selected_devices=(),
+            selected_devices=self._reserved_devices(found),
             memory=found.estimate.to_dict() if found.estimate else None,
             port=found.port if routable else None,
             reason_code=found.reason_code,
@@ -388,6 +409,11 @@ class RuntimeManager:
             configured_engine=str(config.engine),
             keep_alive_secs=config.keep_alive_secs,
         )
+
+    def _reserved_devices(self, found: Deployment) -> tuple[int, ...]:
+        """The devices the deployment's generation holds memory on (empty when none)."""
+        reservation = self.residency.get(found.key) if found.generation else None
+        return reservation.devices if reservation is not None else ()
 
     def _keep_alive_left_s(self, found: Deployment) -> float | None:
         """Seconds until an idle ready deployment's keep-alive stops it (on the manager's
@@ -800,8 +826,11 @@ class RuntimeManager:
         assert found.artifact is not None  # noqa: S101 - resolved before launch
         return max(1, min(found.config.max_context or found.artifact.context_length, 1 << 20))
 
-    def estimate(self, found: Deployment, metadata: CachedMetadata) -> MemoryEstimate:
-        """Full memory estimate of one generation from the artifact's GGUF header."""
+    def estimate(
+        self, found: Deployment, metadata: CachedMetadata, *, tensor_parallel: int = 1
+    ) -> MemoryEstimate:
+        """Memory estimate of one generation from the artifact's GGUF header, per device
+        when split across ``tensor_parallel`` devices."""
         snapshot = self.cache.snapshot(metadata.artifact_digest)
         ggufs = [f for f in metadata.files if f.path.endswith(".gguf")]
         facts = read_gguf_header(snapshot / ggufs[0].path) if ggufs else None
@@ -813,7 +842,32 @@ class RuntimeManager:
             kv_quant=found.config.kv_quant,
             safety_margin=self.safety_margin,
             format_quant=metadata.quant,
+            tensor_parallel=tensor_parallel,
         )
+
+    def _select_devices(self, found: Deployment) -> tuple[int, ...]:
+        """The devices the deployment's current generation runs on: those it ran on before
+        when it restarts under its own number, else :func:`select_devices`.
+
+        Raises:
+            AdmissionRejected: ``insufficient_capacity`` (see :func:`select_devices`).
+        """
+        before = self._placed.get(found.deployment, {}).get(found.generation)
+        if before:
+            return before
+        config = found.config
+        free = {index: self.residency.free_bytes(index) for index in self.devices.indexes()}
+        devices = select_devices(
+            free,
+            deployment=found.deployment,
+            count=config.tensor_parallel or 1,
+            pinned=config.devices,
+        )
+        recent = self._placed.setdefault(found.deployment, {})
+        recent[found.generation] = devices
+        for generation in sorted(recent)[:-2]:
+            del recent[generation]
+        return devices
 
     async def launch_generation(
         self,
@@ -866,10 +920,11 @@ class RuntimeManager:
         if wait_s > 0:
             logger.info("%s: relaunch in %.2f s (restart backoff)", found.deployment, wait_s)
             await self.clock.sleep(wait_s)
-        estimate = self.estimate(found, metadata)
         found.numbered(generation or await self.runtime_store.next_generation(found.deployment))
         try:
-            await self._reserve(found, found.key, estimate)
+            devices = self._select_devices(found)
+            estimate = self.estimate(found, metadata, tensor_parallel=len(devices))
+            await self._reserve(found, found.key, estimate, devices)
         except AdmissionRejected as exc:
             found.refused_capacity(exc.code, exc.message, retryable=exc.retryable)
             await self._publish()
@@ -892,9 +947,14 @@ class RuntimeManager:
         return port
 
     async def _reserve(
-        self, found: Deployment, key: ResidencyKey, estimate: MemoryEstimate
+        self,
+        found: Deployment,
+        key: ResidencyKey,
+        estimate: MemoryEstimate,
+        devices: tuple[int, ...],
     ) -> None:
-        """Reserve memory for ``key``; evict idle victims; wait for busy ones (swap wait).
+        """Reserve ``estimate`` for ``key`` on each of ``devices``; evict idle victims; wait
+        for busy ones (swap wait).
 
         Raises:
             AdmissionRejected: ``insufficient_capacity`` (with ``retry_after_ms``) when it
@@ -910,11 +970,11 @@ class RuntimeManager:
                     # Protection comes from the deployment's state (preparing) through
                     # ``_protected``, so a swap can tell a transient hold from a pin.
                     plan = self.residency.reserve(
-                        key, estimate=estimate, devices=(0,), protected=False, tick=self._tick
+                        key, estimate=estimate, devices=devices, protected=False, tick=self._tick
                     )
                     break
                 except AdmissionRejected as exc:
-                    blockers = self._busy_blockers(key, estimate)
+                    blockers = self._busy_blockers(key, estimate, devices)
                     decision = after_no_room(
                         busy_blockers=len(blockers),
                         started=started,
@@ -966,13 +1026,15 @@ class RuntimeManager:
             retryable=decision.retryable,
         )
 
-    def _busy_blockers(self, key: ResidencyKey, estimate: MemoryEstimate) -> list[Deployment]:
+    def _busy_blockers(
+        self, key: ResidencyKey, estimate: MemoryEstimate, devices: tuple[int, ...]
+    ) -> list[Deployment]:
         """The busy or transient (preparing, draining) generations whose eviction would make
         ``key`` fit once they settle (empty: it would not fit even then -- pinned, or too
         large -- and waiting cannot help)."""
         try:
             plan = self.residency.plan(
-                ReservationRequest(key=key, estimate=estimate, devices=(0,)),
+                ReservationRequest(key=key, estimate=estimate, devices=devices),
                 is_protected=lambda other: self._protected(other, transient=False),
             )
         except AdmissionRejected:
@@ -999,6 +1061,7 @@ class RuntimeManager:
             kv_quant=str(config.kv_quant),
             extra_args=tuple(config.extra_args),
             chat_template=_pinned_template(found),
+            **self._device_request(found),
         )
         return LaunchSpec(
             request=request,
@@ -1007,6 +1070,25 @@ class RuntimeManager:
             label=f"{found.deployment}/{found.generation}",
             ready_timeout_s=timeout_s,
         )
+
+    def _device_request(self, found: Deployment) -> dict[str, Any]:
+        """The launch fields that place an engine on its devices: the host's accelerator;
+        on an accelerator the reserved devices, the estimate and the smallest device's
+        memory; on a CPU host split into several devices, the threads of one share."""
+        accelerator = self.devices.accelerator
+        if accelerator is Accelerator.CPU:
+            shares = len(self.devices.devices)
+            if shares <= 1 or _sets_threads(found.config.extra_args):
+                return {"accelerator": "cpu"}
+            return {"accelerator": "cpu", "threads": max(1, (os.cpu_count() or 1) // shares)}
+        devices = self._reserved_devices(found)
+        totals = [d.total_bytes for i in devices if (d := self.devices.get(i)) is not None]
+        return {
+            "accelerator": accelerator.value,
+            "devices": devices,
+            "gpu_memory_bytes": found.estimate.total_bytes if found.estimate else None,
+            "device_memory_bytes": min(totals) if totals else None,
+        }
 
     async def _spawn_until_ready(
         self, found: Deployment, metadata: CachedMetadata, executable: Path, job_id: str

@@ -207,7 +207,8 @@ def _host_part(compiled: CompiledConfig, name: str) -> Any:
 
 
 def listener_changes(current: CompiledConfig, candidate: CompiledConfig) -> list[str]:
-    """Dotted paths of settings a running process cannot change (listeners, cache root)."""
+    """Dotted paths of settings a running process cannot change (listeners, cache root,
+    authority, revision store, CPU device split)."""
     before, after = current.config.proxy, candidate.config.proxy
     changes = [
         f"proxy.{name}"
@@ -221,7 +222,14 @@ def listener_changes(current: CompiledConfig, candidate: CompiledConfig) -> list
     for name in ("authority", "store_path"):
         if _host_part(current, name) != _host_part(candidate, name):
             changes.append(f"proxy.model_host.{name}")
+    # The CPU device split shapes the residency the host started with.
+    if _cpu_devices(current) != _cpu_devices(candidate):
+        changes.append("proxy.model_host.cpu_devices")
     return changes
+
+
+def _cpu_devices(compiled: CompiledConfig) -> int:
+    return compiled.model_host.cpu_devices if compiled.model_host else 1
 
 
 def foundation_changes(current: CompiledConfig, candidate: CompiledConfig) -> list[str]:
@@ -291,7 +299,7 @@ async def plan_step(ctx: StepContext, request: ReloadInput) -> ReloadPlan:
         raise SbproxyError(
             f"{', '.join(listeners)} cannot change while sbproxy runs",
             code="restart_required",
-            remediation="Restart `sbproxy serve` to apply listener or cache-root changes.",
+            remediation="Restart `sbproxy serve` to apply these changes.",
             details={"paths": ", ".join(listeners)},
         )
     foundation = foundation_changes(manager.compiled, candidate)

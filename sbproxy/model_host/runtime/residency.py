@@ -20,7 +20,7 @@ Rules (spec "Admission and residency"):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import NamedTuple
@@ -35,6 +35,7 @@ __all__ = [
     "ReservationRequest",
     "Residency",
     "ResidencyKey",
+    "select_devices",
 ]
 
 _PROTECTED_STATES = "active, queued, pinned, preparing and draining"
@@ -423,6 +424,51 @@ class Residency:
             r for r in self._reservations.values() if not self.is_protected(r, by=is_protected)
         ]
         return sorted(unprotected, key=lambda r: (r.last_used, r.key.deployment, r.key.generation))
+
+
+def select_devices(
+    free: Mapping[int, int], *, deployment: str, count: int, pinned: Sequence[int] | None
+) -> tuple[int, ...]:
+    """The devices a new generation of ``deployment`` runs on (pure).
+
+    ``pinned`` (the deployment's ``devices``) wins, in its order; otherwise the ``count``
+    devices with the most free bytes now, ties to the lower index (reference: the worker
+    is the device with the most free memory), returned by ascending index.
+
+    Args:
+        free: Unreserved bytes by device index, every device of the host.
+        deployment: The deployment, for the refusal.
+        count: Devices wanted without ``pinned`` (``tensor_parallel``, default 1; >= 1).
+        pinned: The configured device indexes, or ``None``.
+
+    Raises:
+        AdmissionRejected: ``insufficient_capacity`` -- a pinned device is not on this host
+            (named, with the host's devices), or the host has fewer than ``count`` devices.
+    """
+    host = ", ".join(str(index) for index in sorted(free)) or "none"
+    if pinned is not None:
+        missing = [index for index in pinned if index not in free]
+        if missing:
+            raise reject(
+                AdmissionReason.INSUFFICIENT_CAPACITY,
+                f"deployment {deployment!r} is pinned to device {missing[0]}, which this "
+                f"host does not have (its devices: {host}); set "
+                f"proxy.model_host.deployments.{deployment}.devices to devices it has, or "
+                "drop it to let the runtime choose",
+                deployment=deployment,
+            )
+        return tuple(pinned)
+    if count > len(free):
+        raise reject(
+            AdmissionReason.INSUFFICIENT_CAPACITY,
+            f"deployment {deployment!r} needs {count} devices (tensor_parallel) but this "
+            f"host has {len(free)} (devices: {host}); lower "
+            f"proxy.model_host.deployments.{deployment}.tensor_parallel or run it on a host "
+            "with more devices",
+            deployment=deployment,
+        )
+    ranked = sorted(free, key=lambda index: (-free[index], index))
+    return tuple(sorted(ranked[:count]))
 
 
 def _name(key: ResidencyKey) -> str:

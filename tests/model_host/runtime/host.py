@@ -20,6 +20,7 @@ from sbproxy.config import CompiledConfig, load_config, load_config_text
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime.clock import Clock
+from sbproxy.model_host.runtime.devices import HostDevices
 from sbproxy.model_host.runtime.launcher import Launcher
 from sbproxy.model_host.runtime.manager import RUNTIME_JOB_KINDS, RuntimeManager
 from sbproxy.model_host.runtime.reload import admin_desired  # also registers "reload"
@@ -63,7 +64,10 @@ def write_catalog(root: Path) -> Path:
                                 "size_bytes": len(data),
                             }
                         ],
-                        "requirements": {"accelerators": ["cpu"], "min_memory_bytes": 1},
+                        "requirements": {
+                            "accelerators": ["cpu", "cuda"],
+                            "min_memory_bytes": 1,
+                        },
                         "stability": "preview",
                         "certification": "test",
                     }
@@ -139,12 +143,15 @@ async def runtime_host(
     health_interval_s: float = 0.1,
     jitter: Callable[[], float] | None = None,
     launcher: Launcher | None = None,
+    devices: HostDevices | None = None,
 ) -> AsyncIterator[Host]:
     """A started manager (maintenance every 0.1 s) inside a task group.
 
     ``host`` adds ``proxy.model_host`` fields (``authority``, ``store_path``, ...);
     ``config_file`` writes the configuration to ``root/sb.yml`` and loads it from there (a
-    reloadable source); ``worker`` runs the job worker loop (it resumes interrupted jobs).
+    reloadable source); ``worker`` runs the job worker loop (it resumes interrupted jobs);
+    ``devices`` is the host's device table (its accelerator becomes the worker's; default:
+    one CPU device of ``memory_bytes``).
     """
     if not (root / "catalog.yaml").exists():
         write_catalog(root)
@@ -173,13 +180,17 @@ async def runtime_host(
         catalog=load_catalog(root / "catalog.yaml"),
         engine=engine,
         runtime_store=RuntimeStore(journal.database),
-        worker=WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=memory_bytes),
+        worker=WorkerProfile(
+            accelerator=devices.accelerator if devices else Accelerator.CPU,
+            memory_bytes=memory_bytes,
+        ),
         backoff=backoff or LaunchBackoff(base_s=0.05, max_s=0.2, max_attempts=3),
         ready_timeout_s=20,
         health_interval_s=health_interval_s,
         clock=clock,
         jitter=jitter if jitter is not None else random.random,
         launcher=launcher,
+        devices=devices,
     )
     engine.add_resource(manager)
     engine.add_resource(manager.port)

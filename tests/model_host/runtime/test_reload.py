@@ -85,6 +85,9 @@ def test_listener_and_foundation_changes_are_named_by_path(tmp_path: Path) -> No
     assert listener_changes(base, compiled(host={"cache": {"directory": "/elsewhere"}})) == [
         "proxy.model_host.cache.directory"
     ]
+    assert listener_changes(base, compiled(host={"cpu_devices": 2})) == [
+        "proxy.model_host.cpu_devices"
+    ]
     assert foundation_changes(base, compiled(host={"catalog_file": "/other/catalog.yaml"})) == [
         "proxy.model_host.catalog_file"
     ]
