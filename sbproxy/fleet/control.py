@@ -390,11 +390,16 @@ class ProbedGpu(Protocol):
     @property
     def total_bytes(self) -> int: ...
 
+    @property
+    def compute_capability(self) -> tuple[int, int] | None: ...
+
 
 def device_capacities(
     worker: WorkerProfile, gpus: Sequence[ProbedGpu], *, cpu_devices: int = 1
-) -> list[dict[str, int]]:
-    """The devices a node reports at join, each with the bytes it offers to models.
+) -> list[dict[str, Any]]:
+    """The devices a node reports at join, each with the bytes it offers to models, its
+    kind (``accelerator``) and, for a GPU, its CUDA compute capability (``[major, minor]``,
+    ``None`` when unknown) -- what the planner matches a variant's needs against.
 
     With GPUs (the probe's :class:`~sbproxy.model_host.runtime.devices.DeviceInfo` list),
     one entry per GPU with its own index and total memory (the planner subtracts the
@@ -411,11 +416,20 @@ def device_capacities(
         raise ValueError(f"cpu_devices must be >= 1, got {cpu_devices}")
     if gpus:
         return [
-            {"index": gpu.index, "capacity_bytes": max(0, gpu.total_bytes)}
+            {
+                "index": gpu.index,
+                "capacity_bytes": max(0, gpu.total_bytes),
+                "accelerator": "cuda",
+                "compute_capability": gpu.compute_capability,
+            }
             for gpu in sorted(gpus, key=lambda g: g.index)
         ]
     share = worker.memory_bytes // cpu_devices
-    return [{"index": index, "capacity_bytes": share} for index in range(cpu_devices)]
+    kind = worker.accelerator.value
+    return [
+        {"index": index, "capacity_bytes": share, "accelerator": kind}
+        for index in range(cpu_devices)
+    ]
 
 
 def _choice(

@@ -64,7 +64,7 @@ class NodeRow:
     advertise_url: str | None
     labels: dict[str, str]
     engines: list[str]
-    devices: list[dict[str, int]]
+    devices: list[dict[str, Any]]
     artifacts: list[str]
     replicas: dict[str, dict[str, Any]]
     state: str
@@ -381,13 +381,14 @@ class FleetStore:
         advertise_url: str | None,
         labels: Mapping[str, str],
         engines: Sequence[str],
-        devices: Sequence[Mapping[str, int]],
+        devices: Sequence[Mapping[str, Any]],
         artifacts: Sequence[str],
         artifact_facts: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> int:
         """Join (or rejoin) as ``node_id``; database now (ms).
 
-        ``devices``: ``[{index, capacity_bytes}]``, one per device (each GPU, or the CPU);
+        ``devices``: ``[{index, capacity_bytes, accelerator, compute_capability?}]``, one per
+        device (each GPU, or each share of the CPU);
         ``artifact_facts``: ``{digest: GGUF facts}`` of its verified artifacts.
 
         A node that was removed (``left``) joins afresh: its operator flags are cleared.

@@ -5,6 +5,7 @@ replicas, on its two devices."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,13 +34,15 @@ TIMING = FleetTiming(heartbeat_ms=1_000, fence_after_ms=5_000, lost_after_ms=10_
 NOW = 1_000_000
 
 
-def gpu(index: int, total_gib: int, free_gib: int) -> DeviceInfo:
+def gpu(
+    index: int, total_gib: int, free_gib: int, capability: tuple[int, int] | None = (9, 0)
+) -> DeviceInfo:
     return DeviceInfo(
         index=index,
         name=f"gpu{index}",
         total_bytes=total_gib * GIB,
         free_bytes=free_gib * GIB,
-        compute_capability=(9, 0),
+        compute_capability=capability,
         utilization_percent=None,
     )
 
@@ -50,28 +53,39 @@ CPU = WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=11 * GIB)
 def test_every_gpu_is_its_own_device_with_its_own_budget() -> None:
     # The probe lists GPUs in any order; each keeps its index and its total memory (the
     # planner subtracts the fleet's own placements, so free memory would count them twice).
-    probed = [gpu(1, 40, 39), gpu(0, 80, 10)]
+    probed = [gpu(1, 40, 39, None), gpu(0, 80, 10)]
     assert device_capacities(CPU, probed) == [
-        {"index": 0, "capacity_bytes": 80 * GIB},
-        {"index": 1, "capacity_bytes": 40 * GIB},
+        {
+            "index": 0,
+            "capacity_bytes": 80 * GIB,
+            "accelerator": "cuda",
+            "compute_capability": (9, 0),
+        },
+        {
+            "index": 1,
+            "capacity_bytes": 40 * GIB,
+            "accelerator": "cuda",
+            "compute_capability": None,
+        },
     ]
 
 
 def test_a_host_without_gpus_is_one_cpu_device_with_the_worker_budget() -> None:
-    assert device_capacities(CPU, []) == [{"index": 0, "capacity_bytes": 11 * GIB}]
+    assert device_capacities(CPU, []) == [
+        {"index": 0, "capacity_bytes": 11 * GIB, "accelerator": "cpu"}
+    ]
 
 
 def test_a_cpu_host_split_in_devices_reports_each_share() -> None:
     # The same devices its runtime reserves against (host_devices with cpu_devices).
     assert device_capacities(CPU, [], cpu_devices=2) == [
-        {"index": 0, "capacity_bytes": 11 * GIB // 2},
-        {"index": 1, "capacity_bytes": 11 * GIB // 2},
+        {"index": 0, "capacity_bytes": 11 * GIB // 2, "accelerator": "cpu"},
+        {"index": 1, "capacity_bytes": 11 * GIB // 2, "accelerator": "cpu"},
     ]
     assert host_devices(CPU, [], cpu_devices=2).capacities() == {0: 11 * GIB // 2, 1: 11 * GIB // 2}
     # GPUs are the devices of a GPU host, whatever cpu_devices says.
-    assert device_capacities(CPU, [gpu(0, 24, 20)], cpu_devices=4) == [
-        {"index": 0, "capacity_bytes": 24 * GIB}
-    ]
+    (only,) = device_capacities(CPU, [gpu(0, 24, 20)], cpu_devices=4)
+    assert (only["index"], only["capacity_bytes"]) == (0, 24 * GIB)
 
 
 def two_gpu_node() -> NodeRow:
@@ -130,6 +144,33 @@ def test_a_two_gpu_node_report_takes_two_replicas_one_per_device_unless_capped()
         ("big", (0,)),
         ("unplaced", "insufficient_capacity"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("minimum", "expected"),
+    [
+        ((8, 0), [("big", (0,))]),
+        ((9, 0), [("big", (0,))]),
+        ((10, 0), [("unplaced", "engine_unavailable")]),
+    ],
+)
+def test_a_gpu_node_report_carries_what_a_variant_needs_through_the_journal(
+    minimum: tuple[int, int], expected: list[tuple[object, ...]]
+) -> None:
+    row = two_gpu_node()
+    stored = NodeRow(**{**asdict(row), "devices": json.loads(json.dumps(row.devices))})
+    views = observe([stored], now_ms=NOW, timing=TIMING)
+    assert {(d.accelerator, d.compute_capability) for d in views[0].devices} == {("cuda", (9, 0))}
+    wanted = spec().model_copy(
+        update={"accelerators": frozenset({"cuda"}), "min_compute_capability": minimum}
+    )
+    decisions = plan(views, [wanted], []).decisions
+    got = [
+        (d.node, d.devices) if isinstance(d, StartReplica) else (d.kind, d.reason.value)
+        for d in decisions
+        if isinstance(d, StartReplica | UnplacedReplica)
+    ]
+    assert got == expected
 
 
 def test_a_one_gpu_node_report_never_takes_two_replicas() -> None:
