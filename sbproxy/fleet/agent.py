@@ -50,7 +50,6 @@ import httpx
 from sbproxy.config import DeploymentConfig
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.control import (
-    ProbedGpu,
     avoided_nodes,
     definition_digest,
     deployment_spec,
@@ -165,7 +164,6 @@ class FleetAgent:
         clock: Monotonic seconds (tests inject one).
         artifact_facts: ``{digest: GGUF facts JSON}`` of the verified GGUF artifacts in this
             node's cache (read from their headers; none by default).
-        gpus: The device probe (every GPU; none on a CPU host) at join.
     """
 
     def __init__(
@@ -180,7 +178,6 @@ class FleetAgent:
         ask_peers: PeerAsker,
         clock: Callable[[], float] = time.monotonic,
         artifact_facts: Callable[[], dict[str, dict[str, Any]]] = dict,
-        gpus: Callable[[], Sequence[ProbedGpu]] = tuple,
     ) -> None:
         self.store = store
         self.manager = manager
@@ -191,7 +188,6 @@ class FleetAgent:
         self.ask_peers = ask_peers
         self.clock = clock
         self.artifact_facts = artifact_facts
-        self.gpus = gpus
         self.fenced = False
         self.holding: ControllerLease | None = None
         self.snapshot: FleetSnapshot | None = None
@@ -269,7 +265,7 @@ class FleetAgent:
             JournalUnavailable: ``journal_unavailable``.
         """
         worker = ModelHostService.serving(self.manager).worker()
-        devices = device_capacities(worker, await anyio.to_thread.run_sync(self.gpus))
+        devices = device_capacities(self.manager.devices)
         facts = await anyio.to_thread.run_sync(self.artifact_facts)
         await anyio.to_thread.run_sync(
             lambda: self.store.join(

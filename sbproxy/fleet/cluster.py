@@ -18,7 +18,6 @@ from sbproxy.fleet.membership import FleetTiming
 from sbproxy.fleet.placement import PlacementPolicy
 from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.artifacts.cache import CachedMetadata
-from sbproxy.model_host.runtime.devices import probe_devices
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.memory import GgufError, read_gguf_header
 from sbproxy.model_host.runtime.reload import with_deployments
@@ -144,5 +143,4 @@ def open_agent(
         artifacts=lambda: sorted(meta.artifact_digest for meta in cache.published()),
         ask_peers=ask_peers_http(credential),
         artifact_facts=CachedFacts(cache),
-        gpus=probe_devices,
     )

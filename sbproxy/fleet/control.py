@@ -33,13 +33,12 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from sbproxy.catalog import (
     ArtifactFormat,
     Catalog,
     ResolvedArtifact,
-    WorkerProfile,
     pinned_artifact,
 )
 from sbproxy.config import DeploymentConfig
@@ -65,13 +64,13 @@ from sbproxy.fleet.placement import (
     VariantChoice,
 )
 from sbproxy.fleet.routing import replica_deployment_id
+from sbproxy.model_host.runtime.devices import HostDevices
 from sbproxy.model_host.runtime.memory import GgufFacts, estimate_memory
 
 __all__ = [
     "PLACEMENT_FIELDS",
     "UNREACHED_ASKS_TO_FENCE",
     "NodeMove",
-    "ProbedGpu",
     "avoided_nodes",
     "definition_digest",
     "deployment_spec",
@@ -381,55 +380,27 @@ def reported_facts(nodes: Sequence[Any]) -> dict[str, GgufFacts]:
     return found
 
 
-class ProbedGpu(Protocol):
-    """What :func:`device_capacities` reads of one probed GPU (the probe's ``DeviceInfo``)."""
-
-    @property
-    def index(self) -> int: ...
-
-    @property
-    def total_bytes(self) -> int: ...
-
-    @property
-    def compute_capability(self) -> tuple[int, int] | None: ...
-
-
-def device_capacities(
-    worker: WorkerProfile, gpus: Sequence[ProbedGpu], *, cpu_devices: int = 1
-) -> list[dict[str, Any]]:
-    """The devices a node reports at join, each with the bytes it offers to models, its
-    kind (``accelerator``) and, for a GPU, its CUDA compute capability (``[major, minor]``,
-    ``None`` when unknown) -- what the planner matches a variant's needs against.
-
-    With GPUs (the probe's :class:`~sbproxy.model_host.runtime.devices.DeviceInfo` list),
-    one entry per GPU with its own index and total memory (the planner subtracts the
-    fleet's placements; memory used outside the fleet is not seen, so leave room with
-    ``safety_margin``). Without: the CPU budget (RAM times the CPU memory fraction) split
-    into ``cpu_devices`` equal devices ``0..n-1`` (``proxy.model_host.cpu_devices``) -- the
-    devices the node's runtime reserves against, so that the planner may place a replica
-    on each.
-
-    Raises:
-        ValueError: ``cpu_devices`` is below 1.
-    """
-    if cpu_devices < 1:
-        raise ValueError(f"cpu_devices must be >= 1, got {cpu_devices}")
-    if gpus:
-        return [
-            {
-                "index": gpu.index,
-                "capacity_bytes": max(0, gpu.total_bytes),
-                "accelerator": "cuda",
-                "compute_capability": gpu.compute_capability,
-            }
-            for gpu in sorted(gpus, key=lambda g: g.index)
-        ]
-    share = worker.memory_bytes // cpu_devices
-    kind = worker.accelerator.value
-    return [
-        {"index": index, "capacity_bytes": share, "accelerator": kind}
-        for index in range(cpu_devices)
-    ]
+def device_capacities(devices: HostDevices) -> list[dict[str, Any]]:
+    """The devices a node reports at join: its runtime's device table
+    (:class:`~sbproxy.model_host.runtime.devices.HostDevices`), so that the planner places
+    on exactly the devices the runtime reserves against -- each GPU with its free memory at
+    the probe (memory other processes held then is not offered), or each share of a CPU
+    host's budget (``proxy.model_host.cpu_devices``). Each entry: ``index``,
+    ``capacity_bytes``, ``accelerator`` and, on CUDA, ``compute_capability``
+    (``[major, minor]``, ``None`` when unknown) -- what a variant's needs are matched
+    against."""
+    kind = devices.accelerator.value
+    reported: list[dict[str, Any]] = []
+    for device in devices.devices:
+        entry: dict[str, Any] = {
+            "index": device.index,
+            "capacity_bytes": max(0, device.capacity_bytes),
+            "accelerator": kind,
+        }
+        if kind == "cuda":
+            entry["compute_capability"] = device.compute_capability
+        reported.append(entry)
+    return reported
 
 
 def _choice(

@@ -50,20 +50,24 @@ def gpu(
 CPU = WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=11 * GIB)
 
 
-def test_every_gpu_is_its_own_device_with_its_own_budget() -> None:
-    # The probe lists GPUs in any order; each keeps its index and its total memory (the
-    # planner subtracts the fleet's own placements, so free memory would count them twice).
+CUDA = WorkerProfile(accelerator=Accelerator.CUDA, memory_bytes=80 * GIB)
+
+
+def test_every_gpu_is_its_own_device_with_what_it_had_free_at_the_probe() -> None:
+    # The probe lists GPUs in any order; each keeps its index. It offers what was free at
+    # the probe (what the runtime reserves against; memory held by others is not offered),
+    # its kind and compute capability.
     probed = [gpu(1, 40, 39, None), gpu(0, 80, 10)]
-    assert device_capacities(CPU, probed) == [
+    assert device_capacities(host_devices(CUDA, probed)) == [
         {
             "index": 0,
-            "capacity_bytes": 80 * GIB,
+            "capacity_bytes": 10 * GIB,
             "accelerator": "cuda",
             "compute_capability": (9, 0),
         },
         {
             "index": 1,
-            "capacity_bytes": 40 * GIB,
+            "capacity_bytes": 39 * GIB,
             "accelerator": "cuda",
             "compute_capability": None,
         },
@@ -71,21 +75,22 @@ def test_every_gpu_is_its_own_device_with_its_own_budget() -> None:
 
 
 def test_a_host_without_gpus_is_one_cpu_device_with_the_worker_budget() -> None:
-    assert device_capacities(CPU, []) == [
+    assert device_capacities(host_devices(CPU, [])) == [
         {"index": 0, "capacity_bytes": 11 * GIB, "accelerator": "cpu"}
     ]
 
 
 def test_a_cpu_host_split_in_devices_reports_each_share() -> None:
     # The same devices its runtime reserves against (host_devices with cpu_devices).
-    assert device_capacities(CPU, [], cpu_devices=2) == [
+    split = host_devices(CPU, [], cpu_devices=2)
+    assert device_capacities(split) == [
         {"index": 0, "capacity_bytes": 11 * GIB // 2, "accelerator": "cpu"},
         {"index": 1, "capacity_bytes": 11 * GIB // 2, "accelerator": "cpu"},
     ]
-    assert host_devices(CPU, [], cpu_devices=2).capacities() == {0: 11 * GIB // 2, 1: 11 * GIB // 2}
+    assert split.capacities() == {0: 11 * GIB // 2, 1: 11 * GIB // 2}
     # GPUs are the devices of a GPU host, whatever cpu_devices says.
-    (only,) = device_capacities(CPU, [gpu(0, 24, 20)], cpu_devices=4)
-    assert (only["index"], only["capacity_bytes"]) == (0, 24 * GIB)
+    (only,) = device_capacities(host_devices(CUDA, [gpu(0, 24, 20)], cpu_devices=4))
+    assert (only["index"], only["capacity_bytes"]) == (0, 20 * GIB)
 
 
 def two_gpu_node() -> NodeRow:
@@ -94,7 +99,7 @@ def two_gpu_node() -> NodeRow:
         advertise_url=None,
         labels={},
         engines=["llama_cpp"],
-        devices=device_capacities(CPU, [gpu(0, 24, 24), gpu(1, 24, 24)]),
+        devices=device_capacities(host_devices(CUDA, [gpu(0, 24, 24), gpu(1, 24, 24)])),
         artifacts=[],
         replicas={},
         state="ready",
@@ -175,7 +180,9 @@ def test_a_gpu_node_report_carries_what_a_variant_needs_through_the_journal(
 
 def test_a_one_gpu_node_report_never_takes_two_replicas() -> None:
     row = two_gpu_node()
-    one = NodeRow(**{**asdict(row), "devices": device_capacities(CPU, [gpu(0, 80, 80)])})
+    one = NodeRow(
+        **{**asdict(row), "devices": device_capacities(host_devices(CUDA, [gpu(0, 80, 80)]))}
+    )
     views = observe([one], now_ms=NOW, timing=TIMING)
     result = plan(views, [spec(replicas=2)], [])
     assert [d.kind for d in result.decisions] == ["start", "unplaced"]
