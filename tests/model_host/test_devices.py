@@ -10,7 +10,12 @@ import pytest
 
 from sbproxy.catalog import Accelerator
 from sbproxy.errors import SbproxyError
-from sbproxy.model_host.runtime import cpu_memory_fraction, probe_devices, probe_worker
+from sbproxy.model_host.runtime import (
+    cpu_memory_fraction,
+    probe_devices,
+    probe_host,
+    probe_worker,
+)
 
 
 def _no_nvidia(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,6 +121,24 @@ def test_cuda_worker_is_the_device_with_most_free_memory(monkeypatch: pytest.Mon
     assert worker.memory_bytes == 70 * 2**30
     assert worker.compute_capability == (9, 0)
     assert fake.shutdowns == 1
+
+
+def test_a_gpu_host_probed_once_offers_every_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeNvml([(10 * 2**30, (8, 0)), (70 * 2**30, (9, 0))])
+    fake.install(monkeypatch)
+    worker, devices = probe_host(cpu_devices=4, environ={})
+    assert (worker.accelerator, worker.memory_bytes) == (Accelerator.CUDA, 70 * 2**30)
+    assert devices.accelerator is Accelerator.CUDA
+    assert devices.capacities() == {0: 10 * 2**30, 1: 70 * 2**30}  # cpu_devices ignored
+    assert [d.total_bytes for d in devices.devices] == [80 * 2**30] * 2
+    assert fake.shutdowns == 1  # one probe
+
+
+def test_a_cpu_host_splits_its_budget_in_cpu_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_nvidia(monkeypatch)
+    worker, devices = probe_host(cpu_devices=3, environ={})
+    assert worker.accelerator is Accelerator.CPU
+    assert devices.capacities() == dict.fromkeys(range(3), worker.memory_bytes // 3)
 
 
 def test_unknown_compute_capability_is_reported_as_none(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -867,6 +867,13 @@ class RuntimeManager:
         recent[found.generation] = devices
         for generation in sorted(recent)[:-2]:
             del recent[generation]
+        logger.info(
+            "%s generation %d: %s device(s) %s",
+            found.deployment,
+            found.generation,
+            self.devices.accelerator.value,
+            ",".join(str(index) for index in devices),
+        )
         return devices
 
     async def launch_generation(
