@@ -53,7 +53,9 @@ def test_two_replicas_run_side_by_side_on_one_node_with_a_device_each(
 
         def both_ready() -> bool:
             rows = placements(host)
-            return len(rows) == 2 and all(r["state"] == "ready" for r in rows)
+            return len(rows) == 2 and all(
+                r["state"] == "ready" and (r["runtime"] or {}).get("state") == "ready" for r in rows
+            )
 
         poll(both_ready, timeout_s=90, what="both replicas ready on node-a")
         rows = sorted(placements(host), key=lambda r: r["replica"])
@@ -61,7 +63,6 @@ def test_two_replicas_run_side_by_side_on_one_node_with_a_device_each(
             ("node-a", [0], "tiny"),
             ("node-a", [1], "tiny.r1"),
         ]
-        assert all(r["runtime"]["state"] == "ready" for r in rows)
         assert host.deployments() == {"tiny": "ready", "tiny.r1": "ready"}
         assert len(host.engines()) == 2
         ps = json.loads(cli(host, "models", "ps").stdout)

@@ -164,7 +164,7 @@ def test_a_two_replica_deployment_lands_on_two_nodes_and_each_serves(
             json={"expected_revision": 1, "deployments": clash},
         )
         assert (clashing.status_code, clashing.json()["code"]) == (400, "invalid_desired")
-        assert "tiny.r1" in clashing.json()["message"]
+        assert "tiny.r1" in clashing.json()["error"]
         listed = json.loads(cli(empty, "nodes", "list").stdout)
         assert sorted(n["state"] for n in listed["nodes"]) == ["ready"] * 3
         ps = json.loads(cli(empty, "models", "ps", "--fleet").stdout)
@@ -366,13 +366,16 @@ def test_every_host_restarted_at_once_serves_its_placements_again_without_a_re_p
         apply(hosts[0], {"tiny": {**TINY, "replicas": 2}})
         poll(lambda: len(ready_nodes(hosts[0], "tiny")) == 2, timeout_s=60, what="2 replicas")
         before = {p["id"] for p in placements(hosts[0])}
+        # Each node runs its replica under the replica's own id (tiny, tiny.r1).
+        local = {p["node"]: p["local_id"] for p in placements(hosts[0])}
+        assert sorted(local.values()) == ["tiny", "tiny.r1"]
         served = mirror.bytes_served()
         stop_all(hosts)
         restarted_at = time.monotonic()
         for host in hosts:
             host.start()
         for host in hosts:
-            host.wait_ready("tiny", timeout_s=60)
+            host.wait_ready(local[host.node], timeout_s=60)
             answer = host.chat()
             assert answer.status_code == 200, (host.node, answer.text)
         took_s = time.monotonic() - restarted_at
