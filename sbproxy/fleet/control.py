@@ -33,9 +33,10 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from sbproxy.catalog import (
+    Accelerator,
     ArtifactFormat,
     Catalog,
     ResolvedArtifact,
@@ -64,12 +65,12 @@ from sbproxy.fleet.placement import (
     VariantChoice,
 )
 from sbproxy.fleet.routing import replica_deployment_id
-from sbproxy.model_host.runtime.devices import HostDevices
 from sbproxy.model_host.runtime.memory import GgufFacts, estimate_memory
 
 __all__ = [
     "PLACEMENT_FIELDS",
     "UNREACHED_ASKS_TO_FENCE",
+    "DeviceTable",
     "NodeMove",
     "avoided_nodes",
     "definition_digest",
@@ -380,7 +381,31 @@ def reported_facts(nodes: Sequence[Any]) -> dict[str, GgufFacts]:
     return found
 
 
-def device_capacities(devices: HostDevices) -> list[dict[str, Any]]:
+class TableDevice(Protocol):
+    """What :func:`device_capacities` reads of one device of a host's device table."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    def compute_capability(self) -> tuple[int, int] | None: ...
+
+
+class DeviceTable(Protocol):
+    """What :func:`device_capacities` reads of a host's device table
+    (:class:`~sbproxy.model_host.runtime.devices.HostDevices`)."""
+
+    @property
+    def accelerator(self) -> Accelerator: ...
+
+    @property
+    def devices(self) -> Sequence[TableDevice]: ...
+
+
+def device_capacities(devices: DeviceTable) -> list[dict[str, Any]]:
     """The devices a node reports at join: its runtime's device table
     (:class:`~sbproxy.model_host.runtime.devices.HostDevices`), so that the planner places
     on exactly the devices the runtime reserves against -- each GPU with its free memory at

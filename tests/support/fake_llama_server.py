@@ -200,7 +200,9 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._json(400, {"error": {"code": 400, "message": "bad json"}})
             return
-        self._log({"path": self.path, "body": body, "port": self.server.server_address[1]})
+        self._log(
+            {"path": self.path, "body": body, "port": getattr(self.server, "server_port", None)}
+        )
         if not self.state.ready:
             self._json(503, {"error": {"code": 503, "message": "Loading model"}})
             return
