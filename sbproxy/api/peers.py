@@ -70,7 +70,8 @@ import hmac
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
@@ -562,64 +563,61 @@ class PeerDispatch:
     ) -> PeerAnswer | None:
         """One try at ``replica``; ``None`` (the peer out of rotation) when it failed before
         its answer was in hand. When this host traces, the try is a client span
-        (``peer hop``: the peer's node, the deployment, the answer's status) from the send
-        until the answer -- a stream's headers -- is in hand, and the hop carries that span's
-        context, so the peer's server span is its child."""
-        if not enabled():
-            return await self._send(session, replica, ticket, headers, path, body, streamed)
-        attributes = {
-            ATTR_PEER_NODE: replica.node_id,
-            ATTR_DEPLOYMENT: replica.deployment,
-            "http.request.method": "POST",
-            "url.path": path,
-        }
-        with tracer().start_as_current_span(
-            "peer hop", kind=trace.SpanKind.CLIENT, attributes=attributes
-        ) as span:
-            sent = dict(headers)
-            propagate.inject(sent)
-            answer = await self._send(session, replica, ticket, sent, path, body, streamed)
-            if answer is None:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, "peer unreachable"))
-            else:
-                span.set_attribute("http.response.status_code", answer.response.status)
-            return answer
-
-    async def _send(
-        self,
-        session: aiohttp.ClientSession,
-        replica: PeerReplica,
-        ticket: PeerTicket,
-        headers: dict[str, str],
-        path: str,
-        body: bytes,
-        streamed: bool,
-    ) -> PeerAnswer | None:
-        """Send one try (:meth:`_try`)."""
+        (:func:`_hop_span`) and the hop carries that span's context, so the peer's server
+        span is its child."""
         response: aiohttp.ClientResponse | None = None
         started = asyncio.get_running_loop().time()
         url = URL(replica.base_url.rstrip("/") + path)
-        try:
-            response = await engine_client.post(session, url, body, headers=headers)
-            data: bytes | None = None
-            if not (streamed and response.content_type == "text/event-stream"):
-                data = await response.read()
-                response.release()
-        except aiohttp.ClientError as exc:
-            if response is not None:
-                response.close()
-            ticket.release()
-            self.out_of_rotation(replica, type(exc).__name__)
-            self.record(replica, PeerOutcome.UNREACHABLE)
-            return None
-        except BaseException:  # a cancellation: the deadline or the client (the caller knows)
-            if response is not None:
-                response.close()
-            ticket.release()
-            raise
+        with _hop_span(replica, path) as span:
+            if span is not None:
+                headers = dict(headers)
+                propagate.inject(headers)
+            try:
+                response = await engine_client.post(session, url, body, headers=headers)
+                data: bytes | None = None
+                if not (streamed and response.content_type == "text/event-stream"):
+                    data = await response.read()
+                    response.release()
+            except aiohttp.ClientError as exc:
+                if response is not None:
+                    response.close()
+                ticket.release()
+                self.out_of_rotation(replica, type(exc).__name__)
+                self.record(replica, PeerOutcome.UNREACHABLE)
+                if span is not None:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+                return None
+            except BaseException:  # a cancellation: the deadline or the client (the caller knows)
+                if response is not None:
+                    response.close()
+                ticket.release()
+                raise
+            if span is not None:
+                span.set_attribute("http.response.status_code", response.status)
         return PeerAnswer(
             replica=replica, ticket=ticket, response=response, started=started, data=data
         )
+
+
+@contextmanager
+def _hop_span(replica: PeerReplica, path: str) -> Iterator[trace.Span | None]:
+    """A client span ``peer hop`` around one try at ``replica`` (its node, the deployment;
+    the caller adds the answer's status, or an error status when the peer was unreachable)
+    from the send until the answer -- a stream's headers -- is in hand; ``None`` when this
+    host does not trace."""
+    if not enabled():
+        yield None
+        return
+    attributes = {
+        ATTR_PEER_NODE: replica.node_id,
+        ATTR_DEPLOYMENT: replica.deployment,
+        "http.request.method": "POST",
+        "url.path": path,
+    }
+    with tracer().start_as_current_span(
+        "peer hop", kind=trace.SpanKind.CLIENT, attributes=attributes
+    ) as span:
+        yield span
 
 
 def _refused(answer: PeerAnswer) -> bool:

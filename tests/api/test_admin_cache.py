@@ -108,7 +108,7 @@ async def test_catalog_lists_models_and_variants(tmp_path: Path) -> None:
             "format": "gguf",
             "quant": "Q4_K_M",
             "engines": ["llama_cpp"],
-            "accelerators": ["cpu"],
+            "accelerators": ["cpu", "cuda"],
             "min_memory_bytes": 1,
             "download_size_bytes": expected_size,
             "stability": "preview",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -17,7 +19,7 @@ import pytest
 from sbproxy.api.peers import PeerDispatch
 from sbproxy.fleet.routing import PeerReplica
 from tests.api.fleet_hosts import COOLDOWN_S, CREDENTIAL, Clock, StaticDirectory
-from tests.api.support import TINY, served
+from tests.api.support import TINY, Served, served
 from tests.model_host.runtime.support import until
 
 pytestmark = pytest.mark.anyio
@@ -33,20 +35,25 @@ def listed(url: str, *local_ids: str) -> tuple[PeerReplica, ...]:
     )
 
 
+@asynccontextmanager
+async def two_replicas(root: Path, mode: str) -> AsyncIterator[Served]:
+    """A host of a fleet (node ``a``) running ``tiny`` and ``tiny.r1``, each with its own
+    stand-in engine in ``mode``; its table lists both here."""
+    directory = StaticDirectory("a")
+    dispatch = PeerDispatch(directory, credential=CREDENTIAL, cooldown_s=COOLDOWN_S, clock=Clock())
+    async with served(
+        root / "a", deployments={"tiny": TINY, "tiny.r1": TINY}, mode=mode, fleet=dispatch
+    ) as host:
+        directory.replicas = {"tiny": listed(host.gateway_url, "tiny", "tiny.r1")}
+        yield host
+
+
 async def test_a_node_with_two_replicas_spreads_requests_over_both_engines(
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    directory = StaticDirectory("a")
-    dispatch = PeerDispatch(directory, credential=CREDENTIAL, cooldown_s=COOLDOWN_S, clock=Clock())
-    async with served(
-        tmp_path / "a",
-        deployments={"tiny": TINY, "tiny.r1": TINY},
-        mode=f"reply_delay_s=0.5,requests_log={log}",
-        fleet=dispatch,
-    ) as host:
+    async with two_replicas(tmp_path, f"reply_delay_s=0.5,requests_log={log}") as host:
         manager = host.host.manager
-        directory.replicas = {"tiny": listed(host.gateway_url, "tiny", "tiny.r1")}
         for local in ("tiny", "tiny.r1"):
             manager.request_load(local)
         await until(lambda: all(manager.snapshot(d).routable for d in ("tiny", "tiny.r1")))
@@ -73,16 +80,8 @@ async def test_with_one_replica_routable_the_node_sends_every_request_to_it(
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    directory = StaticDirectory("a")
-    dispatch = PeerDispatch(directory, credential=CREDENTIAL, cooldown_s=COOLDOWN_S, clock=Clock())
-    async with served(
-        tmp_path / "a",
-        deployments={"tiny": TINY, "tiny.r1": TINY},
-        mode=f"requests_log={log}",
-        fleet=dispatch,
-    ) as host:
+    async with two_replicas(tmp_path, f"requests_log={log}") as host:
         manager = host.host.manager
-        directory.replicas = {"tiny": listed(host.gateway_url, "tiny", "tiny.r1")}
         manager.request_load("tiny.r1")
         await until(lambda: manager.snapshot("tiny.r1").routable)
         async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
