@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from tests.support.ports import free_port
+
 __all__ = ["MISSING", "PostgresServer", "postgres_bin_dir", "running_server"]
 
 _DEBIAN_BIN = Path("/usr/lib/postgresql")
@@ -67,12 +69,6 @@ def running_server() -> Iterator[PostgresServer]:
         server.stop()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class PostgresServer:
     """One throw-away PostgreSQL cluster on ``127.0.0.1:port`` (see the module docstring).
 
@@ -84,7 +80,7 @@ class PostgresServer:
 
     def __init__(self, bin_dir: Path) -> None:
         self.bin_dir = bin_dir
-        self.port = _free_port()
+        self.port = free_port()
         self.root = Path(tempfile.mkdtemp(prefix="sbproxy-pg-"))
         self.data_dir = self.root / "data"
         self.socket_dir = self.root / "socket"

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import socket
 import sys
 from pathlib import Path
 
 from sbproxy.model_host.artifacts import CachedFile, CachedMetadata
+from tests.support.ports import free_port
+
+__all__ = ["FAKE_SERVER", "fake_llama_server", "free_port", "verified_snapshot"]
 
 FAKE_SERVER = Path(__file__).resolve().parents[2] / "support" / "fake_llama_server.py"
 
@@ -24,13 +26,6 @@ def fake_llama_server(directory: Path, *, mode: str | None = None) -> Path:
     path.write_text(f'#!/bin/sh\n{preset}exec "{sys.executable}" "{FAKE_SERVER}" "$@"\n')
     path.chmod(0o755)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def verified_snapshot(
