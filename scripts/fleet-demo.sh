@@ -164,7 +164,7 @@ sbproxy apply -f "$work/node-a/sb.yml" $(admin_of node-a) --format json |
   python -c 'import json,sys; b=json.load(sys.stdin); print("fleet revision", b["fleet"]["revision"] if b.get("fleet") else b.get("revision"))'
 started="$(now)"
 # shellcheck disable=SC2046
-wait_for 300 'sum(1 for p in body["placements"] if p["state"] == "ready") == 2' \
+wait_for 300 'sum(1 for p in body["placements"] if p["state"] == "ready" and (p.get("runtime") or {}).get("state") == "ready") == 2' \
   sbproxy models ps --fleet $(admin_of node-a) --format json
 echo "two replicas ready in $(since "$started") s"
 sbproxy models ps --fleet $(admin_of node-a)
@@ -187,7 +187,13 @@ asker=$!
 until sbproxy models ps --fleet $(admin_of "$survivor") --format json | python -c '
 import json, sys
 body = json.load(sys.stdin)
-nodes = {p["node"] for p in body["placements"] if p["state"] == "ready" and p["node_state"] not in ("lost", "left")}
+nodes = {
+    p["node"]
+    for p in body["placements"]
+    if p["state"] == "ready"
+    and p["node_state"] not in ("lost", "left")
+    and (p.get("runtime") or {}).get("state") == "ready"  # its node reports it serving
+}
 sys.exit(0 if len(nodes) == 2 and sys.argv[1] not in nodes else 1)' "$victim"; do
   [ "$(python -c "import time; print(int(time.monotonic() - $killed > 300))")" = 0 ] || { echo "no re-placement in 300 s" >&2; exit 1; }
   sleep 0.2
