@@ -34,9 +34,9 @@ from sbproxy.fleet.agent import FleetAgent
 from sbproxy.fleet.cluster import fleet_store, is_cluster, open_agent, start_node, starting_state
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
 from sbproxy.model_host.artifacts.locks import HostLock
-from sbproxy.model_host.engines import kill_owned
+from sbproxy.model_host.engines import kill_owned, reap_orphans
 from sbproxy.model_host.flows import registry
-from sbproxy.model_host.runtime import probe_host
+from sbproxy.model_host.runtime import HostDevices, probe_host
 from sbproxy.model_host.runtime.manager import (
     RUNTIME_JOB_KINDS,
     RuntimeManager,
@@ -72,6 +72,21 @@ class ServedHost:
     fleet: FleetAgent | None = None
 
 
+def _probe(layout: CacheLayout, cpu_devices: int) -> tuple[WorkerProfile, HostDevices]:
+    """This host's worker and device table (:func:`probe_host`), probed once the engines a
+    crashed run of this host left behind are gone: they still hold device memory, and the
+    probe measures what each GPU has free (the runtime's budget per device). Called with
+    the cache's host lock held (they are this cache's engines, no live host's).
+
+    Raises:
+        SbproxyError: ``device_probe_failed``, ``invalid_environment``.
+    """
+    reaped = reap_orphans(layout.owned_engines)
+    if reaped.killed:
+        logger.warning("reaped orphan engines before the device probe: %s", reaped.killed)
+    return probe_host(cpu_devices)
+
+
 @asynccontextmanager
 async def open_host(
     compiled: CompiledConfig, *, cache_dir: Path | None = None, stop: Shutdown | None = None
@@ -99,13 +114,13 @@ async def open_host(
     catalog_file = host_config.catalog_file if host_config else None
     catalog = load_catalog(Path(catalog_file) if catalog_file else None)
     cpu_devices = host_config.cpu_devices if host_config else 1
-    worker, devices = await anyio.to_thread.run_sync(probe_host, cpu_devices)
-    _check_resolvable(compiled, catalog, worker)
     cache = ArtifactCache(layout)
     cache.ensure_dirs()
     # One serving host per cache: its journal's runtime jobs and its engines have one owner.
     host_lock = HostLock.acquire(layout.locks / "host.lock", cache_root=layout.root)
     try:
+        worker, devices = await anyio.to_thread.run_sync(_probe, layout, cpu_devices)
+        _check_resolvable(compiled, catalog, worker)
         configured = host_config.journal if host_config else None
         journal = await open_journal(
             journal_location(

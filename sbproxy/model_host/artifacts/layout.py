@@ -63,6 +63,12 @@ class CacheLayout:
         return self.root / "engines"
 
     @property
+    def owned_engines(self) -> Path:
+        """Ownership records of the engine processes this cache's host started (what orphan
+        reaping reads)."""
+        return self.engines / "owned"
+
+    @property
     def logs(self) -> Path:
         """Engine output, one file per deployment generation."""
         return self.root / "logs"

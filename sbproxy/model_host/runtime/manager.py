@@ -550,7 +550,7 @@ class RuntimeManager:
     @property
     def owned_dir(self) -> Path:
         """Ownership records of the engines this host started."""
-        return self.layout.engines / "owned"
+        return self.layout.owned_engines
 
     def background(self, work: Callable[[], Awaitable[object]]) -> None:
         """Run ``work`` on the manager's task group, counted so that :meth:`shutdown` waits
