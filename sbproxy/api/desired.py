@@ -241,6 +241,35 @@ def _source_mismatch(wanted: str | None, served: CompiledConfig) -> SbproxyError
     )
 
 
+def _check_fleet_ids(deployments: dict[str, DeploymentConfig]) -> None:
+    """Refuse what a fleet cannot run as written: an id another deployment's replicas may
+    run under on a node, and ``devices`` (a placement chooses them).
+
+    Raises:
+        SbproxyError: ``invalid_desired`` with the dotted ``path``.
+    """
+    clashes = replica_id_clashes(deployments)
+    if clashes:
+        name, owner, replica = clashes[0]
+        raise SbproxyError(
+            f"deployment id {name!r} is the id a node runs replica {replica} of {owner!r} "
+            "under (ids <deployment>.r<n> are kept for replicas), so the two would collide",
+            code="invalid_desired",
+            remediation=f"Rename deployment {name!r}, e.g. without the .r{replica} ending.",
+            details={"path": f"proxy.model_host.deployments.{name}", "deployment": name},
+        )
+    for name, config in sorted(deployments.items()):
+        if config.devices is not None:
+            raise SbproxyError(
+                f"deployment {name!r} names devices {config.devices}, but in a fleet each "
+                "replica's devices are chosen by its placement",
+                code="invalid_desired",
+                remediation=f"Remove proxy.model_host.deployments.{name}.devices; use "
+                "tensor_parallel for devices per replica and required_labels for where.",
+                details={"path": f"proxy.model_host.deployments.{name}.devices"},
+            )
+
+
 async def _fleet_write(
     manager: RuntimeManager,
     store: RevisionStore,
@@ -259,16 +288,7 @@ async def _fleet_write(
     catalog = ModelHostService.serving(manager).catalog
     for deployment in deployments.values():
         manager.resolve_config(deployment, catalog)
-    clashes = replica_id_clashes({d: c.replicas for d, c in deployments.items()})
-    if clashes:
-        name, owner, replica = clashes[0]
-        raise SbproxyError(
-            f"deployment id {name!r} is the id a node runs replica {replica} of "
-            f"{owner!r} under, so the two would collide on a node",
-            code="invalid_desired",
-            remediation=f"Rename deployment {name!r}.",
-            details={"path": f"proxy.model_host.deployments.{name}", "deployment": name},
-        )
+    _check_fleet_ids(deployments)
     written = await anyio.to_thread.run_sync(
         lambda: store.compare_and_set(
             expected_revision=expected,

@@ -319,11 +319,14 @@ class FleetAgent:
 
     def _replica_counts(self) -> dict[str, dict[str, Any]]:
         """Each local replica as reported: runtime counts and state, the placement it runs
-        for, a retained crash loop; a placed deployment whose load failed (not running)
-        is reported ``failure: load_failed`` with the error code."""
+        for, a retained crash loop; a placed replica whose load failed -- the reload that
+        should run it, or its engine's launch here (``failed``: no room on its devices, a
+        device it names that this node lacks, a start timeout) -- is reported
+        ``failure: load_failed`` with the error code."""
         mine = self._my_placements()
-        counts: dict[str, dict[str, Any]] = {
-            row.deployment: {
+        counts: dict[str, dict[str, Any]] = {}
+        for row in self.manager.status():
+            counts[row.deployment] = {
                 "generation": row.generation,
                 "state": row.state.value,
                 "reason_code": row.reason_code,
@@ -334,8 +337,9 @@ class FleetAgent:
                 "placement": mine.get(row.deployment),
                 "crash_looped": row.crash_looped,
             }
-            for row in self.manager.status()
-        }
+            if row.state is DeploymentState.FAILED and not row.crash_looped:
+                counts[row.deployment]["failure"] = StuckReason.LOAD_FAILED.value
+                counts[row.deployment]["error"] = row.reason_code
         if self._load_failure is not None:
             failed, code = self._load_failure
             for deployment, placement in sorted(failed.items()):
@@ -619,12 +623,14 @@ class FleetAgent:
                 group.start_soon(self._reload_to, wanted)
             return
         status = {row.deployment: row for row in self.manager.status()}
+        mine = self._my_placements()
         for placement in snapshot.placements:
             if placement.node != self.identity.id:
                 continue
             local = replica_deployment_id(placement.deployment, placement.replica)
             row = status.get(local)
-            if placement.state == "stopping" and local not in wanted:
+            # Stopped once its local id runs nothing, or runs another placement now.
+            if placement.state == "stopping" and mine.get(local) != placement.id:
                 await anyio.to_thread.run_sync(
                     partial(self.store.placement_stopped, self.identity.id, placement.id)
                 )

@@ -314,8 +314,10 @@ def stuck_placements(
     names the placement), ``failure: load_failed`` (preparing it failed) or ``crash_looped``
     (its engine is held in a crash loop) -- at once; else when it was last moved more than
     ``timeout_ms`` ago on database time (``placement_timeout``). A ``ready`` placement is
-    stuck only when its node reports its engine held in a crash loop (it served once, and
-    no longer can). Placements on nodes that are not members are left to the gone-node path.
+    stuck only when its node reports its engine held in a crash loop, or its load failed
+    there (it served once, and no longer can: a device it holds is gone after a restart,
+    its devices are full). Placements on nodes that are not members are left to the
+    gone-node path.
 
     Args:
         placements: ``PlacementRow``-shaped placements.
@@ -337,8 +339,11 @@ def stuck_placements(
             continue
         mine = report.get(replica_deployment_id(placement.deployment, placement.replica)) or {}
         if ready:
-            if mine.get("placement") == placement.id and mine.get("crash_looped"):
-                found[placement.id] = StuckReason.CRASH_LOOP
+            if mine.get("placement") == placement.id:
+                if mine.get("crash_looped"):
+                    found[placement.id] = StuckReason.CRASH_LOOP
+                elif mine.get("failure") == StuckReason.LOAD_FAILED.value:
+                    found[placement.id] = StuckReason.LOAD_FAILED
             continue
         if mine.get("placement") == placement.id:
             if mine.get("failure") == StuckReason.LOAD_FAILED.value:

@@ -10,7 +10,7 @@ directory stamps each table with the monotonic time it was made.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,7 +32,8 @@ def replica_deployment_id(deployment: str, replica: int) -> str:
     keeps its local id (its engine, its logs, its generations) for its whole life on a node,
     whichever other replicas come and go there; a node can run several replicas of one
     deployment side by side, each on its own devices. The fleet refuses a desired state
-    where one deployment's id is another's replica id (``invalid_desired``).
+    with a deployment id that another deployment's replicas may run under
+    (:func:`replica_id_clashes`, ``invalid_desired``).
 
     Raises:
         ValueError: ``replica`` < 0 (a caller bug).
@@ -42,18 +43,17 @@ def replica_deployment_id(deployment: str, replica: int) -> str:
     return deployment if replica == 0 else f"{deployment}.r{replica}"
 
 
-def replica_id_clashes(replicas: Mapping[str, int]) -> list[tuple[str, str, int]]:
-    """The deployment ids of a fleet's desired state (``{id: replicas}``) that are also
-    the local id of another deployment's replica (``chat.r1`` beside ``chat`` with 2 or
-    more replicas), as ``(id, deployment, replica)``, sorted; empty when none clash."""
+def replica_id_clashes(deployments: Iterable[str]) -> list[tuple[str, str, int]]:
+    """The deployment ids of a fleet's desired state that another deployment's replicas
+    may run under on a node (``chat.r1`` beside ``chat``, whatever its replica count: a
+    replica of an earlier revision may still hold that id while it stops), as
+    ``(id, deployment, replica)``, sorted; empty when none clash."""
+    ids = set(deployments)
     clashes = []
-    for name in sorted(replicas):
+    for name in sorted(ids):
         found = _REPLICA_ID.match(name)
-        if found is None:
-            continue
-        deployment, replica = found["deployment"], int(found["replica"])
-        if replica < replicas.get(deployment, 0):
-            clashes.append((name, deployment, replica))
+        if found is not None and found["deployment"] in ids:
+            clashes.append((name, found["deployment"], int(found["replica"])))
     return clashes
 
 

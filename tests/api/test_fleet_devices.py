@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.api.cluster_hosts import FleetHost, placements
-from tests.api.pg_hosts import poll
+from tests.api.pg_hosts import poll, query
 from tests.api.test_fleet_hosts import TINY, apply, cli, mirror, start_all, stop_all
 from tests.model_host.engines.support import fake_llama_server
 from tests.support.hf_server import HfMirror
@@ -89,3 +89,43 @@ def test_two_replicas_run_side_by_side_on_one_node_with_a_device_each(
         assert slow_chat(host) == 200
     finally:
         stop_all([host])
+
+
+def test_a_replica_whose_device_is_gone_after_a_restart_moves_to_another_node(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url, settings={"cpu_devices": 2})
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
+    wanted = {"tiny": {**TINY, "replicas": 2}}
+    try:
+        start_all([a])
+        apply(a, wanted)
+        poll(
+            lambda: [(p["node"], p["state"]) for p in placements(a)] == [("node-a", "ready")] * 2,
+            timeout_s=90,
+            what="both replicas ready on node-a",
+        )
+        # node-a comes back with one device: replica 1 holds device 1, which is gone.
+        a.stop()
+        a.settings = {"cpu_devices": 1}
+        a.write(wanted)
+        start_all([a, b])
+
+        def moved() -> bool:
+            rows = {p["replica"]: p for p in placements(b)}
+            one = rows.get(1) or {}
+            return (
+                len(rows) == 2
+                and (one.get("node"), one.get("state")) == ("node-b", "ready")
+                and (one.get("runtime") or {}).get("state") == "ready"
+            )
+
+        poll(moved, timeout_s=90, what="replica 1 moved to node-b")
+        rows = {p["replica"]: p for p in placements(b)}
+        assert (rows[0]["node"], rows[0]["devices"], rows[0]["state"]) == ("node-a", [0], "ready")
+        assert a.deployments() == {"tiny": "ready"} and len(a.engines()) == 1
+        rows_events = query(url, "SELECT data_json FROM fleet_events WHERE type = 'stuck_replaced'")
+        assert [json.loads(data)["reason"] for (data,) in rows_events] == ["load_failed"]
+    finally:
+        stop_all([a, b])

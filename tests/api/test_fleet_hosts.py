@@ -157,7 +157,7 @@ def test_a_two_replica_deployment_lands_on_two_nodes_and_each_serves(
         )
         assert (unknown.status_code, unknown.json()["code"]) == (400, "unknown_catalog_model")
         # tiny.r1 is the id a node runs tiny's second replica under: refused, nothing written.
-        clash = {"tiny": {**TINY, "replicas": 2}, "tiny.r1": TINY}
+        clash = {"tiny": TINY, "tiny.r1": TINY}
         clashing = empty.admin_call(
             "PUT",
             "/admin/model-host/deployments",
@@ -165,6 +165,14 @@ def test_a_two_replica_deployment_lands_on_two_nodes_and_each_serves(
         )
         assert (clashing.status_code, clashing.json()["code"]) == (400, "invalid_desired")
         assert "tiny.r1" in clashing.json()["error"]
+        # A fleet chooses each replica's devices: a definition naming some is refused.
+        pinned = empty.admin_call(
+            "PUT",
+            "/admin/model-host/deployments",
+            json={"expected_revision": 1, "deployments": {"tiny": {**TINY, "devices": [0]}}},
+        )
+        assert (pinned.status_code, pinned.json()["code"]) == (400, "invalid_desired")
+        assert pinned.json()["path"] == "proxy.model_host.deployments.tiny.devices"
         listed = json.loads(cli(empty, "nodes", "list").stdout)
         assert sorted(n["state"] for n in listed["nodes"]) == ["ready"] * 3
         ps = json.loads(cli(empty, "models", "ps", "--fleet").stdout)

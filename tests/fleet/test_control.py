@@ -309,6 +309,19 @@ def test_stuck_placements(
     assert found == ({} if expected is None else {placement.id: expected})
 
 
+def test_a_ready_placement_whose_load_failed_on_its_node_is_stuck() -> None:
+    # It served, then its node restarted without the device it holds: the launch fails.
+    ready = Pending("p1", "a", state="ready", replica=1)
+    failed = {"placement": "p1", "state": "failed", "failure": "load_failed"}
+    nodes = [Reported("a", replicas={"chat.r1": failed})]
+    assert stuck_placements([ready], nodes, now_ms=NOW, timeout_ms=TIMEOUT) == {
+        "p1": StuckReason.LOAD_FAILED
+    }
+    # A failure reported for another placement of that local id is not this one's.
+    other = [Reported("a", replicas={"chat.r1": {**failed, "placement": "p0"}})]
+    assert stuck_placements([ready], other, now_ms=NOW, timeout_ms=TIMEOUT) == {}
+
+
 def test_a_replica_s_report_is_read_under_its_local_id() -> None:
     # Node a runs replicas 0 and 1 of chat: its report names them chat and chat.r1.
     first = Pending("p0", "a", state="ready")

@@ -27,13 +27,12 @@ def test_a_negative_replica_index_is_a_caller_bug() -> None:
         replica_deployment_id("chat", -1)
 
 
-def test_an_id_that_is_another_deployment_s_replica_id_clashes() -> None:
-    assert replica_id_clashes({"chat": 3, "chat.r2": 1, "chat.r3": 1, "chat.r0": 1}) == [
-        ("chat.r2", "chat", 2)
-    ]
-    # With one replica of chat there is no chat.r1 to collide with.
-    assert replica_id_clashes({"chat": 1, "chat.r1": 1}) == []
-    assert replica_id_clashes({"x.r1": 2, "y": 4}) == []
+def test_an_id_that_another_deployment_s_replicas_may_run_under_clashes() -> None:
+    ids = {"chat", "chat.r2", "chat.r0", "x.r1", "y.r01"}
+    assert replica_id_clashes(ids) == [("chat.r2", "chat", 2)]
+    # Whatever chat's replica count now: an earlier revision's replica 1 may still stop.
+    assert replica_id_clashes(["chat", "chat.r1"]) == [("chat.r1", "chat", 1)]
+    assert replica_id_clashes(["chat.r1"]) == []
 
 
 def test_a_table_entry_without_a_local_id_runs_under_the_deployment_id() -> None:

@@ -1081,14 +1081,16 @@ class RuntimeManager:
     def _device_request(self, found: Deployment) -> dict[str, Any]:
         """The launch fields that place an engine on its devices: the host's accelerator;
         on an accelerator the reserved devices, the estimate and the smallest device's
-        memory; on a CPU host split into several devices, the threads of one share."""
+        memory; on a CPU host split into several devices, the threads of the shares it
+        holds."""
         accelerator = self.devices.accelerator
+        devices = self._reserved_devices(found)
         if accelerator is Accelerator.CPU:
             shares = len(self.devices.devices)
             if shares <= 1 or _sets_threads(found.config.extra_args):
                 return {"accelerator": "cpu"}
-            return {"accelerator": "cpu", "threads": max(1, (os.cpu_count() or 1) // shares)}
-        devices = self._reserved_devices(found)
+            per_share = max(1, (os.cpu_count() or 1) // shares)
+            return {"accelerator": "cpu", "threads": per_share * max(1, len(devices))}
         totals = [d.total_bytes for i in devices if (d := self.devices.get(i)) is not None]
         return {
             "accelerator": accelerator.value,

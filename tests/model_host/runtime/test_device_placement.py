@@ -300,6 +300,19 @@ async def test_a_cpu_host_split_in_two_runs_two_engines_each_on_its_share(
             assert "CUDA_VISIBLE_DEVICES" not in env
 
 
+async def test_a_deployment_on_two_cpu_shares_gets_the_threads_of_both(tmp_path: Path) -> None:
+    worker = WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=32 * MIB)
+    async with runtime_host(
+        tmp_path,
+        deployments={"a": {**TINY, "tensor_parallel": 2}},
+        launcher=FakeLauncher(),
+        devices=host_devices(worker, [], cpu_devices=2),
+    ) as host:
+        request = await load(host, "a")
+        assert host.manager.snapshot("a").selected_devices == (0, 1)
+        assert request.threads == 2 * max(1, (os.cpu_count() or 1) // 2)
+
+
 async def test_the_operators_thread_count_wins_over_the_share(tmp_path: Path) -> None:
     worker = WorkerProfile(accelerator=Accelerator.CPU, memory_bytes=32 * MIB)
     async with runtime_host(
