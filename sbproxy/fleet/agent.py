@@ -100,6 +100,8 @@ PEER_TIMEOUT_S = 2.0
 # A placed replica that is not serving is loaded again, and a failed reconcile is tried
 # again, at most this often.
 RELOAD_RETRY_S = 5.0
+# A launch refused for want of room on the replica's devices (AdmissionReason's code).
+_NO_ROOM = "insufficient_capacity"
 _STARTABLE = frozenset(
     {DeploymentState.CONFIGURED, DeploymentState.STOPPED, DeploymentState.FAILED}
 )
@@ -320,9 +322,10 @@ class FleetAgent:
     def _replica_counts(self) -> dict[str, dict[str, Any]]:
         """Each local replica as reported: runtime counts and state, the placement it runs
         for, a retained crash loop; a placed replica whose load failed -- the reload that
-        should run it, or its engine's launch here (``failed``: no room on its devices, a
-        device it names that this node lacks, a start timeout) -- is reported
-        ``failure: load_failed`` with the error code."""
+        should run it, or its engine's launch here for want of room (``insufficient_capacity``:
+        its devices are full, or one it holds is gone after a restart; a relaunch cannot
+        help, unlike after an engine exit) -- is reported ``failure: load_failed`` with the
+        error code."""
         mine = self._my_placements()
         counts: dict[str, dict[str, Any]] = {}
         for row in self.manager.status():
@@ -337,7 +340,7 @@ class FleetAgent:
                 "placement": mine.get(row.deployment),
                 "crash_looped": row.crash_looped,
             }
-            if row.state is DeploymentState.FAILED and not row.crash_looped:
+            if row.state is DeploymentState.FAILED and row.reason_code == _NO_ROOM:
                 counts[row.deployment]["failure"] = StuckReason.LOAD_FAILED.value
                 counts[row.deployment]["error"] = row.reason_code
         if self._load_failure is not None:
