@@ -615,8 +615,7 @@ class Gateway:
     def serves_here(self, fleet: PeerDispatch, deployment: str) -> bool:
         """Whether this node serves ``deployment`` itself (:meth:`PeerDispatch.serves_here`):
         a client's request goes to a peer otherwise, a peer's hop is refused."""
-        listed = fleet.local_replicas(deployment) or (deployment,)
-        here = [local for local in listed if local in self.deployments]
+        here = self._runtime_ids(fleet, deployment, unlisted=(deployment,))
 
         def running() -> bool:
             for local in here:
@@ -633,7 +632,7 @@ class Gateway:
         devices), a routable one with the fewest requests in flight and queued, in turn
         among equals; with one, that one; with none listed, ``route`` itself (a deployment
         that is not the fleet's)."""
-        here = [i for i in fleet.local_replicas(route.deployment) if i in self.deployments]
+        here = self._runtime_ids(fleet, route.deployment, unlisted=())
         if not here:
             return route
         if len(here) == 1:
@@ -645,6 +644,14 @@ class Gateway:
             self._turn += 1
             target = best[self._turn % len(best)]
         return route if target == route.deployment else replace(route, deployment=target)
+
+    def _runtime_ids(
+        self, fleet: PeerDispatch, deployment: str, *, unlisted: tuple[str, ...]
+    ) -> list[str]:
+        """The ids this host's runtime runs ``deployment``'s replicas under, as the fleet's
+        table lists them here (``unlisted`` when it lists none here), that this host has."""
+        listed = fleet.local_replicas(deployment) or unlisted
+        return [local for local in listed if local in self.deployments]
 
     def _load_of(self, local: str) -> tuple[int, int]:
         """How a local replica ranks for the next request: routable ones first, then by
