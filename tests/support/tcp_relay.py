@@ -2,8 +2,14 @@
 PostgreSQL) goes through it, so that this host alone is partitioned from the database while
 every other host still reaches it -- a fault one real server cannot make for one client.
 
-While cut, every open connection is closed and a new one is closed as soon as it is
-accepted; :meth:`TcpRelay.heal` lets connections through again.
+Two faults, each until :meth:`TcpRelay.heal`:
+
+* :meth:`TcpRelay.cut` -- a *refused* link: every open connection is closed and a new one is
+  closed as soon as it is accepted (the client learns at once);
+* :meth:`TcpRelay.blackhole` -- a *silent* link, as a dropped route or a dead switch makes
+  it: connections stay open and new ones are accepted, but every byte either way is read
+  and dropped, so a client waits on an answer that never comes (its kernel sees its bytes
+  acknowledged, so only a deadline of its own ends the wait).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class TcpRelay:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._listener.getsockname()[1])
         self._cut = threading.Event()
+        self._hole = threading.Event()
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
@@ -44,9 +51,20 @@ class TcpRelay:
         self._cut.set()
         self._close_open()
 
+    def blackhole(self) -> None:
+        """Drop every byte either way (open connections included), without closing anything,
+        until :meth:`heal`."""
+        self._hole.set()
+
+    @property
+    def faulty(self) -> bool:
+        """Whether the link is cut or blackholed now."""
+        return self._cut.is_set() or self._hole.is_set()
+
     def heal(self) -> None:
-        """Relay connections again."""
+        """Relay connections again (a blackholed connection's dropped bytes stay lost)."""
         self._cut.clear()
+        self._hole.clear()
 
     def close(self) -> None:
         self._closed.set()
@@ -73,6 +91,11 @@ class TcpRelay:
             if self._cut.is_set():
                 client.close()
                 continue
+            if self._hole.is_set():
+                # Accepted and held open, never answered: the client's connect succeeds and
+                # its first message (the startup packet) is read and dropped.
+                threading.Thread(target=self._swallow, args=(client,), daemon=True).start()
+                continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
             except OSError:
@@ -81,6 +104,25 @@ class TcpRelay:
             with self._lock:
                 self._open.update((client, upstream))
             threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _swallow(self, client: socket.socket) -> None:
+        """Read and drop what ``client`` sends while the link is blackholed; relay nothing.
+        After a heal the connection is closed (its handshake was lost)."""
+        with self._lock:
+            self._open.add(client)
+        try:
+            client.settimeout(0.2)
+            while self._hole.is_set() and not self._closed.is_set():
+                try:
+                    if not client.recv(65536):
+                        return
+                except TimeoutError:
+                    continue
+        except OSError:
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                client.close()
 
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
         selector = selectors.DefaultSelector()
@@ -95,7 +137,8 @@ class TcpRelay:
                     data = source.recv(65536)
                     if not data:
                         return
-                    peers[source].sendall(data)
+                    if not self._hole.is_set():
+                        peers[source].sendall(data)
         except (OSError, ValueError):
             return
         finally:
