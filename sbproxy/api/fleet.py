@@ -4,11 +4,12 @@ admin route) and the peer lease route on the gateway (fleet credential).
 Admin routes (all JSON, ``schema_version: 1``; on a host that is not ``cluster_authority``
 every one answers 409 ``fleet_disabled``):
 
-* ``GET /admin/fleet/nodes`` -- ``{now_ms, controller, nodes: [...]}``, each node with its
-  state, labels, devices, reported replicas and ``heartbeat_age_ms`` (database time);
+* ``GET /admin/fleet/nodes[?all=true]`` -- ``{now_ms, controller, nodes: [...]}``, each
+  node with the state the controller recorded, labels, devices, reported replicas and
+  ``heartbeat_age_ms`` (database time); removed members only with ``all``;
 * ``GET /admin/fleet/nodes/{node}`` -- one node (404 ``unknown_node``);
-* ``POST /admin/fleet/nodes/{node}/{cordon|uncordon|drain|remove}`` -- the operator's flag,
-  recorded as a ``fleet.node`` job: 202 ``{job_id, node, action}``;
+* ``POST /admin/fleet/nodes/{node}/{cordon|uncordon|drain|remove|admit}`` -- the operator's
+  flag, recorded as a ``fleet.node`` job: 202 ``{job_id, node, action}``;
 * ``GET /admin/fleet/placements`` -- every placement and every replica's reported runtime
   (``sbproxy models ps --fleet``): its ``variant``, its ``estimate_basis`` (``gguf_header``
   or ``file_size``), ``stuck`` (``placement_timeout``, ``crash_loop``, ``load_failed``, or
@@ -20,8 +21,9 @@ A journal that cannot be reached answers 503 ``journal_unavailable``.
 
 Peer route: ``GET /fleet/v1/lease`` on the gateway, ``Authorization: Bearer <fleet
 credential>`` (401 ``peer_unauthorized`` otherwise; 404 when no credential is configured):
-``{node_id, renewed_recently, fenced}`` -- what a host that cannot renew asks its peers
-before fencing itself.
+``{node_id, renewed_at_ms, renewed_recently, fenced}`` -- what a host that cannot renew
+asks its peers before fencing itself (it fences when a peer renewed, on database time, after
+it lost the database).
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ from typing import Any
 import anyio.to_thread
 from litestar import Request, Response, get, post
 from litestar.handlers import HTTPRouteHandler
-from litestar.params import FromPath
+from litestar.params import FromPath, Parameter
 
 from sbproxy.api.errors import admin_error
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.agent import FleetAgent
-from sbproxy.fleet.control import observe, stuck_placements
+from sbproxy.fleet.control import stuck_placements
 from sbproxy.fleet.membership import replica_state
 from sbproxy.fleet.routing import replica_deployment_id
 from sbproxy.store.fleet import FleetSnapshot
@@ -50,6 +52,7 @@ _ACTIONS = {
     "uncordon": {"cordoned": False, "draining": False},
     "drain": {"cordoned": True, "draining": True},
     "remove": {"left": True},
+    "admit": {"left": False},
 }
 EVENTS = 100
 
@@ -68,17 +71,18 @@ def _error(exc: SbproxyError) -> Response[dict[str, object]]:
     return admin_error(status=status, code=exc.code, message=exc.message, details=exc.details)
 
 
-def _nodes(agent: FleetAgent, snapshot: FleetSnapshot) -> list[dict[str, Any]]:
-
-    observed = {
-        view.id: view.state.value
-        for view in observe(snapshot.nodes, now_ms=snapshot.now_ms, timing=agent.timing)
-    }
+def _nodes(
+    agent: FleetAgent, snapshot: FleetSnapshot, *, removed: bool = True
+) -> list[dict[str, Any]]:
+    """Every member as the controller recorded it: one state, the controller's (issue 30,
+    item 7), with ``heartbeat_age_ms`` beside it on database time; ``removed=False`` leaves
+    out members removed from the fleet."""
+    del agent  # the state shown is the controller's record, not this host's judgement
     rows = []
     for node in snapshot.nodes:
+        if node.left and not removed:
+            continue
         row = node.to_dict(snapshot.now_ms)
-        row["recorded_state"] = row["state"]
-        row["state"] = observed.get(node.id, node.state)
         row["controller"] = (
             snapshot.controller is not None
             and snapshot.controller.holder == node.id
@@ -134,8 +138,11 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
             return _error(exc)
 
     @get("/fleet/nodes")
-    async def nodes() -> Response[dict[str, object]]:
-        """Every member with its state on database time."""
+    async def nodes(
+        all_nodes: bool = Parameter(query="all", default=False),
+    ) -> Response[dict[str, object]]:
+        """Every member (removed ones only with ``?all=true``), in the state the controller
+        recorded, with its heartbeat age on database time."""
         snapshot = await read()
         if isinstance(snapshot, Response) or agent is None:
             return snapshot if isinstance(snapshot, Response) else _disabled()
@@ -145,7 +152,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
                 "now_ms": snapshot.now_ms,
                 "local_node": agent.identity.id,
                 "controller": snapshot.controller.to_dict() if snapshot.controller else None,
-                "nodes": _nodes(agent, snapshot),
+                "nodes": _nodes(agent, snapshot, removed=all_nodes),
             }
         )
 
@@ -170,7 +177,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
     async def node_action(
         node: FromPath[str], action: FromPath[str]
     ) -> Response[dict[str, object]]:
-        """Cordon, uncordon, drain or remove a member (a ``fleet.node`` job)."""
+        """Cordon, uncordon, drain, remove or admit a member (a ``fleet.node`` job)."""
         if agent is None:
             return _disabled()
         flags = _ACTIONS.get(action)
@@ -262,12 +269,6 @@ def peer_handlers(agent: FleetAgent | None, credential: str | None) -> list[HTTP
                 },
                 status_code=401,
             )
-        return Response(
-            {
-                "node_id": agent.identity.id,
-                "renewed_recently": agent.renewed_recently(),
-                "fenced": agent.fenced,
-            }
-        )
+        return Response(agent.lease_report())
 
     return [lease]

@@ -169,7 +169,7 @@ async def open_host(
                     fleet=agent,
                 )
             finally:
-                await _shutdown_runtime(manager, budget_s=stop.engine_budget_s() if stop else None)
+                await _stop_serving(agent, manager, stop)
                 group.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
@@ -194,6 +194,18 @@ async def _cluster_start(
     except BaseException:
         store.close()
         raise
+
+
+async def _stop_serving(
+    agent: FleetAgent | None, manager: RuntimeManager, stop: Shutdown | None
+) -> None:
+    """A graceful stop: a fleet member marks itself leaving first -- out of every gateway's
+    rotation before its engines stop, re-placed after ``rejoin_grace_ms`` rather than
+    ``lost_after_ms`` (issue 30, item 5) -- then the runtime shuts down."""
+    if agent is not None:
+        with anyio.CancelScope(shield=True):
+            await agent.leave()
+    await _shutdown_runtime(manager, budget_s=stop.engine_budget_s() if stop else None)
 
 
 async def _shutdown_runtime(manager: RuntimeManager, *, budget_s: float | None) -> None:

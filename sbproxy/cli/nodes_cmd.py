@@ -1,13 +1,15 @@
-"""``sbproxy nodes list|show|cordon|uncordon|drain|remove``: the fleet's members through a
+"""``sbproxy nodes list|show|cordon|uncordon|drain|remove|admit``: the fleet's members through a
 ``cluster_authority`` host's admin API (``/admin/fleet/*``), admin connection options as
 ``sbproxy models ps``.
 
-``list`` and ``show`` read (state on database time, last heartbeat age, labels, replicas);
-the four mutations set the operator's flag on the member and answer the ``fleet.node`` job
-that recorded it (``job_id``): ``cordon`` -- no new replicas there; ``drain`` -- cordon and
-move its replicas elsewhere (started there first); ``uncordon`` -- clear both; ``remove`` --
-the member leaves the fleet (its replicas are re-placed; a host that comes back joins
-afresh). Exit 0 done, 2 refused (unknown node, not a fleet host), 1 unreachable.
+``list`` and ``show`` read (the state the controller recorded, last heartbeat age, labels,
+replicas; ``list`` leaves removed members out unless ``--all``); the mutations set the
+operator's flag on the member and answer the ``fleet.node`` job that recorded it
+(``job_id``): ``cordon`` -- no new replicas there; ``drain`` -- cordon and move its replicas
+elsewhere (started there first); ``uncordon`` -- clear both; ``remove`` -- the member leaves
+the fleet (its replicas are re-placed; a host that comes back is refused, ``node_removed``,
+until ``admit``); ``admit`` -- a removed member may join again. Exit 0 done, 2 refused
+(unknown node, not a fleet host), 1 unreachable.
 """
 
 from __future__ import annotations
@@ -56,14 +58,17 @@ def nodes_group() -> None:
 
 
 @nodes_group.command("list")
+@click.option("--all", "show_all", is_flag=True, help="Show removed members too (state left).")
 @admin_options
 @format_option
-def list_command(admin_url: str, username: str, password: str, output_format: str) -> None:
+def list_command(
+    show_all: bool, admin_url: str, username: str, password: str, output_format: str
+) -> None:
     """Every member: state, last heartbeat age, labels, replicas (* marks the controller)."""
     body = admin_call(
         "nodes.list",
         "GET",
-        f"{admin_url.rstrip('/')}/admin/fleet/nodes",
+        f"{admin_url.rstrip('/')}/admin/fleet/nodes" + ("?all=true" if show_all else ""),
         auth=(username, password),
         output_format=output_format,
     )
@@ -133,5 +138,10 @@ nodes_group.add_command(
     _mutation("drain", "Cordon NODE and move its replicas elsewhere (started there first).")
 )
 nodes_group.add_command(
-    _mutation("remove", "Remove NODE from the fleet; its replicas are re-placed.")
+    _mutation(
+        "remove",
+        "Remove NODE from the fleet; its replicas are re-placed, and it is refused "
+        "(node_removed) if it comes back, until `sbproxy nodes admit NODE`.",
+    )
 )
+nodes_group.add_command(_mutation("admit", "Let a removed NODE join the fleet again."))

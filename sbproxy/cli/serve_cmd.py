@@ -113,6 +113,8 @@ START_REFUSALS = frozenset(
         "port_not_permitted",
         "bind_address_unavailable",
         "cache_in_use",
+        "node_id_in_use",
+        "node_removed",
     }
 )
 

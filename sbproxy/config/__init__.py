@@ -10,6 +10,7 @@ from sbproxy.config.document import SbConfig
 from sbproxy.config.engine_args import check_engine_args
 from sbproxy.config.loader import load_config, load_config_text
 from sbproxy.config.model_host import (
+    FENCE_ASKS,
     MAX_CACHE_BUDGET_GIB,
     Authority,
     CacheConfig,
@@ -26,6 +27,8 @@ from sbproxy.config.model_host import (
     PullPolicy,
     Rollout,
     SourceArchiveConfig,
+    fence_bound_ms,
+    peer_ask_timeout_ms,
 )
 from sbproxy.config.origins import (
     AiProxyAction,
@@ -47,6 +50,7 @@ from sbproxy.config.reference import config_reference_markdown
 from sbproxy.config.schema import config_json_schema, config_json_schema_text
 
 __all__ = [
+    "FENCE_ASKS",
     "MAX_CACHE_BUDGET_GIB",
     "AdminConfig",
     "AdminTlsConfig",
@@ -84,7 +88,9 @@ __all__ = [
     "config_json_schema_text",
     "config_reference_markdown",
     "dotted",
+    "fence_bound_ms",
     "legacy_deployment_id",
     "load_config",
     "load_config_text",
+    "peer_ask_timeout_ms",
 ]

@@ -11,7 +11,7 @@ import math
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -359,6 +359,27 @@ class EnginesConfig(ConfigModel):
 
 _NOT_WIRED = " Used under authority: cluster_authority."
 
+FENCE_ASKS: Final = 2
+"""Asks in a row that reach no peer before a host that cannot renew fences as a minority
+partition (one slow answer on a busy host is not a partition)."""
+
+
+def peer_ask_timeout_ms(heartbeat_ms: int) -> int:
+    """How long a host that cannot renew waits for one peer's answer to its fence ask, in
+    ms: one heartbeat period, at least 250 ms and at most 2 s (a peer on a loaded machine
+    answers in milliseconds; one that does not within a period counts as not reached)."""
+    return max(250, min(2_000, heartbeat_ms))
+
+
+def fence_bound_ms(*, heartbeat_ms: int, fence_after_ms: int) -> int:
+    """The longest a host cut off from the database keeps its engines, in ms after its last
+    successful renewal: ``fence_after_ms``, then :data:`FENCE_ASKS` asks of at most
+    :func:`peer_ask_timeout_ms` each, one heartbeat apart (a minority partition fences on
+    the last; a host whose peers renewed fences on the first). The fence decision runs on
+    its own clock, so no call in flight delays it (ARCHITECTURE.md "Several hosts")."""
+    asks = FENCE_ASKS * peer_ask_timeout_ms(heartbeat_ms)
+    return fence_after_ms + asks + (FENCE_ASKS - 1) * heartbeat_ms
+
 
 def _check_label_key(value: str) -> str:
     if not _LABEL_RE.match(value):
@@ -455,6 +476,14 @@ class FleetConfig(ConfigModel):
         "crash loop is moved at once. No other node fits: it stays, reported. Must exceed "
         "lost_after_ms." + _NOT_WIRED,
     )
+    rejoin_grace_ms: int | None = Field(
+        default=None,
+        ge=1,
+        le=_ONE_DAY_MS,
+        description="Milliseconds a host that stopped gracefully (SIGTERM, marked leaving: "
+        "out of rotation at once) keeps its placements for a restart; past it its replicas "
+        "are re-placed. At most lost_after_ms; default half of lost_after_ms." + _NOT_WIRED,
+    )
     placement: PlacementStrategy = Field(
         default=PlacementStrategy.SPREAD,
         description="Node scoring: spread (fewest replicas and most free memory first) or "
@@ -514,6 +543,32 @@ class FleetConfig(ConfigModel):
                     f"lost_after_ms {self.lost_after_ms} must be greater than fence_after_ms "
                     f"{self.fence_after_ms}: a node must stop its own engines before the fleet "
                     "starts its replicas elsewhere",
+                )
+            )
+        bound = fence_bound_ms(heartbeat_ms=self.heartbeat_ms, fence_after_ms=self.fence_after_ms)
+        if (
+            self.lost_after_ms > self.fence_after_ms
+            and bound + self.heartbeat_ms > self.lost_after_ms
+        ):
+            problems.append(
+                (
+                    ("lost_after_ms",),
+                    f"lost_after_ms {self.lost_after_ms} is too short for this timing: a host "
+                    f"cut off from the database may keep its engines up to {bound} ms "
+                    f"(fence_after_ms {self.fence_after_ms} + {FENCE_ASKS} peer asks of "
+                    f"{peer_ask_timeout_ms(self.heartbeat_ms)} ms, a heartbeat apart), and "
+                    "the fleet must not start its replicas elsewhere before that plus one "
+                    f"heartbeat; raise lost_after_ms to at least {bound + self.heartbeat_ms} "
+                    "or lower fence_after_ms or heartbeat_ms",
+                )
+            )
+        if self.rejoin_grace_ms is not None and self.rejoin_grace_ms > self.lost_after_ms:
+            problems.append(
+                (
+                    ("rejoin_grace_ms",),
+                    f"rejoin_grace_ms {self.rejoin_grace_ms} must be at most lost_after_ms "
+                    f"{self.lost_after_ms}: a host that said it is leaving is not waited for "
+                    "longer than a silent one",
                 )
             )
         if self.placement_timeout_ms <= self.lost_after_ms:

@@ -46,11 +46,13 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 import httpx
+from ulid import ULID
 
 from sbproxy.config import DeploymentConfig
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.control import (
     avoided_nodes,
+    catalog_artifact,
     definition_digest,
     deployment_spec,
     device_capacities,
@@ -60,6 +62,7 @@ from sbproxy.fleet.control import (
     local_placements,
     node_moves,
     observe,
+    partition_peers,
     placement_views,
     reported_facts,
     stuck_placements,
@@ -88,7 +91,14 @@ from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.reload import reload, with_deployments
 from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.model_host.service import ModelHostService
-from sbproxy.store.fleet import ControllerLease, Deposed, FleetSnapshot, FleetStore
+from sbproxy.store.fleet import (
+    ControllerLease,
+    Deposed,
+    FleetSnapshot,
+    FleetStore,
+    NodeIdInUse,
+    Renewal,
+)
 from sbproxy.workflows.faults import fault_point
 
 __all__ = ["FleetAgent", "NodeIdentity", "PeerAsker", "ask_peers_http", "fleet_view"]
@@ -119,30 +129,49 @@ class NodeIdentity:
     advertise_url: str
 
 
-def ask_peers_http(credential: str | None) -> PeerAsker:
+def ask_peers_http(
+    credential: str | Callable[[], str | None] | None, *, timeout_s: float = PEER_TIMEOUT_S
+) -> PeerAsker:
     """A :data:`PeerAsker` over HTTP: ``GET <base_url>/fleet/v1/lease`` with the fleet
-    credential; a peer that does not answer 200 in a second is not reached."""
+    credential (a string, or a callable read at each ask, so that a reloaded credential is
+    the one sent). A peer that does not answer 200 within ``timeout_s``, or whose answer
+    names another node than the one asked (a loopback advertise URL reaching this host's
+    own gateway, an address reused by another host), is not reached (issue 30, item 18)."""
+
+    def current() -> str | None:
+        return credential() if callable(credential) else credential
 
     async def ask(peers: Sequence[tuple[str, str]]) -> list[PeerAnswer]:
-        if not credential:
+        secret = current()
+        if not secret:
             return [PeerAnswer(node_id=node, reached=False) for node, _ in peers]
-        headers = {"Authorization": f"Bearer {credential}"}
+        headers = {"Authorization": f"Bearer {secret}"}
         answers: dict[str, PeerAnswer] = {}
 
         async def one(client: httpx.AsyncClient, node: str, base_url: str) -> None:
             try:
-                response = await client.get(base_url + PEER_LEASE_PATH, headers=headers)
+                with anyio.fail_after(timeout_s):
+                    response = await client.get(base_url + PEER_LEASE_PATH, headers=headers)
                 body = response.json() if response.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
+            except (httpx.HTTPError, ValueError, TimeoutError):
                 body = None
-            if not isinstance(body, dict):
+            if not isinstance(body, dict) or body.get("node_id") != node:
+                if isinstance(body, dict):
+                    logger.warning(
+                        "fence ask: %s at %s answered as %r: not counted as reached",
+                        node,
+                        base_url,
+                        body.get("node_id"),
+                    )
                 answers[node] = PeerAnswer(node_id=node, reached=False)
                 return
-            fresh = bool(body.get("renewed_recently"))
-            answers[node] = PeerAnswer(node_id=node, reached=True, renewed_recently=fresh)
+            at = body.get("renewed_at_ms")
+            answers[node] = PeerAnswer(
+                node_id=node, reached=True, renewed_at_ms=at if isinstance(at, int) else None
+            )
 
         async with (
-            httpx.AsyncClient(timeout=PEER_TIMEOUT_S, trust_env=False) as client,
+            httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client,
             anyio.create_task_group() as group,
         ):
             for node, base_url in peers:
@@ -191,6 +220,12 @@ class FleetAgent:
         self.clock = clock
         self.artifact_facts = artifact_facts
         self.fenced = False
+        self.instance = str(ULID())
+        """This process's token for the node id (a twin with the same id is refused)."""
+        self.renewed_at_ms: int | None = None
+        """Database time of this node's last successful renewal."""
+        self.removed = False
+        """The fleet removed this node: it runs nothing until an operator admits it."""
         self.holding: ControllerLease | None = None
         self.snapshot: FleetSnapshot | None = None
         self.views: list[NodeView] = []
@@ -209,6 +244,10 @@ class FleetAgent:
         self._reconciling = False
         self._reload_failed_at = float("-inf")
         self._unreached = 0
+        self._unspecified: frozenset[str] = frozenset()
+        self._renewing_since: float | None = None
+        self._cut_off_at: float | None = None
+        self._judging = False
         self._last_beat: float | None = None
         self._loaded_at: dict[str, float] = {}
         self._table = RoutingTable(identity.id, {}, clock())
@@ -220,10 +259,21 @@ class FleetAgent:
         return self._table
 
     def renewed_recently(self) -> bool:
-        """This node renewed within ``fence_after_ms`` (what a peer asking is told)."""
+        """This node renewed within ``fence_after_ms``."""
         if self.last_renewal is None:
             return False
         return (self.clock() - self.last_renewal) * 1000 < self.timing.fence_after_ms
+
+    def lease_report(self) -> dict[str, Any]:
+        """What a peer that cannot renew is told (``GET /fleet/v1/lease``): this node's id,
+        its last successful renewal on database time, whether that was recent, and whether
+        it fenced itself."""
+        return {
+            "node_id": self.identity.id,
+            "renewed_at_ms": self.renewed_at_ms,
+            "renewed_recently": self.renewed_recently(),
+            "fenced": self.fenced,
+        }
 
     def replica_counts(self) -> dict[str, tuple[int, int, int]]:
         """``{deployment: (desired, ready, idle)}`` at the last heartbeat, over placements
@@ -261,16 +311,24 @@ class FleetAgent:
     # -- the loop ----------------------------------------------------------------------
 
     async def join(self) -> None:
-        """Join the fleet (at start).
+        """Join the fleet (at start) as this process's instance of the node id.
+
+        When another instance holds the id and renewed within ``lost_after_ms`` (a crashed
+        run of this host, or a twin), the join watches that renewal for two heartbeats and
+        a peer ask: it takes the id over when the renewal stood still (the holder is dead
+        or frozen), and is refused when it moved (a live twin).
 
         Raises:
             JournalUnavailable: ``journal_unavailable``.
+            NodeIdInUse: ``node_id_in_use`` -- another live process holds this node id.
+            NodeRemoved: ``node_removed`` -- an operator removed this node from the fleet.
         """
         worker = ModelHostService.serving(self.manager).worker()
         devices = device_capacities(self.manager.devices)
         facts = await anyio.to_thread.run_sync(self.artifact_facts)
-        await anyio.to_thread.run_sync(
-            lambda: self.store.join(
+
+        def send(take_over: int | None) -> int:
+            return self.store.join(
                 self.identity.id,
                 advertise_url=self.identity.advertise_url,
                 labels=self.identity.labels,
@@ -278,14 +336,57 @@ class FleetAgent:
                 devices=devices,
                 artifacts=self.artifacts(),
                 artifact_facts=facts,
+                instance=self.instance,
+                live_within_ms=self.timing.lost_after_ms,
+                take_over_renewed_at_ms=take_over,
             )
-        )
+
+        try:
+            now = await anyio.to_thread.run_sync(send, None)
+        except NodeIdInUse as held:
+            seen = int(str(held.details["renewed_at_ms"]))
+            logger.info(
+                "node id %s was renewed %s ms ago by another process; watching it",
+                self.identity.id,
+                held.details.get("ms_ago"),
+            )
+            await anyio.sleep(
+                (2 * self.timing.heartbeat_ms + self.timing.peer_ask_timeout_ms) / 1000
+            )
+            # Refused again (NodeIdInUse) when the holder renewed meanwhile: it lives.
+            now = await anyio.to_thread.run_sync(send, seen)
         self._facts_sent = frozenset(facts)
         self.last_renewal = self.clock()
+        self.renewed_at_ms = now
+        self.removed = False
         logger.info("joined the fleet as node %s (%s)", self.identity.id, worker.describe())
 
+    async def leave(self) -> None:
+        """A graceful stop (SIGTERM): mark this node leaving on database time -- out of every
+        gateway's rotation at once; its replicas are re-placed after ``rejoin_grace_ms``
+        unless it is back -- and release the node id for the restart. Best effort: a
+        journal that does not answer leaves the fleet to notice the silence."""
+        try:
+            with anyio.fail_after(min(self.timing.fence_after_ms / 1000, self.store.deadline_s)):
+                left = await anyio.to_thread.run_sync(
+                    partial(self.store.leave, self.identity.id, instance=self.instance),
+                    abandon_on_cancel=True,
+                )
+        except (SbproxyError, TimeoutError) as exc:
+            logger.warning("node %s could not mark itself leaving: %s", self.identity.id, exc)
+            return
+        if left:
+            logger.info(
+                "node %s marked itself leaving (replicas re-placed after %d ms unless it is back)",
+                self.identity.id,
+                self.timing.leaving_grace_ms,
+            )
+
     async def run(self, group: anyio.abc.TaskGroup) -> None:
-        """Beat every ``heartbeat_ms`` until cancelled; reloads run in ``group``."""
+        """Beat every ``heartbeat_ms`` until cancelled; reloads run in ``group``. The lease
+        watch runs beside the beats on its own clock, so that a renewal blocked in a call
+        never delays the fence decision (ARCHITECTURE.md "Several hosts")."""
+        group.start_soon(self.watch_lease)
         period = self.timing.heartbeat_ms / 1000
         while True:
             started = self.clock()
@@ -294,6 +395,32 @@ class FleetAgent:
             except SbproxyError as exc:
                 logger.warning("fleet beat failed: [%s] %s", exc.code, exc)
             await anyio.sleep(max(0.0, period - (self.clock() - started)))
+
+    async def watch_lease(self) -> None:
+        """Judge this node's own lease every half heartbeat, whatever the beat is doing."""
+        period = self.timing.heartbeat_ms / 2000
+        while True:
+            await anyio.sleep(period)
+            try:
+                await self.check_lease()
+            except SbproxyError as exc:  # pragma: no cover - asks never raise; belt and braces
+                logger.warning("lease watch: [%s] %s", exc.code, exc)
+
+    async def check_lease(self) -> None:
+        """One look at the lease: past ``fence_after_ms`` without a successful renewal, ask
+        the peers and fence or hold (:meth:`_judge_own_lease`); one ask at a time."""
+        if self.fenced or self.removed or self.last_renewal is None or self._judging:
+            return
+        since_ms = (self.clock() - self.last_renewal) * 1000
+        if since_ms < self.timing.fence_after_ms:
+            if self.verdict is not FenceVerdict.SERVE and self._renewing_since is None:
+                self.verdict = FenceVerdict.SERVE
+            return
+        self._judging = True
+        try:
+            await self._judge_own_lease()
+        finally:
+            self._judging = False
 
     async def beat(self, group: anyio.abc.TaskGroup) -> None:
         """One heartbeat (module docstring)."""
@@ -308,7 +435,6 @@ class FleetAgent:
             logger.warning("node %s was paused for %d ms", self.identity.id, away_ms)
             self.fence()
         if not await self._renew():
-            await self._judge_own_lease()
             return
         await self._control()
         snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
@@ -370,6 +496,7 @@ class FleetAgent:
         facts = await anyio.to_thread.run_sync(self.artifact_facts)
         # The facts travel again only when the set of artifacts changed.
         changed = None if frozenset(facts) == self._facts_sent else facts
+        self._renewing_since = self.clock()
         try:
             renewed = await anyio.to_thread.run_sync(
                 lambda: self.store.renew(
@@ -377,38 +504,102 @@ class FleetAgent:
                     replicas=counts,
                     artifacts=self.artifacts(),
                     artifact_facts=changed,
+                    instance=self.instance,
                 )
             )
         except SbproxyError as exc:
+            if self._cut_off_at is None:
+                # The first failure since the last success: from now on the database is
+                # known not to answer this node (the fence question compares peers'
+                # renewals with this moment).
+                self._cut_off_at = self.clock()
             logger.warning("membership renewal failed: [%s] %s", exc.code, exc)
             return False
-        if changed is not None:
-            self._facts_sent = frozenset(changed)
+        finally:
+            self._renewing_since = None
         if renewed is None:  # our row is gone (never happens but by hand): join again
             await self.join()
-        elif renewed[1]:
-            logger.warning(
-                "node %s was removed from the fleet; its replicas stop", self.identity.id
-            )
+            return True
+        if not renewed.renewed:
+            return await self._not_renewed(renewed)
+        if changed is not None:
+            self._facts_sent = frozenset(changed)
         self.last_renewal = self.clock()
+        self.renewed_at_ms = renewed.now_ms
+        self._cut_off_at = None
+        self._unreached = 0
+        if renewed.state == "lost" and not self.fenced:
+            # Lost means over: the fleet gave up on this node and ended its placements; stop
+            # every engine it held before anything runs here again.
+            logger.warning(
+                "node %s was declared lost: stopping every engine it held", self.identity.id
+            )
+            self.fence()
         if self.fenced:
             logger.warning("node %s renewed again after fencing: rejoining", self.identity.id)
             self.fenced = False
         self.verdict = FenceVerdict.SERVE
         return True
 
+    async def _not_renewed(self, renewal: Renewal) -> bool:
+        """The database answered but refused the renewal: removed from the fleet, or the
+        node id is held by another process now. Either way this node runs nothing."""
+        if renewal.left:
+            if not self.removed:
+                logger.warning(
+                    "node %s was removed from the fleet: it stops its engines and serves "
+                    "nothing until `sbproxy nodes admit %s`",
+                    self.identity.id,
+                    self.identity.id,
+                )
+            self.removed = True
+            self.holding = None
+            if not self.fenced:
+                self.fence()
+            return False
+        logger.error(
+            "node id %s is held by another sbproxy process now: this one stops its engines "
+            "and joins again only once that one is gone",
+            self.identity.id,
+        )
+        if not self.fenced:
+            self.fence()
+        self.holding = None
+        try:
+            await self.join()
+        except SbproxyError as exc:
+            logger.error("node %s cannot join again: [%s] %s", self.identity.id, exc.code, exc)
+        return False
+
     async def _judge_own_lease(self) -> None:
-        since_ms = int((self.clock() - (self.last_renewal or self.clock())) * 1000)
+        now = self.clock()
+        last = self.last_renewal if self.last_renewal is not None else now
+        since_ms = int((now - last) * 1000)
+        # When this node knew it had lost the database: its first failed renewal's end, or,
+        # for a renewal still blocked, its start plus the store's deadline (no call is
+        # trusted to end on time), never later than now.
+        cut_off = self._cut_off_at
+        if cut_off is None:
+            started = self._renewing_since if self._renewing_since is not None else now
+            cut_off = min(now, started + self.store.deadline_s)
+        own_ms = self.renewed_at_ms or 0
+        cut_off_at_ms = own_ms + int((cut_off - last) * 1000)
+        snapshot = self.snapshot
         peers = [
-            (node.id, node.advertise_url)
-            for node in (self.snapshot.nodes if self.snapshot else ())
-            if node.id != self.identity.id and not node.left and node.advertise_url
+            (node.id, node.advertise_url or "")
+            for node in partition_peers(
+                snapshot.nodes if snapshot else (),
+                node_id=self.identity.id,
+                at_ms=own_ms,
+                timing=self.timing,
+            )
         ]
         answers: list[PeerAnswer] = []
         if since_ms >= self.timing.fence_after_ms and peers:
             answers = await self.ask_peers(peers)
         verdict, self._unreached = judge_own_lease(
             since_own_renewal_ms=since_ms,
+            cut_off_at_ms=cut_off_at_ms,
             timing=self.timing,
             peers_known=len(peers),
             answers=answers,
@@ -416,7 +607,12 @@ class FleetAgent:
         )
         if verdict is not self.verdict:
             logger.warning(
-                "node %s has not renewed for %d ms: %s", self.identity.id, since_ms, verdict.value
+                "node %s has not renewed for %d ms: %s (%d of %d peers reached)",
+                self.identity.id,
+                since_ms,
+                verdict.value,
+                sum(1 for a in answers if a.reached),
+                len(peers),
             )
         self.verdict = verdict
         if verdict is FenceVerdict.FENCE and not self.fenced:
@@ -441,7 +637,7 @@ class FleetAgent:
         try:
             lease = await anyio.to_thread.run_sync(
                 lambda: self.store.hold_controller(
-                    self.identity.id, lease_ms=self.timing.fence_after_ms
+                    self.identity.id, lease_ms=self.timing.fence_after_ms, instance=self.instance
                 )
             )
         except SbproxyError as exc:
@@ -449,7 +645,7 @@ class FleetAgent:
             self.holding = None
             return
         if lease is not None and lease.fresh:
-            logger.warning("node %s is the controller (epoch %d)", lease.holder, lease.epoch)
+            logger.info("node %s is the controller (epoch %d)", lease.holder, lease.epoch)
         self.holding = lease
         if lease is None:
             return
@@ -484,7 +680,7 @@ class FleetAgent:
                     (change.transition.from_state.value, change.transition.to_state.value)
                 ] += 1
                 logger.warning("node %s: %s", change.node, change.transition.to_dict())
-        specs, definitions = self._specs(snapshot)
+        specs, definitions, frozen = self._specs(snapshot)
         current = {d: (s.revision, definition_digest(definitions[d])) for d, s in specs.items()}
         stuck = stuck_placements(
             snapshot.placements,
@@ -498,7 +694,7 @@ class FleetAgent:
             for choice in spec.choices()
         }
         placed = placement_views(snapshot.placements, current, stuck, sizes)
-        decided = plan(views, list(specs.values()), placed, policy=self.policy)
+        decided = plan(views, list(specs.values()), placed, policy=self.policy, frozen=frozen)
         self._note_staying(stuck, placed, decided.decisions)
         await self._carry_out(lease, decided.decisions, definitions)
         for placement in forgettable(placed, views):
@@ -527,13 +723,20 @@ class FleetAgent:
 
     def _specs(
         self, snapshot: FleetSnapshot
-    ) -> tuple[dict[str, DeploymentSpec], dict[str, dict[str, Any]]]:
-        """The desired deployments as planner specs, and their definitions (JSON)."""
+    ) -> tuple[dict[str, DeploymentSpec], dict[str, dict[str, Any]], frozenset[str]]:
+        """The desired deployments as planner specs, their definitions (JSON), and the ones
+        this controller cannot build a spec for (frozen: never stopped for it).
+
+        A spec comes from the catalog, not from this controller's own hardware: a pinned
+        variant is taken as pinned (its hardware is checked per candidate node by the
+        planner), and an unpinned one is resolved on this worker when it can be, else sized
+        as the model's first variant an engine serves (the node resolves its own)."""
         if snapshot.desired_document is None or snapshot.desired_revision is None:
-            return {}, {}
+            return {}, {}, frozenset()
         document = json.loads(snapshot.desired_document)
         specs: dict[str, DeploymentSpec] = {}
         definitions: dict[str, dict[str, Any]] = {}
+        frozen: set[str] = set()
         service = ModelHostService.serving(self.manager)
         # Sized from a member's GGUF header where one holds the artifact, else file sizes.
         facts = reported_facts(snapshot.nodes)
@@ -541,7 +744,11 @@ class FleetAgent:
         for deployment, body in sorted(document.get("deployments", {}).items()):
             try:
                 config = DeploymentConfig.model_validate(body)
-                artifact = self.manager.resolve_config(config, service.catalog)
+                artifact = catalog_artifact(
+                    config,
+                    service.catalog,
+                    lambda c: self.manager.resolve_config(c, service.catalog),
+                )
                 specs[deployment] = deployment_spec(
                     deployment,
                     config,
@@ -552,11 +759,19 @@ class FleetAgent:
                     safety_margin=self.manager.safety_margin,
                     avoid=avoid.get(deployment, frozenset()),
                 )
-            except (SbproxyError, ValueError) as exc:
-                logger.warning("deployment %s cannot be placed: %s", deployment, exc)
+            except (SbproxyError, ValueError, KeyError) as exc:
+                if deployment not in self._unspecified:
+                    logger.warning(
+                        "deployment %s cannot be planned by this controller: %s; its "
+                        "placements are kept as they are",
+                        deployment,
+                        exc,
+                    )
+                frozen.add(deployment)
                 continue
             definitions[deployment] = config.model_dump(mode="json", exclude_unset=True)
-        return specs, definitions
+        self._unspecified = frozenset(frozen)
+        return specs, definitions, frozenset(frozen)
 
     async def _carry_out(
         self,
@@ -564,7 +779,15 @@ class FleetAgent:
         decisions: Sequence[Any],
         definitions: dict[str, dict[str, Any]],
     ) -> None:
+        # A stuck placement's move stops it in the replacement's own transaction.
+        moved = {
+            d.replaces
+            for d in decisions
+            if isinstance(d, ReplaceReplica) and d.cause != "node_gone"
+        }
         for decision in decisions:
+            if isinstance(decision, StopReplica) and decision.placement in moved:
+                continue
             if isinstance(decision, StartReplica | ReplaceReplica):
                 body = decision.model_dump(mode="json")
                 definition = definitions[decision.deployment]

@@ -13,7 +13,8 @@ reads a clock: database time comes in the snapshot.
 * :func:`placement_views` -- the recorded placements as the planner sees them: a placement
   whose definition is the deployment's current one counts as the current revision, so a
   change to one deployment does not roll every other one.
-* :func:`judge_own_lease` -- whether a node that cannot renew fences itself.
+* :func:`judge_own_lease`, :func:`partition_peers` -- whether a node that cannot renew
+  fences itself, and whom it asks.
 * :func:`forgettable` -- placements on gone nodes whose replica now serves elsewhere.
 * :func:`local_deployments` -- what one node must run: its placements' definitions (with the
   variant a placement names pinned).
@@ -31,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -42,7 +43,8 @@ from sbproxy.catalog import (
     ResolvedArtifact,
     pinned_artifact,
 )
-from sbproxy.config import DeploymentConfig
+from sbproxy.config import FENCE_ASKS, DeploymentConfig
+from sbproxy.errors import SbproxyError
 from sbproxy.fleet.membership import (
     FenceVerdict,
     FleetTiming,
@@ -73,6 +75,7 @@ __all__ = [
     "DeviceTable",
     "NodeMove",
     "avoided_nodes",
+    "catalog_artifact",
     "definition_digest",
     "deployment_spec",
     "device_capacities",
@@ -83,6 +86,7 @@ __all__ = [
     "local_placements",
     "node_moves",
     "observe",
+    "partition_peers",
     "placement_views",
     "reported_facts",
     "stuck_placements",
@@ -93,14 +97,15 @@ logger = logging.getLogger(__name__)
 _GONE = frozenset({NodeState.LOST, NodeState.LEFT})
 
 
-UNREACHED_ASKS_TO_FENCE = 2
+UNREACHED_ASKS_TO_FENCE = FENCE_ASKS
 """Asks in a row that reach no peer at all before a minority partition fences: one slow
-answer on a busy host is not a partition."""
+answer on a busy host is not a partition (part of :func:`~sbproxy.config.fence_bound_ms`)."""
 
 
 def judge_own_lease(
     *,
     since_own_renewal_ms: int,
+    cut_off_at_ms: int,
     timing: FleetTiming,
     peers_known: int,
     answers: Sequence[PeerAnswer],
@@ -113,10 +118,11 @@ def judge_own_lease(
         The verdict and the count of asks in a row that reached no peer (pass it back as
         ``unreached_before`` next time). A ``fence`` because no peer answered becomes
         ``hold`` until :data:`UNREACHED_ASKS_TO_FENCE` asks in a row reached none; a peer
-        that renewed recently fences at once.
+        that renewed after ``cut_off_at_ms`` fences at once.
     """
     verdict = fence_verdict(
         since_own_renewal_ms=since_own_renewal_ms,
+        cut_off_at_ms=cut_off_at_ms,
         timing=timing,
         peers_known=peers_known,
         answers=answers,
@@ -126,6 +132,31 @@ def judge_own_lease(
     if none_reached and unreached < UNREACHED_ASKS_TO_FENCE:
         verdict = FenceVerdict.HOLD
     return verdict, unreached
+
+
+def partition_peers(
+    nodes: Sequence[Any], *, node_id: str, at_ms: int, timing: FleetTiming
+) -> list[Any]:
+    """The members a node that cannot renew asks before fencing: every other member, not
+    ``left``, with an advertise URL, that renewed within ``lost_after_ms`` of ``at_ms`` (the
+    database time of this node's last successful renewal). A member dead for longer is no
+    partition peer: counting it would fence the only survivor of a two-node fleet in an
+    outage for everyone (issue 30, item 19).
+
+    Args:
+        nodes: ``NodeRow``-shaped members of this node's last snapshot.
+        node_id: This node.
+        at_ms: This node's last successful renewal, on database time.
+        timing: The fleet's timing.
+    """
+    return [
+        node
+        for node in nodes
+        if node.id != node_id
+        and not node.left
+        and node.advertise_url
+        and at_ms - node.renewed_at_ms < timing.lost_after_ms
+    ]
 
 
 @dataclass(frozen=True)
@@ -161,14 +192,27 @@ def observe(
         nodes: ``NodeRow``-shaped members.
         now_ms: Database now.
         timing: The fleet's timing.
-        watching_since_ms: When this controller took the lease (database time); silence
-            before it is not counted while it is younger than ``lost_after_ms``.
+        watching_since_ms: When this controller took the lease (database time), while it
+            is younger than ``lost_after_ms``. A member's silence before it is not counted
+            toward ``lost`` (ARCHITECTURE.md "No re-placement storms"), but a member with no
+            renewal since it is ``suspect``, never ``ready``: it takes no new replica until
+            this controller has seen it renew (issue 30, item 4). A member already recorded
+            ``lost`` or ``left`` gets no such grace: it stays gone until it renews (item 21).
     """
     views = []
     for node in nodes:
         last = node.renewed_at_ms
-        if watching_since_ms is not None:
-            last = max(last, watching_since_ms)
+        unconfirmed = False
+        gone = node.state in (NodeState.LOST.value, NodeState.LEFT.value)
+        if watching_since_ms is not None and not gone and last < watching_since_ms:
+            last, unconfirmed = watching_since_ms, True
+        leaving = getattr(node, "leaving_at_ms", None)
+        if leaving is not None and node.renewed_at_ms <= leaving:
+            # A graceful leave: its grace counts from the mark, or from this controller's
+            # take-over if later (nobody watched before).
+            leaving = max(leaving, watching_since_ms or leaving)
+        else:
+            leaving = None
         state = derive_state(
             last_renewal_ms=last,
             now_ms=now_ms,
@@ -176,11 +220,14 @@ def observe(
             cordoned=node.cordoned,
             draining=node.draining,
             left=node.left,
+            unconfirmed=unconfirmed,
+            leaving_since_ms=leaving,
         )
         views.append(
             NodeView(
                 id=node.id,
                 state=state,
+                draining=bool(node.draining),
                 labels=dict(node.labels),
                 engines=frozenset(node.engines),
                 devices=tuple(DeviceCapacity.model_validate(d) for d in node.devices),
@@ -490,6 +537,32 @@ def _alternatives(
         artifact = pinned_artifact(catalog, config.model, entry, variant, engine=variant.engines[0])
         found.append((artifact, engines))
     return found
+
+
+def catalog_artifact(
+    config: DeploymentConfig,
+    catalog: Catalog,
+    resolve_here: Callable[[DeploymentConfig], ResolvedArtifact],
+) -> ResolvedArtifact:
+    """The artifact a controller plans ``config`` with, from the catalog rather than its own
+    hardware (issue 30, item 16): a pinned variant as pinned (the planner checks its
+    hardware per candidate node); else the controller's own resolution when it has one;
+    else the model's first variant an engine serves (each node resolves its own).
+
+    Raises:
+        SbproxyError | KeyError | ValueError: the model or variant is not in the catalog.
+    """
+    entry = catalog.models[config.model]
+    if config.variant is not None:
+        variant = next(v for v in entry.variants if v.id == config.variant)
+        return pinned_artifact(catalog, config.model, entry, variant, engine=variant.engines[0])
+    try:
+        return resolve_here(config)
+    except SbproxyError:
+        alternatives = _alternatives(config, catalog)
+        if not alternatives:
+            raise
+        return alternatives[0][0]
 
 
 def deployment_spec(

@@ -16,14 +16,16 @@ States (issue 20, "Membership"):
 * ``suspect`` -- a renewal is late (more than 1.5 heartbeat periods since the last one);
   keeps its replicas, takes no new ones;
 * ``lost`` -- no renewal for ``lost_after_ms``; its replicas are re-placed elsewhere;
+* ``leaving`` -- it stopped gracefully and said so: out of rotation at once, keeps its
+  placements for ``rejoin_grace_ms`` (a restart), then ``lost``;
 * ``cordoned`` -- an operator said "no new replicas here"; keeps the ones it has;
 * ``draining`` -- cordoned, and its replicas are moved elsewhere (start there first);
 * ``left`` -- removed from the fleet; terminal (a host that comes back joins afresh).
 
-Precedence when several apply: ``left`` > ``lost`` > ``draining`` > ``cordoned`` >
-``suspect`` > ``ready``. Liveness loss beats an operator flag (a cordoned node that dies
-must still have its replicas re-placed); the operator's flag beats a late renewal, which
-is a hint only.
+Precedence when several apply: ``left`` > ``lost`` > ``leaving`` > ``suspect`` > ``draining`` >
+``cordoned`` > ``ready``. Liveness beats an operator flag: a cordoned or draining node that
+stops renewing is ``suspect`` (its replicas unreachable) and then ``lost``, whatever its
+flags, which stay recorded on its row (issue 30, item 6).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Final
 
-from sbproxy.config import FleetConfig
+from sbproxy.config import FleetConfig, fence_bound_ms, peer_ask_timeout_ms
 from sbproxy.errors import SbproxyError
 
 __all__ = [
@@ -63,6 +65,7 @@ class NodeState(StrEnum):
     READY = "ready"
     SUSPECT = "suspect"
     LOST = "lost"
+    LEAVING = "leaving"
     CORDONED = "cordoned"
     DRAINING = "draining"
     LEFT = "left"
@@ -73,8 +76,8 @@ TERMINAL_NODE_STATES: Final = frozenset({_S.LEFT})
 """States no move leaves."""
 
 UNREACHABLE: Final = "unreachable"
-"""A replica's shown state when its node is lost or has left: what the node last reported
-is history, and nobody can reach that replica now."""
+"""A replica's shown state when its node is suspect, lost or has left: what the node last
+reported is history, and no gateway routes to that replica now."""
 
 
 IDLE: Final = "idle"
@@ -83,6 +86,12 @@ by the first request for it (its own client's, or a peer's hop) -- not ``ready``
 ``unreachable``."""
 
 _KEEP_ALIVE: Final = "keep_alive"
+_UNREACHABLE_STATES: Final = frozenset(
+    {
+        *(_S.SUSPECT, _S.LEAVING, _S.LOST, _S.LEFT),
+        *(x.value for x in (_S.SUSPECT, _S.LEAVING, _S.LOST, _S.LEFT)),
+    }
+)
 
 
 def idle_loadable(reported: Mapping[str, object]) -> bool:
@@ -98,28 +107,31 @@ def replica_state(
     reason_code: str | None = None,
 ) -> str | None:
     """The state to show for a replica whose node is in ``node_state`` and last reported
-    ``reported`` (``None``: nothing yet) with ``reason_code``: :data:`UNREACHABLE` on a lost
-    or departed node, :data:`IDLE` for one keep-alive stopped (:func:`idle_loadable`), else
-    the report."""
-    if node_state in (_S.LOST, _S.LEFT, _S.LOST.value, _S.LEFT.value):
+    ``reported`` (``None``: nothing yet) with ``reason_code``: :data:`UNREACHABLE` on a
+    suspect, lost or departed node (no gateway routes there), :data:`IDLE` for one
+    keep-alive stopped (:func:`idle_loadable`), else the report."""
+    if node_state in _UNREACHABLE_STATES:
         return UNREACHABLE
     if idle_loadable({"state": reported, "reason_code": reason_code}):
         return IDLE
     return reported
 
 
+_ALIVE = frozenset({_S.READY, _S.SUSPECT, _S.CORDONED, _S.DRAINING})
 NODE_TRANSITIONS: Final[Mapping[NodeState, frozenset[NodeState]]] = MappingProxyType(
     {
         # Observations are sparse (one per controller pass), so a live node may be seen
-        # to skip ``suspect`` and go straight to ``lost``.
-        _S.READY: frozenset({_S.SUSPECT, _S.LOST, _S.CORDONED, _S.DRAINING, _S.LEFT}),
-        _S.SUSPECT: frozenset({_S.READY, _S.LOST, _S.CORDONED, _S.DRAINING, _S.LEFT}),
-        _S.CORDONED: frozenset({_S.READY, _S.SUSPECT, _S.LOST, _S.DRAINING, _S.LEFT}),
+        # to skip ``suspect`` and go straight to ``lost``; any live node may say it leaves.
+        _S.READY: frozenset({_S.SUSPECT, _S.LOST, _S.LEAVING, _S.CORDONED, _S.DRAINING, _S.LEFT}),
+        _S.SUSPECT: frozenset({_S.READY, _S.LOST, _S.LEAVING, _S.CORDONED, _S.DRAINING, _S.LEFT}),
+        _S.CORDONED: frozenset({_S.READY, _S.SUSPECT, _S.LOST, _S.LEAVING, _S.DRAINING, _S.LEFT}),
         # A finished drain leaves the node cordoned (no replicas, takes none).
-        _S.DRAINING: frozenset({_S.READY, _S.SUSPECT, _S.LOST, _S.CORDONED, _S.LEFT}),
+        _S.DRAINING: frozenset({_S.READY, _S.SUSPECT, _S.LOST, _S.LEAVING, _S.CORDONED, _S.LEFT}),
+        # A leaving node restarted within its grace is live again; else it is lost.
+        _S.LEAVING: _ALIVE | {_S.LOST, _S.LEFT},
         # A lost node rejoins by renewing: ready, or its operator flags; a single renewal
         # followed by silence again is seen as suspect.
-        _S.LOST: frozenset({_S.READY, _S.SUSPECT, _S.CORDONED, _S.DRAINING, _S.LEFT}),
+        _S.LOST: frozenset({_S.READY, _S.SUSPECT, _S.LEAVING, _S.CORDONED, _S.DRAINING, _S.LEFT}),
         _S.LEFT: frozenset(),
     }
 )
@@ -197,8 +209,8 @@ class FleetTiming:
         fence_after_ms: A node that has not renewed for this long stops taking traffic and
             stops its engines itself (> ``heartbeat_ms``).
         lost_after_ms: The fleet declares a node lost after this long without a renewal
-            and re-places its replicas (> ``fence_after_ms``, so that the node has fenced
-            itself before its replicas start elsewhere).
+            and re-places its replicas (at least :attr:`fence_bound_ms` plus a heartbeat, so
+            that a node cut off has fenced itself before its replicas start elsewhere).
         placement_timeout_ms: A placement still ``pending``/``starting`` this long after it
             was made is stuck: the controller moves it to another node (> ``lost_after_ms``:
             a node's silence is judged before its slowness). Also how long the deployment
@@ -206,13 +218,15 @@ class FleetTiming:
 
     Raises:
         ValueError: the order ``0 < heartbeat_ms < fence_after_ms < lost_after_ms`` is
-            broken (``proxy.model_host.fleet`` is validated the same way at load time).
+            broken, or ``lost_after_ms`` is shorter than :attr:`fence_bound_ms` plus a
+            heartbeat (``proxy.model_host.fleet`` is validated the same way at load time).
     """
 
     heartbeat_ms: int
     fence_after_ms: int
     lost_after_ms: int
     placement_timeout_ms: int = 600_000
+    rejoin_grace_ms: int | None = None
 
     def __post_init__(self) -> None:
         if self.heartbeat_ms <= 0:
@@ -228,6 +242,11 @@ class FleetTiming:
                 f"({self.lost_after_ms}): a node must stop its engines before the fleet "
                 "starts its replicas elsewhere"
             )
+        if self.fence_bound_ms + self.heartbeat_ms > self.lost_after_ms:
+            raise ValueError(
+                f"lost_after_ms ({self.lost_after_ms}) must be at least the fence bound "
+                f"({self.fence_bound_ms}) plus a heartbeat ({self.heartbeat_ms})"
+            )
         if self.placement_timeout_ms <= self.lost_after_ms:
             raise ValueError(
                 f"placement_timeout_ms ({self.placement_timeout_ms}) must be greater than "
@@ -242,7 +261,27 @@ class FleetTiming:
             fence_after_ms=config.fence_after_ms,
             lost_after_ms=config.lost_after_ms,
             placement_timeout_ms=config.placement_timeout_ms,
+            rejoin_grace_ms=config.rejoin_grace_ms,
         )
+
+    @property
+    def leaving_grace_ms(self) -> int:
+        """How long a ``leaving`` node keeps its placements, in ms."""
+        if self.rejoin_grace_ms is not None:
+            return self.rejoin_grace_ms
+        return self.lost_after_ms // 2
+
+    @property
+    def peer_ask_timeout_ms(self) -> int:
+        """How long one fence ask waits for a peer's answer, in ms
+        (:func:`~sbproxy.config.peer_ask_timeout_ms`)."""
+        return peer_ask_timeout_ms(self.heartbeat_ms)
+
+    @property
+    def fence_bound_ms(self) -> int:
+        """The longest a node cut off from the database keeps its engines after its last
+        successful renewal, in ms (:func:`~sbproxy.config.fence_bound_ms`)."""
+        return fence_bound_ms(heartbeat_ms=self.heartbeat_ms, fence_after_ms=self.fence_after_ms)
 
     @property
     def suspect_after_ms(self) -> int:
@@ -258,6 +297,8 @@ def derive_state(
     cordoned: bool = False,
     draining: bool = False,
     left: bool = False,
+    unconfirmed: bool = False,
+    leaving_since_ms: int | None = None,
 ) -> NodeState:
     """A node's state from its lease and its operator flags.
 
@@ -269,24 +310,32 @@ def derive_state(
         cordoned: The operator cordoned the node.
         draining: The operator is draining the node (implies cordoned).
         left: The node was removed from the fleet.
+        unconfirmed: The judge (a controller that just took over) has not seen a renewal
+            of the node since it started watching: the node is at best ``suspect`` -- it
+            keeps its replicas but takes no new one until a renewal is seen (issue 30,
+            item 4).
+        leaving_since_ms: Database time from which a node that stopped gracefully (and
+            has not renewed since) is counted as leaving; ``None`` while it runs.
 
     Returns:
-        ``left`` if ``left``; else ``lost`` when ``now - last >= lost_after_ms``; else
-        ``draining``, ``cordoned`` by flag; else ``suspect`` when
-        ``now - last > timing.suspect_after_ms``; else ``ready``.
+        ``left`` if ``left``; else ``lost`` when ``now - last >= lost_after_ms``, or when it
+        has been leaving for ``timing.leaving_grace_ms``; else ``leaving`` while it is;
+        else ``suspect`` when ``now - last > timing.suspect_after_ms`` or ``unconfirmed``;
+        else ``draining``, ``cordoned`` by flag; else ``ready``.
     """
-    if left:
-        return NodeState.LEFT
     elapsed = max(0, now_ms - last_renewal_ms)
-    if elapsed >= timing.lost_after_ms:
-        return NodeState.LOST
-    if draining:
-        return NodeState.DRAINING
-    if cordoned:
-        return NodeState.CORDONED
-    if elapsed > timing.suspect_after_ms:
-        return NodeState.SUSPECT
-    return NodeState.READY
+    leaving = leaving_since_ms is not None
+    over = leaving and now_ms - (leaving_since_ms or 0) >= timing.leaving_grace_ms
+    # First that applies wins (the precedence of the module docstring).
+    ordered = (
+        (left, NodeState.LEFT),
+        (elapsed >= timing.lost_after_ms or over, NodeState.LOST),
+        (leaving, NodeState.LEAVING),
+        (unconfirmed or elapsed > timing.suspect_after_ms, NodeState.SUSPECT),
+        (draining, NodeState.DRAINING),
+        (cordoned, NodeState.CORDONED),
+    )
+    return next((state for applies, state in ordered if applies), NodeState.READY)
 
 
 class FenceVerdict(StrEnum):
@@ -307,43 +356,58 @@ class PeerAnswer:
 
     Attributes:
         node_id: The peer asked.
-        reached: The peer answered at all.
-        renewed_recently: The peer's own last renewal, read by it on database time, is
-            younger than ``fence_after_ms`` (meaningful only when ``reached``).
+        reached: The peer answered, as itself: an answer that names another node (a
+            loopback advertise URL that reaches the asking host's own gateway, a stale
+            address now used by someone else) is not ``reached``.
+        renewed_at_ms: The peer's own last successful renewal on database time (epoch ms),
+            as it reports it; ``None`` when it never renewed or was not reached.
     """
 
     node_id: str
     reached: bool
-    renewed_recently: bool = False
+    renewed_at_ms: int | None = None
 
 
 def fence_verdict(
     *,
     since_own_renewal_ms: int,
+    cut_off_at_ms: int,
     timing: FleetTiming,
     peers_known: int,
     answers: Sequence[PeerAnswer],
 ) -> FenceVerdict:
     """Decide whether this node must fence itself (ARCHITECTURE.md "Several hosts").
 
+    The question is not whether a peer renewed *recently* -- in an outage for everyone the
+    peers' last renewals are as old as this node's, and the first host to reach its deadline
+    would always see fresh-looking peers and fence (issue 30, item 0) -- but whether a peer
+    renewed *after this node could no longer*: then the database answers others and this
+    node is the odd one out.
+
     Args:
         since_own_renewal_ms: Milliseconds since this node's last successful renewal, on
             its own monotonic clock (it may not be able to read database time).
+        cut_off_at_ms: Database time (epoch ms) by which this node had lost the database:
+            its last successful renewal's database time plus the time until its first
+            failed renewal ended.
         timing: The fleet's timing.
-        peers_known: Other members in this node's last membership snapshot (not ``left``).
-        answers: Answers of the peers asked once the renewal was overdue; may be empty when
-            none was asked yet.
+        peers_known: Other members that were alive (renewed within ``lost_after_ms``) at
+            this node's last successful renewal, not ``left`` (issue 30, item 19: a member
+            dead for long is no partition peer).
+        answers: Answers of those peers, asked once the renewal was overdue; may be empty
+            when none was asked yet.
 
     Returns:
         ``serve`` while ``since_own_renewal_ms < fence_after_ms``. Past it: ``fence`` when
-        any reached peer renewed recently (this node is the odd one out), or when peers are
-        known but none was reached (a minority partition); ``hold`` when there are no other
-        members, or every reached peer cannot renew either (the database is down for all).
+        a reached peer renewed after ``cut_off_at_ms`` (this node is the odd one out), or
+        when peers are known but none was reached (a minority partition); ``hold`` when
+        there are no other live members, or every reached peer's last renewal is no later
+        than this node's loss (the database is down for all).
     """
     if since_own_renewal_ms < timing.fence_after_ms:
         return FenceVerdict.SERVE
     reached = [answer for answer in answers if answer.reached]
-    if any(answer.renewed_recently for answer in reached):
+    if any((answer.renewed_at_ms or 0) > cut_off_at_ms for answer in reached):
         return FenceVerdict.FENCE
     if peers_known > 0 and not reached:
         return FenceVerdict.FENCE

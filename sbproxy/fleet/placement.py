@@ -179,10 +179,14 @@ class NodeView(_Frozen):
         devices: Its devices with the bytes each offers to models in total (not the free
             bytes of a probe: the planner subtracts the placements itself).
         cached_artifacts: Artifact digests already verified in the node's cache.
+        draining: The operator's drain flag, whatever the state shows: a draining node that
+            misses a renewal is ``suspect``, and its replicas still move (a move started
+            there first is not undone by a late heartbeat).
     """
 
     id: str = Field(min_length=1)
     state: NodeState
+    draining: bool = False
     labels: dict[str, str] = Field(default_factory=dict)
     engines: frozenset[str] = frozenset()
     devices: tuple[DeviceCapacity, ...] = ()
@@ -565,8 +569,10 @@ class _Planner:
         deployments: Sequence[DeploymentSpec],
         placements: Sequence[PlacementView],
         policy: PlacementPolicy,
+        frozen: frozenset[str] = frozenset(),
     ) -> None:
         _require_distinct("node", [node.id for node in nodes])
+        self.frozen = frozen - {spec.id for spec in deployments}
         _require_distinct("deployment", [spec.id for spec in deployments])
         _require_distinct("placement", [placement.id for placement in placements])
         self.nodes = {node.id: node for node in sorted(nodes, key=lambda n: n.id)}
@@ -606,13 +612,15 @@ class _Planner:
 
     def _draining(self, placement: PlacementView) -> bool:
         node = self.nodes.get(placement.node)
-        return node is not None and node.state is NodeState.DRAINING
+        return node is not None and (node.state is NodeState.DRAINING or node.draining)
 
     # -- the plan ----------------------------------------------------------------------
 
     def run(self) -> PlacementPlan:
         wanted = {spec.id for spec in self.deployments}
         for placement in self.placements:
+            if placement.deployment in self.frozen:
+                continue
             if placement.deployment not in wanted and self._stoppable(placement):
                 self._stop(placement, "removed")
         pending_replacements: list[tuple[DeploymentSpec, int, PlacementView]] = []
@@ -988,6 +996,7 @@ def plan(
     placements: Sequence[PlacementView],
     *,
     policy: PlacementPolicy | None = None,
+    frozen: frozenset[str] = frozenset(),
 ) -> PlacementPlan:
     """Plan the fleet's next safe step (see the module docstring for the rules).
 
@@ -996,6 +1005,10 @@ def plan(
         deployments: The desired deployments (one spec each, at the desired revision).
         placements: Every recorded placement not yet removed.
         policy: Scoring and the re-placement cap; default ``spread``, 2 in flight.
+        frozen: Desired deployments the caller could not build a spec for (a catalog
+            older than the desired document, a definition it cannot read): their placements
+            keep their memory in the plan and get no decision at all -- never stopped as
+            ``removed`` (issue 30, item 16).
 
     Returns:
         A :class:`PlacementPlan`: ``start``/``replace`` decisions, then ``stop``, then
@@ -1006,4 +1019,4 @@ def plan(
     Raises:
         ValueError: two nodes, deployments or placements share an id (a caller bug).
     """
-    return _Planner(nodes, deployments, placements, policy or PlacementPolicy()).run()
+    return _Planner(nodes, deployments, placements, policy or PlacementPolicy(), frozen).run()

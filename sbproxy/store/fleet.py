@@ -40,11 +40,15 @@ __all__ = [
     "Deposed",
     "FleetSnapshot",
     "FleetStore",
+    "NodeIdInUse",
+    "NodeRemoved",
     "NodeRow",
     "PlacementRow",
+    "Renewal",
 ]
 
 _NOW = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT"
+_GONE = frozenset({"lost", "left"})
 CONNECT_TIMEOUT_S = 2
 STATEMENT_TIMEOUT_MS = 3_000
 
@@ -54,6 +58,47 @@ class Deposed(SbproxyError):
     its write was refused by the database."""
 
     default_code = "controller_deposed"
+
+
+class NodeIdInUse(SbproxyError):
+    """Another live process holds this node id (``node_id_in_use``, exit 2): a copied cache
+    or a cloned machine with the same ``<cache>/node-id``, or the same ``node.id`` set on
+    two hosts. ``details``: ``node_id``, ``renewed_at_ms`` (the holder's last renewal,
+    database time) and ``ms_ago``."""
+
+    default_code = "node_id_in_use"
+
+
+class NodeRemoved(SbproxyError):
+    """This node was removed from the fleet (``node_removed``, exit 2): it joins again only
+    once an operator admits it (``sbproxy nodes admit NODE``)."""
+
+    default_code = "node_removed"
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """What one membership renewal found.
+
+    Attributes:
+        now_ms: The renewal's database time (epoch ms); ``None`` when nothing was renewed.
+        state: The node's recorded state (the controller's view), when renewed.
+        left: The node was removed from the fleet: nothing was renewed, it runs nothing
+            until an operator admits it again.
+        held_elsewhere: Another process instance holds this node id now: nothing was
+            renewed; this process must stop its engines and join again (refused while
+            the other one lives).
+    """
+
+    now_ms: int | None
+    state: str | None = None
+    left: bool = False
+    held_elsewhere: bool = False
+
+    @property
+    def renewed(self) -> bool:
+        """Whether the lease was renewed."""
+        return self.now_ms is not None
 
 
 @dataclass(frozen=True)
@@ -76,6 +121,11 @@ class NodeRow:
     artifact_facts: dict[str, dict[str, Any]] = field(default_factory=dict)
     """``{artifact digest: GGUF header facts}`` the node read from its verified artifacts
     (:class:`~sbproxy.model_host.runtime.memory.GgufFacts` fields)."""
+    instance: str = ""
+    """The process instance holding the node id ('' -- released by a graceful stop)."""
+    leaving_at_ms: int | None = None
+    """Database time the node marked itself leaving (a graceful stop); ``None`` while it
+    runs."""
 
     def to_dict(self, now_ms: int | None = None) -> dict[str, Any]:
         """The JSON form (``/admin/fleet/nodes``); with ``now_ms``, ``heartbeat_age_ms``."""
@@ -94,6 +144,7 @@ class NodeRow:
             "left": self.left,
             "joined_at_ms": self.joined_at_ms,
             "renewed_at_ms": self.renewed_at_ms,
+            "leaving_at_ms": self.leaving_at_ms,
         }
         if now_ms is not None:
             out["heartbeat_age_ms"] = max(0, now_ms - self.renewed_at_ms)
@@ -156,6 +207,8 @@ class ControllerLease:
         expires_at_ms: When it lapses unless renewed (database time).
         now_ms: Database time when this was read.
         fresh: This call took the lease (a new epoch), not renewed it.
+        instance: The holder's process instance (a twin with the same node id holds
+            nothing: the lease is held by node and instance).
     """
 
     holder: str
@@ -164,6 +217,7 @@ class ControllerLease:
     expires_at_ms: int
     now_ms: int
     fresh: bool = False
+    instance: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``/admin/fleet/controller``)."""
@@ -229,6 +283,8 @@ def _node(row: Sequence[Any]) -> NodeRow:
         joined_at_ms=int(row[11]),
         renewed_at_ms=int(row[12]),
         artifact_facts=json.loads(row[13]),
+        instance=str(row[14]),
+        leaving_at_ms=None if row[15] is None else int(row[15]),
     )
 
 
@@ -256,7 +312,7 @@ def _placement(row: Sequence[Any]) -> PlacementRow:
 _NODE_COLUMNS = (
     "id, advertise_url, labels_json, engines_json, devices_json, artifacts_json,"
     " replicas_json, state, cordoned, draining, left_fleet, joined_at_ms, renewed_at_ms,"
-    " artifact_facts_json"
+    " artifact_facts_json, instance, leaving_at_ms"
 )
 _PLACEMENT_COLUMNS = (
     "id, deployment, replica, revision, node, devices_json, engine, reserved_bytes, state,"
@@ -280,6 +336,8 @@ class FleetStore:
         self._connection: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
         self._migrated = False
+        self.deadline_s = CONNECT_TIMEOUT_S + STATEMENT_TIMEOUT_MS / 1000
+        """The longest one call may take before it fails (``journal_unavailable``)."""
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -384,15 +442,30 @@ class FleetStore:
         devices: Sequence[Mapping[str, Any]],
         artifacts: Sequence[str],
         artifact_facts: Mapping[str, Mapping[str, Any]] | None = None,
+        instance: str = "",
+        live_within_ms: int | None = None,
+        take_over_renewed_at_ms: int | None = None,
     ) -> int:
-        """Join (or rejoin) as ``node_id``; database now (ms).
+        """Join (or rejoin) as ``node_id`` under process ``instance``; database now (ms).
 
         ``devices``: ``[{index, capacity_bytes, accelerator, compute_capability?}]``, one per
         device (each GPU, or each share of the CPU);
         ``artifact_facts``: ``{digest: GGUF facts}`` of its verified artifacts.
 
-        A node that was removed (``left``) joins afresh: its operator flags are cleared.
-        A known node keeps its flags (a restart does not uncordon it).
+        A known node keeps its operator flags (a restart does not uncordon it) and its
+        recorded state; a graceful leave's mark is cleared.
+
+        Args:
+            instance: This process's token (made at each start).
+            live_within_ms: Refuse while another instance holds the id and renewed within
+                this long (``lost_after_ms``); ``None``: never refuse.
+            take_over_renewed_at_ms: Take the id over from another instance whose last
+                renewal is still exactly this (the caller watched it stand still for
+                longer than a heartbeat: that process is dead or frozen).
+
+        Raises:
+            NodeIdInUse: ``node_id_in_use`` -- another live instance holds the id.
+            NodeRemoved: ``node_removed`` -- the node was removed (``sbproxy nodes admit``).
         """
         info = (
             advertise_url,
@@ -404,26 +477,48 @@ class FleetStore:
         )
         with self._transaction() as cursor:
             now = self._now(cursor)
+            held = cursor.execute(
+                "SELECT instance, renewed_at_ms, left_fleet FROM fleet_nodes WHERE id = %s"
+                " FOR UPDATE",
+                (node_id,),
+            ).fetchone()
+            if held is not None:
+                other, renewed_at, left = str(held[0]), int(held[1]), bool(held[2])
+                if left:
+                    raise NodeRemoved(
+                        f"node {node_id} was removed from the fleet (sbproxy nodes remove); "
+                        "it does not join again by itself",
+                        remediation=f"Admit it again with `sbproxy nodes admit {node_id}`, "
+                        "then start it; or give this host another node id.",
+                        details={"node_id": node_id},
+                    )
+                live = live_within_ms is not None and now - renewed_at < live_within_ms
+                if other not in ("", instance) and live and take_over_renewed_at_ms != renewed_at:
+                    raise NodeIdInUse(
+                        f"node id {node_id} is held by another live sbproxy process (it "
+                        f"renewed {now - renewed_at} ms ago): a copied cache or a cloned "
+                        "machine, or node.id set alike on two hosts",
+                        remediation="Give this host its own id (proxy.model_host.node.id, or "
+                        "delete <cache>/node-id of a copied cache for a fresh one), or stop "
+                        "the other process first.",
+                        details={
+                            "node_id": node_id,
+                            "renewed_at_ms": renewed_at,
+                            "ms_ago": now - renewed_at,
+                        },
+                    )
             cursor.execute(
                 "INSERT INTO fleet_nodes (id, advertise_url, labels_json, engines_json,"
                 " devices_json, artifacts_json, artifact_facts_json, replicas_json, state,"
-                " joined_at_ms, renewed_at_ms)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, '{}', 'ready', %s, %s)"
+                " joined_at_ms, renewed_at_ms, instance)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, '{}', 'ready', %s, %s, %s)"
                 " ON CONFLICT (id) DO UPDATE SET advertise_url = EXCLUDED.advertise_url,"
                 " labels_json = EXCLUDED.labels_json, engines_json = EXCLUDED.engines_json,"
                 " devices_json = EXCLUDED.devices_json, artifacts_json = EXCLUDED.artifacts_json,"
                 " artifact_facts_json = EXCLUDED.artifact_facts_json,"
-                " renewed_at_ms = EXCLUDED.renewed_at_ms,"
-                " joined_at_ms = CASE WHEN fleet_nodes.left_fleet = 1"
-                "   THEN EXCLUDED.joined_at_ms ELSE fleet_nodes.joined_at_ms END,"
-                " state = CASE WHEN fleet_nodes.left_fleet = 1 THEN 'ready'"
-                "   ELSE fleet_nodes.state END,"
-                " cordoned = CASE WHEN fleet_nodes.left_fleet = 1 THEN 0"
-                "   ELSE fleet_nodes.cordoned END,"
-                " draining = CASE WHEN fleet_nodes.left_fleet = 1 THEN 0"
-                "   ELSE fleet_nodes.draining END,"
-                " left_fleet = 0",
-                (node_id, *info, now, now),
+                " renewed_at_ms = EXCLUDED.renewed_at_ms, instance = EXCLUDED.instance,"
+                " leaving_at_ms = NULL",
+                (node_id, *info, now, now, instance),
             )
             self._event(cursor, now, "node_joined", node_id, {"advertise_url": advertise_url})
         return now
@@ -435,33 +530,60 @@ class FleetStore:
         replicas: Mapping[str, Mapping[str, Any]],
         artifacts: Sequence[str] | None = None,
         artifact_facts: Mapping[str, Mapping[str, Any]] | None = None,
-    ) -> tuple[int, bool] | None:
+        instance: str = "",
+    ) -> Renewal | None:
         """Renew ``node_id``'s membership on database time, with its replicas' counts (and,
-        when given, its cached artifacts with their GGUF facts).
+        when given, its cached artifacts with their GGUF facts), as process ``instance``.
+
+        A removed node is not renewed (``left``), nor one another instance holds now
+        (``held_elsewhere``); the statement itself checks both.
 
         Returns:
-            ``(now_ms, left)``; ``None`` when the node has no row (it must join again).
+            The :class:`Renewal`; ``None`` when the node has no row (it must join again).
         """
+        params = {
+            "replicas": json.dumps(dict(replicas), sort_keys=True),
+            "artifacts": None if artifacts is None else json.dumps(sorted(artifacts)),
+            "facts": None if artifact_facts is None else _facts_json(artifact_facts),
+            "id": node_id,
+            "instance": instance,
+        }
         with self._transaction() as cursor:
-            if artifacts is None:
-                row = cursor.execute(
-                    f"UPDATE fleet_nodes SET renewed_at_ms = {_NOW}, replicas_json = %s"  # noqa: S608
-                    f" WHERE id = %s RETURNING renewed_at_ms, left_fleet",
-                    (json.dumps(dict(replicas), sort_keys=True), node_id),
-                ).fetchone()
-            else:
-                row = cursor.execute(
-                    f"UPDATE fleet_nodes SET renewed_at_ms = {_NOW}, replicas_json = %s,"  # noqa: S608
-                    " artifacts_json = %s, artifact_facts_json = COALESCE(%s, artifact_facts_json)"
-                    " WHERE id = %s RETURNING renewed_at_ms, left_fleet",
-                    (
-                        json.dumps(dict(replicas), sort_keys=True),
-                        json.dumps(sorted(artifacts)),
-                        None if artifact_facts is None else _facts_json(artifact_facts),
-                        node_id,
-                    ),
-                ).fetchone()
-        return None if row is None else (int(row[0]), bool(row[1]))
+            row = cursor.execute(
+                f"UPDATE fleet_nodes SET renewed_at_ms = {_NOW}, replicas_json = %(replicas)s,"  # noqa: S608
+                " artifacts_json = COALESCE(%(artifacts)s, artifacts_json),"
+                " artifact_facts_json = COALESCE(%(facts)s, artifact_facts_json),"
+                " leaving_at_ms = NULL"
+                " WHERE id = %(id)s AND left_fleet = 0 AND instance = %(instance)s"
+                " RETURNING renewed_at_ms, state",
+                params,
+            ).fetchone()
+            if row is not None:
+                return Renewal(now_ms=int(row[0]), state=str(row[1]))
+            found = cursor.execute(
+                "SELECT left_fleet FROM fleet_nodes WHERE id = %s", (node_id,)
+            ).fetchone()
+        if found is None:
+            return None
+        if bool(found[0]):
+            return Renewal(now_ms=None, left=True)
+        return Renewal(now_ms=None, held_elsewhere=True)
+
+    def leave(self, node_id: str, *, instance: str) -> bool:
+        """A graceful stop: mark ``node_id`` leaving on database time (out of rotation at
+        once; its replicas are re-placed after ``rejoin_grace_ms`` unless it is back) and
+        release the id (a restart takes it at once); ``False`` when another instance holds
+        it or there is no row."""
+        with self._transaction() as cursor:
+            now = self._now(cursor)
+            moved = cursor.execute(
+                "UPDATE fleet_nodes SET leaving_at_ms = %s, instance = ''"
+                " WHERE id = %s AND instance = %s AND left_fleet = 0",
+                (now, node_id, instance),
+            ).rowcount
+            if moved:
+                self._event(cursor, now, "node_leaving", node_id, {})
+        return bool(moved)
 
     def snapshot(self, *, events: int = 0) -> FleetSnapshot:
         """Members, placements, the controller lease and the newest desired revision, in one
@@ -533,7 +655,8 @@ class FleetStore:
         left: bool | None = None,
     ) -> str | None:
         """An operator's flag change on ``node_id``, recorded as a ``fleet.node`` job; the
-        job id, or ``None`` when there is no such node."""
+        job id, or ``None`` when there is no such node. ``left=False`` admits a removed
+        node again (its other flags cleared; recorded ``lost`` until it renews)."""
         changes = {
             name: value
             for name, value in (("cordoned", cordoned), ("draining", draining), ("left", left))
@@ -541,6 +664,14 @@ class FleetStore:
         }
         columns = {"cordoned": "cordoned", "draining": "draining", "left": "left_fleet"}
         sets = ", ".join(f"{columns[name]} = %({name})s" for name in changes)
+        if changes.get("left") is False:
+            # Admitted again: it joins as a node with no flags, recorded lost (gone) until
+            # the controller sees it renew -- ``left`` itself is terminal in the table.
+            sets += (
+                ", cordoned = CASE WHEN left_fleet = 1 THEN 0 ELSE cordoned END"
+                ", draining = CASE WHEN left_fleet = 1 THEN 0 ELSE draining END"
+                ", state = CASE WHEN left_fleet = 1 THEN 'lost' ELSE state END"
+            )
         params: dict[str, Any] = {name: int(value) for name, value in changes.items()}
         with self._transaction() as cursor:
             now = self._now(cursor)
@@ -562,41 +693,62 @@ class FleetStore:
 
     # -- the controller lease ----------------------------------------------------------
 
-    def hold_controller(self, holder: str, *, lease_ms: int) -> ControllerLease | None:
-        """Renew the controller lease if ``holder`` holds it unexpired, else take it when it
-        is free or lapsed (a new epoch); ``None`` when another host holds it."""
+    def hold_controller(
+        self, holder: str, *, lease_ms: int, instance: str = ""
+    ) -> ControllerLease | None:
+        """Renew the controller lease if ``holder`` (as process ``instance``) holds it
+        unexpired, else take it when it is free or lapsed (a new epoch); ``None`` when
+        another host holds it. A removed member, or one whose id another instance holds
+        now, takes nothing (the statement checks)."""
         with self._transaction() as cursor:
             now = self._now(cursor)
+            params = {"exp": now + lease_ms, "me": holder, "now": now, "inst": instance}
             row = cursor.execute(
                 "UPDATE fleet_controller SET expires_at_ms = %(exp)s WHERE id = 1"
-                " AND holder = %(me)s AND expires_at_ms > %(now)s"
+                " AND holder = %(me)s AND holder_instance = %(inst)s"
+                " AND expires_at_ms > %(now)s"
+                " AND NOT EXISTS (SELECT 1 FROM fleet_nodes WHERE id = %(me)s"
+                "   AND (left_fleet = 1 OR instance <> %(inst)s))"
                 " RETURNING holder, epoch, acquired_at_ms, expires_at_ms",
-                {"exp": now + lease_ms, "me": holder, "now": now},
+                params,
             ).fetchone()
             if row is not None:
-                return ControllerLease(str(row[0]), int(row[1]), int(row[2]), int(row[3]), now)
+                return ControllerLease(
+                    str(row[0]), int(row[1]), int(row[2]), int(row[3]), now, instance=instance
+                )
+            eligible = cursor.execute(
+                "SELECT NOT EXISTS (SELECT 1 FROM fleet_nodes WHERE id = %(me)s"
+                " AND (left_fleet = 1 OR instance <> %(inst)s))",
+                params,
+            ).fetchone()
+            if eligible is None or not eligible[0]:
+                return None
             row = cursor.execute(
-                "INSERT INTO fleet_controller (id, holder, epoch, acquired_at_ms, expires_at_ms)"
-                " VALUES (1, %(me)s, 1, %(now)s, %(exp)s) ON CONFLICT (id) DO UPDATE SET"
+                "INSERT INTO fleet_controller (id, holder, epoch, acquired_at_ms, expires_at_ms,"
+                " holder_instance) VALUES (1, %(me)s, 1, %(now)s, %(exp)s, %(inst)s)"
+                " ON CONFLICT (id) DO UPDATE SET"
                 " holder = EXCLUDED.holder, epoch = fleet_controller.epoch + 1,"
                 " acquired_at_ms = EXCLUDED.acquired_at_ms,"
-                " expires_at_ms = EXCLUDED.expires_at_ms"
+                " expires_at_ms = EXCLUDED.expires_at_ms,"
+                " holder_instance = EXCLUDED.holder_instance"
                 " WHERE fleet_controller.expires_at_ms <= %(now)s"
                 " RETURNING holder, epoch, acquired_at_ms, expires_at_ms",
-                {"me": holder, "now": now, "exp": now + lease_ms},
+                params,
             ).fetchone()
             if row is None:
                 return None
             self._event(cursor, now, "controller_elected", holder, {"epoch": int(row[1])})
-        return ControllerLease(str(row[0]), int(row[1]), int(row[2]), int(row[3]), now, True)
+        return ControllerLease(
+            str(row[0]), int(row[1]), int(row[2]), int(row[3]), now, True, instance=instance
+        )
 
     def _fence(self, cursor: psycopg.Cursor[Any], lease: ControllerLease) -> int:
         """Lock the lease row; database now when ``lease`` still holds it, else Deposed."""
         now = self._now(cursor)
         row = cursor.execute(
             "SELECT epoch FROM fleet_controller WHERE id = 1 AND holder = %s AND epoch = %s"
-            " AND expires_at_ms > %s FOR SHARE",
-            (lease.holder, lease.epoch, now),
+            " AND holder_instance = %s AND expires_at_ms > %s FOR SHARE",
+            (lease.holder, lease.epoch, lease.instance, now),
         ).fetchone()
         if row is None:
             raise Deposed(
@@ -626,6 +778,23 @@ class FleetStore:
                     node_id,
                     {"from": from_state, "to": to, "epoch": lease.epoch},
                 )
+            if moved and to in _GONE:
+                # Lost means over (ARCHITECTURE.md "Several hosts"): the node's placements
+                # end with the move, so a node that comes back gets none of them again --
+                # it stops what it held, and a ready replacement is never stopped for it.
+                ended = cursor.execute(
+                    "UPDATE fleet_placements SET state = 'stopping', epoch = %s,"
+                    " updated_at_ms = %s WHERE node = %s AND state <> 'stopping' RETURNING id",
+                    (lease.epoch, now, node_id),
+                ).fetchall()
+                for (placement,) in ended:
+                    self._event(
+                        cursor,
+                        now,
+                        "stopping",
+                        str(placement),
+                        {"cause": f"node_{to}", "epoch": lease.epoch},
+                    )
         return bool(moved)
 
     def place(
@@ -644,7 +813,8 @@ class FleetStore:
 
         A replace whose ``cause`` is not ``node_gone`` (a stuck or failed placement moved
         off its node) also records, in the same transaction, that the deployment avoids
-        ``from_node`` for ``avoid_ms`` (database time), with a ``stuck_replaced`` event.
+        ``from_node`` for ``avoid_ms`` (database time), with a ``stuck_replaced`` event,
+        and marks the stuck placement ``stopping``: the move is one transaction.
 
         Raises:
             Deposed: the lease is no longer this controller's.
@@ -686,6 +856,22 @@ class FleetStore:
             cause = decision.get("cause")
             if decision.get("replaces") and cause not in (None, "node_gone"):
                 self._avoid(cursor, now, lease, decision, avoid_ms or 0)
+                # The move is one fenced transaction: the replacement and the stop of the
+                # stuck one commit together, so a failed stop never leaves both current
+                # (the next pass would stop the healthy replacement as a duplicate).
+                stopped = cursor.execute(
+                    "UPDATE fleet_placements SET state = 'stopping', epoch = %s,"
+                    " updated_at_ms = %s WHERE id = %s AND state <> 'stopping'",
+                    (lease.epoch, now, decision["replaces"]),
+                ).rowcount
+                if stopped:
+                    self._event(
+                        cursor,
+                        now,
+                        "stopping",
+                        str(decision["replaces"]),
+                        {"cause": "stuck", "epoch": lease.epoch},
+                    )
             self._event(
                 cursor,
                 now,

@@ -292,6 +292,23 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             """,
         ),
     ),
+    (
+        11,
+        "fleet: a member's process instance and graceful leave, the controller's instance",
+        (
+            # The process that holds a node id now (a token made at each start): a second
+            # live process claiming the id -- a copied cache, a cloned VM -- is refused
+            # (``node_id_in_use``), and renewals and the controller lease are held by node
+            # and instance, so twins can never share one epoch. '' -- released by a
+            # graceful stop, free to take.
+            "ALTER TABLE fleet_nodes ADD COLUMN instance TEXT NOT NULL DEFAULT ''",
+            # Database time a gracefully stopping host marked itself leaving (out of
+            # rotation at once; its replicas re-placed after ``rejoin_grace_ms`` unless it
+            # is back). NULL while it runs.
+            "ALTER TABLE fleet_nodes ADD COLUMN leaving_at_ms INTEGER",
+            "ALTER TABLE fleet_controller ADD COLUMN holder_instance TEXT NOT NULL DEFAULT ''",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

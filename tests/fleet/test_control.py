@@ -13,6 +13,7 @@ import pytest
 from sbproxy.catalog import Catalog, ResolvedArtifact, parse_catalog, pinned_artifact
 from sbproxy.config import DeploymentConfig
 from sbproxy.fleet.control import (
+    UNREACHED_ASKS_TO_FENCE,
     avoided_nodes,
     definition_digest,
     deployment_spec,
@@ -23,6 +24,7 @@ from sbproxy.fleet.control import (
     local_placements,
     node_moves,
     observe,
+    partition_peers,
     placement_views,
     reported_facts,
     stuck_placements,
@@ -85,7 +87,16 @@ class Placement:
         (0, {"left": True}, None, NodeState.LEFT),
         # A controller that took over 2 s ago counts silence from its take-over only.
         (60_000, {}, NOW - 2_000, NodeState.SUSPECT),
-        (60_000, {}, NOW - 500, NodeState.READY),
+        # ... but a member it has not seen renew is never ready: no new replica goes to a
+        # node silent since before the take-over (issue 30, item 4).
+        (60_000, {}, NOW - 500, NodeState.SUSPECT),
+        (60_000, {}, NOW - 10_000, NodeState.LOST),
+        (0, {}, NOW - 500, NodeState.READY),  # renewed since the take-over
+        # A member already recorded lost gets no take-over grace (item 21).
+        (60_000, {"state": "lost"}, NOW - 500, NodeState.LOST),
+        # A cordoned or draining member that stops renewing is suspect (item 6).
+        (1_501, {"cordoned": True}, None, NodeState.SUSPECT),
+        (1_501, {"cordoned": True, "draining": True}, None, NodeState.SUSPECT),
     ],
 )
 def test_observe_derives_states_on_database_time(
@@ -94,6 +105,7 @@ def test_observe_derives_states_on_database_time(
     node = Node("n1", renewed_at_ms=NOW - silence_ms, **flags)  # type: ignore[arg-type]
     (view,) = observe([node], now_ms=NOW, timing=TIMING, watching_since_ms=watching_since)
     assert view.state is expected
+    assert view.draining is bool(flags.get("draining"))
 
 
 def test_node_moves_are_checked_and_a_forbidden_one_is_skipped() -> None:
@@ -193,17 +205,19 @@ def test_two_replicas_on_one_node_run_under_their_own_ids_on_their_own_devices()
 
 
 UNREACHED = PeerAnswer(node_id="b", reached=False)
-FRESH = PeerAnswer(node_id="b", reached=True, renewed_recently=True)
-STUCK = PeerAnswer(node_id="b", reached=True, renewed_recently=False)
+# This node lost the database at database time 10_000 (its cut-off).
+CUT_OFF_MS = 10_000
+FRESH = PeerAnswer(node_id="b", reached=True, renewed_at_ms=CUT_OFF_MS + 1)
+STUCK = PeerAnswer(node_id="b", reached=True, renewed_at_ms=CUT_OFF_MS - 50)
 
 
 @pytest.mark.parametrize(
     ("since_ms", "answers", "unreached_before", "expected"),
     [
         (4_999, [], 0, (FenceVerdict.SERVE, 0)),
-        # A peer renewed recently: this node is the one cut off, fence at once.
+        # A peer renewed after this node lost the database: it is the one cut off.
         (5_000, [FRESH], 0, (FenceVerdict.FENCE, 0)),
-        # Nobody can renew: the database is down for everyone, keep serving.
+        # The peer's last renewal is older than this node's loss: down for everyone.
         (5_000, [STUCK], 0, (FenceVerdict.HOLD, 0)),
         # No peer answered: hold once, fence when the next ask reaches none either.
         (5_000, [UNREACHED], 0, (FenceVerdict.HOLD, 1)),
@@ -220,12 +234,50 @@ def test_judge_own_lease(
 ) -> None:
     got = judge_own_lease(
         since_own_renewal_ms=since_ms,
+        cut_off_at_ms=CUT_OFF_MS,
         timing=TIMING,
         peers_known=1,
         answers=answers,
         unreached_before=unreached_before,
     )
     assert got == expected
+
+
+@dataclass
+class Member:
+    """A ``NodeRow``-shaped member for :func:`partition_peers`."""
+
+    id: str
+    renewed_at_ms: int
+    left: bool = False
+    advertise_url: str | None = "http://10.0.0.9:8080"
+
+
+def test_only_members_alive_at_the_last_renewal_are_partition_peers() -> None:
+    """Issue 30, item 19: a member dead for longer than lost_after_ms before this node's
+    last renewal is not asked and not counted, so the survivor of a two-node fleet holds in
+    an outage for everyone instead of fencing as a 'minority'."""
+    nodes = [
+        Member("me", 100_000),
+        Member("alive", 99_000),
+        Member("dead", 100_000 - TIMING.lost_after_ms - 1),
+        Member("removed", 99_500, left=True),
+        Member("no-url", 99_500, advertise_url=None),
+    ]
+    peers = partition_peers(nodes, node_id="me", at_ms=100_000, timing=TIMING)
+    assert [p.id for p in peers] == ["alive"]
+    only_dead = partition_peers(nodes[:1] + nodes[2:3], node_id="me", at_ms=100_000, timing=TIMING)
+    assert only_dead == []
+    # With no live peer the verdict past the deadline is hold, never a minority fence.
+    verdict, _ = judge_own_lease(
+        since_own_renewal_ms=TIMING.fence_after_ms,
+        cut_off_at_ms=100_200,
+        timing=TIMING,
+        peers_known=len(only_dead),
+        answers=[],
+        unreached_before=UNREACHED_ASKS_TO_FENCE,
+    )
+    assert verdict is FenceVerdict.HOLD
 
 
 # -- stuck placements, avoided nodes, reported facts, specs --------------------------------

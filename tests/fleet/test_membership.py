@@ -42,6 +42,9 @@ TIMING = FleetTiming(heartbeat_ms=1_000, fence_after_ms=4_000, lost_after_ms=8_0
         (S.LOST, S.READY),
         (S.LOST, S.CORDONED),
         (S.LOST, S.LEFT),
+        (S.READY, S.LEAVING),
+        (S.LEAVING, S.READY),  # restarted within its grace
+        (S.LEAVING, S.LOST),  # its grace ran out
     ],
 )
 def test_move_allows_listed_transitions(expected: NodeState, to: NodeState) -> None:
@@ -86,7 +89,8 @@ def test_left_is_terminal_and_every_state_has_a_row() -> None:
         (60_000, False, False, False, S.LOST),
         (-50, False, False, False, S.READY),  # "now" read before the renewal committed
         (0, True, False, False, S.CORDONED),
-        (5_000, True, False, False, S.CORDONED),  # the operator's flag beats a late renewal
+        (5_000, True, False, False, S.SUSPECT),  # a late renewal beats the flag (item 6)
+        (5_000, False, True, False, S.SUSPECT),
         (0, False, True, False, S.DRAINING),
         (0, True, True, False, S.DRAINING),
         (8_000, True, False, False, S.LOST),  # liveness loss beats the flag
@@ -106,6 +110,37 @@ def test_derive_state_from_lease_age_and_flags(
         cordoned=cordoned,
         draining=draining,
         left=left,
+    )
+    assert derived is state
+
+
+@pytest.mark.parametrize(
+    ("leaving_for_ms", "grace_ms", "state"),
+    [
+        (0, None, S.LEAVING),  # out of rotation at once
+        (TIMING.lost_after_ms // 2 - 1, None, S.LEAVING),  # default grace: half of lost
+        (TIMING.lost_after_ms // 2, None, S.LOST),  # re-placed well before lost_after_ms
+        (1_999, 2_000, S.LEAVING),
+        (2_000, 2_000, S.LOST),
+    ],
+)
+def test_a_node_that_stopped_gracefully_is_leaving_then_lost_after_its_grace(
+    leaving_for_ms: int, grace_ms: int | None, state: NodeState
+) -> None:
+    """Issue 30, item 5: a graceful stop costs rejoin_grace_ms, not lost_after_ms."""
+    timing = FleetTiming(
+        heartbeat_ms=TIMING.heartbeat_ms,
+        fence_after_ms=TIMING.fence_after_ms,
+        lost_after_ms=TIMING.lost_after_ms,
+        rejoin_grace_ms=grace_ms,
+    )
+    now = 1_700_000_000_000
+    derived = derive_state(
+        last_renewal_ms=now - leaving_for_ms - 10,
+        now_ms=now,
+        timing=timing,
+        cordoned=True,
+        leaving_since_ms=now - leaving_for_ms,
     )
     assert derived is state
 
@@ -173,8 +208,10 @@ def test_timing_refuses_a_placement_timeout_not_past_lost_after() -> None:
         )
 
 
-REACHED_RENEWING = PeerAnswer(node_id="b", reached=True, renewed_recently=True)
-REACHED_STUCK = PeerAnswer(node_id="c", reached=True, renewed_recently=False)
+# This node lost the database at database time 50_000 (its cut-off).
+CUT_OFF_MS = 50_000
+REACHED_RENEWING = PeerAnswer(node_id="b", reached=True, renewed_at_ms=CUT_OFF_MS + 200)
+REACHED_STUCK = PeerAnswer(node_id="c", reached=True, renewed_at_ms=CUT_OFF_MS - 100)
 UNREACHED = PeerAnswer(node_id="d", reached=False)
 
 
@@ -197,17 +234,58 @@ def test_fence_verdict(
 ) -> None:
     assert (
         fence_verdict(
-            since_own_renewal_ms=since_ms, timing=TIMING, peers_known=peers_known, answers=answers
+            since_own_renewal_ms=since_ms,
+            cut_off_at_ms=CUT_OFF_MS,
+            timing=TIMING,
+            peers_known=peers_known,
+            answers=answers,
         )
         is verdict
     )
+
+
+def test_an_outage_for_everyone_fences_nobody_whoever_reaches_its_deadline_first() -> None:
+    """Issue 30, item 0: three hosts renewed at 1_000, 1_100 and 1_150 (database time),
+    then the database went down for all of them. The first to reach its deadline sees
+    peers whose last renewals are younger than fence_after_ms -- 'recent' -- but none
+    renewed after it had lost the database, so none fences."""
+    renewed = {"a": 1_000, "b": 1_100, "c": 1_150}
+    # Each one's first renewal after the outage failed a heartbeat later.
+    cut_off = {node: at + TIMING.heartbeat_ms for node, at in renewed.items()}
+    for node in renewed:
+        answers = [
+            PeerAnswer(node_id=peer, reached=True, renewed_at_ms=at)
+            for peer, at in renewed.items()
+            if peer != node
+        ]
+        verdict = fence_verdict(
+            since_own_renewal_ms=TIMING.fence_after_ms,
+            cut_off_at_ms=cut_off[node],
+            timing=TIMING,
+            peers_known=2,
+            answers=answers,
+        )
+        assert verdict is FenceVerdict.HOLD, node
+
+
+def test_the_fence_bound_is_derived_and_a_timing_that_cannot_meet_it_is_refused() -> None:
+    """Issue 30, item 22: the fence takes fence_after_ms plus two asks a heartbeat apart;
+    a 5 s / 10 s / 15 s timing would fence at 19 s, after the fleet declared the node lost."""
+    timing = FleetTiming(heartbeat_ms=2_000, fence_after_ms=10_000, lost_after_ms=20_000)
+    assert timing.peer_ask_timeout_ms == 2_000
+    assert timing.fence_bound_ms == 10_000 + 2 * 2_000 + 2_000
+    with pytest.raises(ValueError, match=r"fence bound \(19000\)"):
+        FleetTiming(heartbeat_ms=5_000, fence_after_ms=10_000, lost_after_ms=15_000)
+    with pytest.raises(ValueError, match="lost_after_ms 15000 is too short"):
+        FleetConfig(heartbeat_ms=5_000, fence_after_ms=10_000, lost_after_ms=15_000)
 
 
 @pytest.mark.parametrize(
     ("node_state", "reported", "shown"),
     [
         (NodeState.READY, "ready", "ready"),
-        (NodeState.SUSPECT, "ready", "ready"),  # one missed renewal: not given up on yet
+        (NodeState.SUSPECT, "ready", "unreachable"),  # no gateway routes there now
+        (NodeState.LEAVING, "ready", "unreachable"),
         (NodeState.CORDONED, "ready", "ready"),
         (NodeState.DRAINING, "draining", "draining"),
         (NodeState.LOST, "ready", "unreachable"),

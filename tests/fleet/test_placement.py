@@ -1124,3 +1124,61 @@ def test_avoided_nodes_take_no_replica_of_the_deployment() -> None:
     refused = plan(nodes, [only_a], [])
     assert summary(refused) == [("unplaced", "chat", 0, "no_matching_node")]
     assert "2 set aside after a stuck placement of it" in note(refused, 0).message
+
+
+# -- issue 30: lost means over, frozen deployments, a draining node that goes quiet --------
+
+
+def test_a_returning_node_never_wins_over_its_ready_replacement() -> None:
+    """Item 3: the lost node's placement ended (stopping) when it was declared lost; once it
+    renews again its old placement is not current -- the ready replacement stays, nothing
+    is stopped as a duplicate, and nothing starts on the returning node."""
+    nodes = [node("a"), node("b")]
+    old = placed("p-old", "a", state=P.STOPPING)  # ended with the move to lost
+    replacement = placed("p-new", "b", replaces="p-old")
+    assert plan(nodes, [spec()], [old, replacement]).decisions == ()
+    # Before its replacement is ready, the returning node gets only a new placement.
+    pending = placed("p-new", "b", replaces="p-old", state=P.PENDING)
+    assert plan(nodes, [spec()], [old, pending]).decisions == ()
+
+
+def test_a_returning_node_whose_replica_was_not_replaced_gets_a_new_placement() -> None:
+    """Its ended placement still holds the device until the node has stopped it; then the
+    replica is placed afresh -- a new placement, never the old one back."""
+    nodes = [node("a"), node("b", gib=(2,))]
+    waiting = plan(nodes, [spec()], [placed("p0", "a", state=P.STOPPING)])
+    assert summary(waiting) == [("deferred", "chat", 0, "awaiting_stop")]
+    assert summary(plan(nodes, [spec()], [])) == [("start", "chat", 0, "a", (0,), "missing")]
+
+
+def test_a_deployment_the_controller_cannot_plan_is_frozen_never_removed() -> None:
+    """Item 16: a deployment without a spec (the controller's catalog is older, its own
+    hardware cannot resolve it) keeps its placements and their memory."""
+    placements = [placed("p0", "a", deployment="gpu-only", gib=12), placed("p1", "b")]
+    result = plan([node("a"), node("b")], [spec()], placements, frozen=frozenset({"gpu-only"}))
+    assert result.decisions == ()
+    # Its memory still counts: another deployment does not squeeze onto its device.
+    big = spec("other", gib=8)
+    squeezed = plan([node("a")], [big], placements[:1], frozen=frozenset({"gpu-only"}))
+    assert summary(squeezed) == [("unplaced", "other", 0, "insufficient_capacity")]
+    # Without the freeze the same input stops it as removed (what used to happen).
+    assert summary(plan([node("a"), node("b")], [spec()], placements)) == [
+        ("stop", "p0", "removed")
+    ]
+
+
+def test_a_draining_node_that_turns_suspect_keeps_its_move() -> None:
+    """Item 6: a draining node that misses a renewal is suspect; its move started there
+    first is not undone (its old replica is not made current again)."""
+    nodes = [
+        NodeView(
+            id="a",
+            state=S.SUSPECT,
+            draining=True,
+            devices=(DeviceCapacity(index=0, capacity_bytes=16 * GIB),),
+            engines=frozenset({"llama_cpp"}),
+        ),
+        node("b"),
+    ]
+    old, moved = placed("p0", "a"), placed("p1", "b", state=P.STARTING)
+    assert plan(nodes, [spec()], [old, moved]).decisions == ()

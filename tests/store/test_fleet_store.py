@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from sbproxy.store.fleet import Deposed
+from sbproxy.store.fleet import Deposed, NodeIdInUse, NodeRemoved
 from sbproxy.store.fleet import FleetStore as Store
 from sbproxy.store.postgres import JournalUnavailable
 from tests.support.postgres import PostgresServer
@@ -48,7 +48,14 @@ def _open(url: str) -> Store:
     return store
 
 
-def _join(store: Store, node: str) -> int:
+def _join(
+    store: Store,
+    node: str,
+    *,
+    instance: str = "",
+    live_within_ms: int | None = None,
+    take_over: int | None = None,
+) -> int:
     return store.join(
         node,
         advertise_url=f"http://127.0.0.1/{node}",
@@ -56,6 +63,9 @@ def _join(store: Store, node: str) -> int:
         engines=["llama_cpp"],
         devices=[{"index": 0, "capacity_bytes": 1000}],
         artifacts=[],
+        instance=instance,
+        live_within_ms=live_within_ms,
+        take_over_renewed_at_ms=take_over,
     )
 
 
@@ -63,9 +73,9 @@ def test_a_renewal_is_stamped_with_database_time_and_carries_replica_counts(url:
     store = _open(url)
     joined = _join(store, "n1")
     renewed = store.renew("n1", replicas={"chat": {"active": 2, "queued": 1}})
-    assert renewed is not None
-    now, left = renewed
-    assert now >= joined and left is False
+    assert renewed is not None and renewed.now_ms is not None
+    now = renewed.now_ms
+    assert now >= joined and renewed.left is False and renewed.state == "ready"
     with psycopg.connect(url) as connection:
         row = connection.execute(
             "SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT"
@@ -77,19 +87,83 @@ def test_a_renewal_is_stamped_with_database_time_and_carries_replica_counts(url:
     assert store.renew("unknown", replicas={}) is None
 
 
-def test_a_rejoin_keeps_a_cordon_but_a_removed_node_joins_afresh(url: str) -> None:
+def test_a_rejoin_keeps_a_cordon_and_a_removed_node_joins_only_once_admitted(url: str) -> None:
+    """Issue 30, items 8 and 26: a removed node's renewals are refused by the statement, its
+    join is refused naming the command, and it may not take the controller lease."""
     store = _open(url)
     _join(store, "n1")
     assert store.set_flags("n1", by="op", cordoned=True) is not None
     _join(store, "n1")
     assert store.snapshot().nodes[0].cordoned is True
     assert store.set_flags("n1", by="op", left=True) is not None
+    before = store.snapshot().nodes[0].renewed_at_ms
     renewed = store.renew("n1", replicas={})
-    assert renewed is not None and renewed[1] is True
+    assert renewed is not None and renewed.left and not renewed.renewed
+    assert store.snapshot().nodes[0].renewed_at_ms == before
+    assert store.hold_controller("n1", lease_ms=LEASE_MS) is None
+    with pytest.raises(NodeRemoved) as refused:
+        _join(store, "n1")
+    assert refused.value.code == "node_removed"
+    assert "sbproxy nodes admit n1" in (refused.value.remediation or "")
+    assert store.set_flags("n1", by="op", left=False) is not None  # nodes admit
     _join(store, "n1")
     node = store.snapshot().nodes[0]
-    assert (node.cordoned, node.left, node.state) == (False, False, "ready")
+    assert (node.cordoned, node.left, node.state) == (False, False, "lost")
     assert store.set_flags("nobody", by="op", cordoned=True) is None
+
+
+def test_a_second_live_instance_of_one_node_id_is_refused_and_holds_nothing(url: str) -> None:
+    """Issue 30, items 12 and 17: two processes with one node id (a copied cache) never
+    share a membership or the controller lease."""
+    first, twin = _open(url), _open(url)
+    _join(first, "n1", instance="first")
+    assert first.hold_controller("n1", lease_ms=LEASE_MS, instance="first") is not None
+    with pytest.raises(NodeIdInUse) as refused:
+        _join(twin, "n1", instance="twin", live_within_ms=60_000)
+    assert refused.value.code == "node_id_in_use"
+    renewal = twin.renew("n1", replicas={}, instance="twin")
+    assert renewal is not None and renewal.held_elsewhere and not renewal.renewed
+    assert twin.hold_controller("n1", lease_ms=LEASE_MS, instance="twin") is None
+    # The holder's renewal standing still (a dead process) lets the new one take over;
+    # the old instance then renews nothing and holds no lease.
+    held = first.snapshot().nodes[0].renewed_at_ms
+    _join(twin, "n1", instance="twin", live_within_ms=60_000, take_over=held)
+    stale = first.renew("n1", replicas={}, instance="first")
+    assert stale is not None and stale.held_elsewhere
+    assert first.hold_controller("n1", lease_ms=LEASE_MS, instance="first") is None
+    # A graceful leave releases the id: a restart takes it at once.
+    assert twin.leave("n1", instance="twin")
+    _join(first, "n1", instance="again", live_within_ms=60_000)
+
+
+def test_a_node_declared_lost_loses_its_placements_with_the_move(url: str) -> None:
+    """Issue 30, item 3: lost means over -- the placements end in the move's transaction."""
+    store = _open(url)
+    _join(store, "n1")
+    lease = store.hold_controller("ctl", lease_ms=LEASE_MS)
+    assert lease is not None
+    placement, _ = store.place(lease, _decision("n1"), definition={"model": "m"})
+    assert store.move_node(lease, "n1", from_state="ready", to="lost")
+    (row,) = store.snapshot().placements
+    assert (row.id, row.state) == (placement, "stopping")
+    assert store.placement_stopped("n1", placement)
+
+
+def test_a_stuck_placement_s_move_stops_it_in_the_same_transaction(url: str) -> None:
+    """Issue 30, item 20: one fenced transaction places the replacement and stops the
+    stuck placement."""
+    store = _open(url)
+    _join(store, "n1")
+    _join(store, "n2")
+    lease = store.hold_controller("ctl", lease_ms=LEASE_MS)
+    assert lease is not None
+    stuck, _ = store.place(lease, _decision("n1"), definition={"model": "m"})
+    move = {**_decision("n2"), "kind": "replace", "replaces": stuck, "from_node": "n1"}
+    moved, _ = store.place(
+        lease, {**move, "cause": "placement_timeout"}, definition={"model": "m"}, avoid_ms=1_000
+    )
+    states = {p.id: p.state for p in store.snapshot().placements}
+    assert states == {stuck: "stopping", moved: "pending"}
 
 
 def test_one_controller_at_a_time_and_the_epoch_grows_with_each_holder(url: str) -> None:
