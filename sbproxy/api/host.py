@@ -28,7 +28,7 @@ import sbproxy.model_host.runtime.reload  # noqa: F401 - registers the reload wo
 from sbproxy.api.config_state import ConfigState
 from sbproxy.api.shutdown import Shutdown
 from sbproxy.catalog import Catalog, WorkerProfile, load_catalog, resolve_artifact
-from sbproxy.config import CompiledConfig
+from sbproxy.config import CompiledConfig, ModelHostConfig
 from sbproxy.errors import ConfigError, ConfigIssue, SbproxyError, sole_error
 from sbproxy.fleet.agent import FleetAgent
 from sbproxy.fleet.cluster import fleet_store, is_cluster, open_agent, start_node, starting_state
@@ -43,7 +43,7 @@ from sbproxy.model_host.runtime.manager import (
     artifact_request,
 )
 from sbproxy.model_host.runtime.reload import admin_desired
-from sbproxy.store import RuntimeStore, journal_location, open_journal
+from sbproxy.store import JobStore, RuntimeStore, journal_location, journal_node_id, open_journal
 from sbproxy.store.fleet import FleetStore
 from sbproxy.workflows import WorkflowEngine
 
@@ -121,12 +121,7 @@ async def open_host(
     try:
         worker, devices = await anyio.to_thread.run_sync(_probe, layout, cpu_devices)
         _check_resolvable(compiled, catalog, worker)
-        configured = host_config.journal if host_config else None
-        journal = await open_journal(
-            journal_location(
-                layout.journal, configured.url.get_secret_value() if configured else None
-            )
-        )
+        journal = await _open_journal(host_config, layout)
     except BaseException:
         host_lock.release()
         raise
@@ -177,6 +172,17 @@ async def open_host(
         if store is not None:
             store.close()
         host_lock.release()
+
+
+async def _open_journal(host_config: ModelHostConfig | None, layout: CacheLayout) -> JobStore:
+    """The host's journal: ``proxy.model_host.journal.url``, else the cache's SQLite file;
+    on PostgreSQL its jobs record the cache's own node id (issue 30, item 12)."""
+    configured = host_config.journal if host_config else None
+    location = journal_location(
+        layout.journal, configured.url.get_secret_value() if configured else None
+    )
+    node = journal_node_id(location, layout.root, host_config.node.id if host_config else None)
+    return await open_journal(location, node=node)
 
 
 async def _cluster_start(

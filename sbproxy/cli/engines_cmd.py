@@ -24,7 +24,7 @@ from sbproxy.model_host.engines import (
 from sbproxy.model_host.engines.vllm import detect_vllm
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime import probe_worker
-from sbproxy.store import JobRecord, JobStatus, journal_location
+from sbproxy.store import JobRecord, JobStatus, journal_location, journal_node_id
 from sbproxy.workflows import WorkflowEngine
 
 __all__ = ["engines_group"]
@@ -80,8 +80,9 @@ def list_command(config_path: Path | None, cache_dir: Path | None, output_format
 async def _build(layout: CacheLayout, request: BuildInput) -> JobRecord:
     cache = ArtifactCache(layout)
     cache.ensure_dirs()
+    location = journal_location(layout.journal)
     engine = await WorkflowEngine.open(
-        journal_location(layout.journal), registry, resources=[cache]
+        location, registry, resources=[cache], node=journal_node_id(location, layout.root)
     )
     try:
         submitted = await engine.submit(

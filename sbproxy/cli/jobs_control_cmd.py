@@ -46,6 +46,7 @@ from sbproxy.store import (
     StepRecord,
     StepStatus,
     journal_location,
+    journal_node_id,
     wall_clock_ms,
 )
 from sbproxy.workflows import Staleness, WorkflowEngine
@@ -103,7 +104,9 @@ async def _engine(journal: Path) -> AsyncIterator[WorkflowEngine]:
     has it, so that a retried pull (or import, remove, gc) runs here. With
     ``$SBPROXY_JOURNAL_URL`` set, the journal is that PostgreSQL database instead."""
     cache = ArtifactCache(CacheLayout(root=journal.parent.parent))
-    engine = await WorkflowEngine.open(journal_location(journal), registry, resources=[cache])
+    location = journal_location(journal)
+    node = journal_node_id(location, cache.layout.root)
+    engine = await WorkflowEngine.open(location, registry, resources=[cache], node=node)
     try:
         yield engine
     finally:

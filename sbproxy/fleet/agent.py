@@ -697,7 +697,8 @@ class FleetAgent:
         decided = plan(views, list(specs.values()), placed, policy=self.policy, frozen=frozen)
         self._note_staying(stuck, placed, decided.decisions)
         await self._carry_out(lease, decided.decisions, definitions)
-        for placement in forgettable(placed, views):
+        wanted = frozenset(specs) | frozen
+        for placement in forgettable(placed, views, wanted=wanted):
             await anyio.to_thread.run_sync(
                 partial(self.store.forget_placement, lease, placement, why="re-placed")
             )

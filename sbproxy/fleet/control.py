@@ -299,21 +299,35 @@ def placement_views(
     return views
 
 
-def forgettable(views: Sequence[PlacementView], nodes: Sequence[NodeView]) -> list[str]:
-    """Placements on gone (lost, left or unknown) nodes whose replica has a ``ready``
-    placement of the same revision on a live node: their rows can go."""
+def forgettable(
+    views: Sequence[PlacementView],
+    nodes: Sequence[NodeView],
+    *,
+    wanted: frozenset[str] | None = None,
+) -> list[str]:
+    """Placements on gone (lost, left or unknown) nodes that nothing will ever run again:
+    their replica has a ``ready`` placement of the same or a newer revision on a live node,
+    or their deployment is no longer desired (``wanted``: the desired deployments, frozen
+    ones included; ``None``: not checked). Their rows can go -- a node that comes back
+    finds nothing of them to start (issue 30, item 21)."""
     states = {node.id: node.state for node in nodes}
 
     def gone(view: PlacementView) -> bool:
         return states.get(view.node, NodeState.LEFT) in _GONE
 
-    serving = {
-        (v.deployment, v.replica, v.revision)
-        for v in views
-        if v.state is PlacementState.READY and not gone(v)
-    }
+    newest: dict[tuple[str, int], int] = {}
+    for v in views:
+        if v.state is PlacementState.READY and not gone(v):
+            key = (v.deployment, v.replica)
+            newest[key] = max(newest.get(key, 0), v.revision)
     return sorted(
-        v.id for v in views if gone(v) and (v.deployment, v.replica, v.revision) in serving
+        v.id
+        for v in views
+        if gone(v)
+        and (
+            newest.get((v.deployment, v.replica), 0) >= v.revision
+            or (wanted is not None and v.deployment not in wanted)
+        )
     )
 
 

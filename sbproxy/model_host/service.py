@@ -75,6 +75,7 @@ from sbproxy.store import (
     StepRecord,
     UsageStore,
     journal_location,
+    journal_node_id,
 )
 from sbproxy.workflows import Staleness, WorkflowEngine, owner_is_gone
 
@@ -720,9 +721,10 @@ async def open_service(
     catalog = load_catalog(chosen)
     cache = ArtifactCache.open(layout)
     url = host.journal.url.get_secret_value() if host and host.journal else None
-    engine = await WorkflowEngine.open(
-        journal_location(layout.journal, url), registry, resources=[cache]
-    )
+    location = journal_location(layout.journal, url)
+    # On a shared PostgreSQL journal the cache's own node id, never the host name.
+    node = journal_node_id(location, layout.root, host.node.id if host else None)
+    engine = await WorkflowEngine.open(location, registry, resources=[cache], node=node)
     service = ModelHostService(layout=layout, catalog=catalog, engine=engine, config=config)
     try:
         yield service

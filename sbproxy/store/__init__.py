@@ -30,6 +30,7 @@ from sbproxy.store.lifecycle import (
     StepStatus,
 )
 from sbproxy.store.location import ENV_JOURNAL_URL, journal_display, journal_location
+from sbproxy.store.node import journal_node_id
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
 from sbproxy.store.readonly import JournalReader, ReaderDeclined
 from sbproxy.store.records import (
@@ -125,6 +126,7 @@ __all__ = [
     "journal_display",
     "journal_fault",
     "journal_location",
+    "journal_node_id",
     "open_journal",
     "system_lease_time",
     "wall_clock_ms",

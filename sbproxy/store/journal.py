@@ -190,7 +190,9 @@ class JobJournal(Protocol):
     async def detach_key(self, job_id: str) -> None: ...
 
 
-async def open_journal(path: Path | str, *, synchronous: Synchronous = "FULL") -> JobStore:
+async def open_journal(
+    path: Path | str, *, synchronous: Synchronous = "FULL", node: str | None = None
+) -> JobStore:
     """Open the journal at ``path`` (creating it and migrating its schema).
 
     Args:
@@ -199,10 +201,12 @@ async def open_journal(path: Path | str, *, synchronous: Synchronous = "FULL") -
             PostgreSQL (``postgres.py``).
         synchronous: ``FULL`` (every commit durable on power loss) or ``NORMAL`` (for
             benchmarks).
+        node: The node this process's jobs record (:func:`~sbproxy.store.node.
+            journal_node_id`); ``None``: :func:`~sbproxy.store.node.node_id`.
 
     Raises:
         StoreError: as :meth:`Database.open` (``store_failed``, ``disk_full``,
             ``invalid_cache_dir``, ``store_version_mismatch``; on PostgreSQL
             ``journal_unavailable`` and ``journal_schema_newer``).
     """
-    return JobStore(await Database.open(path, synchronous=synchronous))
+    return JobStore(await Database.open(path, synchronous=synchronous), node=node)

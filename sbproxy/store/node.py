@@ -5,10 +5,14 @@ node's engines), so a job is claimed, and recovered from a dead runner, only on 
 recorded it; a node that died leaves its jobs ``stale`` in the shared journal until it comes
 back (``docs/operations.md``, "Running on PostgreSQL").
 
-The node id is ``$SBPROXY_NODE_ID`` when set, else the host name: stable across restarts and
-the same for every process of one machine (``serve`` and the CLI verbs agree without sharing
-anything). Two hosts on one machine sharing a PostgreSQL journal (separate caches) set
-``SBPROXY_NODE_ID`` apart. On SQLite every process of a cache is one node anyway.
+On SQLite every process of a cache is one node anyway, and the node id is
+``$SBPROXY_NODE_ID`` when set, else the host name. On a PostgreSQL journal, shared by many
+hosts, the host name is no identity -- two caches on one machine would share one node and
+join each other's jobs (issue 30, item 12) -- so every process of a cache, ``serve`` and the
+CLI verbs alike, records the cache's own node id (:func:`journal_node_id`): the configured
+``proxy.model_host.node.id``, else ``$SBPROXY_NODE_ID``, else a ULID made once and kept in
+``<cache>/node-id`` (a configured id is written there too, so a verb run without the config
+agrees with ``serve``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from ulid import ULID
 
 from sbproxy.errors import SbproxyError
 
-__all__ = ["ENV_NODE_ID", "MAX_NODE_ID_CHARS", "fleet_node_id", "node_id"]
+__all__ = ["ENV_NODE_ID", "MAX_NODE_ID_CHARS", "fleet_node_id", "journal_node_id", "node_id"]
 
 ENV_NODE_ID = "SBPROXY_NODE_ID"
 MAX_NODE_ID_CHARS = 128
@@ -44,20 +48,21 @@ def fleet_node_id(configured: str | None, cache_root: Path) -> str:
     Raises:
         SbproxyError: ``store_failed`` when the id file cannot be read or written.
     """
-    if configured:
-        return configured[:MAX_NODE_ID_CHARS]
-    chosen = os.environ.get(ENV_NODE_ID, "").strip()
-    if chosen:
-        return chosen[:MAX_NODE_ID_CHARS]
     path = cache_root / NODE_ID_FILE
     try:
         kept = path.read_text().strip() if path.exists() else ""
+        if configured:
+            chosen = configured[:MAX_NODE_ID_CHARS]
+            if kept != chosen and cache_root.is_dir():
+                _write(path, chosen)  # every process of this cache records the same node
+            return chosen
+        from_env = os.environ.get(ENV_NODE_ID, "").strip()
+        if from_env:
+            return from_env[:MAX_NODE_ID_CHARS]
         if kept:
             return kept[:MAX_NODE_ID_CHARS]
         fresh = str(ULID()).lower()
-        temporary = path.with_name(f".{NODE_ID_FILE}.{os.getpid()}")
-        temporary.write_text(fresh + "\n")
-        temporary.replace(path)
+        _write(path, fresh)
         return fresh
     except OSError as exc:
         raise SbproxyError(
@@ -65,3 +70,24 @@ def fleet_node_id(configured: str | None, cache_root: Path) -> str:
             code="store_failed",
             remediation="Set proxy.model_host.node.id, or fix the cache directory's permissions.",
         ) from None
+
+
+def _write(path: Path, node: str) -> None:
+    temporary = path.with_name(f".{NODE_ID_FILE}.{os.getpid()}")
+    temporary.write_text(node + "\n")
+    temporary.replace(path)
+
+
+def journal_node_id(
+    location: Path | str, cache_root: Path, configured: str | None = None
+) -> str | None:
+    """The node id jobs in the journal at ``location`` record for the cache at
+    ``cache_root``: on PostgreSQL the cache's own (:func:`fleet_node_id`, module docstring);
+    on SQLite ``None`` (:func:`node_id`, the default).
+
+    Raises:
+        SbproxyError: ``store_failed`` when the id file cannot be read or written.
+    """
+    if isinstance(location, Path):
+        return None
+    return fleet_node_id(configured, cache_root)

@@ -171,12 +171,14 @@ class WorkflowEngine:
         resources: Sequence[object] = (),
         max_recoveries: int | None = DEFAULT_MAX_RECOVERIES,
         wait_out_journal_faults: bool = False,
+        node: str | None = None,
     ) -> WorkflowEngine:
         """Open the journal at ``path`` (creating it) and return an engine over it (the
         arguments as for the constructor); ``path`` is the SQLite file or a
-        ``postgresql://`` URL (:func:`~sbproxy.store.open_journal`)."""
+        ``postgresql://`` URL (:func:`~sbproxy.store.open_journal`); ``node``: the node its
+        jobs record (``None``: the default)."""
         return cls(
-            await open_journal(path, synchronous=synchronous),
+            await open_journal(path, synchronous=synchronous, node=node),
             registry,
             lease=lease,
             history_limit=history_limit,

@@ -31,6 +31,9 @@ class FleetHost(PgHost):
             "heartbeat_ms": HEARTBEAT_MS,
             "fence_after_ms": FENCE_AFTER_MS,
             "lost_after_ms": LOST_AFTER_MS,
+            # A stopped test host restarts in seconds on a busy machine: keep its placements
+            # as long as a silent one's (tests of the grace itself set their own).
+            "rejoin_grace_ms": LOST_AFTER_MS,
         }
     )
 
@@ -78,6 +81,16 @@ class FleetHost(PgHost):
     def deployments(self) -> dict[str, str]:
         """This host's own deployments and their states (the live status route)."""
         return self.states()
+
+    def pause(self) -> None:
+        """SIGSTOP the host process (its engines, other processes, keep running)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the host process."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL the host process (its engines stay orphaned until something stops them)."""

@@ -167,6 +167,21 @@ def test_a_gone_node_s_placement_is_forgotten_only_once_its_replica_is_ready_els
     assert PlacementState.READY.value == "ready"
 
 
+def test_an_older_revision_or_removed_deployment_on_a_dead_node_is_forgotten() -> None:
+    """Issue 30, item 21: a dead node's placement of an older revision (its replica runs a
+    newer one elsewhere) or of a deployment no longer desired is deleted, so the node finds
+    nothing of it to start when it returns."""
+    nodes = [NodeView(id="a", state=NodeState.LOST), NodeView(id="b", state=NodeState.READY)]
+    old = Placement("old", "a", revision=1)
+    newer = Placement("newer", "b", revision=2)
+    assert forgettable(placement_views([old, newer], {}), nodes) == ["old"]
+    gone = Placement("gone", "a", deployment="retired")
+    views = placement_views([gone], {})
+    assert forgettable(views, nodes) == []  # not told what is wanted: kept
+    assert forgettable(views, nodes, wanted=frozenset({"chat"})) == ["gone"]
+    assert forgettable(views, nodes, wanted=frozenset({"chat", "retired"})) == []
+
+
 def test_local_deployments_are_the_node_s_own_placements_warm_newest_first() -> None:
     placements = [
         Placement("p1", "a", deployment="chat", revision=1, definition={"model": "old"}),
