@@ -35,6 +35,7 @@ from sbproxy.fleet.cluster import fleet_store, is_cluster, open_agent, start_nod
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
 from sbproxy.model_host.artifacts.locks import HostLock
 from sbproxy.model_host.engines import kill_owned, reap_orphans
+from sbproxy.model_host.engines.guard import EngineGuard
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime import HostDevices, probe_host
 from sbproxy.model_host.runtime.manager import (
@@ -142,10 +143,7 @@ async def open_host(
         engine.add_resource(manager.port)
         if stop is not None:
             stop.on_hurry(lambda: _kill_engines(manager))
-        agent = None
-        if store is not None and node is not None:
-            agent = open_agent(compiled, manager, store, node)
-            await agent.join()
+        agent, guard = await _join_fleet(compiled, manager, store, node)
         async with anyio.create_task_group() as group:
             await manager.start(group)
             config = ConfigState.of(compiled, revision=manager.revision)
@@ -165,6 +163,8 @@ async def open_host(
                 )
             finally:
                 await _stop_serving(agent, manager, stop)
+                if guard is not None:
+                    guard.close()
                 group.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
@@ -200,6 +200,28 @@ async def _cluster_start(
     except BaseException:
         store.close()
         raise
+
+
+async def _join_fleet(
+    compiled: CompiledConfig, manager: RuntimeManager, store: FleetStore | None, node: str | None
+) -> tuple[FleetAgent | None, EngineGuard | None]:
+    """A cluster host's agent, joined, and its engine guard -- a process of its own that
+    kills this host's engines should this one be paused past ``fence_after_ms`` (it cannot
+    fence itself then); ``(None, None)`` for any other host.
+
+    Raises:
+        SbproxyError: ``journal_unavailable``, ``node_id_in_use``, ``node_removed``.
+    """
+    if store is None or node is None:
+        return None, None
+    agent = open_agent(compiled, manager, store, node)
+    await agent.join()
+    guard = EngineGuard(
+        manager.owned_dir,
+        owner=manager.identity.owner,
+        deadline_s=agent.timing.fence_after_ms / 1000,
+    )
+    return agent, guard
 
 
 async def _stop_serving(

@@ -89,9 +89,11 @@ def test_a_database_outage_for_everyone_fences_no_host(tmp_path: Path, mirror: H
 def test_a_paused_host_declared_lost_gets_nothing_back_over_its_replacement(
     tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
 ) -> None:
-    """Items 3 and 21: node-a is paused (SIGSTOP) past lost_after_ms; its replica is
-    re-placed on node-b. Resumed, node-a stops the engine it held and gets no placement
-    back; the ready replacement keeps serving."""
+    """Items 3 and 21, and the engine guard: node-a is paused (SIGSTOP); its engine is
+    killed within fence_after_ms by the guard (a paused host cannot fence itself); once the
+    fleet declared node-a lost and placed the replica on node-b, node-a resumes at once,
+    before the replacement is ready. It gets no placement back, runs no engine, and the
+    replacement is never stopped as a 'duplicate'."""
     url = postgres_server.create_database()
     a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
     b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
@@ -100,24 +102,32 @@ def test_a_paused_host_declared_lost_gets_nothing_back_over_its_replacement(
         start_all(hosts)
         apply(b, {"tiny": TINY})
         poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
-        (replacement_of,) = [p["id"] for p in placements(b)]
+        (old,) = [p["id"] for p in placements(b)]
         a.pause()
+        paused = time.monotonic()
         try:
-            poll(lambda: ready_nodes(b, "tiny") == ["node-b"], timeout_s=60, what="on node-b")
+            poll(lambda: a.engines() == [], timeout_s=FENCE_AFTER_MS / 1000 + 3, what="guard")
+            guarded_s = time.monotonic() - paused
+            poll(
+                lambda: any(p["node"] == "node-b" for p in placements(b)),
+                timeout_s=60,
+                what="the replacement placed on node-b",
+            )
         finally:
             a.resume()
-        resumed = time.monotonic()
-        poll(lambda: a.engines() == [], timeout_s=10, what="node-a stopped its engine")
-        stopped_s = time.monotonic() - resumed
+        poll(lambda: ready_nodes(b, "tiny") == ["node-b"], timeout_s=60, what="ready on node-b")
+        (replacement,) = [p["id"] for p in placements(b) if p["node"] == "node-b"]
         # Long enough for node-a to rejoin and reconcile several times over.
-        settle = time.monotonic() + 4 * LOST_AFTER_MS / 1000
+        settle = time.monotonic() + 3 * LOST_AFTER_MS / 1000
         while time.monotonic() < settle:
             assert ready_nodes(b, "tiny") == ["node-b"]
             assert a.engines() == [], "node-a started its old replica again"
-            assert len(b.engines()) == 1
-        assert replacement_of not in [p["id"] for p in placements(b)]
-        assert b.chat().status_code == 200
-        print(f"resumed -> node-a's engine stopped: {stopped_s:.2f} s")
+        assert [p["id"] for p in placements(b)] == [replacement]
+        assert old != replacement
+        stops = query(url, "SELECT data_json FROM fleet_events WHERE type = 'stopping'")
+        assert not [r for r in stops if "duplicate" in str(r[0])], stops
+        assert len(b.engines()) == 1 and b.chat().status_code == 200
+        print(f"SIGSTOP -> node-a's engine killed by its guard: {guarded_s:.2f} s")
     finally:
         stop_all(hosts)
 
