@@ -248,6 +248,8 @@ class FleetAgent:
         self._renewing_since: float | None = None
         self._cut_off_at: float | None = None
         self._judging = False
+        self._changed = anyio.Event()
+        self._reported: dict[str, dict[str, Any]] = {}
         self._last_beat: float | None = None
         self._loaded_at: dict[str, float] = {}
         self._table = RoutingTable(identity.id, {}, clock())
@@ -387,6 +389,7 @@ class FleetAgent:
         watch runs beside the beats on its own clock, so that a renewal blocked in a call
         never delays the fence decision (ARCHITECTURE.md "Several hosts")."""
         group.start_soon(self.watch_lease)
+        group.start_soon(self.follow_changes)
         period = self.timing.heartbeat_ms / 1000
         while True:
             started = self.clock()
@@ -394,7 +397,44 @@ class FleetAgent:
                 await self.beat(group)
             except SbproxyError as exc:
                 logger.warning("fleet beat failed: [%s] %s", exc.code, exc)
-            await anyio.sleep(max(0.0, period - (self.clock() - started)))
+            # Between beats, a change another host made (a replica ready, a placement
+            # stopping) re-reads the fleet and re-routes at once (issue 30, item 11).
+            while (left := period - (self.clock() - started)) > 0:
+                with anyio.move_on_after(left):
+                    await self._changed.wait()
+                if not self._changed.is_set():
+                    break
+                self._changed = anyio.Event()
+                try:
+                    await self.refresh(group)
+                except SbproxyError as exc:
+                    logger.warning("fleet refresh failed: [%s] %s", exc.code, exc)
+
+    async def follow_changes(self) -> None:
+        """Listen for fleet changes (``LISTEN``) and wake the loop for each; the heartbeat
+        stays the fallback while the listening connection is away."""
+        period = self.timing.heartbeat_ms / 1000
+        while True:
+            try:
+                changed = await anyio.to_thread.run_sync(
+                    self.store.wait_for_change, max(period, 1.0), abandon_on_cancel=True
+                )
+            except SbproxyError:
+                await anyio.sleep(period)
+                continue
+            if changed:
+                self._changed.set()
+
+    async def refresh(self, group: anyio.abc.TaskGroup) -> None:
+        """Re-read the fleet, rebuild the routing table and reconcile this node's own
+        placements (no renewal, no controller pass): what a change notification asks."""
+        if self.fenced or self.removed:
+            return
+        snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
+        self.snapshot = snapshot
+        self.views = observe(snapshot.nodes, now_ms=snapshot.now_ms, timing=self.timing)
+        self._refresh_routing(snapshot)
+        await self._reconcile(snapshot, group)
 
     async def watch_lease(self) -> None:
         """Judge this node's own lease every half heartbeat, whatever the beat is doing."""
@@ -524,6 +564,7 @@ class FleetAgent:
             return await self._not_renewed(renewed)
         if changed is not None:
             self._facts_sent = frozenset(changed)
+        self._reported = counts
         self.last_renewal = self.clock()
         self.renewed_at_ms = renewed.now_ms
         self._cut_off_at = None
@@ -861,7 +902,14 @@ class FleetAgent:
                 await anyio.to_thread.run_sync(
                     partial(self.store.placement_stopped, self.identity.id, placement.id)
                 )
-            elif placement.state in ("pending", "starting") and row is not None and row.routable:
+            elif (
+                placement.state in ("pending", "starting")
+                and row is not None
+                and row.routable
+                # Ready once the fleet has this node's report of it routable too: every
+                # gateway then routes it the moment it sees the placement ready.
+                and (self._reported.get(local) or {}).get("routable")
+            ):
                 await anyio.to_thread.run_sync(
                     partial(self.store.placement_ready, self.identity.id, placement.id)
                 )

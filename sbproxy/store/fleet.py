@@ -33,6 +33,7 @@ from ulid import ULID
 from sbproxy.errors import SbproxyError
 from sbproxy.store.migrations import migrate_postgres
 from sbproxy.store.postgres import PgTarget
+from sbproxy.store.revisions import FLEET_CHANNEL
 
 __all__ = [
     "AvoidRow",
@@ -49,6 +50,18 @@ __all__ = [
 
 _NOW = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT"
 _GONE = frozenset({"lost", "left"})
+# Fleet events after which a host's routing table is out of date.
+_ROUTING_EVENTS = frozenset(
+    {"placed", "replaced", "ready", "stopping", "stopped", "forgotten", "node_state",
+     "node_flags", "node_joined", "node_leaving"}
+)  # fmt: skip
+# The kernel notices a dead peer of an idle LISTEN connection (libpq parameters).
+_KEEPALIVES: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 2,
+}
 CONNECT_TIMEOUT_S = 2
 STATEMENT_TIMEOUT_MS = 3_000
 
@@ -335,6 +348,8 @@ class FleetStore:
         self.target = PgTarget.parse(url)
         self._connection: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
+        self._listener: psycopg.Connection[Any] | None = None
+        self._listen_lock = threading.Lock()
         self._migrated = False
         self.deadline_s = CONNECT_TIMEOUT_S + STATEMENT_TIMEOUT_MS / 1000
         """The longest one call may take before it fails (``journal_unavailable``)."""
@@ -385,9 +400,13 @@ class FleetStore:
                 connection.close()
 
     def close(self) -> None:
-        """Close the kept connection (a later call opens a new one)."""
+        """Close the kept connections (a later call opens new ones)."""
         with self._lock:
             self._drop()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with suppress(psycopg.Error):
+                listener.close()
 
     @staticmethod
     def _now(cursor: psycopg.Cursor[Any]) -> int:
@@ -403,6 +422,39 @@ class FleetStore:
             "INSERT INTO fleet_events (at_ms, type, subject, data_json) VALUES (%s, %s, %s, %s)",
             (now, kind, subject, json.dumps(dict(data), sort_keys=True)),
         )
+        if kind in _ROUTING_EVENTS:
+            # Delivered at commit to every host that listens (:meth:`wait_for_change`): its
+            # routing table follows a placement change at once, not at its next heartbeat.
+            cursor.execute("SELECT pg_notify(%s, %s)", (FLEET_CHANNEL, kind))
+
+    def wait_for_change(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a change that moves routing (a placement made,
+        ready, stopping or gone, a node state or flag moved, a new desired revision) on a
+        ``LISTEN`` connection of its own; whether one came. Run it on a worker thread.
+
+        Raises:
+            JournalUnavailable: ``journal_unavailable`` (the connection is dropped; the next
+                call listens again).
+        """
+        with self._listen_lock:
+            try:
+                if self._listener is None or self._listener.closed:
+                    self._listener = psycopg.connect(
+                        self.target.conninfo,
+                        autocommit=True,
+                        connect_timeout=CONNECT_TIMEOUT_S,
+                        **_KEEPALIVES,
+                    )
+                    self._listener.execute(f"LISTEN {FLEET_CHANNEL}")
+                for _ in self._listener.notifies(timeout=timeout_s, stop_after=1):
+                    return True
+                return False
+            except psycopg.Error as exc:
+                listener, self._listener = self._listener, None
+                if listener is not None:
+                    with suppress(psycopg.Error):
+                        listener.close()
+                raise self.target.unavailable(exc) from None
 
     @staticmethod
     def _job(

@@ -21,6 +21,8 @@ from sbproxy.store.postgres import PgTarget
 
 __all__ = ["SharedRevisions"]
 
+FLEET_CHANNEL = "sbproxy_fleet"
+"""The ``LISTEN``/``NOTIFY`` channel of fleet changes (``fleet.py``)."""
 _LATEST = "SELECT revision, document FROM desired_revisions ORDER BY revision DESC LIMIT 1"
 _INSERT_NEXT = (
     "INSERT INTO desired_revisions (revision, document, committed_at_ms)"
@@ -105,6 +107,8 @@ class SharedRevisions:
                     },
                 ).rowcount
                 if written == 1:
+                    # Fleet hosts re-plan and re-route at once (FleetStore.wait_for_change).
+                    connection.execute("SELECT pg_notify(%s, 'desired')", (FLEET_CHANNEL,))
                     return None
                 row = connection.execute("SELECT MAX(revision) FROM desired_revisions").fetchone()
         except psycopg.OperationalError as exc:

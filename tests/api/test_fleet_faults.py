@@ -243,3 +243,35 @@ def test_a_new_controller_places_nothing_on_the_silent_host_it_took_the_lease_fr
         assert [json.loads(str(r[0]))["node"] for r in placed].count("node-a") == 0, placed
     finally:
         stop_all(hosts)
+
+
+def test_a_replica_shown_ready_is_routable_through_every_gateway_at_once(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    """Item 11: with a one-second heartbeat, a replica that becomes ready on node-a is
+    routed by node-b's gateway within a fraction of that heartbeat of being shown ready
+    (the routing table follows LISTEN/NOTIFY; the heartbeat is only the fallback)."""
+    url = postgres_server.create_database()
+    timing = {
+        "heartbeat_ms": 1_000,
+        "fence_after_ms": 3_000,
+        "lost_after_ms": 8_000,
+        "rejoin_grace_ms": 8_000,
+    }
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url, labels={"role": "serve"})
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, timing=timing)
+    a.timing = timing
+    hosts = [a, b]
+    try:
+        start_all(hosts)
+        apply(b, {"tiny": {**TINY, "required_labels": {"role": "serve"}}})
+        poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="ready on node-a")
+        shown = time.monotonic()
+        while (answer := b.chat()).status_code != 200:
+            assert answer.json()["error"]["code"] == "no_ready_replica", answer.text
+            assert time.monotonic() - shown < 0.4, "node-b's gateway did not route it yet"
+        routed_ms = (time.monotonic() - shown) * 1000
+        assert answer.headers.get("x-sbproxy-peer-node") == "node-a"
+        print(f"shown ready -> routed through another gateway: {routed_ms:.0f} ms")
+    finally:
+        stop_all(hosts)
