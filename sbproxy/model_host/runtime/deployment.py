@@ -161,6 +161,7 @@ class Deployment:
         self._last_error: str | None = None
         self._job_id: str | None = None
         self._crash: CrashLoop | None = None
+        self._exhausted_job: str | None = None
         self._health_misses = 0
         self._timeouts = 0
         self._failures = 0
@@ -253,6 +254,12 @@ class Deployment:
     def crash(self) -> CrashLoop | None:
         """The retained crash loop (only a reset clears it)."""
         return self._crash
+
+    @property
+    def exhausted_job(self) -> str | None:
+        """The load job that ended ``recovery_exhausted`` and holds the deployment
+        ``failed`` (only a reset or an explicit load clears it); ``None`` when none."""
+        return self._exhausted_job
 
     @property
     def failures(self) -> int:
@@ -422,6 +429,7 @@ class Deployment:
         self._metadata = metadata
         self._executable = executable
         self._job_id = job_id
+        self._exhausted_job = None  # only an allowed load gets here (a retry, a reset's)
         self._move({S.CONFIGURED, S.STOPPED, S.FAILED, S.READY}, S.PREPARING, job_id=job_id)
 
     def numbered(self, generation: int) -> None:
@@ -549,6 +557,7 @@ class Deployment:
             logger.info("%s: reset: nothing to clear (%s)", self._deployment, self._state.value)
             return False
         self._crash = None
+        self._exhausted_job = None
         self._failures = 0
         self._not_before = 0.0
         self._move({S.FAILED}, S.CONFIGURED, job_id=job_id)
@@ -561,3 +570,22 @@ class Deployment:
         if self._state in (S.CONFIGURED, S.STOPPED):
             self._move({S.CONFIGURED, S.STOPPED}, S.PREPARING, job_id=job_id)
         self._move({S.PREPARING, S.READY}, S.FAILED, reason_code=code, error=message)
+
+    def load_exhausted(self, job_id: str, message: str) -> None:
+        """Its load job killed the host ``max_recoveries + 1`` times and ended
+        ``recovery_exhausted``: ``failed`` with that code and the job's error, held there
+        (no warm-up, request or fleet pass loads it again) until :meth:`reset` or
+        :meth:`clear_exhausted` (an explicit load). A fresh load would die at the same
+        point and take every other deployment of the host down with it."""
+        self._exhausted_job = job_id
+        self._job_id = job_id
+        if self._state in (S.CONFIGURED, S.STOPPED):
+            self._move({S.CONFIGURED, S.STOPPED}, S.PREPARING, job_id=job_id)
+        self._move(
+            {S.PREPARING, S.FAILED}, S.FAILED, reason_code="recovery_exhausted", error=message
+        )
+
+    def clear_exhausted(self) -> None:
+        """An operator asked for a load: the ``recovery_exhausted`` hold is over (the
+        deployment stays ``failed`` until that load launches)."""
+        self._exhausted_job = None

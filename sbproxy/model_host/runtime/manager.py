@@ -122,7 +122,7 @@ from sbproxy.model_host.runtime.state import (
     LaunchBackoff,
 )
 from sbproxy.model_host.runtime.upstream import RuntimeTallies, Upstream, free_port
-from sbproxy.store import JobRecord, JobStatus, RuntimeStore, wall_clock_ms
+from sbproxy.store import RECOVERY_EXHAUSTED, JobRecord, JobStatus, RuntimeStore, wall_clock_ms
 from sbproxy.workflows import WorkerIdentity, WorkflowEngine, owner_is_gone, process_start_ticks
 
 __all__ = [
@@ -521,7 +521,11 @@ class RuntimeManager:
         adopted as commands in their original order and finish under their ids (and later
         ones -- a ``jobs retry`` -- within :data:`ADOPT_POLL_S`); then
         ``warm: true`` deployments get a ``load`` (joining an adopted one) and ``pull:
-        on_boot`` deployments get their artifact verified. The maintenance loop starts.
+        on_boot`` deployments get their artifact verified -- except a deployment whose
+        latest runtime job is a load that ended ``recovery_exhausted`` (it killed the host
+        on every run): that one is held ``failed`` with the job's error instead
+        (:meth:`_hold_exhausted`), so the host stays up for the others. The maintenance
+        loop starts.
         """
         self._group = group
         report = await anyio.to_thread.run_sync(reap_orphans, self.owned_dir)
@@ -535,8 +539,12 @@ class RuntimeManager:
         # them as they are (and ends those no deployment here declares at once).
         await self.engine.recover()
         await self.adopt_runtime_jobs()
+        exhausted = await self._exhausted_loads()
         for found in self._live.values():
-            if found.config.warm:
+            poison = exhausted.get(found.deployment)
+            if poison is not None:
+                self._hold_exhausted(found, poison)
+            elif found.config.warm:
                 self.request_load(found.deployment, reason="warm")
             elif str(found.config.pull) == "on_boot":
                 name = found.deployment
@@ -546,6 +554,47 @@ class RuntimeManager:
                 )
         self.start_contained(self._maintenance, what="the maintenance loop")
         self.start_contained(self._adoption, what="the runtime job adoption loop")
+
+    async def _exhausted_loads(self) -> dict[str, JobRecord]:
+        """Deployments whose latest runtime job (of this node) is a ``load`` that ended
+        ``failed`` with ``recovery_exhausted`` for their current definition, with that
+        job. A later load, drain or reset, a ``jobs retry`` (the job is queued again) or a
+        changed definition (``config_digest``) lifts it."""
+        jobs = await self.engine.store.list_jobs(limit=-1)  # newest first
+        latest: dict[str, JobRecord] = {}
+        for job in jobs:
+            subject = job.subject or ""
+            if job.kind not in RUNTIME_JOB_KINDS or not subject.startswith("deployment:"):
+                continue
+            if job.node not in (None, self.engine.store.node):
+                continue  # another host's job on a shared journal
+            latest.setdefault(subject.removeprefix("deployment:"), job)
+        exhausted = {}
+        for deployment, job in latest.items():
+            found = self._live.get(deployment)
+            if found is None or job.kind != "load" or job.status != JobStatus.FAILED:
+                continue
+            if job.error is None or job.error.code != RECOVERY_EXHAUSTED:
+                continue
+            if job.input.get("config_digest") not in (None, deployment_digest(found.config)):
+                continue  # the definition changed since: the new one deserves its load
+            exhausted[deployment] = job
+        return exhausted
+
+    def _hold_exhausted(self, found: Deployment, job: JobRecord) -> None:
+        """Hold ``found`` ``failed`` (``recovery_exhausted``, the job's error) instead of
+        giving it a fresh load at boot that would die where the exhausted one died."""
+        message = job.error.message if job.error is not None else "recovery exhausted"
+        found.load_exhausted(job.id, message)
+        logger.error(
+            "%s is not loaded at start: its load job %s ended recovery_exhausted (%s); "
+            "a reset (POST /admin/model-host/reset) or `sbproxy models load %s` tries again "
+            "once the cause is fixed",
+            found.deployment,
+            job.id,
+            message,
+            found.deployment,
+        )
 
     @property
     def owned_dir(self) -> Path:
@@ -754,7 +803,20 @@ class RuntimeManager:
             deployment=found.deployment,
         )
 
+    def _exhausted_refusal(self, found: Deployment) -> AdmissionRejected:
+        """Why ``found`` is not loaded while its exhausted load job holds it failed."""
+        return reject(
+            AdmissionReason.CRASH_LOOP,
+            f"{found.deployment} is held failed: its load job {found.exhausted_job} ended "
+            f"recovery_exhausted ({found.last_error}); once the cause is fixed, a reset "
+            f"(POST /admin/model-host/reset) or `sbproxy models load {found.deployment}` "
+            "tries again",
+            deployment=found.deployment,
+        )
+
     def _refuse_now(self, found: Deployment) -> None:
+        if found.exhausted_job is not None:
+            raise self._exhausted_refusal(found)
         if found.state is S.DRAINING or found.gate.draining:
             raise reject(
                 AdmissionReason.DRAINING,
@@ -1335,7 +1397,9 @@ class RuntimeManager:
         Raises:
             UnknownDeployment: ``unknown_deployment``.
         """
-        self.deployment(deployment)
+        found = self.deployment(deployment)
+        if found.exhausted_job is not None:
+            raise self._exhausted_refusal(found)
         queue = self.queue(deployment)
         fresh_queue = not queue.pending
         command, created = queue.submit(CommandKind.LOAD, reason=reason)
@@ -1354,6 +1418,8 @@ class RuntimeManager:
         Raises:
             UnknownDeployment: ``unknown_deployment``.
         """
+        # An operator's load is the explicit retry an exhausted load waits for.
+        self.deployment(deployment).clear_exhausted()
         command = self.request_load(deployment, reason=reason)
         return await self._job_of(command)
 
