@@ -162,6 +162,7 @@ class Deployment:
         self._job_id: str | None = None
         self._crash: CrashLoop | None = None
         self._exhausted_job: str | None = None
+        self._evicting = False
         self._health_misses = 0
         self._timeouts = 0
         self._failures = 0
@@ -260,6 +261,13 @@ class Deployment:
         """The load job that ended ``recovery_exhausted`` and holds the deployment
         ``failed`` (only a reset or an explicit load clears it); ``None`` when none."""
         return self._exhausted_job
+
+    @property
+    def evicting(self) -> bool:
+        """Whether it is ``draining`` only to make room for another deployment (not an
+        operator's stop or drain): a request waits for its relaunch instead of being
+        refused ``draining``."""
+        return self._evicting
 
     @property
     def failures(self) -> int:
@@ -521,6 +529,14 @@ class Deployment:
         """Move to ``draining``; what to restore after (state, reason code, error)."""
         retained = (self._state, self._reason_code, self._last_error)
         self._move(_ANY, S.DRAINING, job_id=job_id, reason_code=reason)
+        self._evicting = False  # an operator's drain over an eviction: refused from now
+        return retained
+
+    def begin_evict(self, *, job_id: str | None) -> tuple[DeploymentState, str | None, str | None]:
+        """Move to ``draining`` to make room (see :attr:`evicting`); what to restore
+        after, as :meth:`begin_drain`."""
+        retained = self.begin_drain(job_id=job_id, reason=None)
+        self._evicting = True
         return retained
 
     def drained(
@@ -533,6 +549,7 @@ class Deployment:
         """The drain stopped the engine: a failed deployment stays failed (its retained
         error too), any other ends ``stopped`` (with ``reason`` unless a plain stop)."""
         previous, code, error = retained
+        self._evicting = False
         if previous is S.FAILED:
             self._move({S.DRAINING}, S.FAILED, reason_code=code, error=error)
         else:

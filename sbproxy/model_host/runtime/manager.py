@@ -280,6 +280,7 @@ class RuntimeManager:
             max_resident_models=cache_config.max_resident_models if cache_config else None,
             eviction=cache_config.eviction if cache_config else "lru",
             is_protected=self._protected,
+            demand=self._demand,
         )
 
     def _take_host_policies(self, compiled: CompiledConfig) -> None:
@@ -376,6 +377,14 @@ class RuntimeManager:
         busy = gate.active > 0 or (gate.queued > 0 and not gate.held) or found.waiting > 0
         settling = busy or found.state in (S.PREPARING, S.DRAINING)
         return found.config.pinned or (transient and settling)
+
+    def _demand(self, key: ResidencyKey) -> int:
+        """Requests active, queued or waiting for ``key``'s generation: each would wait for
+        a relaunch if it were evicted (the residency evicts the least wanted first)."""
+        found = self._live.get(key.deployment)
+        if found is None or found.generation != key.generation:
+            return 0
+        return found.gate.active + found.gate.queued + found.waiting
 
     # -- snapshots (frozen values for readers outside the runtime) -------------------------
 
@@ -759,6 +768,11 @@ class RuntimeManager:
             while True:
                 found = self.deployment(deployment)
                 self._refuse_now(found)
+                if found.evicting:
+                    # Making room for another model: its relaunch (below, once it has
+                    # stopped) serves this request; an operator's stop refuses above.
+                    await found.ready.wait()
+                    continue
                 if not found.routable():
                     await self._wait_ready(found)
                 permit = await found.gate.admit(priority)
@@ -815,9 +829,11 @@ class RuntimeManager:
         )
 
     def _refuse_now(self, found: Deployment) -> None:
+        """Refuse at once what waiting cannot help: an operator's stop or drain, a crash
+        loop, an exhausted load. An eviction (:attr:`Deployment.evicting`) is waited out."""
         if found.exhausted_job is not None:
             raise self._exhausted_refusal(found)
-        if found.state is S.DRAINING or found.gate.draining:
+        if (found.state is S.DRAINING and not found.evicting) or found.gate.draining:
             raise reject(
                 AdmissionReason.DRAINING,
                 f"{found.deployment} is draining",
@@ -1283,7 +1299,7 @@ class RuntimeManager:
         if found.state not in (S.READY, S.FAILED):
             await self._release_generation(found)
             return
-        retained = found.begin_drain(job_id=job_id, reason=None)
+        retained = found.begin_evict(job_id=job_id)
         await self._publish()
         await self._release_generation(found)
         found.drained(retained, job_id=job_id, reason="evicted")
