@@ -215,6 +215,11 @@ def ps_command(
             for r in rows
         ],
     )
+    # A failed deployment's retained error (a crash, an exhausted load job) says what to fix.
+    for r in rows:
+        if r.get("state") == "failed" and r.get("last_error"):
+            job = f" (job {r['job_id']})" if r.get("job_id") else ""
+            click.echo(f"{r.get('deployment')}: {r.get('reason_code')}{job}: {r['last_error']}")
 
 
 def devices_cell(devices: object) -> str:

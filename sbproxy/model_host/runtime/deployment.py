@@ -161,6 +161,8 @@ class Deployment:
         self._last_error: str | None = None
         self._job_id: str | None = None
         self._crash: CrashLoop | None = None
+        self._exhausted_job: str | None = None
+        self._evicting = False
         self._health_misses = 0
         self._timeouts = 0
         self._failures = 0
@@ -253,6 +255,19 @@ class Deployment:
     def crash(self) -> CrashLoop | None:
         """The retained crash loop (only a reset clears it)."""
         return self._crash
+
+    @property
+    def exhausted_job(self) -> str | None:
+        """The load job that ended ``recovery_exhausted`` and holds the deployment
+        ``failed`` (only a reset or an explicit load clears it); ``None`` when none."""
+        return self._exhausted_job
+
+    @property
+    def evicting(self) -> bool:
+        """Whether it is ``draining`` only to make room for another deployment (not an
+        operator's stop or drain): a request waits for its relaunch instead of being
+        refused ``draining``."""
+        return self._evicting
 
     @property
     def failures(self) -> int:
@@ -422,6 +437,7 @@ class Deployment:
         self._metadata = metadata
         self._executable = executable
         self._job_id = job_id
+        self._exhausted_job = None  # only an allowed load gets here (a retry, a reset's)
         self._move({S.CONFIGURED, S.STOPPED, S.FAILED, S.READY}, S.PREPARING, job_id=job_id)
 
     def numbered(self, generation: int) -> None:
@@ -513,6 +529,14 @@ class Deployment:
         """Move to ``draining``; what to restore after (state, reason code, error)."""
         retained = (self._state, self._reason_code, self._last_error)
         self._move(_ANY, S.DRAINING, job_id=job_id, reason_code=reason)
+        self._evicting = False  # an operator's drain over an eviction: refused from now
+        return retained
+
+    def begin_evict(self, *, job_id: str | None) -> tuple[DeploymentState, str | None, str | None]:
+        """Move to ``draining`` to make room (see :attr:`evicting`); what to restore
+        after, as :meth:`begin_drain`."""
+        retained = self.begin_drain(job_id=job_id, reason=None)
+        self._evicting = True
         return retained
 
     def drained(
@@ -525,6 +549,7 @@ class Deployment:
         """The drain stopped the engine: a failed deployment stays failed (its retained
         error too), any other ends ``stopped`` (with ``reason`` unless a plain stop)."""
         previous, code, error = retained
+        self._evicting = False
         if previous is S.FAILED:
             self._move({S.DRAINING}, S.FAILED, reason_code=code, error=error)
         else:
@@ -549,6 +574,7 @@ class Deployment:
             logger.info("%s: reset: nothing to clear (%s)", self._deployment, self._state.value)
             return False
         self._crash = None
+        self._exhausted_job = None
         self._failures = 0
         self._not_before = 0.0
         self._move({S.FAILED}, S.CONFIGURED, job_id=job_id)
@@ -561,3 +587,22 @@ class Deployment:
         if self._state in (S.CONFIGURED, S.STOPPED):
             self._move({S.CONFIGURED, S.STOPPED}, S.PREPARING, job_id=job_id)
         self._move({S.PREPARING, S.READY}, S.FAILED, reason_code=code, error=message)
+
+    def load_exhausted(self, job_id: str, message: str) -> None:
+        """Its load job killed the host ``max_recoveries + 1`` times and ended
+        ``recovery_exhausted``: ``failed`` with that code and the job's error, held there
+        (no warm-up, request or fleet pass loads it again) until :meth:`reset` or
+        :meth:`clear_exhausted` (an explicit load). A fresh load would die at the same
+        point and take every other deployment of the host down with it."""
+        self._exhausted_job = job_id
+        self._job_id = job_id
+        if self._state in (S.CONFIGURED, S.STOPPED):
+            self._move({S.CONFIGURED, S.STOPPED}, S.PREPARING, job_id=job_id)
+        self._move(
+            {S.PREPARING, S.FAILED}, S.FAILED, reason_code="recovery_exhausted", error=message
+        )
+
+    def clear_exhausted(self) -> None:
+        """An operator asked for a load: the ``recovery_exhausted`` hold is over (the
+        deployment stays ``failed`` until that load launches)."""
+        self._exhausted_job = None

@@ -28,7 +28,7 @@ from sbproxy.model_host.registry import registry
 from sbproxy.model_host.runtime.commands import CommandKind
 from sbproxy.model_host.runtime.port import RuntimePort, runtime_port
 from sbproxy.store import JobRecord, JobStatus
-from sbproxy.workflows import StepContext, WorkflowContext, WorkflowEngine, step
+from sbproxy.workflows import StepContext, WorkflowContext, WorkflowEngine, fault_point, step
 
 __all__ = [
     "load_workflow",
@@ -174,6 +174,8 @@ async def launch_step(ctx: StepContext, request: LaunchInput) -> LoadOutput:
     process, so a replay re-checks it (``observe``) instead of trusting it.
     """
     runtime = runtime_port(ctx)
+    # One deployment's launch, for a test that must kill the host while loading only it.
+    fault_point(f"load.launch:{request.deployment}")
     async with runtime.step_scope(ctx.job_id, request.deployment, CommandKind.LOAD):
         launched = await runtime.launch(
             request.deployment, request.artifact, Path(request.executable), job_id=ctx.job_id

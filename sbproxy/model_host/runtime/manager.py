@@ -122,7 +122,7 @@ from sbproxy.model_host.runtime.state import (
     LaunchBackoff,
 )
 from sbproxy.model_host.runtime.upstream import RuntimeTallies, Upstream, free_port
-from sbproxy.store import JobRecord, JobStatus, RuntimeStore, wall_clock_ms
+from sbproxy.store import RECOVERY_EXHAUSTED, JobRecord, JobStatus, RuntimeStore, wall_clock_ms
 from sbproxy.workflows import WorkerIdentity, WorkflowEngine, owner_is_gone, process_start_ticks
 
 __all__ = [
@@ -280,6 +280,7 @@ class RuntimeManager:
             max_resident_models=cache_config.max_resident_models if cache_config else None,
             eviction=cache_config.eviction if cache_config else "lru",
             is_protected=self._protected,
+            demand=self._demand,
         )
 
     def _take_host_policies(self, compiled: CompiledConfig) -> None:
@@ -376,6 +377,14 @@ class RuntimeManager:
         busy = gate.active > 0 or (gate.queued > 0 and not gate.held) or found.waiting > 0
         settling = busy or found.state in (S.PREPARING, S.DRAINING)
         return found.config.pinned or (transient and settling)
+
+    def _demand(self, key: ResidencyKey) -> int:
+        """Requests active, queued or waiting for ``key``'s generation: each would wait for
+        a relaunch if it were evicted (the residency evicts the least wanted first)."""
+        found = self._live.get(key.deployment)
+        if found is None or found.generation != key.generation:
+            return 0
+        return found.gate.active + found.gate.queued + found.waiting
 
     # -- snapshots (frozen values for readers outside the runtime) -------------------------
 
@@ -521,7 +530,11 @@ class RuntimeManager:
         adopted as commands in their original order and finish under their ids (and later
         ones -- a ``jobs retry`` -- within :data:`ADOPT_POLL_S`); then
         ``warm: true`` deployments get a ``load`` (joining an adopted one) and ``pull:
-        on_boot`` deployments get their artifact verified. The maintenance loop starts.
+        on_boot`` deployments get their artifact verified -- except a deployment whose
+        latest runtime job is a load that ended ``recovery_exhausted`` (it killed the host
+        on every run): that one is held ``failed`` with the job's error instead
+        (:meth:`_hold_exhausted`), so the host stays up for the others. The maintenance
+        loop starts.
         """
         self._group = group
         report = await anyio.to_thread.run_sync(reap_orphans, self.owned_dir)
@@ -535,8 +548,12 @@ class RuntimeManager:
         # them as they are (and ends those no deployment here declares at once).
         await self.engine.recover()
         await self.adopt_runtime_jobs()
+        exhausted = await self._exhausted_loads()
         for found in self._live.values():
-            if found.config.warm:
+            poison = exhausted.get(found.deployment)
+            if poison is not None:
+                self._hold_exhausted(found, poison)
+            elif found.config.warm:
                 self.request_load(found.deployment, reason="warm")
             elif str(found.config.pull) == "on_boot":
                 name = found.deployment
@@ -546,6 +563,47 @@ class RuntimeManager:
                 )
         self.start_contained(self._maintenance, what="the maintenance loop")
         self.start_contained(self._adoption, what="the runtime job adoption loop")
+
+    async def _exhausted_loads(self) -> dict[str, JobRecord]:
+        """Deployments whose latest runtime job (of this node) is a ``load`` that ended
+        ``failed`` with ``recovery_exhausted`` for their current definition, with that
+        job. A later load, drain or reset, a ``jobs retry`` (the job is queued again) or a
+        changed definition (``config_digest``) lifts it."""
+        jobs = await self.engine.store.list_jobs(limit=-1)  # newest first
+        latest: dict[str, JobRecord] = {}
+        for job in jobs:
+            subject = job.subject or ""
+            if job.kind not in RUNTIME_JOB_KINDS or not subject.startswith("deployment:"):
+                continue
+            if job.node not in (None, self.engine.store.node):
+                continue  # another host's job on a shared journal
+            latest.setdefault(subject.removeprefix("deployment:"), job)
+        exhausted = {}
+        for deployment, job in latest.items():
+            found = self._live.get(deployment)
+            if found is None or job.kind != "load" or job.status != JobStatus.FAILED:
+                continue
+            if job.error is None or job.error.code != RECOVERY_EXHAUSTED:
+                continue
+            if job.input.get("config_digest") not in (None, deployment_digest(found.config)):
+                continue  # the definition changed since: the new one deserves its load
+            exhausted[deployment] = job
+        return exhausted
+
+    def _hold_exhausted(self, found: Deployment, job: JobRecord) -> None:
+        """Hold ``found`` ``failed`` (``recovery_exhausted``, the job's error) instead of
+        giving it a fresh load at boot that would die where the exhausted one died."""
+        message = job.error.message if job.error is not None else "recovery exhausted"
+        found.load_exhausted(job.id, message)
+        logger.error(
+            "%s is not loaded at start: its load job %s ended recovery_exhausted (%s); "
+            "a reset (POST /admin/model-host/reset) or `sbproxy models load %s` tries again "
+            "once the cause is fixed",
+            found.deployment,
+            job.id,
+            message,
+            found.deployment,
+        )
 
     @property
     def owned_dir(self) -> Path:
@@ -710,6 +768,11 @@ class RuntimeManager:
             while True:
                 found = self.deployment(deployment)
                 self._refuse_now(found)
+                if found.evicting:
+                    # Making room for another model: its relaunch (below, once it has
+                    # stopped) serves this request; an operator's stop refuses above.
+                    await found.ready.wait()
+                    continue
                 if not found.routable():
                     await self._wait_ready(found)
                 permit = await found.gate.admit(priority)
@@ -754,8 +817,23 @@ class RuntimeManager:
             deployment=found.deployment,
         )
 
+    def _exhausted_refusal(self, found: Deployment) -> AdmissionRejected:
+        """Why ``found`` is not loaded while its exhausted load job holds it failed."""
+        return reject(
+            AdmissionReason.CRASH_LOOP,
+            f"{found.deployment} is held failed: its load job {found.exhausted_job} ended "
+            f"recovery_exhausted ({found.last_error}); once the cause is fixed, a reset "
+            f"(POST /admin/model-host/reset) or `sbproxy models load {found.deployment}` "
+            "tries again",
+            deployment=found.deployment,
+        )
+
     def _refuse_now(self, found: Deployment) -> None:
-        if found.state is S.DRAINING or found.gate.draining:
+        """Refuse at once what waiting cannot help: an operator's stop or drain, a crash
+        loop, an exhausted load. An eviction (:attr:`Deployment.evicting`) is waited out."""
+        if found.exhausted_job is not None:
+            raise self._exhausted_refusal(found)
+        if (found.state is S.DRAINING and not found.evicting) or found.gate.draining:
             raise reject(
                 AdmissionReason.DRAINING,
                 f"{found.deployment} is draining",
@@ -1221,7 +1299,7 @@ class RuntimeManager:
         if found.state not in (S.READY, S.FAILED):
             await self._release_generation(found)
             return
-        retained = found.begin_drain(job_id=job_id, reason=None)
+        retained = found.begin_evict(job_id=job_id)
         await self._publish()
         await self._release_generation(found)
         found.drained(retained, job_id=job_id, reason="evicted")
@@ -1335,7 +1413,9 @@ class RuntimeManager:
         Raises:
             UnknownDeployment: ``unknown_deployment``.
         """
-        self.deployment(deployment)
+        found = self.deployment(deployment)
+        if found.exhausted_job is not None:
+            raise self._exhausted_refusal(found)
         queue = self.queue(deployment)
         fresh_queue = not queue.pending
         command, created = queue.submit(CommandKind.LOAD, reason=reason)
@@ -1354,6 +1434,8 @@ class RuntimeManager:
         Raises:
             UnknownDeployment: ``unknown_deployment``.
         """
+        # An operator's load is the explicit retry an exhausted load waits for.
+        self.deployment(deployment).clear_exhausted()
         command = self.request_load(deployment, reason=reason)
         return await self._job_of(command)
 

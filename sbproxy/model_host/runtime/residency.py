@@ -13,8 +13,10 @@ Rules (spec "Admission and residency"):
   ``insufficient_capacity``;
 * ``max_resident_models`` is one count across all devices;
 * only unprotected generations are evicted -- protected means pinned, active, queued,
-  preparing or draining -- least recently used first, ordered by
-  ``(last_used, deployment, generation)``; a multi-device generation is evicted as a unit;
+  preparing or draining -- in :func:`eviction_order`: a generation with no demand (no
+  request active, queued or waiting for it) before one with some, fewer requests before
+  more, then least recently used first, ``(last_used, deployment, generation)``; a
+  multi-device generation is evicted as a unit;
 * with eviction policy ``never`` any displacement is refused.
 """
 
@@ -35,6 +37,7 @@ __all__ = [
     "ReservationRequest",
     "Residency",
     "ResidencyKey",
+    "eviction_order",
     "select_devices",
 ]
 
@@ -123,6 +126,9 @@ class Residency:
         eviction: ``lru`` or ``never`` (``cache.eviction``).
         is_protected: Optional live check, e.g. "has active or queued requests", consulted
             in addition to each reservation's ``protected`` flag.
+        demand: Optional live count of the requests active, queued or waiting for a
+            generation (its gate's and its waiters'), which orders the victims
+            (:func:`eviction_order`); ``None``: every generation counts 0 (plain LRU).
 
     Raises:
         ValueError: a capacity is negative or ``max_resident_models`` is below 1.
@@ -135,6 +141,7 @@ class Residency:
         max_resident_models: int | None = None,
         eviction: EvictionPolicy | str = EvictionPolicy.LRU,
         is_protected: Callable[[ResidencyKey], bool] | None = None,
+        demand: Callable[[ResidencyKey], int] | None = None,
     ) -> None:
         if any(capacity < 0 for capacity in capacities.values()):
             raise ValueError(f"device capacities must be >= 0, got {dict(capacities)}")
@@ -144,6 +151,7 @@ class Residency:
         self.max_resident_models = max_resident_models
         self.eviction = EvictionPolicy(eviction)
         self._is_protected = is_protected
+        self._demand = demand
         self._reservations: dict[ResidencyKey, Reservation] = {}
 
     # -- observation -------------------------------------------------------------------
@@ -200,7 +208,8 @@ class Residency:
 
         Greedy LRU (reference 7.5): compute the bytes short on each selected device
         (``total - free``) and the count overflow (``reservations + 1 - max``); walk the
-        unprotected reservations by ``(last_used, deployment, generation)`` and take one
+        unprotected reservations in :func:`eviction_order` (idle before in demand, then
+        ``(last_used, deployment, generation)``) and take one
         if it frees a device that is still short or the count still overflows. A taken
         multi-device generation frees its bytes on every device it holds.
 
@@ -423,7 +432,37 @@ class Residency:
         unprotected = [
             r for r in self._reservations.values() if not self.is_protected(r, by=is_protected)
         ]
-        return sorted(unprotected, key=lambda r: (r.last_used, r.key.deployment, r.key.generation))
+        demand = self._demand
+        return eviction_order(
+            unprotected, demand={r.key: demand(r.key) for r in unprotected} if demand else {}
+        )
+
+
+def eviction_order(
+    candidates: Iterable[Reservation], *, demand: Mapping[ResidencyKey, int]
+) -> list[Reservation]:
+    """The order in which to evict ``candidates`` (pure): the best victim first.
+
+    A generation that nothing waits for is the cheapest to evict: evicting one that has
+    requests active, queued (a held gate's queue) or waiting for it makes them wait for its
+    relaunch, which evicts another in turn. So: no demand first; then fewer requests
+    before more (the sooner it idles); then least recently used, ``last_used``; then
+    ``(deployment, generation)`` so that ties have one answer.
+
+    Args:
+        candidates: Reservations that may be evicted (protection already applied).
+        demand: Requests active, queued or waiting per generation; a key absent counts 0.
+
+    Returns:
+        ``candidates`` sorted, best victim first.
+    """
+
+    def rank(reservation: Reservation) -> tuple[bool, int, int, str, int]:
+        wanted = max(0, demand.get(reservation.key, 0))
+        key = reservation.key
+        return (wanted > 0, wanted, reservation.last_used, key.deployment, key.generation)
+
+    return sorted(candidates, key=rank)
 
 
 def select_devices(

@@ -168,3 +168,43 @@ def test_unhealthy_after_consecutive_timeouts_asks_for_one_restart() -> None:
     assert found.count_outcome(0, timed_out=False) is False
     assert found.timeouts == 0
     assert found.count_outcome(7, timed_out=True) is False  # another generation
+
+
+def test_an_eviction_is_marked_until_drained_and_an_operator_drain_over_it_is_not() -> None:
+    found, _ = placed(S.READY)
+    retained = found.begin_evict(job_id="job-of-the-swap")
+    assert (found.state, found.evicting) == (S.DRAINING, True)
+    found.drained(retained, job_id="job-of-the-swap", reason="evicted")
+    assert (found.state, found.reason_code, found.evicting) == (S.STOPPED, "evicted", False)
+
+    found, _ = placed(S.READY)
+    found.begin_evict(job_id=None)
+    found.begin_drain(job_id="stop", reason="stop")  # an operator's stop meets the eviction
+    assert (found.state, found.evicting) == (S.DRAINING, False)
+
+
+def held_by(found: Deployment) -> str | None:
+    return found.exhausted_job
+
+
+def test_an_exhausted_load_holds_failed_until_reset_or_an_explicit_load() -> None:
+    found, outbox = placed(S.CONFIGURED)
+    found.load_exhausted("job-1", "recovered 3 times without completing a step")
+    assert (found.state, found.reason_code, found.job_id) == (
+        S.FAILED,
+        "recovery_exhausted",
+        "job-1",
+    )
+    assert held_by(found) == "job-1"
+    assert found.last_error == "recovered 3 times without completing a step"
+    assert [(t.before, t.after) for t in outbox.take()] == [
+        (S.CONFIGURED, S.PREPARING),
+        (S.PREPARING, S.FAILED),
+    ]
+    assert found.reset(job_id="reset-1") is True
+    assert (found.state, held_by(found)) == (S.CONFIGURED, None)
+
+    found, _ = placed(S.STOPPED)
+    found.load_exhausted("job-2", "died in launch")
+    found.clear_exhausted()
+    assert (found.state, held_by(found)) == (S.FAILED, None)  # failed until it launches

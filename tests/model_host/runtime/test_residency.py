@@ -13,6 +13,7 @@ from sbproxy.model_host.runtime.residency import (
     ReservationRequest,
     Residency,
     ResidencyKey,
+    eviction_order,
 )
 
 GIB = 1024**3
@@ -274,3 +275,52 @@ def test_invalid_construction_is_a_caller_error() -> None:
         Residency({0: 1}, max_resident_models=0)
     with pytest.raises(ValueError, match="EvictionPolicy"):
         Residency({0: 1}, eviction="sometimes")
+
+
+def held(deployment: str, last_used: int, generation: int = 1) -> Reservation:
+    return Reservation(
+        key=key(deployment, generation),
+        estimate=gib(1),
+        devices=(0,),
+        protected=False,
+        last_used=last_used,
+    )
+
+
+# (candidates as (deployment, last_used), demand per deployment, expected order): a
+# generation nothing waits for goes first even when it was used more recently; then the
+# one with fewer requests; then LRU; then (deployment, generation).
+EVICTION_ORDER_CASES = [
+    ([("a", 1), ("b", 2)], {}, ["a", "b"]),  # plain LRU when nothing is wanted
+    ([("a", 1), ("b", 9)], {"a": 1}, ["b", "a"]),  # a queued request outweighs recency
+    ([("a", 1), ("b", 9), ("c", 5)], {"a": 3, "b": 1}, ["c", "b", "a"]),
+    ([("a", 1), ("b", 2)], {"a": 2, "b": 2}, ["a", "b"]),  # equal demand: LRU
+    ([("b", 4), ("a", 4)], {}, ["a", "b"]),  # equal ticks: by deployment
+    ([("a", 3)], {"a": -1}, ["a"]),  # a miscount below zero counts as none
+    ([("a", 1), ("b", 2)], {"z": 5}, ["a", "b"]),  # demand of others does not matter
+]
+
+
+@pytest.mark.parametrize(("candidates", "wanted", "expected"), EVICTION_ORDER_CASES)
+def test_eviction_order_puts_unwanted_generations_first_then_lru(
+    candidates: list[tuple[str, int]], wanted: dict[str, int], expected: list[str]
+) -> None:
+    demand = {key(deployment): count for deployment, count in wanted.items()}
+    ordered = eviction_order([held(d, tick) for d, tick in candidates], demand=demand)
+    assert [r.key.deployment for r in ordered] == expected
+
+
+def test_a_plan_evicts_the_idle_generation_before_one_with_requests_waiting() -> None:
+    # max_resident_models: 2 with a (least recently used, but its held gate queues two
+    # requests) and b (used since, nothing waiting): the swap displaces b, not a.
+    waiting = {key("a"): 2}
+    residency = Residency({0: 8 * GIB}, max_resident_models=2, demand=lambda k: waiting.get(k, 0))
+    residency.reserve(key("a"), estimate=gib(1), devices=[0], tick=1)
+    residency.reserve(key("b"), estimate=gib(1), devices=[0], tick=2)
+
+    plan = residency.plan(ReservationRequest(key=key("c"), estimate=gib(1), devices=(0,)))
+    assert plan.evicted == (key("b"),)
+
+    waiting.clear()  # a's requests were served: plain LRU again
+    plan = residency.plan(ReservationRequest(key=key("c"), estimate=gib(1), devices=(0,)))
+    assert plan.evicted == (key("a"),)
