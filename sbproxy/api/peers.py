@@ -114,6 +114,10 @@ _PRIORITY: Final = PEER_PRIORITY.lower().encode()
 # queue there (a hop is checked against no key, budget or rate), 502/503 a replica that
 # cannot serve now.
 _REFUSALS: Final = frozenset({429, 502, 503})
+# A peer that refuses this host's fleet credential (its 401 peer_unauthorized; 403 from
+# anything in front of it) refused before any engine saw the request: the next replica is
+# tried, and the client never sees the fleet's own credential problem.
+_CREDENTIAL_REFUSALS: Final = frozenset({401, 403})
 # The calling gateway's limits on a peer exceed the deployment's own by this much, so that
 # the peer's supervision (which knows the engine) speaks first.
 _MARGIN_S: Final = 1.0
@@ -142,7 +146,9 @@ class PeerOutcome(StrEnum):
 
     ANSWERED = "answered"  # its answer (any status) or its whole stream went to the client
     REFUSED = "refused"  # 429/502/503 before any byte reached the client; the next one tried
-    UNREACHABLE = "unreachable"  # failed before its answer's headers; out of rotation
+    UNAUTHORIZED = "unauthorized"  # refused the fleet credential (401/403); out of rotation
+    UNREACHABLE = "unreachable"  # no connection opened: nothing sent; out of rotation
+    LOST = "lost"  # the request sent, no whole answer (never sent again); out of rotation
     CUT = "cut"  # its stream failed after the first byte reached the client
     TIMED_OUT = "timed_out"  # a limit ran out waiting for it (before its answer: out of rotation)
     CLIENT_GONE = "client_gone"  # the client went away first
@@ -194,6 +200,21 @@ def trace_context(scope: Scope) -> dict[str, str]:
 
 
 @dataclass(slots=True)
+class _Flight:
+    """When each of this gateway's requests to one replica that has no answer headers yet
+    was sent (the dispatch clock's seconds, by ticket serial), and the deployment's own
+    first-token limit (seconds) -- what :meth:`PeerDispatch.pick` reads to rank last a
+    replica whose oldest unanswered request has waited past that limit."""
+
+    sent: dict[int, float] = field(default_factory=dict)
+    first_token_s: float = _DEFAULTS[1]
+
+    def overdue(self, now: float) -> bool:
+        """Whether the oldest request in flight was sent more than ``first_token_s`` ago."""
+        return bool(self.sent) and now - min(self.sent.values()) > self.first_token_s
+
+
+@dataclass(slots=True)
 class PeerTicket:
     """One request in flight to a peer replica: counted in this gateway's outstanding count of
     that replica until :meth:`release`; the limits the relay applies to it (seconds)."""
@@ -204,16 +225,24 @@ class PeerTicket:
     first_token_timeout_s: float
     stall_timeout_s: float
     _in_flight: Counter[tuple[str, str]] = field(repr=False)
+    _flight: _Flight = field(repr=False, default_factory=_Flight)
+    _serial: int = 0
     _released: bool = False
 
     def report(self, *, timed_out: bool) -> None:
         """Nothing to tell: the peer's own runtime counts its engine's outcomes."""
+
+    def answered(self) -> None:
+        """The peer's answer headers arrived (for a stream: with its first event): no longer
+        a request that may be hung, though still in flight while its stream lasts."""
+        self._flight.sent.pop(self._serial, None)
 
     def release(self) -> None:
         """No longer in flight (idempotent)."""
         if not self._released:
             self._released = True
             self._in_flight[(self.node_id, self.deployment)] -= 1
+            self._flight.sent.pop(self._serial, None)
 
 
 @dataclass(slots=True)
@@ -252,6 +281,8 @@ class PeerDispatch:
         self.clock = clock
         self.configure(credential=credential, cooldown_s=cooldown_s)
         self._in_flight: Counter[tuple[str, str]] = Counter()
+        self._flights: dict[tuple[str, str], _Flight] = {}
+        self._serial = 0
         self._out: dict[str, float] = {}
         self._turn = 0
         self.tries: Counter[tuple[str, str, str]] = Counter()
@@ -270,9 +301,14 @@ class PeerDispatch:
 
     # -- the receiving side ------------------------------------------------------------------
 
-    def admit_hop(self, authorization: str | None, priority: str | None) -> Caller:
+    def admit_hop(
+        self, authorization: str | None, priority: str | None, *, node: str = "?"
+    ) -> Caller:
         """The caller of a peer hop carrying this ``Authorization`` header: nameless (no key,
-        no budget, no usage here), with the class the calling gateway gave.
+        no budget, no usage here), with the class the calling gateway gave; ``node``: the
+        calling node, as its ``X-Sbproxy-Peer-Hop`` names it (a refusal's warning names it:
+        one of the two hosts has the wrong credential, and the caller names this one in its
+        own warning; the credential itself is never logged).
 
         Raises:
             PeerUnauthorized: ``peer_unauthorized`` without the fleet credential (or when
@@ -285,6 +321,14 @@ class PeerDispatch:
             or scheme.lower() != "bearer"
             or not hmac.compare_digest(presented, self._digest)
         ):
+            logger.warning(
+                "refused a peer hop from node %r: %s; give every host of the fleet the same "
+                "proxy.model_host.fleet.credential",
+                node,
+                "this host has no fleet credential"
+                if self._digest is None
+                else "it does not carry this host's fleet credential",
+            )
             raise PeerUnauthorized(
                 "a peer hop needs the fleet credential (proxy.model_host.fleet.credential) "
                 "as Authorization: Bearer",
@@ -357,7 +401,7 @@ class PeerDispatch:
         local = table.local_node_id
         now = self.clock()
         best: list[PeerReplica] = []
-        fewest = (0, 0)
+        fewest = (0, 0, 0)
         for replica in table.for_deployment(deployment):
             node = replica.node_id
             if node == local or not replica.ready or not replica.base_url or node in tried:
@@ -365,7 +409,12 @@ class PeerDispatch:
             if not self._in_rotation(node, now):
                 continue
             outstanding = replica.active + replica.queued + self._in_flight[(node, deployment)]
-            rank = (0 if replica.loaded else 1, outstanding)
+            flight = self._flights.get((node, deployment))
+            # A replica that has left one of this gateway's requests unanswered past the
+            # first-token limit is probably hung: every other candidate goes first, however
+            # busy (its low count is what drew requests to it).
+            overdue = flight is not None and flight.overdue(now)
+            rank = (1 if overdue else 0, 0 if replica.loaded else 1, outstanding)
             if not best or rank < fewest:
                 best, fewest = [replica], rank
             elif rank == fewest:
@@ -416,7 +465,12 @@ class PeerDispatch:
             request_s = config.request_timeout_ms / 1000
             first_s = config.first_token_timeout_ms / 1000
             stall_s = config.stall_timeout_ms / 1000
-        self._in_flight[(replica.node_id, replica.deployment)] += 1
+        key = (replica.node_id, replica.deployment)
+        self._in_flight[key] += 1
+        flight = self._flights.setdefault(key, _Flight())
+        flight.first_token_s = first_s
+        self._serial += 1
+        flight.sent[self._serial] = self.clock()
         return PeerTicket(
             deployment=replica.deployment,
             node_id=replica.node_id,
@@ -424,6 +478,8 @@ class PeerDispatch:
             first_token_timeout_s=first_s + _MARGIN_S,
             stall_timeout_s=stall_s + _MARGIN_S,
             _in_flight=self._in_flight,
+            _flight=flight,
+            _serial=self._serial,
         )
 
     def _headers(self, caller: Caller, host: str | None) -> dict[str, str]:
@@ -494,6 +550,9 @@ class PeerDispatch:
                 current = replica
                 answer = await self._try(session, replica, ticket, headers, path, body, streamed)
                 current = None
+                if answer is not None and _unauthorized(answer):
+                    self._credential_refused(answer)
+                    answer = None
                 if answer is None:
                     failed = True
                     replica = self.pick(deployment, tried)
@@ -520,6 +579,23 @@ class PeerDispatch:
         raise UpstreamUnavailable(
             f"no replica of deployment {deployment!r} answered (tried {len(tried)} peer(s))",
             details={"deployment": deployment},
+        )
+
+    def _credential_refused(self, answer: PeerAnswer) -> None:
+        """A peer refused this host's fleet credential (401/403) before anything reached an
+        engine: out of rotation, named in a warning (one of the two hosts has the wrong
+        credential; the peer names this node in its own), and the next replica tried."""
+        replica, status = answer.replica, answer.response.status
+        self.record(replica, PeerOutcome.UNAUTHORIZED)
+        answer.ticket.release()
+        self._out[replica.node_id] = self.clock() + self.cooldown_s
+        logger.warning(
+            "peer %s (%s) refused this host's fleet credential (HTTP %d): out of rotation for "
+            "%g s; give every host of the fleet the same proxy.model_host.fleet.credential",
+            replica.node_id,
+            replica.base_url,
+            status,
+            self.cooldown_s,
         )
 
     def _cut_short(
@@ -573,7 +649,12 @@ class PeerDispatch:
                 headers = dict(headers)
                 propagate.inject(headers)
             try:
-                response = await engine_client.post(session, url, body, headers=headers)
+                # Sent once (resend=False): a hop that failed after its bytes left may be
+                # running at the peer's engine already.
+                response = await engine_client.post(
+                    session, url, body, headers=headers, resend=False
+                )
+                ticket.answered()
                 data: bytes | None = None
                 if not (streamed and response.content_type == "text/event-stream"):
                     data = await response.read()
@@ -582,11 +663,16 @@ class PeerDispatch:
                 if response is not None:
                     response.close()
                 ticket.release()
-                self.out_of_rotation(replica, type(exc).__name__)
-                self.record(replica, PeerOutcome.UNREACHABLE)
+                why = type(exc).__name__
                 if span is not None:
-                    span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
-                return None
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, why))
+                if isinstance(exc, engine_client.NOT_SENT):
+                    self.out_of_rotation(replica, why)
+                    self.record(replica, PeerOutcome.UNREACHABLE)
+                    return None
+                self.out_of_rotation(replica, f"{why} after the request was sent")
+                self.record(replica, PeerOutcome.LOST)
+                raise _lost(replica, why, answered=response is not None) from None
             except BaseException:  # a cancellation: the deadline or the client (the caller knows)
                 if response is not None:
                     response.close()
@@ -618,6 +704,24 @@ def _hop_span(replica: PeerReplica, path: str) -> Iterator[trace.Span | None]:
         "peer hop", kind=trace.SpanKind.CLIENT, attributes=attributes
     ) as span:
         yield span
+
+
+def _lost(replica: PeerReplica, why: str, *, answered: bool) -> UpstreamUnavailable:
+    """The error for a hop that failed after its request was sent (``answered``: after the
+    answer's headers): it is not sent to another peer, whose engine would run it a second
+    time if this one's did."""
+    when = "while its answer was read" if answered else "before its answer's headers"
+    return UpstreamUnavailable(
+        f"peer {replica.node_id} of deployment {replica.deployment!r} failed {when} ({why}); "
+        "the request had reached it, so it was not sent to another replica (its engine may "
+        "have run it)",
+        remediation="Retry the request; check the peer's log and `sbproxy fleet nodes`.",
+        details={"deployment": replica.deployment, "peer_node": replica.node_id},
+    )
+
+
+def _unauthorized(answer: PeerAnswer) -> bool:
+    return answer.data is not None and answer.response.status in _CREDENTIAL_REFUSALS
 
 
 def _refused(answer: PeerAnswer) -> bool:
