@@ -9,7 +9,7 @@ Where a request goes (:meth:`PeerDispatch.serves_here`), from the fleet's routin
 2. else the ready replica of a peer with the fewest outstanding requests -- the ``active`` and
    ``queued`` counts the replica last reported plus this gateway's own requests in flight to
    it, so that several gateways do not all pile onto one replica between two reports; ties
-   take turns;
+   take turns; a replica holding a request unanswered past the first-token limit last;
 3. else 503 ``no_ready_replica`` (retryable). The gateway never starts a replica the table
    lists as not ready (its node may have fenced itself); the fleet starts placements.
 
@@ -28,15 +28,34 @@ the answer the peer relays (a stream always carries its ``usage`` event between 
 calling gateway drops it when its client had not asked for it). The client's bytes are the
 peer's bytes: the answer's status, body and stream are relayed unchanged.
 
-Retries: another replica is tried only while nothing has reached the client -- when the
-peer cannot be reached or fails before its answer's headers (the peer is then out of this
-gateway's rotation at once, for ``peer_cooldown_ms`` on an injected monotonic clock, before
-membership notices), or when it answers 429/502/503 (its queue is full, its engine cannot
-serve now) and another replica is left. A peer that does not answer within the deployment's
-limit (its own supervision would have answered by then, so it is hung) leaves the rotation
-too; that request gets 504 ``engine_timeout``. Once a stream's headers went out, a peer that
-fails ends the stream with an ``upstream_unavailable`` error event, as an engine failing
-mid-stream does (:mod:`sbproxy.api.relay`).
+Retries: another replica is tried only while nothing has reached the client, and only for a
+try that provably never reached an engine -- a hop is never sent twice, to one peer or to
+two, since the peer's engine may be running it already (docs/cluster.md, "Retried only
+before the first byte"):
+
+* no connection opened (:data:`~sbproxy.api.engine_client.NOT_SENT`: refused, unreachable,
+  the connect timeout): out of rotation (for ``peer_cooldown_ms`` on an injected monotonic
+  clock, before membership notices), the next replica tried;
+* the peer refused the fleet credential (401/403): out of rotation, the next replica tried;
+  both sides log a warning naming the other node;
+* the peer answered 429/502/503 (its queue is full, its replica cannot serve now): the next
+  replica tried, when one is left;
+* the connection failed after the request was sent (closed or reset before the answer's
+  headers, a plain answer's body broken off): out of rotation, 502 ``upstream_unavailable``
+  to the client, no other peer asked;
+* no answer's headers within the hop's first-byte deadline -- the deployment's first-token
+  limit for a stream (a peer sends a stream's headers with its first event), its request
+  limit for a plain answer, each plus :data:`_MARGIN_S` so that the peer's own supervision,
+  which knows the engine, speaks first: the peer is hung, out of rotation, and the request
+  gets 504 ``engine_timeout`` (not sent elsewhere: it reached the peer).
+
+Once a stream's headers went out, a peer that fails ends the stream with an
+``upstream_unavailable`` error event, as an engine failing mid-stream does
+(:mod:`sbproxy.api.relay`).
+
+A hung replica is picked last (:meth:`PeerDispatch.pick`): one whose oldest request from this
+gateway has had no answer's headers for longer than the deployment's first-token limit ranks
+after every other candidate, whatever its count.
 
 Spill-over (:meth:`sbproxy.api.gateway.Gateway.forward_to_peer`): a client's request that
 this host's own replica refuses before any byte reached the client -- any admission refusal
@@ -396,7 +415,9 @@ class PeerDispatch:
     def pick(self, deployment: str, tried: set[str]) -> PeerReplica | None:
         """The ready peer replica of ``deployment`` with the fewest outstanding requests,
         among those in rotation and not in ``tried`` (node ids) -- a loaded one before any
-        idle one (which its node has to load first); ``None`` when none is left."""
+        idle one (which its node has to load first), and after every other one a replica
+        whose oldest request from this gateway has had no answer's headers for longer than
+        the deployment's first-token limit (probably hung); ``None`` when none is left."""
         table = self.directory.routing()
         local = table.local_node_id
         now = self.clock()
@@ -520,7 +541,8 @@ class PeerDispatch:
         Raises:
             NoReadyReplica: ``no_ready_replica`` -- no peer replica to try (or no fleet
                 credential to reach one with).
-            UpstreamUnavailable: ``upstream_unavailable`` -- every replica tried failed.
+            UpstreamUnavailable: ``upstream_unavailable`` -- every replica tried failed, or
+                one failed after the request was sent (it is not sent to another).
             EngineTimeout: ``engine_timeout`` -- the deployment's limit ran out first.
         """
         if self._authorization is None:
