@@ -229,7 +229,7 @@ class _Flight:
     first_token_s: float = _DEFAULTS[1]
 
     def overdue(self, now: float) -> bool:
-        """Whether the oldest request in flight was sent more than ``first_token_s`` ago."""
+        """Whether the oldest unanswered request was sent more than ``first_token_s`` ago."""
         return bool(self.sent) and now - min(self.sent.values()) > self.first_token_s
 
 

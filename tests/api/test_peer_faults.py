@@ -92,11 +92,18 @@ async def test_a_peer_refusing_the_fleet_credential_is_passed_over_and_both_side
         a.clock.now += COOLDOWN_S + 0.1
         assert (await post(a.host.gateway_url, CHAT)).status_code == 200
         assert a.dispatch.tries[("tiny", "b", "unauthorized")] == 2
+        # With no other replica, the client gets the failed dispatch, never the peer's 401.
+        a.clock.now += COOLDOWN_S + 0.1
+        fleet.route("a", [fleet.replica("b")])
+        answer = await post(a.host.gateway_url, CHAT)
+        assert answer.status_code == 502, answer.text
+        assert answer.json()["error"]["code"] == "upstream_unavailable"
+        assert a.dispatch.tries[("tiny", "b", "unauthorized")] == 3
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     refused_by_b = [w for w in warnings if w.startswith("refused a peer hop from node 'a'")]
     refused_named = [w for w in warnings if w.startswith("peer b ") and "credential" in w]
-    assert len(refused_by_b) == 2, warnings
-    assert len(refused_named) == 2, warnings
+    assert len(refused_by_b) == 3, warnings
+    assert len(refused_named) == 3, warnings
     assert not any("not-the-fleet-credential" in w for w in warnings)
 
 
