@@ -17,6 +17,11 @@ engine was healthy. Two measures, as HTTP clients commonly take them:
   changes nothing in the engine but compute, and a connection that was reset before an
   answer was not served, so it is sent again too. A connection that cannot be opened
   (``ClientConnectorError``: the engine is gone) is not retried.
+
+A peer host's gateway is not sent a request twice (``resend=False``): it may have passed the
+request to its engine before the connection failed, and a second send would run one
+generation twice; only a failure in :data:`NOT_SENT` (no connection opened) is known to have
+sent nothing (:mod:`sbproxy.api.peers` tries another peer after those only).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Final
 import aiohttp
 from yarl import URL
 
-__all__ = ["ENGINE_IDLE_CLOSE_S", "KEEPALIVE_S", "engine_session", "post"]
+__all__ = ["ENGINE_IDLE_CLOSE_S", "KEEPALIVE_S", "NOT_SENT", "engine_session", "post"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,11 @@ ENGINE_IDLE_CLOSE_S: Final = 5.0
 # How long the gateway's pool keeps an idle connection to an engine, seconds: below the
 # engines' idle close, with margin for a request on its way.
 KEEPALIVE_S: Final = 4.0
+# The failures of a POST that provably sent none of the request: no connection could be
+# opened (refused, unreachable, name not resolved, TLS refused) or none opened within the
+# connect timeout. aiohttp's own retry rule draws the same line (it never retries these,
+# and retries a failure on an open connection for idempotent methods only, never a POST).
+NOT_SENT: Final = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 def engine_session() -> aiohttp.ClientSession:
@@ -59,25 +69,31 @@ async def post(
     body: bytes,
     *,
     headers: Mapping[str, str] | None = None,
+    resend: bool = True,
 ) -> aiohttp.ClientResponse:
     """POST ``body`` to ``url`` (with ``headers`` besides the session's); the response with
     its headers read. A peer host's gateway is reached the same way (its server closes an
-    idle connection after 5 s too: uvicorn's ``timeout_keep_alive``).
+    idle connection after 5 s too: uvicorn's ``timeout_keep_alive``), with ``resend=False``.
 
-    Sent a second time, on another connection, when the first try failed on an established
-    connection before the answer's headers (see the module docstring).
+    With ``resend`` (an engine of this host), sent a second time, on another connection,
+    when the first try failed on an established connection before the answer's headers (see
+    the module docstring). Without it (a peer hop), sent once: such a failure may come from
+    a peer that read the request and passed it to its engine before it failed, and a second
+    send could run the generation twice (:data:`NOT_SENT` tells the failures that provably
+    sent nothing).
 
     Raises:
-        aiohttp.ClientError: the engine could not be reached, or the second try failed too.
+        aiohttp.ClientError: the engine could not be reached, or the (last) try failed.
     """
     try:
         return await session.post(url, data=body, headers=headers)
-    except aiohttp.ClientConnectorError:
+    except NOT_SENT:
         raise
-    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+        if not resend:
+            raise
         logger.info(
-            "engine at %s closed the connection under a request (%s); sending it again",
+            "engine at %s closed the connection under a request; sending it again",
             url.authority,
-            type(exc).__name__,
         )
     return await session.post(url, data=body, headers=headers)

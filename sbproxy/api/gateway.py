@@ -610,7 +610,7 @@ class Gateway:
         hop, priority = peer_headers(scope)
         if hop is None:
             return self.keys.authenticate(authorization), None
-        return fleet.admit_hop(authorization, priority), hop
+        return fleet.admit_hop(authorization, priority, node=hop), hop
 
     def serves_here(self, fleet: PeerDispatch, deployment: str) -> bool:
         """Whether this node serves ``deployment`` itself (:meth:`PeerDispatch.serves_here`):

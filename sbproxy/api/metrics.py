@@ -27,9 +27,12 @@ Gateway and job metrics (this project's own names, outside the reference's table
   worked on a plain answer, or in the middle of a stream (counted by the gateway);
 * ``sbproxy_gateway_peer_requests_total{deployment,node,outcome}`` (counter): each try this
   gateway made at a peer host's replica (peer dispatch, :mod:`sbproxy.api.peers`), by how it
-  ended: ``answered``, ``refused`` (429/502/503, the next replica tried), ``unreachable``
-  (failed before its answer; the peer left the rotation), ``cut`` (its stream failed after
-  the first byte), ``timed_out``, ``client_gone``;
+  ended: ``answered``, ``refused`` (429/502/503, the next replica tried), ``unauthorized``
+  (it refused the fleet credential; out of rotation, the next replica tried),
+  ``unreachable`` (no connection opened, nothing sent; out of rotation, the next replica
+  tried), ``lost`` (the connection failed after the request was sent, before a whole
+  answer; out of rotation, never sent again), ``cut`` (its stream failed after the first
+  byte), ``timed_out``, ``client_gone``;
   ``sbproxy_gateway_peer_spills_total{deployment,reason}`` (counter): requests this host's
   own replica refused before any byte reached the client (``reason``: the refusal's code,
   e.g. ``queue_full``, ``upstream_unavailable``) and that went to a peer's replica instead

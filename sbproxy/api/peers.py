@@ -9,7 +9,7 @@ Where a request goes (:meth:`PeerDispatch.serves_here`), from the fleet's routin
 2. else the ready replica of a peer with the fewest outstanding requests -- the ``active`` and
    ``queued`` counts the replica last reported plus this gateway's own requests in flight to
    it, so that several gateways do not all pile onto one replica between two reports; ties
-   take turns;
+   take turns; a replica holding a request unanswered past the first-token limit last;
 3. else 503 ``no_ready_replica`` (retryable). The gateway never starts a replica the table
    lists as not ready (its node may have fenced itself); the fleet starts placements.
 
@@ -28,15 +28,34 @@ the answer the peer relays (a stream always carries its ``usage`` event between 
 calling gateway drops it when its client had not asked for it). The client's bytes are the
 peer's bytes: the answer's status, body and stream are relayed unchanged.
 
-Retries: another replica is tried only while nothing has reached the client -- when the
-peer cannot be reached or fails before its answer's headers (the peer is then out of this
-gateway's rotation at once, for ``peer_cooldown_ms`` on an injected monotonic clock, before
-membership notices), or when it answers 429/502/503 (its queue is full, its engine cannot
-serve now) and another replica is left. A peer that does not answer within the deployment's
-limit (its own supervision would have answered by then, so it is hung) leaves the rotation
-too; that request gets 504 ``engine_timeout``. Once a stream's headers went out, a peer that
-fails ends the stream with an ``upstream_unavailable`` error event, as an engine failing
-mid-stream does (:mod:`sbproxy.api.relay`).
+Retries: another replica is tried only while nothing has reached the client, and only for a
+try that provably never reached an engine -- a hop is never sent twice, to one peer or to
+two, since the peer's engine may be running it already (docs/cluster.md, "Retried only
+before the first byte"):
+
+* no connection opened (:data:`~sbproxy.api.engine_client.NOT_SENT`: refused, unreachable,
+  the connect timeout): out of rotation (for ``peer_cooldown_ms`` on an injected monotonic
+  clock, before membership notices), the next replica tried;
+* the peer refused the fleet credential (401/403): out of rotation, the next replica tried;
+  both sides log a warning naming the other node;
+* the peer answered 429/502/503 (its queue is full, its replica cannot serve now): the next
+  replica tried, when one is left;
+* the connection failed after the request was sent (closed or reset before the answer's
+  headers, a plain answer's body broken off): out of rotation, 502 ``upstream_unavailable``
+  to the client, no other peer asked;
+* no answer's headers within the hop's first-byte deadline -- the deployment's first-token
+  limit for a stream (a peer sends a stream's headers with its first event), its request
+  limit for a plain answer, each plus :data:`_MARGIN_S` so that the peer's own supervision,
+  which knows the engine, speaks first: the peer is hung, out of rotation, and the request
+  gets 504 ``engine_timeout`` (not sent elsewhere: it reached the peer).
+
+Once a stream's headers went out, a peer that fails ends the stream with an
+``upstream_unavailable`` error event, as an engine failing mid-stream does
+(:mod:`sbproxy.api.relay`).
+
+A hung replica is picked last (:meth:`PeerDispatch.pick`): one whose oldest request from this
+gateway has had no answer's headers for longer than the deployment's first-token limit ranks
+after every other candidate, whatever its count.
 
 Spill-over (:meth:`sbproxy.api.gateway.Gateway.forward_to_peer`): a client's request that
 this host's own replica refuses before any byte reached the client -- any admission refusal
@@ -114,6 +133,10 @@ _PRIORITY: Final = PEER_PRIORITY.lower().encode()
 # queue there (a hop is checked against no key, budget or rate), 502/503 a replica that
 # cannot serve now.
 _REFUSALS: Final = frozenset({429, 502, 503})
+# A peer that refuses this host's fleet credential (its 401 peer_unauthorized; 403 from
+# anything in front of it) refused before any engine saw the request: the next replica is
+# tried, and the client never sees the fleet's own credential problem.
+_CREDENTIAL_REFUSALS: Final = frozenset({401, 403})
 # The calling gateway's limits on a peer exceed the deployment's own by this much, so that
 # the peer's supervision (which knows the engine) speaks first.
 _MARGIN_S: Final = 1.0
@@ -142,7 +165,9 @@ class PeerOutcome(StrEnum):
 
     ANSWERED = "answered"  # its answer (any status) or its whole stream went to the client
     REFUSED = "refused"  # 429/502/503 before any byte reached the client; the next one tried
-    UNREACHABLE = "unreachable"  # failed before its answer's headers; out of rotation
+    UNAUTHORIZED = "unauthorized"  # refused the fleet credential (401/403); out of rotation
+    UNREACHABLE = "unreachable"  # no connection opened: nothing sent; out of rotation
+    LOST = "lost"  # the request sent, no whole answer (never sent again); out of rotation
     CUT = "cut"  # its stream failed after the first byte reached the client
     TIMED_OUT = "timed_out"  # a limit ran out waiting for it (before its answer: out of rotation)
     CLIENT_GONE = "client_gone"  # the client went away first
@@ -194,6 +219,21 @@ def trace_context(scope: Scope) -> dict[str, str]:
 
 
 @dataclass(slots=True)
+class _Flight:
+    """When each of this gateway's requests to one replica that has no answer headers yet
+    was sent (the dispatch clock's seconds, by ticket serial), and the deployment's own
+    first-token limit (seconds) -- what :meth:`PeerDispatch.pick` reads to rank last a
+    replica whose oldest unanswered request has waited past that limit."""
+
+    sent: dict[int, float] = field(default_factory=dict)
+    first_token_s: float = _DEFAULTS[1]
+
+    def overdue(self, now: float) -> bool:
+        """Whether the oldest unanswered request was sent more than ``first_token_s`` ago."""
+        return bool(self.sent) and now - min(self.sent.values()) > self.first_token_s
+
+
+@dataclass(slots=True)
 class PeerTicket:
     """One request in flight to a peer replica: counted in this gateway's outstanding count of
     that replica until :meth:`release`; the limits the relay applies to it (seconds)."""
@@ -204,16 +244,24 @@ class PeerTicket:
     first_token_timeout_s: float
     stall_timeout_s: float
     _in_flight: Counter[tuple[str, str]] = field(repr=False)
+    _flight: _Flight = field(repr=False, default_factory=_Flight)
+    _serial: int = 0
     _released: bool = False
 
     def report(self, *, timed_out: bool) -> None:
         """Nothing to tell: the peer's own runtime counts its engine's outcomes."""
+
+    def answered(self) -> None:
+        """The peer's answer headers arrived (for a stream: with its first event): no longer
+        a request that may be hung, though still in flight while its stream lasts."""
+        self._flight.sent.pop(self._serial, None)
 
     def release(self) -> None:
         """No longer in flight (idempotent)."""
         if not self._released:
             self._released = True
             self._in_flight[(self.node_id, self.deployment)] -= 1
+            self._flight.sent.pop(self._serial, None)
 
 
 @dataclass(slots=True)
@@ -252,6 +300,8 @@ class PeerDispatch:
         self.clock = clock
         self.configure(credential=credential, cooldown_s=cooldown_s)
         self._in_flight: Counter[tuple[str, str]] = Counter()
+        self._flights: dict[tuple[str, str], _Flight] = {}
+        self._serial = 0
         self._out: dict[str, float] = {}
         self._turn = 0
         self.tries: Counter[tuple[str, str, str]] = Counter()
@@ -270,9 +320,14 @@ class PeerDispatch:
 
     # -- the receiving side ------------------------------------------------------------------
 
-    def admit_hop(self, authorization: str | None, priority: str | None) -> Caller:
+    def admit_hop(
+        self, authorization: str | None, priority: str | None, *, node: str = "?"
+    ) -> Caller:
         """The caller of a peer hop carrying this ``Authorization`` header: nameless (no key,
-        no budget, no usage here), with the class the calling gateway gave.
+        no budget, no usage here), with the class the calling gateway gave; ``node``: the
+        calling node, as its ``X-Sbproxy-Peer-Hop`` names it (a refusal's warning names it:
+        one of the two hosts has the wrong credential, and the caller names this one in its
+        own warning; the credential itself is never logged).
 
         Raises:
             PeerUnauthorized: ``peer_unauthorized`` without the fleet credential (or when
@@ -285,6 +340,14 @@ class PeerDispatch:
             or scheme.lower() != "bearer"
             or not hmac.compare_digest(presented, self._digest)
         ):
+            logger.warning(
+                "refused a peer hop from node %r: %s; give every host of the fleet the same "
+                "proxy.model_host.fleet.credential",
+                node,
+                "this host has no fleet credential"
+                if self._digest is None
+                else "it does not carry this host's fleet credential",
+            )
             raise PeerUnauthorized(
                 "a peer hop needs the fleet credential (proxy.model_host.fleet.credential) "
                 "as Authorization: Bearer",
@@ -352,12 +415,14 @@ class PeerDispatch:
     def pick(self, deployment: str, tried: set[str]) -> PeerReplica | None:
         """The ready peer replica of ``deployment`` with the fewest outstanding requests,
         among those in rotation and not in ``tried`` (node ids) -- a loaded one before any
-        idle one (which its node has to load first); ``None`` when none is left."""
+        idle one (which its node has to load first), and after every other one a replica
+        whose oldest request from this gateway has had no answer's headers for longer than
+        the deployment's first-token limit (probably hung); ``None`` when none is left."""
         table = self.directory.routing()
         local = table.local_node_id
         now = self.clock()
         best: list[PeerReplica] = []
-        fewest = (0, 0)
+        fewest = (0, 0, 0)
         for replica in table.for_deployment(deployment):
             node = replica.node_id
             if node == local or not replica.ready or not replica.base_url or node in tried:
@@ -365,7 +430,12 @@ class PeerDispatch:
             if not self._in_rotation(node, now):
                 continue
             outstanding = replica.active + replica.queued + self._in_flight[(node, deployment)]
-            rank = (0 if replica.loaded else 1, outstanding)
+            flight = self._flights.get((node, deployment))
+            # A replica that has left one of this gateway's requests unanswered past the
+            # first-token limit is probably hung: every other candidate goes first, however
+            # busy (its low count is what drew requests to it).
+            overdue = flight is not None and flight.overdue(now)
+            rank = (1 if overdue else 0, 0 if replica.loaded else 1, outstanding)
             if not best or rank < fewest:
                 best, fewest = [replica], rank
             elif rank == fewest:
@@ -416,7 +486,12 @@ class PeerDispatch:
             request_s = config.request_timeout_ms / 1000
             first_s = config.first_token_timeout_ms / 1000
             stall_s = config.stall_timeout_ms / 1000
-        self._in_flight[(replica.node_id, replica.deployment)] += 1
+        key = (replica.node_id, replica.deployment)
+        self._in_flight[key] += 1
+        flight = self._flights.setdefault(key, _Flight())
+        flight.first_token_s = first_s
+        self._serial += 1
+        flight.sent[self._serial] = self.clock()
         return PeerTicket(
             deployment=replica.deployment,
             node_id=replica.node_id,
@@ -424,6 +499,8 @@ class PeerDispatch:
             first_token_timeout_s=first_s + _MARGIN_S,
             stall_timeout_s=stall_s + _MARGIN_S,
             _in_flight=self._in_flight,
+            _flight=flight,
+            _serial=self._serial,
         )
 
     def _headers(self, caller: Caller, host: str | None) -> dict[str, str]:
@@ -464,7 +541,8 @@ class PeerDispatch:
         Raises:
             NoReadyReplica: ``no_ready_replica`` -- no peer replica to try (or no fleet
                 credential to reach one with).
-            UpstreamUnavailable: ``upstream_unavailable`` -- every replica tried failed.
+            UpstreamUnavailable: ``upstream_unavailable`` -- every replica tried failed, or
+                one failed after the request was sent (it is not sent to another).
             EngineTimeout: ``engine_timeout`` -- the deployment's limit ran out first.
         """
         if self._authorization is None:
@@ -494,6 +572,9 @@ class PeerDispatch:
                 current = replica
                 answer = await self._try(session, replica, ticket, headers, path, body, streamed)
                 current = None
+                if answer is not None and _unauthorized(answer):
+                    self._credential_refused(answer)
+                    answer = None
                 if answer is None:
                     failed = True
                     replica = self.pick(deployment, tried)
@@ -520,6 +601,23 @@ class PeerDispatch:
         raise UpstreamUnavailable(
             f"no replica of deployment {deployment!r} answered (tried {len(tried)} peer(s))",
             details={"deployment": deployment},
+        )
+
+    def _credential_refused(self, answer: PeerAnswer) -> None:
+        """A peer refused this host's fleet credential (401/403) before anything reached an
+        engine: out of rotation, named in a warning (one of the two hosts has the wrong
+        credential; the peer names this node in its own), and the next replica tried."""
+        replica, status = answer.replica, answer.response.status
+        self.record(replica, PeerOutcome.UNAUTHORIZED)
+        answer.ticket.release()
+        self._out[replica.node_id] = self.clock() + self.cooldown_s
+        logger.warning(
+            "peer %s (%s) refused this host's fleet credential (HTTP %d): out of rotation for "
+            "%g s; give every host of the fleet the same proxy.model_host.fleet.credential",
+            replica.node_id,
+            replica.base_url,
+            status,
+            self.cooldown_s,
         )
 
     def _cut_short(
@@ -573,7 +671,12 @@ class PeerDispatch:
                 headers = dict(headers)
                 propagate.inject(headers)
             try:
-                response = await engine_client.post(session, url, body, headers=headers)
+                # Sent once (resend=False): a hop that failed after its bytes left may be
+                # running at the peer's engine already.
+                response = await engine_client.post(
+                    session, url, body, headers=headers, resend=False
+                )
+                ticket.answered()
                 data: bytes | None = None
                 if not (streamed and response.content_type == "text/event-stream"):
                     data = await response.read()
@@ -582,11 +685,16 @@ class PeerDispatch:
                 if response is not None:
                     response.close()
                 ticket.release()
-                self.out_of_rotation(replica, type(exc).__name__)
-                self.record(replica, PeerOutcome.UNREACHABLE)
+                why = type(exc).__name__
                 if span is not None:
-                    span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
-                return None
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, why))
+                if isinstance(exc, engine_client.NOT_SENT):
+                    self.out_of_rotation(replica, why)
+                    self.record(replica, PeerOutcome.UNREACHABLE)
+                    return None
+                self.out_of_rotation(replica, f"{why} after the request was sent")
+                self.record(replica, PeerOutcome.LOST)
+                raise _lost(replica, why, answered=response is not None) from None
             except BaseException:  # a cancellation: the deadline or the client (the caller knows)
                 if response is not None:
                     response.close()
@@ -618,6 +726,24 @@ def _hop_span(replica: PeerReplica, path: str) -> Iterator[trace.Span | None]:
         "peer hop", kind=trace.SpanKind.CLIENT, attributes=attributes
     ) as span:
         yield span
+
+
+def _lost(replica: PeerReplica, why: str, *, answered: bool) -> UpstreamUnavailable:
+    """The error for a hop that failed after its request was sent (``answered``: after the
+    answer's headers): it is not sent to another peer, whose engine would run it a second
+    time if this one's did."""
+    when = "while its answer was read" if answered else "before its answer's headers"
+    return UpstreamUnavailable(
+        f"peer {replica.node_id} of deployment {replica.deployment!r} failed {when} ({why}); "
+        "the request had reached it, so it was not sent to another replica (its engine may "
+        "have run it)",
+        remediation="Retry the request; check the peer's log and `sbproxy fleet nodes`.",
+        details={"deployment": replica.deployment, "peer_node": replica.node_id},
+    )
+
+
+def _unauthorized(answer: PeerAnswer) -> bool:
+    return answer.data is not None and answer.response.status in _CREDENTIAL_REFUSALS
 
 
 def _refused(answer: PeerAnswer) -> bool:

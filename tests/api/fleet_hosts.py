@@ -5,17 +5,23 @@ membership and placements; here the table is the input under test)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from sbproxy.api.peers import PeerDispatch
 from sbproxy.config import ApiKeyRecord, Route
 from sbproxy.fleet.routing import PeerReplica, RoutingTable
 from tests.api.support import ROUTES, TINY, Served, served
+from tests.model_host.engines.support import FAKE_SERVER, free_port
 
 CREDENTIAL = "fleet-credential-for-tests-0123456789"
 COOLDOWN_S = 5.0
@@ -109,20 +115,25 @@ async def fleet_of(
     modes: dict[str, str] | None = None,
     keys: Sequence[ApiKeyRecord] = (),
     credential: str | None = CREDENTIAL,
+    credentials: dict[str, str] | None = None,
     routes: Sequence[Route] = ROUTES,
     tiny: dict[str, Any] = TINY,
 ) -> AsyncIterator[Fleet]:
     """Members ``names`` (node ids), each served from ``root/<name>``; those in ``hosting``
     run deployment ``tiny`` (configured as ``tiny``; stand-in engine in ``mode`` plus
     ``modes[name]``, logging its requests), the others
-    have no deployment. Every table lists the hosting members' replicas, ready and idle."""
+    have no deployment. Every table lists the hosting members' replicas, ready and idle.
+    Each member has fleet credential ``credential``, or its own in ``credentials``."""
     fleet = Fleet()
     async with AsyncExitStack() as stack:
         for name in names:
             directory = StaticDirectory(name)
             clock = Clock()
             dispatch = PeerDispatch(
-                directory, credential=credential, cooldown_s=COOLDOWN_S, clock=clock
+                directory,
+                credential=(credentials or {}).get(name, credential),
+                cooldown_s=COOLDOWN_S,
+                clock=clock,
             )
             log = root / name / "requests.jsonl"
             own = (modes or {}).get(name)
@@ -148,3 +159,54 @@ async def fleet_of(
             )
         fleet.route_everywhere()
         yield fleet
+
+
+@dataclass
+class StandIn:
+    """A stand-in engine process listed in a table as a peer host's gateway (a peer whose
+    faults the test chooses), logging each request it read."""
+
+    url: str
+    log: Path
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The POSTs it read (its ``requests_log``)."""
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text().splitlines()
+        return [r for r in map(json.loads, lines) if "event" not in r]
+
+    def replica(self, node_id: str) -> PeerReplica:
+        """Its ``tiny`` replica as a table lists it, on node ``node_id``."""
+        return PeerReplica("tiny", node_id, self.url, 1, True, 0, 0)
+
+
+@asynccontextmanager
+async def stand_in_peer(root: Path, *, mode: str) -> AsyncIterator[StandIn]:
+    """A stand-in engine (``tests/support/fake_llama_server.py``) in fault ``mode`` on a free
+    loopback port, ready; stopped at the end."""
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "requests.jsonl"
+    port = free_port()
+    env = {**os.environ, "FAKE_LLAMA_MODE": f"load_s=0,{mode},requests_log={log}"}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(FAKE_SERVER), "--port", str(port), env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=2) as http:
+
+            async def healthy() -> bool:
+                try:
+                    return (await http.get("/health")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            deadline = asyncio.get_running_loop().time() + 20
+            while not await healthy():
+                assert asyncio.get_running_loop().time() < deadline, "stand-in not up"
+                await asyncio.sleep(0.05)
+        yield StandIn(url=url, log=log)
+    finally:
+        process.terminate()
+        await process.wait()

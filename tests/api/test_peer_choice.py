@@ -95,6 +95,25 @@ def test_an_idle_loadable_peer_is_picked_only_when_no_loaded_one_is_left() -> No
     assert here.serves_here("tiny", known=True, running=lambda: False) is True
 
 
+def test_a_peer_holding_a_request_unanswered_past_the_first_token_limit_ranks_last() -> None:
+    clock = Clock()
+    chooser = dispatch(rep("b"), rep("c", active=4), rep("d", loaded=False), clock=clock)
+    ticket = chooser._ticket(rep("b"), None)  # sent now; first-token limit 120 s (defaults)
+    assert chooser.pick("tiny", set()) == rep("b")  # 1 in flight against c's 4
+    clock.now += 120
+    assert chooser.pick("tiny", set()) == rep("b")  # not past the limit yet
+    clock.now += 0.1
+    # Past it: after the busier loaded one and the idle one, and still there when alone.
+    assert chooser.pick("tiny", set()) == rep("c", active=4)
+    assert chooser.pick("tiny", {"c"}) == rep("d", loaded=False)
+    assert chooser.pick("tiny", {"c", "d"}) == rep("b")
+    # Its answer's headers came (a stream under way): no longer taken for hung.
+    ticket.answered()
+    assert chooser.pick("tiny", set()) == rep("b")
+    ticket.release()
+    assert chooser.in_flight("b", "tiny") == 0
+
+
 def test_a_peer_that_advertises_no_url_is_never_picked() -> None:
     unreachable = PeerReplica("tiny", "b", "", 1, True, 0, 0)
     assert dispatch(unreachable, rep("c", active=9)).pick("tiny", set()) == rep("c", active=9)

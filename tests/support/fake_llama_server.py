@@ -33,7 +33,10 @@ that closes is noticed at once and logged as ``closed``):
   more, keeping the connection open;
 * ``drop_completions`` -- ``/health`` answers 200, but each chat completion and completion
   has its connection closed at once, before any status line (an engine that fails a request
-  before answering it).
+  before answering it);
+* ``cut_completions`` -- a plain (non-streamed) completion gets its status line and headers
+  (``Content-Length`` of the whole answer), half its body, and then its connection closed
+  (a server that fails while its answer is being read).
 
 The end of a stream, spread out in time (each wait watches the socket like the faults
 above), so that a client that stops reading at the last event or at ``data: [DONE]`` and
@@ -112,6 +115,7 @@ class _State:
         self.hang = False
         self.hang_completions = False
         self.drop_completions = False
+        self.cut_completions = False
         self.requests_log: str | None = None
         self.log_lock = threading.Lock()
         self.reply_delay_s = 0.0
@@ -138,13 +142,13 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         sys.stderr.write("fake-llama: " + (format % args) + "\n")
 
-    def _json(self, status: int, body: dict[str, Any]) -> None:
+    def _json(self, status: int, body: dict[str, Any], *, cut: bool = False) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        self.wfile.write(data[: len(data) // 2] if cut else data)
 
     def do_GET(self) -> None:
         if self.path == "/health":
@@ -239,6 +243,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if self.state.reply_delay_s and self._closed_within(self.state.reply_delay_s):
             self.close_connection = True
+            return
+        if self.state.cut_completions:
+            self.close_connection = True
+            self._json(200, {"content": "x" * 64}, cut=True)
             return
         text = "".join(words)
         choice: dict[str, Any] = (
@@ -365,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     state.hold_file = modes.get("hold_file") or None
     state.hang_completions = "hang_completions" in modes
     state.drop_completions = "drop_completions" in modes
+    state.cut_completions = "cut_completions" in modes
     state.requests_log = modes.get("requests_log") or None
     state.reply_delay_s = float(modes.get("reply_delay_s") or 0)
     state.first_token_delay_s = float(modes.get("first_token_delay_s") or 0)
