@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import anyio.to_thread
 from litestar import Request, Response, get, post
 from litestar.handlers import HTTPRouteHandler
-from litestar.params import FromPath, Parameter
+from litestar.params import FromPath, QueryParameter
 
 from sbproxy.api.errors import admin_error
 from sbproxy.errors import SbproxyError
@@ -139,7 +139,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
 
     @get("/fleet/nodes")
     async def nodes(
-        all_nodes: bool = Parameter(query="all", default=False),
+        all_nodes: Annotated[bool, QueryParameter(name="all")] = False,
     ) -> Response[dict[str, object]]:
         """Every member (removed ones only with ``?all=true``), in the state the controller
         recorded, with its heartbeat age on database time."""

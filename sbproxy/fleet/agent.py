@@ -110,6 +110,11 @@ PEER_TIMEOUT_S = 2.0
 # A placed replica that is not serving is loaded again, and a failed reconcile is tried
 # again, at most this often.
 RELOAD_RETRY_S = 5.0
+# Fleet events are kept a week, and at least the newest 10,000, pruned by the controller
+# at most once a minute (database time).
+EVENTS_KEEP_MS = 7 * 24 * 3600 * 1000
+EVENTS_KEEP = 10_000
+EVENTS_PRUNE_EVERY_MS = 60_000
 # A launch refused for want of room on the replica's devices (AdmissionReason's code).
 _NO_ROOM = "insufficient_capacity"
 _STARTABLE = frozenset(
@@ -245,6 +250,7 @@ class FleetAgent:
         self._reload_failed_at = float("-inf")
         self._unreached = 0
         self._unspecified: frozenset[str] = frozenset()
+        self._events_pruned_at = 0
         self._renewing_since: float | None = None
         self._cut_off_at: float | None = None
         self._judging = False
@@ -738,6 +744,11 @@ class FleetAgent:
         decided = plan(views, list(specs.values()), placed, policy=self.policy, frozen=frozen)
         self._note_staying(stuck, placed, decided.decisions)
         await self._carry_out(lease, decided.decisions, definitions)
+        if snapshot.now_ms - self._events_pruned_at >= EVENTS_PRUNE_EVERY_MS:
+            self._events_pruned_at = snapshot.now_ms
+            await anyio.to_thread.run_sync(
+                partial(self.store.prune_events, lease, keep_ms=EVENTS_KEEP_MS, keep=EVENTS_KEEP)
+            )
         wanted = frozenset(specs) | frozen
         for placement in forgettable(placed, views, wanted=wanted):
             await anyio.to_thread.run_sync(

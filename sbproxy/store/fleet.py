@@ -983,6 +983,23 @@ class FleetStore:
                 )
         return bool(moved)
 
+    def prune_events(self, lease: ControllerLease, *, keep_ms: int, keep: int) -> int:
+        """Delete fleet events older than ``keep_ms`` (database time) beyond the newest
+        ``keep``; how many went. The controller's chore, fenced like its other writes.
+
+        Raises:
+            Deposed: the lease is no longer this controller's.
+        """
+        with self._transaction() as cursor:
+            now = self._fence(cursor, lease)
+            return int(
+                cursor.execute(
+                    "DELETE FROM fleet_events WHERE at_ms < %s AND seq < COALESCE("
+                    " (SELECT seq FROM fleet_events ORDER BY seq DESC OFFSET %s LIMIT 1), 0)",
+                    (now - keep_ms, max(0, keep - 1)),
+                ).rowcount
+            )
+
     def forget_placement(self, lease: ControllerLease, placement_id: str, *, why: str) -> bool:
         """Delete a placement of a gone node whose replica runs elsewhere now.
 

@@ -624,7 +624,7 @@ class JobStore:
             error: The failure (failed, cancelled, parked).
             keep_finished: When given and the job ended (succeeded, failed, cancelled), the
                 oldest finished jobs beyond the newest ``keep_finished`` are deleted in the
-                same transaction (:meth:`prune_terminal`).
+                same transaction (:meth:`prune_terminal`: this node's own).
 
         Returns:
             The job as recorded; ``None``, having written nothing, when the lease was lost
@@ -661,6 +661,7 @@ class JobStore:
                 if not prune or keep_finished:
                     statement = _FINISH_AND_PRUNE_PG if prune else _FINISH_PG
                     params["keep_others"] = int(keep_finished or 1) - 1
+                    params["node"] = self.node
                     rows = tx.last(statement, params)
                     return (rows[0], now) if rows else None
                 row = tx.one(_FINISH_PG, params)
@@ -672,7 +673,7 @@ class JobStore:
                     return None
                 _event(tx, job_id, "status", data, now)
             if prune:
-                _prune(tx, keep=int(keep_finished or 0))
+                _prune(tx, keep=int(keep_finished or 0), node=self.node)
             return row, now
 
         done = await self.database.write(work)
@@ -896,11 +897,12 @@ class JobStore:
     # -- retention -------------------------------------------------------------------------
 
     async def prune_terminal(self, *, keep: int) -> int:
-        """Delete the oldest finished jobs beyond the newest ``keep``; never active ones.
+        """Delete this node's oldest finished jobs beyond its newest ``keep``; never active
+        ones, another node's, or one a fleet placement points to.
 
         Returns how many were deleted (their steps and events go with them).
         """
-        return await self.database.write(lambda tx: _prune(tx, keep=keep))
+        return await self.database.write(lambda tx: _prune(tx, keep=keep, node=self.node))
 
 
 class _Ending:
@@ -1134,8 +1136,11 @@ _END_AND_BEGIN_STEP_PG = (
 _RESET_RECOVERIES = (
     f"UPDATE jobs SET recoveries = 0 WHERE id = :id AND {_FENCE} AND recoveries != 0"  # noqa: S608 - fixed text
 )
+# Pruning keeps each node's own newest finished jobs (a busy node never deletes another's
+# history from a shared journal), and never a job a placement still points to.
 _TERMINALS_NEWEST_FIRST = (
     f"SELECT id FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)}"  # noqa: S608 - fixed text
+    " AND node = :node AND id NOT IN (SELECT job_id FROM fleet_placements)"
     " ORDER BY ended_at_ms DESC, created_at_ms DESC, id DESC"
 )
 _TERMINAL_BEYOND = f"{_TERMINALS_NEWEST_FIRST} LIMIT 1 OFFSET :keep"
@@ -1152,8 +1157,9 @@ _FINISH_AND_PRUNE_PG = (
     " SELECT * FROM finished"
 )
 _PRUNE_TERMINAL = (
-    f"DELETE FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)} AND id NOT IN ("  # noqa: S608 - fixed text
-    f" {_TERMINALS_NEWEST_FIRST} LIMIT :keep)"
+    f"DELETE FROM jobs WHERE status IN {_in(TERMINAL_JOB_STATUSES)} AND node = :node"  # noqa: S608 - fixed text
+    " AND id NOT IN (SELECT job_id FROM fleet_placements)"
+    f" AND id NOT IN ({_TERMINALS_NEWEST_FIRST} LIMIT :keep)"
 )
 
 # What every step and job runs, prepared on a PostgreSQL server (postgres.py).
@@ -1219,11 +1225,11 @@ def _begin_step_pg(
     return _step(answer)
 
 
-def _prune(tx: Transaction, *, keep: int) -> int:
+def _prune(tx: Transaction, *, keep: int, node: str) -> int:
     # Nothing to delete (the common case) is found by a read, without writing.
-    if tx.scalar(_TERMINAL_BEYOND, {"keep": keep}) is None:
+    if tx.scalar(_TERMINAL_BEYOND, {"keep": keep, "node": node}) is None:
         return 0
-    return int(tx.execute(_PRUNE_TERMINAL, {"keep": keep}).rowcount)
+    return int(tx.execute(_PRUNE_TERMINAL, {"keep": keep, "node": node}).rowcount)
 
 
 def _event(tx: Transaction, job_id: str, kind: str, data: Mapping[str, Any], now: int) -> None:

@@ -345,3 +345,18 @@ def test_a_deposed_controller_records_no_avoidance(url: str) -> None:
     with pytest.raises(Deposed):
         store.place(lease, replace, definition={"model": "m"}, avoid_ms=LEASE_MS)
     assert store.snapshot().avoids == ()
+
+
+def test_the_controller_prunes_old_fleet_events_keeping_the_newest(url: str) -> None:
+    """Issue 30, item 27: fleet events are pruned by age beyond a count, on database time."""
+    store = _open(url)
+    for node in ("n1", "n2", "n3", "n4"):
+        _join(store, node)  # a node_joined event each
+    lease = store.hold_controller("ctl", lease_ms=LEASE_MS)
+    assert lease is not None
+    with psycopg.connect(url) as connection:
+        connection.execute("UPDATE fleet_events SET at_ms = at_ms - 1000000")
+    assert store.prune_events(lease, keep_ms=1_000, keep=2) == 3  # 5 old, newest 2 kept
+    kept = [e["type"] for e in store.snapshot(events=10).events]
+    assert len(kept) == 2
+    assert store.prune_events(lease, keep_ms=10_000_000, keep=0) == 0  # none that old

@@ -261,6 +261,29 @@ async def test_retention_never_prunes_active_jobs(store: JobStore) -> None:
     assert remaining == {active, finished[2], finished[3]}
 
 
+async def test_pruning_keeps_every_other_node_s_history(journal_location: Path | str) -> None:
+    """Issue 30, item 27: in a shared journal a busy node prunes only its own finished
+    jobs; another node's, and a fleet job a placement points to, stay."""
+    database = await Database.open(journal_location)
+    try:
+        busy, quiet = JobStore(database, node="busy"), JobStore(database, node="quiet")
+        theirs = await submit(quiet, kind="short")
+        assert await quiet.claim(owner="q", lease_ms=10_000, job_id=theirs) is not None
+        await quiet.finish(theirs, owner="q", attempt=1, status=JobStatus.SUCCEEDED)
+        mine = []
+        for _ in range(3):
+            job_id = await submit(busy, kind="short")
+            assert await busy.claim(owner="b", lease_ms=10_000, job_id=job_id) is not None
+            await busy.finish(
+                job_id, owner="b", attempt=1, status=JobStatus.SUCCEEDED, keep_finished=1
+            )
+            mine.append(job_id)
+        remaining = {job.id for job in await busy.list_jobs()}
+        assert remaining == {theirs, mine[-1]}
+    finally:
+        await database.close()
+
+
 async def test_a_finish_prunes_the_oldest_finished_jobs_in_its_own_transaction(
     store: JobStore,
 ) -> None:
