@@ -115,6 +115,7 @@ START_REFUSALS = frozenset(
         "cache_in_use",
         "node_id_in_use",
         "node_removed",
+        "invalid_advertise_url",
     }
 )
 

@@ -33,6 +33,7 @@ stops every engine whose placement moved.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import time
@@ -41,6 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
@@ -349,6 +351,7 @@ class FleetAgent:
                 take_over_renewed_at_ms=take_over,
             )
 
+        await self._check_advertise_url()
         try:
             now = await anyio.to_thread.run_sync(send, None)
         except NodeIdInUse as held:
@@ -368,6 +371,37 @@ class FleetAgent:
         self.renewed_at_ms = now
         self.removed = False
         logger.info("joined the fleet as node %s (%s)", self.identity.id, worker.describe())
+
+    async def _check_advertise_url(self) -> None:
+        """Refuse a loopback advertise URL when a live member is on another machine: peers
+        could not reach this host, and its fence ask would reach its own gateway (issue 30,
+        item 18). A fleet all on one machine (every member loopback) is fine.
+
+        Raises:
+            SbproxyError: ``invalid_advertise_url`` naming ``proxy.model_host.node.advertise_url``.
+        """
+        if not _is_loopback(self.identity.advertise_url):
+            return
+        snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
+        remote = sorted(
+            node.id
+            for node in snapshot.nodes
+            if node.id != self.identity.id
+            and not node.left
+            and node.advertise_url
+            and not _is_loopback(node.advertise_url)
+            and snapshot.now_ms - node.renewed_at_ms < self.timing.lost_after_ms
+        )
+        if remote:
+            raise SbproxyError(
+                f"this host would advertise {self.identity.advertise_url} to the fleet, a "
+                f"loopback address, but members {', '.join(remote)} are on other machines: "
+                "they could not reach it",
+                code="invalid_advertise_url",
+                remediation="Set proxy.model_host.node.advertise_url to the address peers "
+                "reach this host's gateway at (e.g. http://10.0.0.5:8080).",
+                details={"path": "proxy.model_host.node.advertise_url"},
+            )
 
     async def leave(self) -> None:
         """A graceful stop (SIGTERM): mark this node leaving on database time -- out of every
@@ -1070,6 +1104,18 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
         controller=controller,
         jobs=tuple(sorted(jobs, key=lambda j: -j.age_ms)),
     )
+
+
+def _is_loopback(url: str) -> bool:
+    """Whether ``url``'s host is a loopback or unspecified address (or ``localhost``)."""
+    host = (urlsplit(url).hostname or "").lower()
+    if host in ("localhost", ""):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_unspecified
 
 
 def _failed_deployments(exc: Exception, wanted: dict[str, Any]) -> frozenset[str]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from sbproxy.store.fleet import FleetStore
 from tests.api.cluster_hosts import (
     FENCE_AFTER_MS,
     HEARTBEAT_MS,
@@ -275,3 +276,31 @@ def test_a_replica_shown_ready_is_routable_through_every_gateway_at_once(
         print(f"shown ready -> routed through another gateway: {routed_ms:.0f} ms")
     finally:
         stop_all(hosts)
+
+
+def test_a_loopback_advertise_url_is_refused_when_a_member_is_on_another_machine(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    """Item 18: a host that would advertise a loopback address to a fleet with a member on
+    another machine is refused at start (exit 2, naming the setting): its peers could not
+    reach it, and its own fence ask would reach its own gateway."""
+    url = postgres_server.create_database()
+    remote = FleetStore(url)
+    try:
+        remote.join(
+            "remote-1",
+            advertise_url="http://10.20.30.40:8080",
+            labels={},
+            engines=["llama_cpp"],
+            devices=[],
+            artifacts=[],
+            instance="elsewhere",
+        )
+    finally:
+        remote.close()
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    a.start()
+    assert a.process is not None
+    assert a.process.wait(timeout=60) == 2
+    assert "invalid_advertise_url" in a.output
+    assert "proxy.model_host.node.advertise_url" in a.output
