@@ -106,6 +106,15 @@ class DriverConnection(Protocol):
     def close(self) -> None: ...
 
 
+def _note_request(connection: DriverConnection, queued_at: float) -> None:
+    """Tell a connection that keeps one (PostgreSQL's) when the request it starts now was
+    queued: a request that waited while the connection found its server gone is refused at
+    once instead of waiting out a reconnect of its own."""
+    note: Callable[[float], None] | None = getattr(connection, "note_request", None)
+    if note is not None:
+        note(queued_at)
+
+
 class Transaction:
     """One open transaction, handed to a work closure on its connection's thread.
 
@@ -329,6 +338,7 @@ class ReaderThread(ConnectionThread):
                 self._stop(connection, request)
                 return
             try:
+                _note_request(connection, request.queued_at)
                 connection.execute("BEGIN")
                 try:
                     value = request.work(transaction)
@@ -365,6 +375,7 @@ class WriterThread(ConnectionThread):
     def _begin(self, connection: DriverConnection, group: Sequence[_Request[Any]]) -> None:
         """``BEGIN IMMEDIATE`` (waiting out another process's lock up to the busy timeout),
         counting how long each write of ``group`` waited for it."""
+        _note_request(connection, group[0].queued_at)
         connection.execute("BEGIN IMMEDIATE")
         began = time.perf_counter()
         self.tallies.began([began - request.queued_at for request in group])
