@@ -380,6 +380,8 @@ class PgConnection:
         self.target = target
         self.read_only = read_only
         self.deadline_s = deadline_s
+        # The deadline of the open transaction's round trips (longer for a migration).
+        self._round_trip_s = deadline_s
         self._connection: DeadlineConnection | None = None
         # Statements held back for the next one sent (see the class docstring), and whether
         # anything of the open transaction reached the server yet.
@@ -416,7 +418,7 @@ class PgConnection:
             self._connect_error = exc
             raise self.target.unavailable(exc) from None
         connection.row_factory = _row_factory
-        connection.deadline_s = self.deadline_s
+        connection.deadline_s = self._round_trip_s
         self._connection = connection
 
     def _live(self) -> DeadlineConnection:
@@ -445,7 +447,8 @@ class PgConnection:
         return self._opened()
 
     def _gave_up(self, exc: BaseException | None) -> None:
-        """Remember that the server was found gone now (see :meth:`note_request`)."""
+        """Remember that the server was found unreachable now -- a reconnect failed, or a
+        round trip got no answer (see :meth:`note_request`)."""
         self._lost_at = time.perf_counter()
         self._lost = exc
 
@@ -468,7 +471,8 @@ class PgConnection:
         """Run one statement (SQLite's text); its rows, fetched at once."""
         text = translate(sql)
         if text == "BEGIN":
-            self._live().deadline_s = self.deadline_s
+            self._round_trip_s = self.deadline_s
+            self._live().deadline_s = self._round_trip_s
             self._held = [
                 "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if self.read_only else "BEGIN"
             ]
@@ -480,7 +484,8 @@ class PgConnection:
             return _NOTHING
         if text.startswith(_ADVISORY_LOCK) and _is_migration_lock(params):
             # A migration: its DDL (and the wait for another host's) may take long.
-            self._opened().deadline_s = max(self.deadline_s, MIGRATION_DEADLINE_S)
+            self._round_trip_s = max(self.deadline_s, MIGRATION_DEADLINE_S)
+            self._opened().deadline_s = self._round_trip_s
         if text in ("COMMIT", "ROLLBACK"):
             try:
                 if not self._sent:
@@ -563,7 +568,10 @@ class PgConnection:
             raise ConstraintViolation(str(exc)) from exc
         except psycopg.OperationalError as exc:
             if connection.broken or connection.closed:
-                self._gave_up(exc)
+                if isinstance(exc, DeadlineExceeded):
+                    # Silent, not gone (a server that closed the connection may well be
+                    # back at the next attempt): what queued meanwhile is refused at once.
+                    self._gave_up(exc)
                 raise self.target.unavailable(exc) from exc
             raise
         return result
