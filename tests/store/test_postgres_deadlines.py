@@ -3,7 +3,8 @@ silent -- a relay that swallows every byte (a blackholed route), or a frozen ser
 (``SIGSTOP``: its kernel still acknowledges, so TCP alone never gives up) -- makes a call
 fail ``journal_unavailable`` within a bound, never hang; once the server answers again the
 next call runs on a fresh connection. A node's renewal has a connection of its own, so a
-slow controller transaction never holds it up."""
+slow controller transaction never holds it up; a migration, which may wait long for another
+host's, has a long deadline of its own."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ import pytest
 from sbproxy.errors import SbproxyError
 from sbproxy.store import Database, JobStore
 from sbproxy.store.fleet import CONNECT_TIMEOUT_S, STATEMENT_DEADLINE_S, FleetStore
-from sbproxy.store.postgres import UNAVAILABLE_WITHIN_S, JournalUnavailable
+from sbproxy.store.postgres import (
+    MIGRATION_LOCK_KEY,
+    UNAVAILABLE_WITHIN_S,
+    JournalUnavailable,
+    PgConnection,
+    PgTarget,
+)
 from tests.support.postgres import PostgresServer
 from tests.support.tcp_relay import TcpRelay
 
@@ -286,3 +293,52 @@ async def test_a_journal_write_to_a_frozen_server_is_journal_unavailable_in_time
         assert (await store.get(again.job.id)) is not None
     finally:
         await database.close()
+
+
+def test_a_migration_waits_past_the_statement_deadline_for_another_host_s_migration(
+    postgres_server: PostgresServer,
+) -> None:
+    url = postgres_server.create_database()
+    # A deadline far shorter than the other host's migration below takes.
+    connection = PgConnection(PgTarget.parse(url), read_only=False, deadline_s=0.5)
+    try:
+        with psycopg.connect(url) as other:
+            other.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+
+            def migrate() -> object:
+                connection.execute("BEGIN")
+                connection.execute(
+                    "SELECT pg_advisory_xact_lock(:key)", {"key": MIGRATION_LOCK_KEY}
+                )
+                connection.execute("COMMIT")
+                return "migrated"
+
+            outcome: list[object] = []
+            waiter = threading.Thread(target=lambda: outcome.append(_caught(migrate)))
+            waiter.start()
+
+            def waited_s() -> float:
+                # A fresh session each time: pg_stat_activity is read once per transaction.
+                with psycopg.connect(url, autocommit=True) as looking:
+                    row = looking.execute(
+                        "SELECT COALESCE(MAX(EXTRACT(EPOCH FROM"
+                        " clock_timestamp() - query_start)), 0)"
+                        " FROM pg_stat_activity WHERE wait_event = 'advisory'"
+                        " AND datname = current_database()"
+                    ).fetchone()
+                return float(row[0]) if row else 0.0
+
+            # The server's own clock says the migration has waited four deadlines.
+            _poll(lambda: waited_s() > 2.0 or not waiter.is_alive(), what="the wait")
+            other.rollback()  # the other host's migration ends
+            waiter.join(30)
+        assert outcome == ["migrated"], outcome
+    finally:
+        connection.close()
+
+
+def _caught(call: Callable[[], object]) -> object:
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - handed to the test
+        return exc
