@@ -57,10 +57,11 @@ Choices (the issue's note):
   ``BEGIN`` reopens it. A call that finds its connection lost spends at most
   :data:`RECONNECT_WINDOW_S` + :data:`CONNECT_TIMEOUT_S` reconnecting, then at most the
   deadline on its statement: :data:`UNAVAILABLE_WITHIN_S` in all. Requests that queued for
-  the connection's thread while it found the server gone fail at once (one outage, one
-  wait), not one reconnect window each. A migration (the transaction that takes the
-  migration lock) waits up to :data:`MIGRATION_DEADLINE_S` per round trip instead: DDL over
-  a large journal, or another host's migration, may take long.
+  the connection's thread while it found the server silent or unreachable (a deadline, a
+  failed reconnect) fail at once (one outage, one wait), not one wait each. A migration
+  (the transaction that takes the migration lock) waits up to :data:`MIGRATION_DEADLINE_S`
+  per round trip instead: DDL over a large journal, or another host's migration, may take
+  long.
 
 Constraint violations leave :meth:`PgConnection.execute` as :class:`ConstraintViolation`, a
 ``sqlite3.IntegrityError``, so the repositories' "duplicate key is an answer" paths work on
