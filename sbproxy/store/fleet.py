@@ -412,8 +412,7 @@ class FleetStore:
             connection = DeadlineConnection.connect(
                 self.target.conninfo,
                 connect_timeout=CONNECT_TIMEOUT_S,
-                options="-c statement_timeout="
-                f"{server_timeout_ms(self.statement_deadline_s)}",
+                options=f"-c statement_timeout={server_timeout_ms(self.statement_deadline_s)}",
                 prepare_threshold=self.target.prepare_threshold,
                 application_name=f"sbproxy-fleet-{channel.name}",
                 **transport_params(self.target.conninfo),

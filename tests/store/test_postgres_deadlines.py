@@ -23,7 +23,7 @@ import pytest
 
 from sbproxy.errors import SbproxyError
 from sbproxy.store import Database, JobStore
-from sbproxy.store.fleet import CONNECT_TIMEOUT_S, STATEMENT_DEADLINE_S, FleetStore
+from sbproxy.store.fleet import CONNECT_TIMEOUT_S, STATEMENT_DEADLINE_S, FleetStore, Renewal
 from sbproxy.store.postgres import (
     MIGRATION_LOCK_KEY,
     UNAVAILABLE_WITHIN_S,
@@ -138,7 +138,7 @@ def test_a_renewal_through_a_blackholed_link_fails_within_its_deadline_then_reco
 
             relay.heal()
             renewed = store.renew("n1", replicas={"chat": {"ready": 1}})
-            assert renewed is not None and renewed[1] is False
+            assert renewed is not None and renewed.now_ms is not None
             assert _backends(url) - before  # it ran on a fresh connection (a new backend)
         finally:
             store.close()
@@ -168,7 +168,7 @@ def test_a_renewal_is_not_held_up_by_a_slow_controller_transaction(
                 what="the controller call waits on the row lock",
             )
             outcome, took = _within(10.0, lambda: store.renew("n1", replicas={}))
-            assert isinstance(outcome, tuple), outcome
+            assert isinstance(outcome, Renewal) and outcome.now_ms is not None, outcome
             assert control.is_alive()  # the renewal did not wait for the controller call
             assert took < 10.0
             other.rollback()
