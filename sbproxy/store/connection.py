@@ -240,6 +240,10 @@ class ConnectionThread:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._ready: _Request[None] | None = None
         self._closed = False
+        # The connection's ``note_request`` (PostgreSQL's), told when each request it runs
+        # was queued: one that waited while the connection found its server unreachable is
+        # refused at once instead of waiting out a reconnect of its own.
+        self._note: Callable[[float], None] | None = None
 
     async def open(self) -> None:
         """Start the thread and wait until its connection is open.
@@ -292,6 +296,7 @@ class ConnectionThread:
             self._closed = True
             ready.settle(None, exc)
             return
+        self._note = getattr(connection, "note_request", None)
         ready.settle(None, None)
         self._serve(connection)
 
@@ -329,6 +334,8 @@ class ReaderThread(ConnectionThread):
                 self._stop(connection, request)
                 return
             try:
+                if self._note is not None:
+                    self._note(request.queued_at)
                 connection.execute("BEGIN")
                 try:
                     value = request.work(transaction)
@@ -365,6 +372,8 @@ class WriterThread(ConnectionThread):
     def _begin(self, connection: DriverConnection, group: Sequence[_Request[Any]]) -> None:
         """``BEGIN IMMEDIATE`` (waiting out another process's lock up to the busy timeout),
         counting how long each write of ``group`` waited for it."""
+        if self._note is not None:
+            self._note(group[0].queued_at)
         connection.execute("BEGIN IMMEDIATE")
         began = time.perf_counter()
         self.tallies.began([began - request.queued_at for request in group])

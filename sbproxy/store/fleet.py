@@ -13,9 +13,16 @@ has updated the row (which waits for the lock), so a deposed controller's write 
 committed before the take-over or is refused (:class:`Deposed`, ``controller_deposed``) --
 the database does the fencing, not the deposed host's own idea of time.
 
-Synchronous and short: one connection per :class:`FleetStore`, reopened after a failure,
-each call one transaction; callers run it on a worker thread. Connection and statement
-timeouts are short so that a host cut off from the server learns it within a heartbeat.
+Synchronous and short: each call one transaction; callers run it on a worker thread. Two
+connections per :class:`FleetStore`, each with its own lock, so that a node's membership
+renewal (``join``, ``renew``) never queues behind a controller pass or an admin read on the
+other; each is reopened at the next call after a failure (a third, ``LISTEN``, waits for
+changes). Connection timeouts and deadlines are short so that a host cut off from the server
+learns it within a heartbeat: a connection attempt gives up after :data:`CONNECT_TIMEOUT_S`,
+and each round trip after the store's ``statement_deadline_s`` (:data:`STATEMENT_DEADLINE_S`
+by default) without an answer -- a client-side deadline (:mod:`sbproxy.store.deadline`),
+since a blackholed or frozen server never ends the wait by itself -- and the server cancels
+a statement that runs past :func:`server_timeout_ms` of it (the connection stays usable).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import psycopg
 from ulid import ULID
 
 from sbproxy.errors import SbproxyError
+from sbproxy.store.deadline import DeadlineConnection, transport_params
 from sbproxy.store.migrations import migrate_postgres
 from sbproxy.store.postgres import PgTarget
 from sbproxy.store.revisions import FLEET_CHANNEL
@@ -62,8 +70,20 @@ _KEEPALIVES: dict[str, Any] = {
     "keepalives_interval": 2,
     "keepalives_count": 2,
 }
+# One connection attempt's bound (libpq's minimum).
 CONNECT_TIMEOUT_S = 2
-STATEMENT_TIMEOUT_MS = 3_000
+# How long one round trip waits for an answer by default: a renewal must fail well inside
+# a heartbeat period (``heartbeat_ms``, 2 s by default) plus its slack, so that a node cut
+# off from the server knows it before ``fence_after_ms``. A call finding its connection lost
+# spends at most CONNECT_TIMEOUT_S + this.
+STATEMENT_DEADLINE_S = 2.0
+
+
+def server_timeout_ms(deadline_s: float) -> int:
+    """The server-side ``statement_timeout`` beside a client deadline of ``deadline_s``: a
+    quarter shorter, so that a live but slow server cancels the statement itself (the
+    connection stays usable) before the client gives up on it."""
+    return max(1, int(deadline_s * 750))
 
 
 class Deposed(SbproxyError):
@@ -337,72 +357,104 @@ def _facts_json(facts: Mapping[str, Mapping[str, Any]] | None) -> str:
     return json.dumps({k: dict(v) for k, v in (facts or {}).items()}, sort_keys=True)
 
 
+@dataclass
+class _Channel:
+    """One kept connection of a :class:`FleetStore` and the lock its calls take in turn."""
+
+    name: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    connection: DeadlineConnection | None = None
+
+
 class FleetStore:
     """The fleet's rows in the PostgreSQL journal at ``url`` (module docstring).
 
     Every method raises ``journal_unavailable`` (:class:`~sbproxy.store.postgres.
     JournalUnavailable`) when the server cannot be reached or does not answer in time.
+
+    Args:
+        url: The journal's ``postgresql://`` URL.
+        statement_deadline_s: Seconds one round trip waits for the server before the call
+            fails ``journal_unavailable`` and its connection is dropped (reopened at the
+            next call); the agent may derive it from the fleet's timing.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, statement_deadline_s: float = STATEMENT_DEADLINE_S) -> None:
+        if not statement_deadline_s > 0:
+            raise ValueError(f"statement_deadline_s must be positive, not {statement_deadline_s}")
         self.target = PgTarget.parse(url)
-        self._connection: psycopg.Connection[Any] | None = None
-        self._lock = threading.Lock()
-        self._listener: psycopg.Connection[Any] | None = None
+        self.statement_deadline_s = statement_deadline_s
+        # Membership renewals on a connection of their own: never behind a controller pass.
+        self._control = _Channel("control")
+        self._membership = _Channel("membership")
+        self._schema_lock = threading.Lock()
+        self._listener: DeadlineConnection | None = None
         self._listen_lock = threading.Lock()
         self._migrated = False
-        self.deadline_s = CONNECT_TIMEOUT_S + STATEMENT_TIMEOUT_MS / 1000
-        """The longest one call may take before it fails (``journal_unavailable``)."""
+        self.deadline_s = CONNECT_TIMEOUT_S + statement_deadline_s
+        """The longest one call waits on a server gone silent before it fails
+        (``journal_unavailable``): a connection attempt, then one round trip."""
 
     # -- plumbing ----------------------------------------------------------------------
 
     def _ensure_schema(self) -> None:
         if self._migrated:
             return
-        migrate_postgres(self.target)
-        self._migrated = True
+        with self._schema_lock:
+            if not self._migrated:
+                migrate_postgres(self.target)
+                self._migrated = True
 
-    def _connect(self) -> psycopg.Connection[Any]:
-        if self._connection is not None and not self._connection.closed:
-            return self._connection
+    def _connect(self, channel: _Channel) -> DeadlineConnection:
+        if channel.connection is not None and not channel.connection.closed:
+            return channel.connection
         try:
-            self._connection = psycopg.connect(
+            connection = DeadlineConnection.connect(
                 self.target.conninfo,
                 connect_timeout=CONNECT_TIMEOUT_S,
-                options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+                options=f"-c statement_timeout={server_timeout_ms(self.statement_deadline_s)}",
                 prepare_threshold=self.target.prepare_threshold,
+                application_name=f"sbproxy-fleet-{channel.name}",
+                **transport_params(self.target.conninfo),
             )
         except psycopg.OperationalError as exc:
             raise self.target.unavailable(exc) from None
-        return self._connection
+        connection.deadline_s = self.statement_deadline_s
+        channel.connection = connection
+        return connection
 
     @contextmanager
-    def _transaction(self) -> Iterator[psycopg.Cursor[Any]]:
-        """One transaction on the kept connection; a connection failure drops it."""
-        with self._lock:
+    def _transaction(self, *, membership: bool = False) -> Iterator[psycopg.Cursor[Any]]:
+        """One transaction on a kept connection -- the membership one (``join``, ``renew``)
+        or the control one (everything else); a connection failure, or a round trip past
+        the deadline, drops it."""
+        channel = self._membership if membership else self._control
+        with channel.lock:
             self._ensure_schema()
-            connection = self._connect()
+            connection = self._connect(channel)
             try:
                 with connection.transaction(), connection.cursor() as cursor:
                     yield cursor
             except psycopg.OperationalError as exc:
-                self._drop()
+                self._drop(channel)
                 raise self.target.unavailable(exc) from None
             except psycopg.Error:
                 if connection.broken:
-                    self._drop()
+                    self._drop(channel)
                 raise
 
-    def _drop(self) -> None:
-        connection, self._connection = self._connection, None
+    @staticmethod
+    def _drop(channel: _Channel) -> None:
+        connection, channel.connection = channel.connection, None
         if connection is not None:
             with suppress(psycopg.Error):
                 connection.close()
 
     def close(self) -> None:
         """Close the kept connections (a later call opens new ones)."""
-        with self._lock:
-            self._drop()
+        for channel in (self._membership, self._control):
+            with channel.lock:
+                self._drop(channel)
         listener, self._listener = self._listener, None
         if listener is not None:
             with suppress(psycopg.Error):
@@ -439,12 +491,14 @@ class FleetStore:
         with self._listen_lock:
             try:
                 if self._listener is None or self._listener.closed:
-                    self._listener = psycopg.connect(
+                    self._listener = DeadlineConnection.connect(
                         self.target.conninfo,
                         autocommit=True,
                         connect_timeout=CONNECT_TIMEOUT_S,
                         **_KEEPALIVES,
                     )
+                    # The LISTEN itself is bounded too (notifies waits its own timeout).
+                    self._listener.deadline_s = self.statement_deadline_s
                     self._listener.execute(f"LISTEN {FLEET_CHANNEL}")
                 for _ in self._listener.notifies(timeout=timeout_s, stop_after=1):
                     return True
@@ -527,7 +581,7 @@ class FleetStore:
             json.dumps(sorted(artifacts)),
             _facts_json(artifact_facts),
         )
-        with self._transaction() as cursor:
+        with self._transaction(membership=True) as cursor:
             now = self._now(cursor)
             held = cursor.execute(
                 "SELECT instance, renewed_at_ms, left_fleet FROM fleet_nodes WHERE id = %s"
@@ -600,7 +654,7 @@ class FleetStore:
             "id": node_id,
             "instance": instance,
         }
-        with self._transaction() as cursor:
+        with self._transaction(membership=True) as cursor:
             row = cursor.execute(
                 f"UPDATE fleet_nodes SET renewed_at_ms = {_NOW}, replicas_json = %(replicas)s,"  # noqa: S608
                 " artifacts_json = COALESCE(%(artifacts)s, artifacts_json),"

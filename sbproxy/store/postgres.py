@@ -49,6 +49,19 @@ Choices (the issue's note):
 * **Connection loss**: a broken connection is reopened at the next ``BEGIN`` (tenacity,
   jittered backoff, a few seconds at most); while it cannot be, every write fails at once with
   ``journal_unavailable`` (503, retryable) naming ``host:port`` -- never the password.
+* **A server that goes silent** (a blackholed route, a frozen server: the peer's kernel still
+  acknowledges, so TCP keepalives never fire) is bounded by a client-side deadline on every
+  round trip (:class:`~sbproxy.store.deadline.DeadlineConnection`: psycopg's own wait with a
+  timeout -- no extra round trip, no timer thread): :data:`STATEMENT_DEADLINE_S` without an
+  answer and the connection is dropped, the call fails ``journal_unavailable``, and the next
+  ``BEGIN`` reopens it. A call that finds its connection lost spends at most
+  :data:`RECONNECT_WINDOW_S` + :data:`CONNECT_TIMEOUT_S` reconnecting, then at most the
+  deadline on its statement: :data:`UNAVAILABLE_WITHIN_S` in all. Requests that queued for
+  the connection's thread while it found the server silent or unreachable (a deadline, a
+  failed reconnect) fail at once (one outage, one wait), not one wait each. A migration
+  (the transaction that takes the migration lock) waits up to :data:`MIGRATION_DEADLINE_S`
+  per round trip instead: DDL over a large journal, or another host's migration, may take
+  long.
 
 Constraint violations leave :meth:`PgConnection.execute` as :class:`ConstraintViolation`, a
 ``sqlite3.IntegrityError``, so the repositories' "duplicate key is an answer" paths work on
@@ -73,10 +86,12 @@ from psycopg.pq import ExecStatus, TransactionStatus
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from sbproxy.errors import SbproxyError
+from sbproxy.store.deadline import DeadlineConnection, DeadlineExceeded, transport_params
 from sbproxy.store.leaseclock import LeaseTime
 
 __all__ = [
     "DB_CLOCK",
+    "UNAVAILABLE_WITHIN_S",
     "ConstraintViolation",
     "DatabaseLeaseTime",
     "JournalUnavailable",
@@ -91,9 +106,19 @@ DB_CLOCK = "postgresql"
 # Advisory lock keys (``pg_advisory_xact_lock``): lease stamps, and schema migrations.
 LEASE_LOCK_KEY = 0x53425052_4C454153  # "SBPRLEAS"
 MIGRATION_LOCK_KEY = 0x53425052_4D494752  # "SBPRMIGR"
-# How long one write waits for a lost connection to come back before it is refused.
+# How long one write waits for a lost connection to come back before it is refused (the
+# last attempt starts inside the window, and may take its whole connect timeout).
 RECONNECT_WINDOW_S = 3.0
-CONNECT_TIMEOUT_S = 5
+# One connection attempt's bound, the handshake included (libpq's minimum is 2 s).
+CONNECT_TIMEOUT_S = 3
+# How long one round trip waits for the server's answer before the connection is dropped:
+# well above any hot statement (milliseconds), under a client's patience.
+STATEMENT_DEADLINE_S = 5.0
+# The same for a migration's round trips (DDL on a large journal; another host's migration).
+MIGRATION_DEADLINE_S = 600.0
+# The longest a call waits in a silent outage before it is refused ``journal_unavailable``
+# (a reconnect, then a statement that gets no answer): under 15 s, a client's patience.
+UNAVAILABLE_WITHIN_S = RECONNECT_WINDOW_S + CONNECT_TIMEOUT_S + STATEMENT_DEADLINE_S
 
 _NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
@@ -329,8 +354,9 @@ class PgConnection:
     """A psycopg connection with the ``sqlite3.Connection`` methods the store threads use.
 
     Owned by one thread. Reconnects (tenacity, :data:`RECONNECT_WINDOW_S`) when a
-    transaction begins on a broken connection; a statement on a lost connection raises
-    :class:`JournalUnavailable`.
+    transaction begins on a broken connection; a statement on a lost connection, or one the
+    server does not answer within ``deadline_s``, raises :class:`JournalUnavailable` (the
+    connection is dropped and reopened at the next ``BEGIN``).
 
     **Round trips.** Statements that answer nothing -- ``BEGIN``, ``SAVEPOINT``, ``RELEASE``,
     ``SET LOCAL`` -- are not sent on their own: they are held and sent in one query string
@@ -343,23 +369,43 @@ class PgConnection:
         target: The server.
         read_only: Reader connection: ``BEGIN`` opens a ``REPEATABLE READ READ ONLY``
             snapshot.
+        deadline_s: Seconds one round trip waits for the server's answer
+            (:data:`STATEMENT_DEADLINE_S`).
     """
 
     dialect = "postgresql"
 
-    def __init__(self, target: PgTarget, *, read_only: bool) -> None:
+    def __init__(
+        self, target: PgTarget, *, read_only: bool, deadline_s: float = STATEMENT_DEADLINE_S
+    ) -> None:
         self.target = target
         self.read_only = read_only
-        self._connection: psycopg.Connection[Any] | None = None
+        self.deadline_s = deadline_s
+        # The deadline of the open transaction's round trips (longer for a migration).
+        self._round_trip_s = deadline_s
+        self._connection: DeadlineConnection | None = None
         # Statements held back for the next one sent (see the class docstring), and whether
         # anything of the open transaction reached the server yet.
         self._held: list[str] = []
         self._sent = False
+        # When (``time.perf_counter()``) this connection last gave up on the server, and
+        # why; and when the request now running was queued (:meth:`note_request`).
+        self._lost_at: float | None = None
+        self._lost: BaseException | None = None
+        self._queued_at: float | None = None
+        self._connect_error: BaseException | None = None
         self._connect_now()
+
+    def note_request(self, queued_at: float) -> None:
+        """The connection thread starts a request queued at ``queued_at``
+        (``time.perf_counter()``): one queued before this connection last gave up on the
+        server fails at once rather than wait out a reconnect of its own (module docstring).
+        """
+        self._queued_at = queued_at
 
     def _connect_now(self) -> None:
         try:
-            connection = psycopg.connect(
+            connection = DeadlineConnection.connect(
                 self.target.conninfo,
                 autocommit=True,
                 connect_timeout=CONNECT_TIMEOUT_S,
@@ -367,29 +413,47 @@ class PgConnection:
                 application_name="sbproxy-journal",
                 # None: psycopg prepares nothing, not even what asks (PgBouncer).
                 prepare_threshold=self.target.prepare_threshold,
+                **transport_params(self.target.conninfo),
             )
         except psycopg.OperationalError as exc:
+            self._connect_error = exc
             raise self.target.unavailable(exc) from None
         connection.row_factory = _row_factory
+        connection.deadline_s = self._round_trip_s
         self._connection = connection
 
-    def _live(self) -> psycopg.Connection[Any]:
+    def _live(self) -> DeadlineConnection:
         connection = self._connection
         if connection is not None and not connection.closed and not connection.broken:
             return connection
         if connection is not None:
             connection.close()
         self._connection = None
-        Retrying(
-            retry=retry_if_exception_type(JournalUnavailable),
-            stop=stop_after_delay(RECONNECT_WINDOW_S),
-            wait=wait_random_exponential(multiplier=0.05, max=1),
-            sleep=time.sleep,
-            reraise=True,
-        )(self._connect_now)
+        lost_at, queued_at = self._lost_at, self._queued_at
+        if lost_at is not None and queued_at is not None and queued_at < lost_at:
+            # This request waited in the queue while the server was found gone: it is
+            # refused now, as the one that found it was, not after a reconnect of its own.
+            raise self.target.unavailable(self._lost)
+        try:
+            Retrying(
+                retry=retry_if_exception_type(JournalUnavailable),
+                stop=stop_after_delay(RECONNECT_WINDOW_S),
+                wait=wait_random_exponential(multiplier=0.05, max=1),
+                sleep=time.sleep,
+                reraise=True,
+            )(self._connect_now)
+        except JournalUnavailable:
+            self._gave_up(self._connect_error)
+            raise
         return self._opened()
 
-    def _opened(self) -> psycopg.Connection[Any]:
+    def _gave_up(self, exc: BaseException | None) -> None:
+        """Remember that the server was found unreachable now -- a reconnect failed, or a
+        round trip got no answer (see :meth:`note_request`)."""
+        self._lost_at = time.perf_counter()
+        self._lost = exc
+
+    def _opened(self) -> DeadlineConnection:
         connection = self._connection
         assert connection is not None  # noqa: S101 - _connect_now set it
         return connection
@@ -408,7 +472,8 @@ class PgConnection:
         """Run one statement (SQLite's text); its rows, fetched at once."""
         text = translate(sql)
         if text == "BEGIN":
-            self._live()
+            self._round_trip_s = self.deadline_s
+            self._live().deadline_s = self._round_trip_s
             self._held = [
                 "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if self.read_only else "BEGIN"
             ]
@@ -418,6 +483,10 @@ class PgConnection:
         if text.startswith(_HELD_BACK):
             self._held.append(text)
             return _NOTHING
+        if text.startswith(_ADVISORY_LOCK) and _is_migration_lock(params):
+            # A migration: its DDL (and the wait for another host's) may take long.
+            self._round_trip_s = max(self.deadline_s, MIGRATION_DEADLINE_S)
+            self._opened().deadline_s = self._round_trip_s
         if text in ("COMMIT", "ROLLBACK"):
             try:
                 if not self._sent:
@@ -486,12 +555,13 @@ class PgConnection:
         try:
             try:
                 result = send(connection)
-            except psycopg.OperationalError:
+            except psycopg.OperationalError as exc:
                 # A connection the server dropped while idle says so only when used. When
                 # this query opens the transaction, nothing of it took effect (no COMMIT in
                 # it, and a lost connection rolls back) or it only read, so it runs again
-                # on a fresh one.
-                if not first or not connection.broken:
+                # on a fresh one -- unless the server did not answer at all (a deadline):
+                # a fresh connection would only wait again.
+                if not first or not connection.broken or isinstance(exc, DeadlineExceeded):
                     raise
                 connection = self._live()
                 result = send(connection)
@@ -499,6 +569,10 @@ class PgConnection:
             raise ConstraintViolation(str(exc)) from exc
         except psycopg.OperationalError as exc:
             if connection.broken or connection.closed:
+                if isinstance(exc, DeadlineExceeded):
+                    # Silent, not gone (a server that closed the connection may well be
+                    # back at the next attempt): what queued meanwhile is refused at once.
+                    self._gave_up(exc)
                 raise self.target.unavailable(exc) from exc
             raise
         return result
@@ -535,6 +609,15 @@ class PgConnection:
 
 # Statements that answer nothing and may wait for the next one (``PgConnection``).
 _HELD_BACK = ("SAVEPOINT ", "RELEASE ", "SET LOCAL ")
+_ADVISORY_LOCK = "SELECT pg_advisory_xact_lock("
+
+
+def _is_migration_lock(params: Any) -> bool:
+    """Whether the advisory lock statement's ``params`` name the migration lock."""
+    values = params.values() if isinstance(params, Mapping) else params
+    return MIGRATION_LOCK_KEY in tuple(values)
+
+
 _NOTHING = _Cursor(-1, [])
 _TUPLES_OK = ExecStatus.TUPLES_OK
 

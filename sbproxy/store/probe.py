@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 
 from sbproxy.errors import SbproxyError
+from sbproxy.store.deadline import DeadlineConnection, transport_params
 from sbproxy.store.migrations import SCHEMA_VERSION
 from sbproxy.store.postgres import PgTarget, is_postgres_url
 
@@ -49,11 +50,14 @@ def probe_journal(location: Path | str) -> dict[str, Any]:
             return report
         report["location"] = target.describe()
         try:
-            with psycopg.connect(
+            with DeadlineConnection.connect(
                 target.conninfo,
                 connect_timeout=PROBE_TIMEOUT_S,
                 prepare_threshold=target.prepare_threshold,
+                **transport_params(target.conninfo),
             ) as connection:
+                # A server that accepts but never answers is unreachable, not a hang.
+                connection.deadline_s = PROBE_TIMEOUT_S
                 report["reachable"] = True
                 exists = connection.execute(
                     "SELECT to_regclass('schema_migrations') IS NOT NULL"

@@ -16,8 +16,9 @@ from typing import Any
 
 import psycopg
 
+from sbproxy.store.deadline import DeadlineConnection, transport_params
 from sbproxy.store.migrations import migrate_postgres
-from sbproxy.store.postgres import PgTarget
+from sbproxy.store.postgres import STATEMENT_DEADLINE_S, PgTarget
 
 __all__ = ["SharedRevisions"]
 
@@ -62,13 +63,17 @@ class SharedRevisions:
 
     def _connect(self) -> psycopg.Connection[Any]:
         try:
-            return psycopg.connect(
+            connection = DeadlineConnection.connect(
                 self.target.conninfo,
                 connect_timeout=5,
                 prepare_threshold=self.target.prepare_threshold,
+                **transport_params(self.target.conninfo),
             )
         except psycopg.OperationalError as exc:
             raise self.target.unavailable(exc) from None
+        # A server gone silent ends the call (journal_unavailable), as on the journal's own.
+        connection.deadline_s = STATEMENT_DEADLINE_S
+        return connection
 
     def latest(self) -> tuple[int, str] | None:
         """``(revision, document JSON)`` of the newest revision, or ``None`` when empty.

@@ -1,18 +1,30 @@
 """A served host whose PostgreSQL journal goes away keeps serving: the gateway and the
 status route answer, a mutation that needs the journal is ``503 journal_unavailable``
-naming ``host:port``, and once the server is back the same host runs the mutation."""
+naming ``host:port`` -- within a bound even when the server goes silent (a blackholed
+link) rather than away -- and once the server is back the same host runs the mutation."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.api.support import ADMIN, TINY, served
+from tests.api.test_serve import PASSWORD, write_config
+from tests.model_host.engines.support import free_port
 from tests.support.postgres import PostgresServer
+from tests.support.tcp_relay import TcpRelay
 
-pytestmark = pytest.mark.anyio
+# What docs/operations.md promises a client in a silent outage (a mutation answers 503 by
+# then), with slack for this shared machine.
+HTTP_BOUND_S = 15.0 + 3.0
 
 
 async def chat(gateway_url: str) -> httpx.Response:
@@ -23,6 +35,7 @@ async def chat(gateway_url: str) -> httpx.Response:
         )
 
 
+@pytest.mark.anyio
 async def test_serving_goes_on_while_the_journal_is_away(
     tmp_path: Path, own_postgres_server: PostgresServer
 ) -> None:
@@ -49,3 +62,83 @@ async def test_serving_goes_on_while_the_journal_is_away(
         own_postgres_server.start_server()
         again = await admin.post(f"{s.admin_url}/admin/model-host/gc")
         assert again.status_code == 200, again.text
+
+
+def _serve(root: Path, url: str) -> tuple[subprocess.Popen[str], str, Path]:
+    """A real ``sbproxy serve`` on journal ``url``; the process, its admin URL, its log."""
+    gateway_port, admin_port = free_port(), free_port()
+    config = write_config(root, gateway_port, admin_port, host={"journal": {"url": url}})
+    log = root / "serve.log"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore", "SBPROXY_NODE_ID": "node-a"},
+        )
+    return process, f"http://127.0.0.1:{admin_port}", log
+
+
+def _until(predicate: Callable[[], bool], *, what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def answers(admin: httpx.Client, admin_url: str) -> bool:
+    try:
+        return admin.get(f"{admin_url}/admin/model-host/status").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_a_silent_journal_answers_a_load_503_in_time_and_status_goes_on(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    url = postgres_server.create_database()
+    with TcpRelay(postgres_server.port) as relay:
+        through = url.replace(f":{postgres_server.port}/", f":{relay.port}/", 1)
+        process, admin_url, log = _serve(tmp_path, through)
+        try:
+            with httpx.Client(auth=("admin", PASSWORD), timeout=60) as admin:
+
+                def ready() -> bool:
+                    assert process.poll() is None, log.read_text()
+                    try:
+                        status = admin.get(f"{admin_url}/admin/model-host/status")
+                    except httpx.TransportError:
+                        return False
+                    rows = status.json()["deployments"] if status.status_code == 200 else []
+                    return any(row["state"] == "ready" for row in rows)
+
+                load = {"deployment": "tiny"}
+                _until(lambda: answers(admin, admin_url), what="the admin route answers")
+                first = admin.post(f"{admin_url}/admin/model-host/load", json=load)
+                assert first.status_code == 202, first.text
+                _until(ready, what="tiny is ready")
+
+                relay.blackhole()
+                started = time.monotonic()
+                refused = admin.post(f"{admin_url}/admin/model-host/load", json=load)
+                took = time.monotonic() - started
+                assert refused.status_code == 503, refused.text
+                assert refused.json()["code"] == "journal_unavailable", refused.text
+                assert f"127.0.0.1:{relay.port}" in refused.text, refused.text
+                assert int(refused.headers["Retry-After"]) >= 1
+                assert took < HTTP_BOUND_S, took
+                status = admin.get(f"{admin_url}/admin/model-host/status", timeout=HTTP_BOUND_S)
+                assert status.status_code == 200, status.text  # status answers on
+
+                relay.heal()
+                again = admin.post(f"{admin_url}/admin/model-host/load", json=load)
+                assert again.status_code == 202, again.text
+        finally:
+            relay.close()
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
