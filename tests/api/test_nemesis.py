@@ -21,7 +21,7 @@ import pytest
 
 from tests.support.nemesis import Nemesis, seed_from_environment
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 DEFAULT_SEED = 30
 SCHEDULE_S = 70.0

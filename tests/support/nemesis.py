@@ -51,7 +51,10 @@ database's fault state the harness itself set -- never the product's API):
   check's own period and the kill). A database down or frozen for everyone is not a cut:
   the hosts must keep serving then (next invariant);
 * ``engine_lost_in_outage`` -- while the database is down or frozen for every host, no
-  engine that ran at the outage's start stops;
+  engine that ran at the outage's start stops (except on a host that already broke
+  ``engine_after_cut`` and has not been seen without engines since: its stop is that late
+  fence, logged in the timeline, not counted twice);
+* ``host_exited`` -- no host process exits by itself (checked after the schedule);
 * ``request_unbounded`` / ``request_bad_answer`` / ``request_failed`` -- every request
   through a gateway ends within :data:`REQUEST_BOUND_S` with 200, or 503/429 with
   ``Retry-After``; a request whose gateway's host was killed or paused while it was in
@@ -376,6 +379,9 @@ class Nemesis:
         self._disturbed: dict[str, float] = {}  # node -> last time it was down
         self._cut_since: dict[str, float] = {}  # node -> when its journal link went bad
         self._cut_flagged: set[str] = set()
+        # Hosts that kept an engine past the fence bound of a cut, until seen with none:
+        # an engine of theirs that stops later is that late fence, not an outage's doing.
+        self._unfenced: set[str] = set()
         self._outage: dict[int, str] | None = None  # engines (pid -> node) at outage start
         self._outage_flagged: set[int] = set()
         self.desired = 2
@@ -776,6 +782,7 @@ class Nemesis:
         self._check_count(tick, engines, allowed)
         self._check_cuts(tick, engines)
         self._check_outage(engines)
+        self._unfenced &= {e.host for e in engines}
 
     def _allowed(self, tick: float, engines: list[_Engine]) -> int:
         """The engines allowed now: the desired count (the larger of the old and new one
@@ -841,6 +848,7 @@ class Nemesis:
                 running = [e.pid for e in engines if e.host == node]
                 if running:
                     self._cut_flagged.add(node)
+                    self._unfenced.add(node)
                     self._violate(
                         "engine_after_cut",
                         f"{node} still runs engine(s) {running} {tick - since:.2f} s after its"
@@ -857,6 +865,12 @@ class Nemesis:
         for pid, node in outage.items():
             if pid not in alive and pid not in self._outage_flagged:
                 self._outage_flagged.add(pid)
+                if node in self._unfenced:
+                    self._event(
+                        f"engine {pid} on {node} stopped in the outage: the late fence of its"
+                        " earlier cut (engine_after_cut), not counted again"
+                    )
+                    continue
                 self._violate(
                     "engine_lost_in_outage",
                     f"engine {pid} on {node} stopped while the database was down for every host",
