@@ -20,8 +20,9 @@ stderr; it prints ONE JSON object on stdout:
   ``max_allowed_engines``.
 
 Exit status 0 when no invariant was violated, 1 otherwise (the timeline then goes to
-stderr). Run it from the repository root with the test environment (``.venv``; PostgreSQL's
-Debian binaries, as ``scripts/test.sh`` installs them).
+stderr, and the hosts' directories and logs are kept). Run it from the repository root
+with the test environment (``.venv``; PostgreSQL's Debian binaries, as ``scripts/test.sh``
+installs them).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -47,17 +49,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--minutes must be positive")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     print(f"nemesis seed {seed}", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="sbproxy-nemesis-") as root:
-        report = Nemesis(
-            Path(root),
-            seed=seed,
-            seconds=args.minutes * 60,
-            log=lambda line: print(line, file=sys.stderr, flush=True),
-        ).run()
+    root = Path(tempfile.mkdtemp(prefix="sbproxy-nemesis-"))
+    report = Nemesis(
+        root,
+        seed=seed,
+        seconds=args.minutes * 60,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    ).run()
     print(json.dumps(report.figures(), indent=2, sort_keys=True))
     if report.violations:
+        # The hosts' logs stay for the post-mortem (their paths end the failure text).
         print(report.failure(), file=sys.stderr)
         return 1
+    shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

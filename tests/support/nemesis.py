@@ -59,6 +59,10 @@ database's fault state the harness itself set -- never the product's API):
   through a gateway ends within :data:`REQUEST_BOUND_S` with 200, or 503/429 with
   ``Retry-After``; a request whose gateway's host was killed or paused while it was in
   flight is recorded (``host_down``) but not judged;
+* ``operation_unbounded`` -- every ``sbproxy apply`` / ``nodes drain`` / ``nodes uncordon``
+  ends within :data:`OP_BOUND_S` (the request bound plus the CLI's own start), answered or
+  refused; a refusal during a fault is recorded, not judged (a failed apply's count is then
+  read from the journal's ``desired_revisions``: it may have committed);
 * ``not_converged`` -- after the schedule (every fault healed, every host running), within
   :data:`CONVERGE_S`: exactly the desired number (the last revision in ``desired_revisions``)
   of live engines, each answering ``/health`` with 200, and every gateway answering a chat
@@ -116,6 +120,7 @@ OP_SPACING_S = 8.0
 FAULT_QUIET_S = LOST_AFTER_MS / 1000 + 3.0
 CONVERGE_S = 60.0
 JOB_BOUND_S = 30.0
+OP_BOUND_S = REQUEST_BOUND_S + 5.0
 REQUEST_GAP_S = 0.25
 
 FAULTS: dict[str, tuple[float, float]] = {
@@ -246,6 +251,7 @@ class Report:
         max_allowed: The most engines ever allowed at once.
         timeline: ``(seconds, text)`` of every fault, heal and operation.
         wall_s: Seconds the whole run took, set-up and teardown included.
+        logs: Each host's stderr log (every run of it), for a failure's post-mortem.
     """
 
     seed: int
@@ -260,6 +266,7 @@ class Report:
     max_allowed: int = 0
     timeline: list[tuple[float, str]] = field(default_factory=list)
     wall_s: float = 0.0
+    logs: list[str] = field(default_factory=list)
 
     def figures(self) -> dict[str, Any]:
         """The run's figures as JSON-ready data."""
@@ -297,6 +304,7 @@ class Report:
                 )
             ),
             f"figures: {json.dumps(self.figures(), sort_keys=True)}",
+            f"host logs: {', '.join(self.logs)}",
         ]
         return "\n".join(lines)
 
@@ -386,12 +394,15 @@ class Nemesis:
         self._outage_flagged: set[int] = set()
         self.desired = 2
         self._desired_alt: int | None = None
+        self._desired_known = True
         self._settling_since: float | None = None
         self._settled_for: float | None = None
         self._drained: str | None = None
         self._over_since: float | None = None
         self._over_max = self._over_allowed = 0
         self._over_where: list[str] = []
+        self._operations: list[threading.Thread] = []
+        self._last_error = ""
 
     # -- time, log ----------------------------------------------------------------------
 
@@ -461,6 +472,7 @@ class Nemesis:
                 host.write({})
                 self.journal[node], self.peer[node] = journal, peer
                 self.hosts.append(host)
+                self.report.logs.append(str(host.log))
             stack.callback(self._teardown)
             for host in self.hosts:
                 host.start()
@@ -530,7 +542,9 @@ class Nemesis:
                     self._end(step)
             except Exception as exc:  # noqa: BLE001 - a failed step is logged, the run goes on
                 self._event(f"{phase} {step.kind} {step.target or ''} raised {exc!r}")
-        self._event("schedule over: every fault healed")
+        for thread in self._operations:  # an operation still in flight ends first
+            thread.join(timeout=120)
+        self._event("schedule over: every fault healed, every operation done")
 
     def _start(self, step: Step) -> None:
         kind, node = step.kind, step.target
@@ -569,9 +583,9 @@ class Nemesis:
             else:
                 self._freeze_database()
         elif kind == "apply":
-            threading.Thread(target=self._apply, args=(self._host(node),), daemon=True).start()
+            self._operation(self._apply, self._host(node))
         elif kind == "drain":
-            threading.Thread(target=self._drain, args=(self._host(node),), daemon=True).start()
+            self._operation(self._drain, self._host(node))
 
     def _end(self, step: Step) -> None:
         kind, node = step.kind, step.target
@@ -604,7 +618,7 @@ class Nemesis:
             with self._lock:
                 self._outage = None
         elif kind == "drain":
-            threading.Thread(target=self._uncordon, args=(step,), daemon=True).start()
+            self._operation(self._uncordon, step)
 
     def _started(self, host: FleetHost) -> None:
         """Keep ``host`` down (its requests not judged) until its gateway listens again."""
@@ -643,15 +657,36 @@ class Nemesis:
 
     # -- operations --------------------------------------------------------------------
 
+    def _operation(self, target: Callable[[Any], None], arg: Any) -> None:
+        """Run an operation beside the schedule (a CLI call takes seconds)."""
+        thread = threading.Thread(target=target, args=(arg,), daemon=True)
+        self._operations.append(thread)
+        thread.start()
+
+    def _run_cli(self, host: FleetHost, *args: str) -> subprocess.CompletedProcess[str]:
+        """One operation through ``host``'s CLI; one that does not end within
+        :data:`OP_BOUND_S` (the request bound plus the CLI's own start) is a violation."""
+        began = self._now()
+        done = _cli(host, *args, timeout_s=OP_BOUND_S)
+        if done.returncode == 124:
+            self._violate(
+                "operation_unbounded",
+                f"`sbproxy {' '.join(args[:3])}` through {host.node} began t={began:.2f}s and"
+                f" did not end within {OP_BOUND_S:.0f} s",
+            )
+        return done
+
     def _apply_now(self, host: FleetHost, replicas: int) -> bool:
         host.write({DEPLOYMENT: {**TINY, "replicas": replicas}})
-        done = _cli(host, "apply", "-f", str(host.config))
+        done = self._run_cli(host, "apply", "-f", str(host.config))
+        self._last_error = (done.stdout + done.stderr)[-300:]
         return done.returncode == 0
 
     def _open_change(self, *, new: int | None = None, drained: str | None = None) -> None:
         with self._lock:
             if new is not None and new != self.desired:
                 self._desired_alt, self.desired = self.desired, new
+                self._desired_known = False
             if drained is not None:
                 self._drained = drained
             self._settling_since = time.monotonic()
@@ -662,11 +697,16 @@ class Nemesis:
             new = 1 if self.desired == 2 else 2
         self._open_change(new=new)
         ok = self._apply_now(host, new)
+        # A failed apply may still have committed: the journal says which count holds (both
+        # stay allowed while it cannot be read).
+        known = new if ok else self._desired_from_database()
         with self._lock:
             self.report.operations[f"apply:{'ok' if ok else 'failed'}"] += 1
-            if ok:
-                self._desired_alt = None  # committed: the old count is gone once settled
-        self._event(f"apply replicas={new} through {host.node}: {'ok' if ok else 'FAILED'}")
+            self._desired_known = known is not None
+            if known is not None:
+                self.desired = known
+        outcome = "ok" if ok else f"FAILED {self._last_error}"
+        self._event(f"apply replicas={new} through {host.node}: {outcome}")
 
     def _through(self, node: str | None) -> FleetHost:
         """A host other than ``node`` to send an operation through: one that runs and
@@ -679,7 +719,7 @@ class Nemesis:
     def _drain(self, host: FleetHost) -> None:
         through = self._through(host.node)
         self._open_change(drained=host.node)
-        done = _cli(through, "nodes", "drain", host.node)
+        done = self._run_cli(through, "nodes", "drain", host.node)
         ok = done.returncode == 0
         with self._lock:
             self.report.operations[f"drain:{'ok' if ok else 'failed'}"] += 1
@@ -689,7 +729,7 @@ class Nemesis:
         # Retried as an operator would (a cordon left behind would shrink the fleet for
         # the rest of the run); each try through a host that reaches the database.
         for _ in range(3):
-            done = _cli(self._through(step.target), "nodes", "uncordon", str(step.target))
+            done = self._run_cli(self._through(step.target), "nodes", "uncordon", str(step.target))
             ok = done.returncode == 0
             if ok:
                 break
@@ -801,7 +841,8 @@ class Nemesis:
                 settled = self._settled_for is not None and tick - self._settled_for >= SETTLE_S
                 if settled or tick - self._settling_since >= SETTLE_MAX_S:
                     self._settling_since = self._settled_for = None
-                    self._desired_alt = None
+                    if self._desired_known:  # the old count is gone once settled
+                        self._desired_alt = None
                     settling = False
             allowed = max(self.desired, self._desired_alt or 0) + (1 if settling else 0)
             self.report.max_allowed = max(self.report.max_allowed, allowed)
@@ -909,6 +950,7 @@ class Nemesis:
             self._event(f"the journal's desired replicas are {desired}, not {self.desired}")
         with self._lock:
             self.desired, self._desired_alt = desired or self.desired, None
+            self._desired_known = True
         last = ""
         while time.monotonic() < deadline:
             engines = _live_engines(self.hosts)
