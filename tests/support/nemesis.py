@@ -390,6 +390,7 @@ class Nemesis:
         # Hosts that kept an engine past the fence bound of a cut, until seen with none:
         # an engine of theirs that stops later is that late fence, not an outage's doing.
         self._unfenced: set[str] = set()
+        self._last_cut: dict[str, float] = {}  # node -> when its last cut began
         self._outage: dict[int, str] | None = None  # engines (pid -> node) at outage start
         self._outage_flagged: set[int] = set()
         self.desired = 2
@@ -570,7 +571,7 @@ class Nemesis:
             else:
                 relay.cut()
             with self._lock:
-                self._cut_since[str(node)] = time.monotonic()
+                self._cut_since[str(node)] = self._last_cut[str(node)] = time.monotonic()
                 self._cut_flagged.discard(str(node))
         elif kind == "peer_blackhole":
             self.peer[str(node)].blackhole()
@@ -822,7 +823,13 @@ class Nemesis:
         self._check_count(tick, engines, allowed)
         self._check_cuts(tick, engines)
         self._check_outage(engines)
-        self._unfenced &= {e.host for e in engines}
+        holding = {e.host for e in engines}
+        for node in sorted(self._unfenced - holding):
+            self._event(
+                f"{node} holds no engine any more,"
+                f" {tick - self._last_cut[node]:.2f} s after its journal link went bad"
+            )
+        self._unfenced &= holding
 
     def _allowed(self, tick: float, engines: list[_Engine]) -> int:
         """The engines allowed now: the desired count (the larger of the old and new one
