@@ -11,12 +11,14 @@ its ``advertise_url`` (so that peers lose it while its clients still reach it). 
 ``tiny`` starts at 2 replicas.
 
 **The schedule** (:func:`plan`) is drawn up front from ``random.Random(seed)``, so a seed
-replays the same faults at the same offsets: every kind once in a shuffled order first, then
-weighted draws, each 1-4 s after the last one started. Faults (each lasts a bounded random time,
-then heals; at most two at a time, never two on one host; a database fault is alone):
+replays the same faults at the same offsets (what the product does in between depends on
+timing, so a replay may differ in its outcome): every kind once in a shuffled order first,
+then weighted draws, each 1-4 s after the last one started. Faults (each lasts a bounded
+random time, then heals; at most two at a time, never two on one host; a database fault
+alone, and only :data:`FAULT_QUIET_S` after the last fault healed):
 
 * ``kill`` -- SIGKILL of a host (its engines die with it: ``PR_SET_PDEATHSIG``), restarted
-  after 1-6 s;
+  after 1-6 s (its gateway's requests are not judged until it listens again);
 * ``pause`` -- SIGSTOP of a host for 0.3-1.2 s (a stall shorter than ``fence_after_ms``),
   then SIGCONT;
 * ``pause_long`` -- SIGSTOP for 4-6 s, past ``lost_after_ms``: its engines are separate
@@ -30,8 +32,10 @@ then heals; at most two at a time, never two on one host; a database fault is al
 * ``db_freeze`` -- SIGSTOP of the postmaster and every backend for 2-6 s, then SIGCONT.
 
 Between faults, operations: ``apply`` (``sbproxy apply``, replicas 2 -> 1 or 1 -> 2) and
-``drain`` (``sbproxy nodes drain <node>``, ``sbproxy nodes uncordon <node>`` 4-10 s later),
-never during a database fault and never within :data:`OP_QUIET_S` before one.
+``drain`` (``sbproxy nodes drain <node>``, ``sbproxy nodes uncordon <node>`` 4-10 s later,
+retried twice as an operator would), :data:`OP_SPACING_S` apart, never during a database
+fault and never within :data:`OP_QUIET_S` before one; each goes through a host that runs
+and reaches the database at that moment.
 
 **Invariants** (ground truth: the processes through psutil and the relays' and the
 database's fault state the harness itself set -- never the product's API):
@@ -54,7 +58,9 @@ database's fault state the harness itself set -- never the product's API):
   engine that ran at the outage's start stops (except on a host that already broke
   ``engine_after_cut`` and has not been seen without engines since: its stop is that late
   fence, logged in the timeline, not counted twice);
-* ``host_exited`` -- no host process exits by itself (checked after the schedule);
+* ``host_exited`` -- no serving host process exits by itself (the harness restarts one that
+  does, as a supervisor would; one that exits while it boots -- it cannot reach its journal
+  then -- is restarted and logged, not judged);
 * ``request_unbounded`` / ``request_bad_answer`` / ``request_failed`` -- every request
   through a gateway ends within :data:`REQUEST_BOUND_S` with 200, or 503/429 with
   ``Retry-After``; a request whose gateway's host was killed or paused while it was in
@@ -633,7 +639,8 @@ class Nemesis:
             time.sleep(0.1)
         with self._lock:
             self._disturbed[host.node] = time.monotonic()
-            self._down.pop(host.node, None)
+            if self._down.get(host.node) == "starting":  # not a fault begun meanwhile
+                del self._down[host.node]
 
     def _database_processes(self) -> list[psutil.Process]:
         assert self.server is not None
@@ -815,7 +822,37 @@ class Nemesis:
             tick = time.monotonic()
             with contextlib.suppress(psutil.Error):  # a process that went mid-scan
                 self._check(tick)
+            self._supervise()
             time.sleep(max(0.0, CHECK_PERIOD_S - (time.monotonic() - tick)))
+
+    def _supervise(self) -> None:
+        """Restart a host that exited by itself, as a supervisor (systemd) would. One that
+        exits while it serves is ``host_exited``; one that exits while it boots (before its
+        gateway listened: a host that cannot reach its journal at start refuses to start)
+        is logged and restarted, not judged."""
+        for host in self.hosts:
+            with self._lock:
+                state = self._down.get(host.node)
+                if state in ("kill", "pause", "pause_long") or host.process is None:
+                    continue
+                status = host.process.poll()
+                if status is None:
+                    continue
+                self._down[host.node] = "starting"
+            last = host.output.strip().splitlines()[-1:] or [""]
+            if state == "starting":
+                self._event(
+                    f"{host.node} exited while it booted (status {status}): {last[0][:300]}"
+                )
+            else:
+                self._violate(
+                    "host_exited",
+                    f"{host.node} exited by itself while serving (status {status}); its log"
+                    f" ends: {host.output[-1200:]}",
+                )
+            time.sleep(1.0)  # a supervisor's restart delay
+            host.start()
+            threading.Thread(target=self._started, args=(host,), daemon=True).start()
 
     def _check(self, tick: float) -> None:
         engines = _live_engines(self.hosts)
@@ -942,14 +979,6 @@ class Nemesis:
         return None
 
     def _converge(self) -> None:
-        for host in self.hosts:  # a host that died by itself is a finding: restart it
-            if not host.alive():
-                self._violate(
-                    "host_exited",
-                    f"{host.node} exited by itself (status {host.process and host.process.poll()});"
-                    f" its log ends: {host.output[-1500:]}",
-                )
-                host.start()
         ended = time.monotonic()
         deadline = ended + CONVERGE_S
         desired = self._desired_from_database()
