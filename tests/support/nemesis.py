@@ -521,13 +521,21 @@ class Nemesis:
         return next(h for h in self.hosts if h.node == node)
 
     def _all_answer(self) -> bool:
+        return not self._not_answering()
+
+    def _not_answering(self) -> list[str]:
+        """``node: what it answered`` for each gateway that does not answer a chat request
+        with 200 (empty: every one does)."""
+        failing = []
         for host in self.hosts:
             try:
-                if host.chat().status_code != 200:
-                    return False
-            except httpx.HTTPError:
-                return False
-        return True
+                answer = host.chat()
+            except httpx.HTTPError as exc:
+                failing.append(f"{host.node}: {exc!r}")
+                continue
+            if answer.status_code != 200:
+                failing.append(f"{host.node}: {answer.status_code} {answer.text[:160]}")
+        return failing
 
     # -- the schedule ------------------------------------------------------------------
 
@@ -991,12 +999,15 @@ class Nemesis:
         while time.monotonic() < deadline:
             engines = _live_engines(self.hosts)
             healthy = sum(1 for e in engines if e.port is not None and self._healthy(e.port))
-            if len(engines) == self.desired and healthy == self.desired and self._all_answer():
+            failing = self._not_answering()
+            if len(engines) == self.desired and healthy == self.desired and not failing:
                 self.report.convergence_s = time.monotonic() - ended
                 self._event(f"converged after {self.report.convergence_s:.2f} s")
                 return
-            last = f"{len(engines)} live engines ({healthy} healthy) on " + ", ".join(
-                sorted(e.host for e in engines)
+            last = (
+                f"{len(engines)} live engines ({healthy} healthy) on "
+                + ", ".join(sorted(e.host for e in engines))
+                + f"; gateways not answering 200: {'; '.join(failing) or '-'}"
             )
             time.sleep(0.5)
         self._violate(
