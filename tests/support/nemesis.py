@@ -54,10 +54,11 @@ database's fault state the harness itself set -- never the product's API):
   must have stopped its engines before the fleet re-places them, with 0.5 s for the
   check's own period and the kill). A database down or frozen for everyone is not a cut:
   the hosts must keep serving then (next invariant);
-* ``engine_lost_in_outage`` -- while the database is down or frozen for every host, no
-  engine that ran at the outage's start stops (except on a host that already broke
-  ``engine_after_cut`` and has not been seen without engines since: its stop is that late
-  fence, logged in the timeline, not counted twice);
+* ``engine_lost_in_outage`` -- while the database is down or frozen for every host, and for
+  :data:`OUTAGE_TAIL_S` after it is back (a fence decided in the outage lands late), no
+  engine that ran at the outage's start stops, unless a fault begun since hit its host, or
+  its host already broke ``engine_after_cut`` and has not been seen without engines since
+  (its stop is that late fence: logged in the timeline, not counted twice);
 * ``host_exited`` -- no serving host process exits by itself (the harness restarts one that
   does, as a supervisor would; one that exits while it boots -- it cannot reach its journal
   then -- is restarted and logged, not judged);
@@ -126,6 +127,7 @@ OP_SPACING_S = 8.0
 FAULT_QUIET_S = LOST_AFTER_MS / 1000 + 3.0
 CONVERGE_S = 60.0
 JOB_BOUND_S = 30.0
+OUTAGE_TAIL_S = LOST_AFTER_MS / 1000
 OP_BOUND_S = REQUEST_BOUND_S + 5.0
 REQUEST_GAP_S = 0.25
 
@@ -399,6 +401,7 @@ class Nemesis:
         self._last_cut: dict[str, float] = {}  # node -> when its last cut began
         self._outage: dict[int, str] | None = None  # engines (pid -> node) at outage start
         self._outage_flagged: set[int] = set()
+        self._outage_until: float | None = None  # the outage's check ends then (after heal)
         self.desired = 2
         self._desired_alt: int | None = None
         self._desired_known = True
@@ -592,6 +595,7 @@ class Nemesis:
         elif kind in _DATABASE:
             with self._lock:
                 self._outage = {e.pid: e.host for e in _live_engines(self.hosts)}
+                self._outage_until = None
             assert self.server is not None
             if kind == "db_restart":
                 self.server.stop_server("fast")
@@ -631,7 +635,9 @@ class Nemesis:
             else:
                 self._thaw_database()
             with self._lock:
-                self._outage = None
+                # A fence decided in the outage may land just after it: the check goes on
+                # for OUTAGE_TAIL_S after the heal.
+                self._outage_until = time.monotonic() + OUTAGE_TAIL_S
         elif kind == "drain":
             self._operation(self._uncordon, step)
 
@@ -951,12 +957,16 @@ class Nemesis:
     def _check_outage(self, engines: list[_Engine]) -> None:
         """The database down for everyone: every engine that ran at its start runs on."""
         with self._lock:
+            if self._outage_until is not None and time.monotonic() > self._outage_until:
+                self._outage, self._outage_until = None, None
             outage = dict(self._outage) if self._outage is not None else None
+            # A fault begun in the tail after the heal explains its own host's stops.
+            excused = set(self._down) | set(self._cut_since)
         if outage is None:
             return
         alive = {e.pid for e in engines}
         for pid, node in outage.items():
-            if pid not in alive and pid not in self._outage_flagged:
+            if pid not in alive and pid not in self._outage_flagged and node not in excused:
                 self._outage_flagged.add(pid)
                 if node in self._unfenced:
                     self._event(
