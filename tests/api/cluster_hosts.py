@@ -40,6 +40,10 @@ class FleetHost(PgHost):
     settings: dict[str, Any] = field(default_factory=dict)
     """Further ``proxy.model_host`` keys of this host (``cpu_devices``, ...)."""
 
+    advertise_url: str | None = None
+    """Where peers reach this host's gateway (``node.advertise_url``; ``None``: the product's
+    default, the listener's address). The nemesis points it at a relay it can blackhole."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.write({})
@@ -48,10 +52,15 @@ class FleetHost(PgHost):
         """A cluster member's ``sb.yml``: ``deployments`` are what ``sbproxy apply`` makes
         the fleet's desired state; the gateway routes ``tiny-chat`` to ``tiny``."""
         document = super().document(deployments)
+        node: dict[str, Any] = {"id": self.node, "labels": getattr(self, "labels", {}) or {}}
+        # Read with getattr: PgHost.__post_init__ writes the file before this dataclass's
+        # own fields are set.
+        if advertise := getattr(self, "advertise_url", None):
+            node["advertise_url"] = advertise
         document["proxy"]["model_host"].update(
             {
                 "authority": "cluster_authority",
-                "node": {"id": self.node, "labels": getattr(self, "labels", {}) or {}},
+                "node": node,
                 "fleet": {**(getattr(self, "timing", None) or {}), "credential": CREDENTIAL},
                 **(getattr(self, "settings", None) or {}),
             }
