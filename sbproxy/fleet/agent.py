@@ -254,11 +254,11 @@ class FleetAgent:
         self._unspecified: frozenset[str] = frozenset()
         self._events_pruned_at = 0
         self._renewing_since: float | None = None
+        self._unanswered_since: float | None = None
         self._cut_off_at: float | None = None
         self._judging = False
         self._changed = anyio.Event()
         self._reported: dict[str, dict[str, Any]] = {}
-        self._last_beat: float | None = None
         self._loaded_at: dict[str, float] = {}
         self._table = RoutingTable(identity.id, {}, clock())
 
@@ -477,10 +477,23 @@ class FleetAgent:
         await self._reconcile(snapshot, group)
 
     async def watch_lease(self) -> None:
-        """Judge this node's own lease every half heartbeat, whatever the beat is doing."""
+        """Judge this node's own lease every half heartbeat, whatever the beat is doing; and
+        notice a pause of this process itself."""
         period = self.timing.heartbeat_ms / 2000
+        last = self.clock()
         while True:
             await anyio.sleep(period)
+            now = self.clock()
+            away_ms = (now - last) * 1000
+            last = now
+            if away_ms >= self.timing.lost_after_ms and not self.fenced:
+                # This process did not run (SIGSTOP, a frozen VM) past lost_after_ms: the
+                # fleet may have placed its replicas elsewhere already. Stop the engines
+                # before anything else; the ones still placed here start again after the
+                # rejoin. Measured here, between two ticks of this loop, which waits on no
+                # call: a beat blocked on a silent database is not a pause.
+                logger.warning("node %s was paused for %d ms", self.identity.id, away_ms)
+                self.fence()
             try:
                 await self.check_lease()
             except SbproxyError as exc:  # pragma: no cover - asks never raise; belt and braces
@@ -504,16 +517,6 @@ class FleetAgent:
 
     async def beat(self, group: anyio.abc.TaskGroup) -> None:
         """One heartbeat (module docstring)."""
-        now = self.clock()
-        away_ms = (now - (self._last_beat or now)) * 1000
-        self._last_beat = now
-        if away_ms >= self.timing.lost_after_ms and not self.fenced:
-            # This process was paused (SIGSTOP, a frozen VM) past lost_after_ms between two
-            # beats: the fleet may have placed its replicas elsewhere already. Stop the
-            # engines before anything else; the ones still placed here start again after
-            # the rejoin. (A database outage is not a pause: beats go on.)
-            logger.warning("node %s was paused for %d ms", self.identity.id, away_ms)
-            self.fence()
         if not await self._renew():
             return
         await self._control()
@@ -577,6 +580,8 @@ class FleetAgent:
         # The facts travel again only when the set of artifacts changed.
         changed = None if frozenset(facts) == self._facts_sent else facts
         self._renewing_since = self.clock()
+        if self._unanswered_since is None:
+            self._unanswered_since = self._renewing_since
         try:
             renewed = await anyio.to_thread.run_sync(
                 lambda: self.store.renew(
@@ -608,6 +613,7 @@ class FleetAgent:
         self.last_renewal = self.clock()
         self.renewed_at_ms = renewed.now_ms
         self._cut_off_at = None
+        self._unanswered_since = None
         self._unreached = 0
         if renewed.state == "lost" and not self.fenced:
             # Lost means over: the fleet gave up on this node and ended its placements; stop
@@ -656,13 +662,15 @@ class FleetAgent:
         now = self.clock()
         last = self.last_renewal if self.last_renewal is not None else now
         since_ms = int((now - last) * 1000)
-        # When this node knew it had lost the database: its first failed renewal's end, or,
-        # for a renewal still blocked, its start plus the store's deadline (no call is
-        # trusted to end on time), never later than now.
-        cut_off = self._cut_off_at
-        if cut_off is None:
-            started = self._renewing_since if self._renewing_since is not None else now
-            cut_off = min(now, started + self.store.deadline_s)
+        # When this node knew it had lost the database: the end of its first failed renewal
+        # since the last success, or that renewal's start plus one round trip's deadline if
+        # it took longer (a renewal still blocked included: no call is trusted to end on
+        # time), never later than now.
+        cut_off = now
+        if self._cut_off_at is not None:
+            cut_off = min(cut_off, self._cut_off_at)
+        if self._unanswered_since is not None:
+            cut_off = min(cut_off, self._unanswered_since + self.store.statement_deadline_s)
         own_ms = self.renewed_at_ms or 0
         cut_off_at_ms = own_ms + int((cut_off - last) * 1000)
         snapshot = self.snapshot

@@ -84,7 +84,11 @@ def fleet_store(compiled: CompiledConfig) -> FleetStore:
     """The fleet store of a cluster host (its journal is PostgreSQL by config rule)."""
     host = compiled.model_host
     assert host is not None and host.journal is not None  # noqa: S101 - config rule
-    return FleetStore(host.journal.url.get_secret_value())
+    timing = FleetTiming.from_config(host.fleet)
+    return FleetStore(
+        host.journal.url.get_secret_value(),
+        statement_deadline_s=timing.store_deadline_ms / 1000,
+    )
 
 
 def start_node(compiled: CompiledConfig, cache_root: Path) -> str:

@@ -284,6 +284,15 @@ class FleetTiming:
         return fence_bound_ms(heartbeat_ms=self.heartbeat_ms, fence_after_ms=self.fence_after_ms)
 
     @property
+    def store_deadline_ms(self) -> int:
+        """How long one round trip to the fleet's database may take before the call fails,
+        in ms: half of what ``fence_after_ms`` leaves after two heartbeats, 250 ms to 2 s.
+        A renewal that does not answer within it counts as lost from its start plus this
+        (the fence question compares peers' renewals with that moment), so peers that
+        renew on time are seen as later well before the fence deadline."""
+        return max(250, min(2_000, (self.fence_after_ms - 2 * self.heartbeat_ms) // 2))
+
+    @property
     def suspect_after_ms(self) -> int:
         """Milliseconds without a renewal after which a node is ``suspect`` (1.5 periods)."""
         return int(self.heartbeat_ms * SUSPECT_AFTER_HEARTBEATS)

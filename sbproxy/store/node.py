@@ -50,10 +50,13 @@ def fleet_node_id(configured: str | None, cache_root: Path) -> str:
     """
     path = cache_root / NODE_ID_FILE
     try:
+        # A verb may name a cache that does not exist yet (its journal on PostgreSQL):
+        # the id is the cache's from its first use on.
+        cache_root.mkdir(parents=True, exist_ok=True)
         kept = path.read_text().strip() if path.exists() else ""
         if configured:
             chosen = configured[:MAX_NODE_ID_CHARS]
-            if kept != chosen and cache_root.is_dir():
+            if kept != chosen:
                 _write(path, chosen)  # every process of this cache records the same node
             return chosen
         from_env = os.environ.get(ENV_NODE_ID, "").strip()

@@ -366,8 +366,12 @@ def test_drain_moves_a_replica_and_cordon_keeps_it(
             timeout_s=10,
             what="node-a out of the listing",
         )
-        listed = json.loads(cli(b, "nodes", "list", "--all").stdout)["nodes"]
-        assert {n["id"]: n["state"] for n in listed}["node-a"] == "left"
+
+        def recorded_left() -> bool:
+            listed = json.loads(cli(b, "nodes", "list", "--all").stdout)["nodes"]
+            return {n["id"]: n["state"] for n in listed}.get("node-a") == "left"
+
+        poll(recorded_left, timeout_s=10, what="node-a recorded left (nodes list --all)")
         a.stop()
         a.start()
         assert a.process is not None

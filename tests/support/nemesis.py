@@ -64,7 +64,9 @@ database's fault state the harness itself set -- never the product's API):
   then -- is restarted and logged, not judged);
 * ``request_unbounded`` / ``request_bad_answer`` / ``request_failed`` -- every request
   through a gateway ends within :data:`REQUEST_BOUND_S` with 200, or 503/429 with
-  ``Retry-After``; a request whose gateway's host was killed or paused while it was in
+  ``Retry-After``, or -- for a request that may already have reached an engine, which is
+  never sent twice -- the documented 502 ``upstream_unavailable`` or 504 ``engine_timeout``;
+  a request whose gateway's host was killed or paused while it was in
   flight is recorded (``host_down``) but not judged;
 * ``operation_unbounded`` -- every ``sbproxy apply`` / ``nodes drain`` / ``nodes uncordon``
   ends within :data:`OP_BOUND_S` (the request bound plus the CLI's own start), answered or
@@ -777,6 +779,7 @@ class Nemesis:
                 status: int | None = None
                 retry_after = False
                 error = ""
+                code = ""
                 try:
                     answer = client.post(
                         f"http://localhost:{host.gateway}/v1/chat/completions", json=body
@@ -784,12 +787,13 @@ class Nemesis:
                     status, retry_after = answer.status_code, "retry-after" in answer.headers
                     if status != 200:
                         error = answer.text[:200]
+                        code = _error_code(answer)
                 except httpx.TimeoutException:
                     error = "timeout"
                 except httpx.HTTPError as exc:
                     error = repr(exc)
                 ended = time.monotonic()
-                self._judge(host.node, began, ended, status, retry_after, error)
+                self._judge(host.node, began, ended, status, retry_after, error, code)
                 time.sleep(REQUEST_GAP_S)
 
     def _judge(
@@ -800,6 +804,7 @@ class Nemesis:
         status: int | None,
         retry_after: bool,
         error: str,
+        code: str = "",
     ) -> None:
         took = ended - began
         with self._lock:
@@ -810,6 +815,10 @@ class Nemesis:
             outcome, bad = "ok", None
         elif status in (429, 503) and retry_after:
             outcome, bad = "retry_later", None
+        elif (status, code) in _UPSTREAM_LOST:
+            # A request that may have reached an engine is never sent again (issue 30, item
+            # 25): its documented answer is a 502 or 504, at once.
+            outcome, bad = "upstream_lost", None
         elif status is not None:
             outcome, bad = f"status_{status}", "request_bad_answer"
         elif error == "timeout":
@@ -1058,3 +1067,16 @@ def seed_from_environment(default: int) -> int:
     """``SBPROXY_NEMESIS_SEED`` as an int, else ``default``."""
     value = os.environ.get("SBPROXY_NEMESIS_SEED", "").strip()
     return int(value) if value else default
+
+
+_UPSTREAM_LOST = frozenset({(502, "upstream_unavailable"), (504, "engine_timeout")})
+
+
+def _error_code(answer: httpx.Response) -> str:
+    """The OpenAI envelope's ``error.code`` of ``answer`` ('' when there is none)."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return ""
+    error = body.get("error") if isinstance(body, dict) else None
+    return str(error.get("code") or "") if isinstance(error, dict) else ""

@@ -140,6 +140,9 @@ __all__ = [
     "desired_of",
 ]
 
+# Failure reasons after which the runtime relaunches the engine by itself (after its
+# restart backoff): a request refused meanwhile is told to retry.
+_RELAUNCHED = frozenset({"engine_health_failed", "engine_unhealthy"})
 logger = logging.getLogger(__name__)
 
 S = DeploymentState
@@ -860,10 +863,17 @@ class RuntimeManager:
                 retry_after_ms=max(1000, found.config.queue_timeout_ms),
                 retryable=found.capacity_retryable,
             )
+        # An engine that died or stopped answering is relaunched after its backoff (no
+        # crash loop yet): the refusal says when to come back, like any passing refusal.
+        relaunching = found.reason_code in _RELAUNCHED
         raise reject(
             AdmissionReason.ENGINE_UNHEALTHY,
             found.last_error or "the engine failed",
             deployment=found.deployment,
+            retry_after_ms=max(1000, int((found.not_before - self.clock.now()) * 1000))
+            if relaunching
+            else None,
+            retryable=True if relaunching else None,
         )
 
     def record_outcome(self, deployment: str, generation: int, *, timed_out: bool) -> None:
