@@ -286,7 +286,7 @@ async def reload_logged(
         return
     host.config.committed(source, job_id=job_id, revision=report.revision)
     plan = report.plan
-    logger.warning(
+    logger.info(  # routine: an operator's own change, not something to act on
         "reload (%s) committed revision %d (job %s, sha256 %s): added %s, changed %s, "
         "removed %s, preserved %s",
         source,
