@@ -217,6 +217,16 @@ def test_a_desired_state_document_applied_through_any_member_shows_the_fleet_cha
         refused = apply(a, plain, "--format", "json")
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert json.loads(refused.stdout)["error"]["code"] == "source_mismatch"
+        # A document's bad deployment is refused with its path; deployments need a source.
+        bad = {"tiny": {**TINY, "max_concurrency": 0}}
+        for body, status, code in [
+            ({"source": str(document), "deployments": bad}, 400, "invalid_desired"),
+            ({"deployments": {"tiny": TINY}}, 400, "invalid_body"),
+            ({"source": str(document), "deployments": {"x": {"model": "nope"}}}, 400,
+             "unknown_catalog_model"),
+        ]:  # fmt: skip
+            answer = a.admin_call("POST", "/admin/reload", json=body)
+            assert (answer.status_code, answer.json()["code"]) == (status, code), answer.text
         assert desired_revision(a) == 4
     finally:
         a.stop()
