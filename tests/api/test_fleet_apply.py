@@ -294,6 +294,7 @@ def test_every_fleet_setting_but_the_credential_and_cool_down_needs_a_restart(
         "fence_after_ms": 1_600,
         "lost_after_ms": 3_100,
         "placement_timeout_ms": 700_000,
+        "rejoin_grace_ms": 1_000,
         "placement": "binpack",
         "max_replacements_in_flight": 3,
     }
