@@ -21,6 +21,19 @@ how ``sbproxy apply -f`` makes sure it reloads what it validated). 400 ``invalid
 lists the file's problems with their dotted paths; 409 ``restart_required`` /
 ``foundation_change``; 422 as above. Nothing changes on any failure.
 
+On a ``cluster_authority`` host the deployments are the fleet's, not the host's: the
+reload compare-and-sets them as the fleet's next revision (when they changed) and answers
+``fleet`` (:func:`fleet_change`: the revision this write committed -- never one read
+afterwards, which may be another writer's -- and the deployments added, removed and
+changed, with replica counts). There the body may carry the desired-state document,
+``{"source": path, "deployments": {id: deployment}}`` (what ``sbproxy apply -f`` sends for
+a file that declares ``authority: cluster_authority``): its deployments become the fleet's
+next revision through any member, whatever file that member serves; only when ``source``
+is the member's own file does the member also reload its own settings (routes, keys) from
+it. Without ``deployments``, a ``source`` other than the served file is ``source_mismatch``
+as on a single host (where the refusal keeps a reload from applying a file nobody
+validated).
+
 Every attempt is recorded in the host's :class:`~sbproxy.api.config_state.ConfigState`
 (``GET /admin/model-host/status``'s ``config.last_reload``): a reload with a body naming the
 file -- what ``sbproxy apply`` sends -- as source ``apply``, one without as ``admin``, a
@@ -30,6 +43,8 @@ file -- what ``sbproxy apply`` sends -- as source ``apply``, one without as ``ad
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -45,18 +60,20 @@ from sbproxy.config._rules import Identifier
 from sbproxy.config.model_host import Authority
 from sbproxy.errors import ConfigError, SbproxyError
 from sbproxy.fleet.routing import replica_id_clashes
-from sbproxy.model_host.runtime.desired_store import MAX_REVISION, RevisionStore
+from sbproxy.model_host.runtime.desired_store import MAX_REVISION, DeploymentRevision, RevisionStore
 from sbproxy.model_host.runtime.manager import RuntimeManager, desired_digest, desired_of
 from sbproxy.model_host.runtime.reload import (
     ReloadReport,
+    refuse_restart_changes,
     reload,
     reload_from_source,
     revision_store,
     with_deployments,
 )
 from sbproxy.model_host.service import ModelHostService
+from sbproxy.workflows.faults import fault_point
 
-__all__ = ["desired_handlers"]
+__all__ = ["desired_handlers", "fleet_change"]
 
 # Failures to prepare a candidate are the caller's to fix (422), whatever status the same
 # code has on the gateway (where insufficient capacity or a crash loop is a 503).
@@ -164,13 +181,22 @@ def parse_put(body: bytes) -> tuple[int | None, dict[str, DeploymentConfig]]:
         raise InvalidBody("expected_revision must be null or a non-negative integer")
     if expected is not None and expected > MAX_REVISION:
         raise InvalidBody(f"expected_revision must be at most {MAX_REVISION}")
-    raw = document["deployments"]
+    return expected, _deployments(document["deployments"])
+
+
+def _deployments(raw: object) -> dict[str, DeploymentConfig]:
+    """The deployment definitions of a body's ``deployments`` object.
+
+    Raises:
+        InvalidBody: ``invalid_body`` -- not an object, more than 1024 deployments.
+        SbproxyError: ``invalid_desired`` naming the dotted path of the first problem.
+    """
     if not isinstance(raw, dict):
         raise InvalidBody("deployments must be an object of deployment definitions by id")
     if len(raw) > MAX_DEPLOYMENTS:
         raise InvalidBody(f"at most {MAX_DEPLOYMENTS} deployments")
     try:
-        deployments = _DEPLOYMENTS.validate_python(raw)
+        return _DEPLOYMENTS.validate_python(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         path = ".".join(str(part) for part in ("deployments", *first["loc"]))
@@ -181,7 +207,6 @@ def parse_put(body: bytes) -> tuple[int | None, dict[str, DeploymentConfig]]:
             "current definitions.",
             details={"path": path},
         ) from None
-    return expected, deployments
 
 
 async def _add_store_details(exc: SbproxyError, store: RevisionStore, expected: int | None) -> None:
@@ -203,26 +228,38 @@ async def _add_store_details(exc: SbproxyError, store: RevisionStore, expected: 
         )
 
 
-def _reload_body(body: bytes) -> str | None:
-    """The file a reload body (empty, ``{}`` or ``{"source": path}``) names, if any.
+@dataclass(frozen=True)
+class _ReloadBody:
+    """What a reload body names: the file (``source``) and, from ``sbproxy apply`` of a
+    cluster file, the deployments it validated (``deployments``, raw JSON)."""
+
+    source: str | None
+    deployments: object | None
+
+
+def _reload_body(body: bytes) -> _ReloadBody:
+    """The parts of a reload body (empty, ``{}``, ``{"source": path}`` or ``{"source":
+    path, "deployments": {...}}``).
 
     Raises:
         InvalidBody: ``invalid_body`` for anything else.
     """
     if not body.strip():
-        return None
+        return _ReloadBody(None, None)
     try:
-        document = json.loads(body)
-    except (ValueError, RecursionError):
-        raise InvalidBody("invalid JSON body; expected {} or {source}") from None
-    if not isinstance(document, dict) or set(document) - {"source"}:
-        raise InvalidBody("invalid JSON body; expected {} or {source}")
+        document = json.loads(body, object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, InvalidBody):
+            raise
+        raise InvalidBody("invalid JSON body; expected {} or {source[, deployments]}") from None
+    if not isinstance(document, dict) or set(document) - {"source", "deployments"}:
+        raise InvalidBody("invalid JSON body; expected {} or {source[, deployments]}")
     wanted = document.get("source")
-    if wanted is None:
-        return None
-    if not isinstance(wanted, str) or not wanted:
+    if wanted is not None and (not isinstance(wanted, str) or not wanted):
         raise InvalidBody("source must be a file path")
-    return wanted
+    if "deployments" in document and wanted is None:
+        raise InvalidBody("deployments come with the source file they were read from")
+    return _ReloadBody(wanted, document.get("deployments"))
 
 
 def _source_mismatch(wanted: str | None, served: CompiledConfig) -> SbproxyError | None:
@@ -270,14 +307,77 @@ def _check_fleet_ids(deployments: dict[str, DeploymentConfig]) -> None:
             )
 
 
+def _definition(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored definition with every default filled in (fields compare one by one); the
+    stored JSON itself when it no longer validates."""
+    try:
+        return DeploymentConfig.model_validate(body).model_dump(mode="json")
+    except ValidationError:
+        return dict(body)
+
+
+def _replicas(definition: Mapping[str, Any]) -> int:
+    count = definition.get("replicas", 1)
+    return count if isinstance(count, int) else 1
+
+
+def fleet_change(
+    before: Mapping[str, Mapping[str, Any]], after: Mapping[str, Mapping[str, Any]]
+) -> dict[str, list[Any]]:
+    """What a new fleet revision changes, deployment by deployment (pure).
+
+    Args:
+        before: The previous revision's deployments (stored JSON by id; empty for none).
+        after: The new revision's deployments (stored JSON by id).
+
+    Returns:
+        ``{added: [{deployment, replicas}], removed: [{deployment, replicas}], changed:
+        [{deployment, fields, replicas}], unchanged: [id]}``, each sorted by id; ``fields``
+        names the definition's fields that differ (defaults filled in, so ``replicas: 1``
+        and no ``replicas`` are the same), ``replicas`` is ``{from, to}`` when the count
+        changed, else ``null``.
+    """
+    change: dict[str, list[Any]] = {"added": [], "removed": [], "changed": [], "unchanged": []}
+    for deployment in sorted(set(before) | set(after)):
+        old, new = before.get(deployment), after.get(deployment)
+        if old is None and new is not None:
+            replicas = _replicas(_definition(new))
+            change["added"].append({"deployment": deployment, "replicas": replicas})
+            continue
+        if new is None and old is not None:
+            replicas = _replicas(_definition(old))
+            change["removed"].append({"deployment": deployment, "replicas": replicas})
+            continue
+        assert old is not None and new is not None  # noqa: S101 - one of the two above
+        was, now = _definition(old), _definition(new)
+        fields = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+        if not fields:
+            change["unchanged"].append(deployment)
+            continue
+        counts = (_replicas(was), _replicas(now))
+        change["changed"].append(
+            {
+                "deployment": deployment,
+                "fields": fields,
+                "replicas": (
+                    {"from": counts[0], "to": counts[1]} if counts[0] != counts[1] else None
+                ),
+            }
+        )
+    return change
+
+
 async def _fleet_write(
     manager: RuntimeManager,
     store: RevisionStore,
     expected: int | None,
     deployments: dict[str, DeploymentConfig],
-) -> dict[str, object]:
+) -> DeploymentRevision:
     """Validate ``deployments`` as a reload would (each resolves in the catalog) and
     compare-and-set them as the fleet's next revision; the fleet's controller places them.
+
+    Returns:
+        The revision this write committed (the compare-and-set's own result).
 
     Raises:
         SbproxyError: a resolution failure (``unknown_catalog_model``, ...),
@@ -289,63 +389,117 @@ async def _fleet_write(
     for deployment in deployments.values():
         manager.resolve_config(deployment, catalog)
     _check_fleet_ids(deployments)
-    written = await anyio.to_thread.run_sync(
+    return await anyio.to_thread.run_sync(
         lambda: store.compare_and_set(
             expected_revision=expected,
             catalog_revision=catalog.catalog_revision,
-            deployments={
-                d: c.model_dump(mode="json", exclude_unset=True) for d, c in deployments.items()
-            },
+            deployments=_stored(deployments),
         )
     )
+
+
+def _stored(deployments: Mapping[str, DeploymentConfig]) -> dict[str, Any]:
+    """Deployments as a revision stores them (what the operator set, no defaults)."""
+    return {d: c.model_dump(mode="json", exclude_unset=True) for d, c in deployments.items()}
+
+
+def _fleet_answer(
+    previous: DeploymentRevision | None, now: DeploymentRevision, *, written: bool
+) -> dict[str, object]:
+    """The ``fleet`` part of an answer: the revision this request committed (``written``)
+    or found unchanged, the one before it, and what changed between the two."""
+    before = dict(previous.deployments) if previous is not None else {}
     return {
         "schema_version": 1,
         "authority": Authority.CLUSTER_AUTHORITY.value,
-        "revision": written.revision,
-        "content_digest": written.content_digest,
+        "revision": now.revision,
+        "content_digest": now.content_digest,
+        "previous_revision": previous.revision if previous is not None else None,
+        "written": written,
+        "change": fleet_change(before if written else dict(now.deployments), now.deployments),
         "placement": "the fleet's controller places the replicas (GET /admin/fleet/placements)",
         "job_id": None,
     }
 
 
-async def _fleet_apply(manager: RuntimeManager, wanted: str | None) -> dict[str, object] | None:
-    """``sbproxy apply`` on a cluster host: the file's deployments become the fleet's next
-    revision when they differ from the current one; ``None`` when nothing changed."""
-    served = ModelHostService.serving(manager).served
-    path = served.source
-    if path is None:
-        return None
-    loaded = await anyio.to_thread.run_sync(load_config, path)
-    store = revision_store(served)
+async def _fleet_apply(
+    manager: RuntimeManager, deployments: dict[str, DeploymentConfig]
+) -> dict[str, object]:
+    """``sbproxy apply`` on a cluster host: ``deployments`` become the fleet's next revision
+    when they differ from the current one (the current one is answered otherwise).
+
+    Raises:
+        SbproxyError: as :func:`_fleet_write`; ``revision_conflict`` names the revision
+            another writer committed meanwhile (``actual_revision``).
+    """
+    store = revision_store(ModelHostService.serving(manager).served)
     current = await anyio.to_thread.run_sync(store.load)
-    desired = {
-        d: c.model_dump(mode="json", exclude_unset=True) for d, c in loaded.deployments.items()
-    }
-    if current is not None and dict(current.deployments) == desired:
-        return None
-    return await _fleet_write(
-        manager, store, current.revision if current else None, dict(loaded.deployments)
-    )
+    if current is not None and dict(current.deployments) == _stored(deployments):
+        return _fleet_answer(current, current, written=False)
+    expected = current.revision if current is not None else None
+    try:
+        written = await _fleet_write(manager, store, expected, deployments)
+    except SbproxyError as exc:
+        await _add_store_details(exc, store, expected)
+        raise
+    # Tests stop the process here to let another writer commit before this one answers.
+    fault_point("apply.fleet_written")
+    return _fleet_answer(current, written, written=True)
+
+
+async def _file_deployments(manager: RuntimeManager) -> dict[str, DeploymentConfig]:
+    """The deployments of the file the host serves (re-read now).
+
+    Raises:
+        ConfigError: ``invalid_config``.
+        SbproxyError: ``no_config_source``.
+    """
+    path = ModelHostService.serving(manager).served.source
+    if path is None:
+        raise SbproxyError(
+            "this host was not started from a configuration file",
+            code="no_config_source",
+            remediation="Start it with `sbproxy serve -f sb.yml` to reload from the file.",
+        )
+    loaded = await anyio.to_thread.run_sync(load_config, path)
+    return dict(loaded.deployments)
+
+
+async def _refuse_restart_changes(manager: RuntimeManager) -> None:
+    """Refuse, before the fleet's revision is written, a reload of the host's own file that
+    its reload transaction would refuse (``restart_required``): nothing may change then.
+
+    Raises:
+        ConfigError: ``invalid_config``.
+        SbproxyError: ``restart_required`` naming the dotted paths.
+    """
+    source = ModelHostService.serving(manager).served.source
+    if source is not None:
+        loaded = await anyio.to_thread.run_sync(load_config, source)
+        refuse_restart_changes(manager.compiled, loaded)
 
 
 async def _fleet_put(
     manager: RuntimeManager,
     store: RevisionStore,
-    expected: int | None,
+    previous: DeploymentRevision | None,
     deployments: dict[str, DeploymentConfig],
 ) -> Response[dict[str, object]]:
-    """``PUT /admin/model-host/deployments`` on a cluster host (see :func:`_fleet_write`)."""
+    """``PUT /admin/model-host/deployments`` on a cluster host (see :func:`_fleet_write`);
+    ``previous`` is the revision ``expected`` names."""
+    expected = previous.revision if previous is not None else None
     try:
-        answer = await _fleet_write(manager, store, expected, deployments)
+        written = await _fleet_write(manager, store, expected, deployments)
     except SbproxyError as exc:
         await _add_store_details(exc, store, expected)
         return _failure(exc)
-    return Response(answer, status_code=200)
+    return Response(_fleet_answer(previous, written, written=True), status_code=200)
 
 
 async def _store_revision(manager: RuntimeManager, answer: dict[str, object]) -> None:
     """One meaning of "revision" on every route: the store's where deployments come from
-    a store (the file supplies routes, keys and policy)."""
+    a store (the file supplies routes, keys and policy). Only for ``admin_managed``, whose
+    reload from the file writes no revision (a cluster host answers its own write)."""
     served = ModelHostService.serving(manager).served  # as the reload left it
     host = served.model_host
     if host is None or host.authority == Authority.FILE_MANAGED:
@@ -353,6 +507,57 @@ async def _store_revision(manager: RuntimeManager, answer: dict[str, object]) ->
     stored = await anyio.to_thread.run_sync(revision_store(served).load)
     answer["revision"] = stored.revision if stored else None
     answer["content_digest"] = stored.content_digest if stored else None
+
+
+async def _cluster_reload(
+    manager: RuntimeManager,
+    config: ConfigState,
+    body: _ReloadBody,
+    *,
+    own_file: bool,
+    source: ReloadSource,
+) -> Response[dict[str, object]]:
+    """A reload on a cluster host: the deployments (the body's, else the served file's)
+    become the fleet's next revision; the host's own settings are reloaded from its
+    file unless the body came from another one. ``revision`` is the fleet revision
+    this request committed (or found unchanged), never one read afterwards."""
+    try:
+        if own_file:  # nothing is written when the host's own reload would be refused
+            await _refuse_restart_changes(manager)
+        deployments = (
+            _deployments(body.deployments)
+            if body.deployments is not None
+            else await _file_deployments(manager)
+        )
+        fleet = await _fleet_apply(manager, deployments)
+        if not own_file:
+            return Response(
+                {
+                    "schema_version": 1,
+                    "revision": fleet["revision"],
+                    "content_digest": fleet["content_digest"],
+                    "runtime_revision": None,
+                    "plan": None,
+                    "job_id": None,
+                    "host_reloaded": False,
+                    "fleet": fleet,
+                },
+                status_code=200,
+            )
+        job_id, report = await reload_from_source(manager, source=source.value)
+    except SbproxyError as exc:
+        if own_file:
+            config.failed(source, exc)
+        return _failure(exc)
+    config.committed(source, job_id=job_id, revision=report.revision)
+    answer = _answer(job_id, report)
+    answer.update(
+        revision=fleet["revision"],
+        content_digest=fleet["content_digest"],
+        host_reloaded=True,
+        fleet=fleet,
+    )
+    return Response(answer, status_code=200)
 
 
 def _is_cluster(manager: RuntimeManager) -> bool:
@@ -418,7 +623,7 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
                 )
             )
         if _is_cluster(manager):
-            return await _fleet_put(manager, store, expected, deployments)
+            return await _fleet_put(manager, store, current, deployments)
         candidate = with_deployments(served, deployments)
         try:
             job_id, report = await reload(
@@ -437,24 +642,25 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
 
     @post("/reload", status_code=200)
     async def reload_route(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
-        """Re-read the configuration file and apply it through the reload transaction."""
-        wanted = _reload_body(await request.body())
-        source = ReloadSource.ADMIN if wanted is None else ReloadSource.APPLY
-        mismatch = _source_mismatch(wanted, ModelHostService.serving(manager).served)
-        if mismatch is not None:
+        """Re-read the configuration file and apply it through the reload transaction; on
+        a cluster host, make a desired-state document's deployments the fleet's."""
+        body = _reload_body(await request.body())
+        source = ReloadSource.ADMIN if body.source is None else ReloadSource.APPLY
+        mismatch = _source_mismatch(body.source, ModelHostService.serving(manager).served)
+        cluster = _is_cluster(manager)
+        if mismatch is not None and not (cluster and body.deployments is not None):
             return _failure(mismatch)  # not a reload of this host's file: nothing recorded
+        if cluster:
+            return await _cluster_reload(
+                manager, config, body, own_file=mismatch is None, source=source
+            )
         try:
-            # On a cluster host the file's deployments are the fleet's (a new revision when
-            # they changed); the rest (routes, keys) is this host's.
-            fleet = await _fleet_apply(manager, wanted) if _is_cluster(manager) else None
             job_id, report = await reload_from_source(manager, source=source.value)
         except SbproxyError as exc:
             config.failed(source, exc)
             return _failure(exc)
         config.committed(source, job_id=job_id, revision=report.revision)
         answer = _answer(job_id, report)
-        if fleet is not None:
-            answer["fleet"] = fleet
         await _store_revision(manager, answer)
         return Response(answer, status_code=200)
 

@@ -20,7 +20,8 @@ every one answers 409 ``fleet_disabled``):
 A journal that cannot be reached answers 503 ``journal_unavailable``.
 
 Peer route: ``GET /fleet/v1/lease`` on the gateway, ``Authorization: Bearer <fleet
-credential>`` (401 ``peer_unauthorized`` otherwise; 404 when no credential is configured):
+credential>`` -- the one in force now, so a reload that rotates it is honoured at once
+(401 ``peer_unauthorized`` otherwise; 404 while no credential is configured):
 ``{node_id, renewed_at_ms, renewed_recently, fenced}`` -- what a host that cannot renew
 asks its peers before fencing itself (it fences when a peer renewed, on database time, after
 it lost the database).
@@ -29,7 +30,7 @@ it lost the database).
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 import anyio.to_thread
@@ -250,17 +251,31 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
     return [nodes, node_show, node_action, placements, controller, events]
 
 
-def peer_handlers(agent: FleetAgent | None, credential: str | None) -> list[HTTPRouteHandler]:
-    """The gateway's peer route (module docstring); none without an agent and credential."""
-    if agent is None or not credential:
+def peer_handlers(
+    agent: FleetAgent | None, credential: Callable[[], str | None]
+) -> list[HTTPRouteHandler]:
+    """The gateway's peer route (module docstring); none without an agent.
+
+    ``credential()`` is the fleet credential in force, read at each request: a reload that
+    rotates it is honoured at once (the old one refused, the new one accepted)."""
+    if agent is None:
         return []
-    expected = f"Bearer {credential}".encode()
 
     @get("/fleet/v1/lease", sync_to_thread=False, include_in_schema=False)
     def lease(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
         """This node's own view of its lease, for a peer deciding whether to fence."""
+        current = credential()
+        if not current:
+            return Response(
+                {
+                    "code": "not_found",
+                    "error": "this host has no fleet credential, so it answers no peer "
+                    "(proxy.model_host.fleet.credential)",
+                },
+                status_code=404,
+            )
         given = (request.headers.get("authorization") or "").encode()
-        if not hmac.compare_digest(given, expected):
+        if not hmac.compare_digest(given, f"Bearer {current}".encode()):
             return Response(
                 {
                     "code": "peer_unauthorized",

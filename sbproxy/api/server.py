@@ -63,6 +63,7 @@ from sbproxy.api.peers import LoneDirectory, PeerDispatch
 from sbproxy.api.shutdown import Shutdown
 from sbproxy.config import CompiledConfig, FleetConfig
 from sbproxy.errors import SbproxyError
+from sbproxy.fleet.cluster import fleet_credential
 from sbproxy.fleet.routing import FleetDirectory
 from sbproxy.fleet.view import FleetStatus
 from sbproxy.model_host.lockfile import lock_guard
@@ -144,8 +145,7 @@ def _fleet(compiled: CompiledConfig) -> FleetConfig:
 
 
 def _credential(compiled: CompiledConfig) -> str | None:
-    credential = _fleet(compiled).credential
-    return credential.get_secret_value() if credential is not None else None
+    return fleet_credential(compiled)
 
 
 def _node_id(compiled: CompiledConfig) -> str:
@@ -223,7 +223,7 @@ def build_servers(
     servers = [
         Listener(
             uvicorn.Config(
-                guarded(create_gateway_app(gateway, extra=_peer_routes(compiled, host)), "gateway"),
+                guarded(create_gateway_app(gateway, extra=_peer_routes(host)), "gateway"),
                 host=_url_host(proxy.bind_address),
                 port=proxy.http_bind_port,
                 **common,  # type: ignore[arg-type]
@@ -286,7 +286,7 @@ async def reload_logged(
         return
     host.config.committed(source, job_id=job_id, revision=report.revision)
     plan = report.plan
-    logger.warning(
+    logger.info(  # routine: an operator's own change, not something to act on
         "reload (%s) committed revision %d (job %s, sha256 %s): added %s, changed %s, "
         "removed %s, preserved %s",
         source,
@@ -433,11 +433,10 @@ def _first_error(group: BaseExceptionGroup[SbproxyError]) -> SbproxyError:
     return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
 
 
-def _peer_routes(compiled: CompiledConfig, host: ServedHost) -> list[HTTPRouteHandler]:
-    """The fleet's peer route on a cluster host's gateway (:mod:`sbproxy.api.fleet`)."""
-    model_host = compiled.model_host
-    secret = model_host.fleet.credential if model_host else None
-    return peer_handlers(host.fleet, secret.get_secret_value() if secret else None)
+def _peer_routes(host: ServedHost) -> list[HTTPRouteHandler]:
+    """The fleet's peer route on a cluster host's gateway (:mod:`sbproxy.api.fleet`), with
+    the credential the runtime serves now (a reload may rotate it)."""
+    return peer_handlers(host.fleet, lambda: fleet_credential(host.manager.compiled))
 
 
 async def _serve_host(

@@ -28,6 +28,7 @@ from sbproxy.store.node import ENV_NODE_ID, fleet_node_id
 __all__ = [
     "CachedFacts",
     "advertise_url",
+    "fleet_credential",
     "fleet_store",
     "is_cluster",
     "open_agent",
@@ -78,6 +79,17 @@ def is_cluster(compiled: CompiledConfig) -> bool:
     """The host runs under ``authority: cluster_authority``."""
     host = compiled.model_host
     return host is not None and host.authority == Authority.CLUSTER_AUTHORITY
+
+
+def fleet_credential(compiled: CompiledConfig) -> str | None:
+    """The fleet credential of ``compiled`` (``proxy.model_host.fleet.credential``), if any.
+
+    A running host reads it from the configuration its runtime serves *now*
+    (``manager.compiled``) at each use, so that a reload that rotates it reaches the lease
+    route, the fence ask and peer dispatch alike."""
+    host = compiled.model_host
+    secret = host.fleet.credential if host is not None else None
+    return secret.get_secret_value() if secret is not None else None
 
 
 def fleet_store(compiled: CompiledConfig) -> FleetStore:
@@ -135,7 +147,6 @@ def open_agent(
     host = compiled.model_host
     assert host is not None  # noqa: S101 - a cluster host has a model host
     cache = ArtifactCache(ModelHostService.serving(manager).layout)
-    credential = host.fleet.credential.get_secret_value() if host.fleet.credential else None
     return FleetAgent(
         store=store,
         manager=manager,
@@ -145,6 +156,6 @@ def open_agent(
         timing=FleetTiming.from_config(host.fleet),
         policy=PlacementPolicy.from_config(host.fleet),
         artifacts=lambda: sorted(meta.artifact_digest for meta in cache.published()),
-        ask_peers=ask_peers_http(credential),
+        ask_peers=ask_peers_http(lambda: fleet_credential(manager.compiled)),
         artifact_facts=CachedFacts(cache),
     )

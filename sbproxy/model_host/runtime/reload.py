@@ -5,8 +5,10 @@ The file watcher, ``SIGHUP``, ``POST /admin/reload``, ``sbproxy apply`` and the 
 
 1. ``plan`` -- compare the candidate's deployments with the live ones: ``added``,
    ``changed``, ``removed``, ``preserved`` (identical definition and memory policy). A
-   listener change (ports, bind addresses, admin settings, TLS) or a cache-root change is
-   refused (``restart_required``: the journal lives in the cache root); a catalog or engine
+   listener change (ports, bind addresses, admin settings, TLS), a cache-root change (the
+   journal lives in the cache root) or, on a fleet member, a change of the fleet's timing or
+   placement policy (its agent took them at start) is refused (``restart_required``, naming
+   the dotted paths); a catalog or engine
    foundation change while any deployment is resident is refused (``foundation_change``:
    stop them first, then apply the new foundation).
 2. ``prepare`` -- resolve every added or changed deployment against the candidate catalog,
@@ -74,6 +76,7 @@ __all__ = [
     "foundation_changes",
     "listener_changes",
     "plan_reload",
+    "refuse_restart_changes",
     "reload",
     "reload_from_source",
     "reload_workflow",
@@ -208,7 +211,8 @@ def _host_part(compiled: CompiledConfig, name: str) -> Any:
 
 def listener_changes(current: CompiledConfig, candidate: CompiledConfig) -> list[str]:
     """Dotted paths of settings a running process cannot change (listeners, cache root,
-    authority, revision store, CPU device split)."""
+    authority, revision store, CPU device split, and on a ``cluster_authority`` host the
+    fleet's timing and placement policy: ``proxy.model_host.fleet.heartbeat_ms``, ...)."""
     before, after = current.config.proxy, candidate.config.proxy
     changes = [
         f"proxy.{name}"
@@ -225,7 +229,54 @@ def listener_changes(current: CompiledConfig, candidate: CompiledConfig) -> list
     # The CPU device split shapes the residency the host started with.
     if _cpu_devices(current) != _cpu_devices(candidate):
         changes.append("proxy.model_host.cpu_devices")
+    changes.extend(_fleet_changes(current, candidate))
     return changes
+
+
+# What a reload hands on to a running fleet member (the gateway's peer dispatch and the lease
+# route read them at each use); every other fleet setting (timing, placement policy) the
+# agent took once at start, so a change must not look applied while the old value runs.
+_LIVE_FLEET_FIELDS = frozenset({"credential", "peer_cooldown_ms"})
+
+
+def _fleet_changes(current: CompiledConfig, candidate: CompiledConfig) -> list[str]:
+    """Dotted paths of the fleet settings that changed and that only a restart applies
+    (``proxy.model_host.fleet.<field>`` but the credential and the peer cool-down, and
+    ``proxy.model_host.node`` / ``journal``); only on a ``cluster_authority`` host
+    (elsewhere they are unused)."""
+    before, after = current.model_host, candidate.model_host
+    if before is None or after is None or before.authority != Authority.CLUSTER_AUTHORITY:
+        return []
+    changes = [
+        f"proxy.model_host.fleet.{name}"
+        for name in type(before.fleet).model_fields
+        if name not in _LIVE_FLEET_FIELDS
+        and getattr(before.fleet, name) != getattr(after.fleet, name)
+    ]
+    # The node's identity and the fleet store's journal are the agent's from its start too.
+    changes.extend(
+        f"proxy.model_host.{name}"
+        for name in ("node", "journal")
+        if getattr(before, name) != getattr(after, name)  # a SecretStr compares its value
+    )
+    return changes
+
+
+def refuse_restart_changes(current: CompiledConfig, candidate: CompiledConfig) -> None:
+    """Refuse a candidate that changes what only a restart applies (:func:`listener_changes`).
+
+    Raises:
+        SbproxyError: ``restart_required``, the dotted paths in the message and in
+            ``details.paths`` (comma-separated).
+    """
+    changes = listener_changes(current, candidate)
+    if changes:
+        raise SbproxyError(
+            f"{', '.join(changes)} cannot change while sbproxy runs",
+            code="restart_required",
+            remediation="Restart `sbproxy serve` to apply these changes.",
+            details={"paths": ", ".join(changes)},
+        )
 
 
 def _cpu_devices(compiled: CompiledConfig) -> int:
@@ -294,14 +345,7 @@ async def plan_step(ctx: StepContext, request: ReloadInput) -> ReloadPlan:
     """
     manager = ctx.resource(RuntimeManager)
     candidate = _candidate(manager, request)
-    listeners = listener_changes(manager.compiled, candidate)
-    if listeners:
-        raise SbproxyError(
-            f"{', '.join(listeners)} cannot change while sbproxy runs",
-            code="restart_required",
-            remediation="Restart `sbproxy serve` to apply these changes.",
-            details={"paths": ", ".join(listeners)},
-        )
+    refuse_restart_changes(manager.compiled, candidate)
     foundation = foundation_changes(manager.compiled, candidate)
     resident = _resident(manager)
     if foundation and resident:
