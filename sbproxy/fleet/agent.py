@@ -172,9 +172,12 @@ def ask_peers_http(
                     )
                 answers[node] = PeerAnswer(node_id=node, reached=False)
                 return
-            at = body.get("renewed_at_ms")
+            at, since = body.get("renewed_at_ms"), body.get("streak_since_ms")
             answers[node] = PeerAnswer(
-                node_id=node, reached=True, renewed_at_ms=at if isinstance(at, int) else None
+                node_id=node,
+                reached=True,
+                renewed_at_ms=at if isinstance(at, int) else None,
+                streak_since_ms=since if isinstance(since, int) else None,
             )
 
         async with (
@@ -231,6 +234,9 @@ class FleetAgent:
         """This process's token for the node id (a twin with the same id is refused)."""
         self.renewed_at_ms: int | None = None
         """Database time of this node's last successful renewal."""
+        self.streak_since_ms: int | None = None
+        """Database time its current run of successful renewals began (join, or the first
+        success after a failure)."""
         self.removed = False
         """The fleet removed this node: it runs nothing until an operator admits it."""
         self.holding: ControllerLease | None = None
@@ -254,8 +260,8 @@ class FleetAgent:
         self._unspecified: frozenset[str] = frozenset()
         self._events_pruned_at = 0
         self._renewing_since: float | None = None
-        self._unanswered_since: float | None = None
-        self._cut_off_at: float | None = None
+        self._failed_since: float | None = None
+        self._failed_start: float | None = None
         self._judging = False
         self._changed = anyio.Event()
         self._reported: dict[str, dict[str, Any]] = {}
@@ -281,6 +287,7 @@ class FleetAgent:
         return {
             "node_id": self.identity.id,
             "renewed_at_ms": self.renewed_at_ms,
+            "streak_since_ms": self.streak_since_ms,
             "renewed_recently": self.renewed_recently(),
             "fenced": self.fenced,
         }
@@ -369,6 +376,8 @@ class FleetAgent:
         self._facts_sent = frozenset(facts)
         self.last_renewal = self.clock()
         self.renewed_at_ms = now
+        self.streak_since_ms = now
+        self._failed_since = None
         self.removed = False
         logger.info("joined the fleet as node %s (%s)", self.identity.id, worker.describe())
 
@@ -580,8 +589,6 @@ class FleetAgent:
         # The facts travel again only when the set of artifacts changed.
         changed = None if frozenset(facts) == self._facts_sent else facts
         self._renewing_since = self.clock()
-        if self._unanswered_since is None:
-            self._unanswered_since = self._renewing_since
         try:
             renewed = await anyio.to_thread.run_sync(
                 lambda: self.store.renew(
@@ -593,11 +600,11 @@ class FleetAgent:
                 )
             )
         except SbproxyError as exc:
-            if self._cut_off_at is None:
-                # The first failure since the last success: from now on the database is
-                # known not to answer this node (the fence question compares peers'
-                # renewals with this moment).
-                self._cut_off_at = self.clock()
+            # The database did not answer this renewal: the fence question asks whether a
+            # peer renewed across it (its start).
+            self._failed_start = self._renewing_since
+            if self._failed_since is None:
+                self._failed_since = self._renewing_since
             logger.warning("membership renewal failed: [%s] %s", exc.code, exc)
             return False
         finally:
@@ -611,9 +618,11 @@ class FleetAgent:
             self._facts_sent = frozenset(changed)
         self._reported = counts
         self.last_renewal = self.clock()
+        if self._failed_since is not None or self.streak_since_ms is None:
+            self.streak_since_ms = renewed.now_ms
         self.renewed_at_ms = renewed.now_ms
-        self._cut_off_at = None
-        self._unanswered_since = None
+        self._failed_since = None
+        self._failed_start = None
         self._unreached = 0
         if renewed.state == "lost" and not self.fenced:
             # Lost means over: the fleet gave up on this node and ended its placements; stop
@@ -662,17 +671,21 @@ class FleetAgent:
         now = self.clock()
         last = self.last_renewal if self.last_renewal is not None else now
         since_ms = int((now - last) * 1000)
-        # When this node knew it had lost the database: the end of its first failed renewal
-        # since the last success, or that renewal's start plus one round trip's deadline if
-        # it took longer (a renewal still blocked included: no call is trusted to end on
-        # time), never later than now.
-        cut_off = now
-        if self._cut_off_at is not None:
-            cut_off = min(cut_off, self._cut_off_at)
-        if self._unanswered_since is not None:
-            cut_off = min(cut_off, self._unanswered_since + self.store.statement_deadline_s)
+        # The renewals the database did not answer since the last success, first and latest
+        # (their starts, on this node's clock): one in flight counts once it has waited past
+        # one round trip's deadline (no call is trusted to end on time).
+        first, latest = self._failed_since, self._failed_start
+        started = self._renewing_since
+        if started is not None and now - started >= self.store.statement_deadline_s:
+            first = started if first is None else first
+            latest = started
+        if first is None or latest is None:
+            # None failed nor hangs: none was tried (the beat is stuck elsewhere); the one
+            # that was due is the one the database did not get.
+            first = latest = last + self.timing.heartbeat_ms / 1000
         own_ms = self.renewed_at_ms or 0
-        cut_off_at_ms = own_ms + int((cut_off - last) * 1000)
+        cut_off_at_ms = own_ms + int((first - last) * 1000)
+        failing_until_ms = own_ms + int((latest - last) * 1000)
         snapshot = self.snapshot
         peers = [
             (node.id, node.advertise_url or "")
@@ -693,6 +706,7 @@ class FleetAgent:
             peers_known=len(peers),
             answers=answers,
             unreached_before=self._unreached,
+            failing_until_ms=failing_until_ms,
         )
         if verdict is not self.verdict:
             logger.warning(

@@ -110,6 +110,7 @@ def judge_own_lease(
     peers_known: int,
     answers: Sequence[PeerAnswer],
     unreached_before: int,
+    failing_until_ms: int | None = None,
 ) -> tuple[FenceVerdict, int]:
     """:func:`~sbproxy.fleet.membership.fence_verdict`, with a minority-partition fence
     confirmed by a second ask.
@@ -118,7 +119,8 @@ def judge_own_lease(
         The verdict and the count of asks in a row that reached no peer (pass it back as
         ``unreached_before`` next time). A ``fence`` because no peer answered becomes
         ``hold`` until :data:`UNREACHED_ASKS_TO_FENCE` asks in a row reached none; a peer
-        that renewed after ``cut_off_at_ms`` fences at once.
+        that renewed while this node failed (from ``cut_off_at_ms`` to
+        ``failing_until_ms``) fences at once.
     """
     verdict = fence_verdict(
         since_own_renewal_ms=since_own_renewal_ms,
@@ -126,6 +128,7 @@ def judge_own_lease(
         timing=timing,
         peers_known=peers_known,
         answers=answers,
+        failing_until_ms=failing_until_ms,
     )
     none_reached = bool(answers) and not any(answer.reached for answer in answers)
     unreached = unreached_before + 1 if none_reached else 0

@@ -370,11 +370,24 @@ class PeerAnswer:
             address now used by someone else) is not ``reached``.
         renewed_at_ms: The peer's own last successful renewal on database time (epoch ms),
             as it reports it; ``None`` when it never renewed or was not reached.
+        streak_since_ms: When the peer's current run of successful renewals began (its
+            first success after its last failure, or its join), database time; ``None``
+            when it does not say (then ``renewed_at_ms`` stands for it).
     """
 
     node_id: str
     reached: bool
     renewed_at_ms: int | None = None
+    streak_since_ms: int | None = None
+
+    def renewed_during(self, first_ms: int, last_ms: int) -> bool:
+        """Whether this peer's unbroken run of renewals overlaps this node's failing ones
+        (from ``first_ms`` to ``last_ms``, database time): the database answered it while it
+        did not answer this node."""
+        if not self.reached or self.renewed_at_ms is None:
+            return False
+        since = self.renewed_at_ms if self.streak_since_ms is None else self.streak_since_ms
+        return since <= last_ms and self.renewed_at_ms >= first_ms
 
 
 def fence_verdict(
@@ -384,21 +397,26 @@ def fence_verdict(
     timing: FleetTiming,
     peers_known: int,
     answers: Sequence[PeerAnswer],
+    failing_until_ms: int | None = None,
 ) -> FenceVerdict:
     """Decide whether this node must fence itself (ARCHITECTURE.md "Several hosts").
 
     The question is not whether a peer renewed *recently* -- in an outage for everyone the
     peers' last renewals are as old as this node's, and the first host to reach its deadline
     would always see fresh-looking peers and fence (issue 30, item 0) -- but whether a peer
-    renewed *after this node could no longer*: then the database answers others and this
-    node is the odd one out.
+    renewed, without a break, while this node's renewals were failing. Then the database
+    answered the peer and not this node, which is the odd one out. A peer whose renewals
+    began again only after this node's last failure was down too (the end of an outage for
+    everyone: this node's next renewal will succeed).
 
     Args:
         since_own_renewal_ms: Milliseconds since this node's last successful renewal, on
             its own monotonic clock (it may not be able to read database time).
-        cut_off_at_ms: Database time (epoch ms) by which this node had lost the database:
-            its last successful renewal's database time plus the time until its first
-            failed renewal ended.
+        cut_off_at_ms: Database time of this node's first failed renewal since its last
+            success (its start; a renewal still blocked past one round trip's deadline
+            counts as failed).
+        failing_until_ms: Database time of its latest failed renewal's start (default
+            ``cut_off_at_ms``).
         timing: The fleet's timing.
         peers_known: Other members that were alive (renewed within ``lost_after_ms``) at
             this node's last successful renewal, not ``left`` (issue 30, item 19: a member
@@ -408,15 +426,16 @@ def fence_verdict(
 
     Returns:
         ``serve`` while ``since_own_renewal_ms < fence_after_ms``. Past it: ``fence`` when
-        a reached peer renewed after ``cut_off_at_ms`` (this node is the odd one out), or
-        when peers are known but none was reached (a minority partition); ``hold`` when
-        there are no other live members, or every reached peer's last renewal is no later
-        than this node's loss (the database is down for all).
+        a reached peer renewed while this node failed (:meth:`PeerAnswer.renewed_during`),
+        or when peers are known but none was reached (a minority partition); ``hold`` when
+        there are no other live members, or no reached peer renewed across this node's
+        failure (the database is, or was, down for all).
     """
     if since_own_renewal_ms < timing.fence_after_ms:
         return FenceVerdict.SERVE
     reached = [answer for answer in answers if answer.reached]
-    if any((answer.renewed_at_ms or 0) > cut_off_at_ms for answer in reached):
+    last = cut_off_at_ms if failing_until_ms is None else failing_until_ms
+    if any(answer.renewed_during(cut_off_at_ms, last) for answer in reached):
         return FenceVerdict.FENCE
     if peers_known > 0 and not reached:
         return FenceVerdict.FENCE

@@ -182,7 +182,8 @@ def test_a_two_replica_deployment_lands_on_two_nodes_and_each_serves(
         refused = httpx.get(lease_url, headers={"Authorization": f"Bearer {PASSWORD}"})
         assert (refused.status_code, refused.json()["code"]) == (401, "peer_unauthorized")
         lease = httpx.get(lease_url, headers={"Authorization": f"Bearer {CREDENTIAL}"}).json()
-        renewed_at = lease.pop("renewed_at_ms")
+        renewed_at, since = lease.pop("renewed_at_ms"), lease.pop("streak_since_ms")
+        assert isinstance(since, int) and since <= renewed_at  # its unbroken run of renewals
         assert lease == {"node_id": empty.node, "renewed_recently": True, "fenced": False}
         # Its last renewal on database time: what a peer cut off compares with its own loss.
         assert isinstance(renewed_at, int) and renewed_at > 0

@@ -222,8 +222,8 @@ def test_two_replicas_on_one_node_run_under_their_own_ids_on_their_own_devices()
 UNREACHED = PeerAnswer(node_id="b", reached=False)
 # This node lost the database at database time 10_000 (its cut-off).
 CUT_OFF_MS = 10_000
-FRESH = PeerAnswer(node_id="b", reached=True, renewed_at_ms=CUT_OFF_MS + 1)
-STUCK = PeerAnswer(node_id="b", reached=True, renewed_at_ms=CUT_OFF_MS - 50)
+FRESH = PeerAnswer(node_id="b", reached=True, renewed_at_ms=CUT_OFF_MS + 1, streak_since_ms=1)
+STUCK = PeerAnswer(node_id="b", reached=True, renewed_at_ms=CUT_OFF_MS - 50, streak_since_ms=1)
 
 
 @pytest.mark.parametrize(

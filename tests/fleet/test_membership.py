@@ -210,8 +210,13 @@ def test_timing_refuses_a_placement_timeout_not_past_lost_after() -> None:
 
 # This node lost the database at database time 50_000 (its cut-off).
 CUT_OFF_MS = 50_000
-REACHED_RENEWING = PeerAnswer(node_id="b", reached=True, renewed_at_ms=CUT_OFF_MS + 200)
-REACHED_STUCK = PeerAnswer(node_id="c", reached=True, renewed_at_ms=CUT_OFF_MS - 100)
+# Renewing all along, since before this node's failures began.
+REACHED_RENEWING = PeerAnswer(
+    node_id="b", reached=True, renewed_at_ms=CUT_OFF_MS + 200, streak_since_ms=1_000
+)
+REACHED_STUCK = PeerAnswer(
+    node_id="c", reached=True, renewed_at_ms=CUT_OFF_MS - 100, streak_since_ms=1_000
+)
 UNREACHED = PeerAnswer(node_id="d", reached=False)
 
 
@@ -266,6 +271,45 @@ def test_an_outage_for_everyone_fences_nobody_whoever_reaches_its_deadline_first
             answers=answers,
         )
         assert verdict is FenceVerdict.HOLD, node
+
+
+def test_the_end_of_an_outage_for_everyone_fences_nobody() -> None:
+    """The database comes back for everyone at 20_000: a peer renews at 20_050, a moment
+    before this node (its last failed renewal began at 19_900) asks. The peer's renewals
+    began again after this node's failures: it was down too -- hold, and this node's next
+    renewal succeeds. A peer that renewed all along while this node failed fences it."""
+    back = PeerAnswer(node_id="b", reached=True, renewed_at_ms=20_050, streak_since_ms=20_050)
+    verdict = fence_verdict(
+        since_own_renewal_ms=TIMING.fence_after_ms,
+        cut_off_at_ms=15_000,
+        failing_until_ms=19_900,
+        timing=TIMING,
+        peers_known=1,
+        answers=[back],
+    )
+    assert verdict is FenceVerdict.HOLD
+    along = PeerAnswer(node_id="b", reached=True, renewed_at_ms=20_050, streak_since_ms=14_000)
+    verdict = fence_verdict(
+        since_own_renewal_ms=TIMING.fence_after_ms,
+        cut_off_at_ms=15_000,
+        failing_until_ms=19_900,
+        timing=TIMING,
+        peers_known=1,
+        answers=[along],
+    )
+    assert verdict is FenceVerdict.FENCE
+    # A peer whose renewal broke once (a blip) after this node's failures began, and that
+    # renews again while this node still fails, fences it too.
+    blip = PeerAnswer(node_id="b", reached=True, renewed_at_ms=20_050, streak_since_ms=17_000)
+    verdict = fence_verdict(
+        since_own_renewal_ms=TIMING.fence_after_ms,
+        cut_off_at_ms=15_000,
+        failing_until_ms=19_900,
+        timing=TIMING,
+        peers_known=1,
+        answers=[blip],
+    )
+    assert verdict is FenceVerdict.FENCE
 
 
 def test_the_fence_bound_is_derived_and_a_timing_that_cannot_meet_it_is_refused() -> None:
