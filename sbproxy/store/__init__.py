@@ -30,7 +30,6 @@ from sbproxy.store.lifecycle import (
     StepStatus,
 )
 from sbproxy.store.location import ENV_JOURNAL_URL, journal_display, journal_location
-from sbproxy.store.node import journal_node_id
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
 from sbproxy.store.readonly import JournalReader, ReaderDeclined
 from sbproxy.store.records import (
@@ -54,6 +53,7 @@ _LAZY = {
         "journal_fault",
     ),
     "sbproxy.store.journal": ("JobJournal", "open_journal"),
+    "sbproxy.store.node": ("journal_node_id",),
     "sbproxy.store.jobs": (
         "RECOVERY_EXHAUSTED",
         "JobStore",
@@ -80,6 +80,7 @@ if TYPE_CHECKING:
         SubmitOutcome,
     )
     from sbproxy.store.journal import JobJournal, open_journal
+    from sbproxy.store.node import journal_node_id
     from sbproxy.store.runtime import CommittedRevision, RuntimeStore
     from sbproxy.store.usage import HOUR_MS, UsageDelta, UsageStore, UsageTotals
 else:
