@@ -247,9 +247,12 @@ def test_a_sigkilled_replica_host_is_re_placed_once_and_the_other_replica_keeps_
         stop_all(hosts)
 
 
+@pytest.mark.parametrize("fault", ["refused", "blackholed"])
 def test_a_host_cut_off_from_the_database_fences_itself_before_it_is_re_placed(
-    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror, fault: str
 ) -> None:
+    """A refused link (connections closed) and a blackholed one (every byte dropped, as a
+    dead route: issue 30, item 1) both fence the host before lost_after_ms."""
     url = postgres_server.create_database()
     with TcpRelay(postgres_server.port) as relay:
         cut_url = url.replace(f":{postgres_server.port}/", f":{relay.port}/")
@@ -262,10 +265,14 @@ def test_a_host_cut_off_from_the_database_fences_itself_before_it_is_re_placed(
             apply(b, {"tiny": TINY})
             poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
             (engine,) = a.engines()
-            relay.cut()
+            if fault == "refused":
+                relay.cut()
+            else:
+                relay.blackhole()
             cut_at = time.monotonic()
             poll(lambda: not engine.is_running(), timeout_s=30, what="node-a fenced")
             fenced_s = time.monotonic() - cut_at
+            assert fenced_s < LOST_AFTER_MS / 1000, fenced_s
             # Fenced before the fleet gave up on it and started the replica elsewhere.
             assert "node-b" not in ready_nodes(b, "tiny")
             poll(lambda: ready_nodes(b, "tiny") == ["node-b"], timeout_s=60, what="re-placed")
@@ -282,7 +289,7 @@ def test_a_host_cut_off_from_the_database_fences_itself_before_it_is_re_placed(
                 what="node-a rejoined",
             )
             assert nodes["node-b"] == "ready"
-            print(f"cut -> fenced: {fenced_s:.2f} s")
+            print(f"journal link {fault} -> fenced: {fenced_s:.2f} s")
         finally:
             relay.heal()
             stop_all(hosts)
