@@ -18,7 +18,6 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from sbproxy.config import load_config
 from sbproxy.fleet.agent import ask_peers_http
 from sbproxy.model_host.runtime.reload import listener_changes
 from tests.api.cluster_hosts import CREDENTIAL, FleetHost, ready_nodes
-from tests.api.pg_hosts import FILE, PASSWORD, REPO, REVISION, catalog, poll, tiny_gguf
+from tests.api.pg_hosts import PASSWORD, poll
 from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer
 
@@ -42,15 +41,6 @@ TINY = {"model": "tiny", "variant": "q4_k_m"}
 # Long enough that a host stopped for a few seconds does not fence itself meanwhile.
 CALM = {"heartbeat_ms": 500, "fence_after_ms": 30_000, "lost_after_ms": 60_000}
 ROTATED = "rotated-fleet-credential-0123456789"
-
-
-@pytest.fixture
-def mirror(tmp_path: Path) -> Iterator[HfMirror]:
-    pulled, imported = tiny_gguf(tmp_path / "src", vocab=50), tiny_gguf(tmp_path / "imp", vocab=60)
-    catalog(tmp_path / "catalog.yaml", pulled, imported)
-    with HfMirror() as served:
-        served.add_file(REPO, REVISION, FILE, pulled)
-        yield served
 
 
 def apply_args(host: FleetHost, path: Path, *extra: str) -> list[str]:

@@ -18,14 +18,12 @@ import pytest
 
 from tests.api.cluster_hosts import FleetHost, placements
 from tests.api.pg_hosts import poll, query
-from tests.api.test_fleet_hosts import TINY, apply, cli, mirror, start_all, stop_all
+from tests.api.test_fleet_hosts import TINY, apply, cli, start_all, stop_all
 from tests.model_host.engines.support import fake_llama_server
 from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-__all__ = ["mirror"]  # the fixture, used by name
 
 
 def slow_chat(host: FleetHost) -> int:

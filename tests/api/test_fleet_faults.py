@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +25,12 @@ from tests.api.cluster_hosts import (
     placements,
     ready_nodes,
 )
-from tests.api.pg_hosts import FILE, REPO, REVISION, catalog, poll, query, tiny_gguf
+from tests.api.pg_hosts import poll, query
 from tests.api.test_fleet_hosts import TINY, apply, cli, start_all, stop_all
 from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer, postgres_bin_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-@pytest.fixture
-def mirror(tmp_path: Path) -> Iterator[HfMirror]:
-    pulled, imported = tiny_gguf(tmp_path / "src", vocab=50), tiny_gguf(tmp_path / "imp", vocab=60)
-    catalog(tmp_path / "catalog.yaml", pulled, imported)
-    with HfMirror() as served:
-        served.add_file(REPO, REVISION, FILE, pulled)
-        yield served
 
 
 def _runtime(host: FleetHost) -> dict[str, Any]:

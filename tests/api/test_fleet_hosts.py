@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from tests.api.cluster_hosts import (
     placements,
     ready_nodes,
 )
-from tests.api.pg_hosts import FILE, PASSWORD, REPO, REVISION, catalog, poll, query, tiny_gguf
+from tests.api.pg_hosts import PASSWORD, poll, query
 from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer, postgres_bin_dir
 from tests.support.tcp_relay import TcpRelay
@@ -39,15 +38,6 @@ from tests.support.tcp_relay import TcpRelay
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 TINY = {"model": "tiny", "variant": "q4_k_m"}
-
-
-@pytest.fixture
-def mirror(tmp_path: Path) -> Iterator[HfMirror]:
-    pulled, imported = tiny_gguf(tmp_path / "src", vocab=50), tiny_gguf(tmp_path / "imp", vocab=60)
-    catalog(tmp_path / "catalog.yaml", pulled, imported)
-    with HfMirror() as served:
-        served.add_file(REPO, REVISION, FILE, pulled)
-        yield served
 
 
 def cli(host: FleetHost, *args: str) -> subprocess.CompletedProcess[str]:

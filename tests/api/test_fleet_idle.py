@@ -17,11 +17,9 @@ import pytest
 
 from tests.api.cluster_hosts import FleetHost, placements, ready_nodes
 from tests.api.pg_hosts import poll
-from tests.api.test_fleet_hosts import TINY, apply, cli, mirror, start_all, stop_all
+from tests.api.test_fleet_hosts import TINY, apply, cli, start_all, stop_all
 from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer
-
-__all__ = ["mirror"]  # the fixture, used by name
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

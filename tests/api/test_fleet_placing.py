@@ -20,14 +20,12 @@ import yaml
 
 from tests.api.cluster_hosts import FleetHost, placements, ready_nodes
 from tests.api.pg_hosts import REPO, REVISION, poll, query, tiny_gguf
-from tests.api.test_fleet_hosts import TINY, apply, cli, mirror, start_all, stop_all
+from tests.api.test_fleet_hosts import TINY, apply, cli, start_all, stop_all
 from tests.model_host.engines.support import FAKE_SERVER, fake_llama_server
 from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-__all__ = ["mirror"]  # the fixture, used by name
 
 
 def with_engine_mode(host: FleetHost, mode: str) -> FleetHost:
