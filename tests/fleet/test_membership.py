@@ -273,43 +273,37 @@ def test_an_outage_for_everyone_fences_nobody_whoever_reaches_its_deadline_first
         assert verdict is FenceVerdict.HOLD, node
 
 
-def test_the_end_of_an_outage_for_everyone_fences_nobody() -> None:
-    """The database comes back for everyone at 20_000: a peer renews at 20_050, a moment
-    before this node (its last failed renewal began at 19_900) asks. The peer's renewals
-    began again after this node's failures: it was down too -- hold, and this node's next
-    renewal succeeds. A peer that renewed all along while this node failed fences it."""
-    back = PeerAnswer(node_id="b", reached=True, renewed_at_ms=20_050, streak_since_ms=20_050)
-    verdict = fence_verdict(
+@pytest.mark.parametrize(
+    ("streak_since_ms", "verdict"),
+    [
+        # The database came back for everyone at 20_000: the peer's renewals began again
+        # after this node's last failure (19_900) -- it was down too. Hold; this node's next
+        # renewal succeeds.
+        (20_050, FenceVerdict.HOLD),
+        # The peer renewed all along while this node failed: this node is the odd one out.
+        (14_000, FenceVerdict.FENCE),
+        # The peer's renewals broke once (a blip) after this node's failures began and go
+        # on while this node still fails: fence too.
+        (17_000, FenceVerdict.FENCE),
+    ],
+)
+def test_the_end_of_an_outage_for_everyone_fences_nobody(
+    streak_since_ms: int, verdict: FenceVerdict
+) -> None:
+    """This node's renewals failed from 15_000 to 19_900 (database time); the peer's last
+    renewal was at 20_050, a moment before this node asks."""
+    peer = PeerAnswer(
+        node_id="b", reached=True, renewed_at_ms=20_050, streak_since_ms=streak_since_ms
+    )
+    got = fence_verdict(
         since_own_renewal_ms=TIMING.fence_after_ms,
         cut_off_at_ms=15_000,
         failing_until_ms=19_900,
         timing=TIMING,
         peers_known=1,
-        answers=[back],
+        answers=[peer],
     )
-    assert verdict is FenceVerdict.HOLD
-    along = PeerAnswer(node_id="b", reached=True, renewed_at_ms=20_050, streak_since_ms=14_000)
-    verdict = fence_verdict(
-        since_own_renewal_ms=TIMING.fence_after_ms,
-        cut_off_at_ms=15_000,
-        failing_until_ms=19_900,
-        timing=TIMING,
-        peers_known=1,
-        answers=[along],
-    )
-    assert verdict is FenceVerdict.FENCE
-    # A peer whose renewal broke once (a blip) after this node's failures began, and that
-    # renews again while this node still fails, fences it too.
-    blip = PeerAnswer(node_id="b", reached=True, renewed_at_ms=20_050, streak_since_ms=17_000)
-    verdict = fence_verdict(
-        since_own_renewal_ms=TIMING.fence_after_ms,
-        cut_off_at_ms=15_000,
-        failing_until_ms=19_900,
-        timing=TIMING,
-        peers_known=1,
-        answers=[blip],
-    )
-    assert verdict is FenceVerdict.FENCE
+    assert got is verdict
 
 
 def test_the_fence_bound_is_derived_and_a_timing_that_cannot_meet_it_is_refused() -> None:
