@@ -262,6 +262,7 @@ class FleetAgent:
         self._renewing_since: float | None = None
         self._failed_since: float | None = None
         self._failed_start: float | None = None
+        self._lost_seen = False
         self._judging = False
         self._changed = anyio.Event()
         self._reported: dict[str, dict[str, Any]] = {}
@@ -624,13 +625,16 @@ class FleetAgent:
         self._failed_since = None
         self._failed_start = None
         self._unreached = 0
-        if renewed.state == "lost" and not self.fenced:
+        lost = renewed.state == "lost"
+        if lost and not self._lost_seen and not self.fenced:
             # Lost means over: the fleet gave up on this node and ended its placements; stop
-            # every engine it held before anything runs here again.
+            # every engine it held before anything runs here again (once: until the
+            # controller records it back, its new placements run).
             logger.warning(
                 "node %s was declared lost: stopping every engine it held", self.identity.id
             )
             self.fence()
+        self._lost_seen = lost
         if self.fenced:
             logger.warning("node %s renewed again after fencing: rejoining", self.identity.id)
             self.fenced = False

@@ -395,6 +395,7 @@ class Nemesis:
         # Fault state the checker reads (under _lock).
         self._down: dict[str, str] = {}  # node -> "kill" | "pause" | "pause_long"
         self._disturbed: dict[str, float] = {}  # node -> last time it was down
+        self._paused_from: dict[str, str | None] = {}  # node -> its state when paused
         self._cut_since: dict[str, float] = {}  # node -> when its journal link went bad
         self._cut_flagged: set[str] = set()
         # Hosts that kept an engine past the fence bound of a cut, until seen with none:
@@ -581,6 +582,8 @@ class Nemesis:
             host = self._host(node)
             assert host.process is not None
             with self._lock:
+                # A host paused while it boots is still booting once resumed.
+                self._paused_from[host.node] = self._down.get(host.node)
                 self._down[host.node] = kind
             host.process.send_signal(signal.SIGSTOP)
         elif kind in ("journal_blackhole", "journal_refuse"):
@@ -623,7 +626,10 @@ class Nemesis:
             host.process.send_signal(signal.SIGCONT)
             with self._lock:
                 self._disturbed[host.node] = time.monotonic()
-                self._down.pop(host.node, None)
+                if self._paused_from.pop(host.node, None) == "starting":
+                    self._down[host.node] = "starting"  # _started clears it once it listens
+                else:
+                    self._down.pop(host.node, None)
         elif kind in ("journal_blackhole", "journal_refuse"):
             self.journal[str(node)].heal()
             with self._lock:
