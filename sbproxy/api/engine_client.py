@@ -96,4 +96,9 @@ async def post(
             "engine at %s closed the connection under a request; sending it again",
             url.authority,
         )
-    return await session.post(url, data=body, headers=headers)
+    try:
+        return await session.post(url, data=body, headers=headers)
+    except NOT_SENT as exc:
+        # The first send may have reached the engine: this failure is not one that
+        # provably sent nothing.
+        raise aiohttp.ServerDisconnectedError(f"resend failed: {exc}") from exc

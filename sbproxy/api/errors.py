@@ -39,6 +39,8 @@ from litestar.types import ExceptionHandlersMap
 from sbproxy.errors import JsonScalar, SbproxyError
 
 __all__ = [
+    "ENGINE_REACHED",
+    "ENGINE_REACHED_HEADER",
     "ApiError",
     "BodyTooLarge",
     "CrossSiteRequest",
@@ -183,6 +185,24 @@ def status_for(error: SbproxyError) -> int:
     return _STATUS.get(error.code, 502)
 
 
+ENGINE_REACHED: Final = "engine_reached"
+"""Detail of an ``upstream_unavailable`` error: whether the request may have reached the
+engine. ``False`` (nothing was sent: the engine's port refused the connection) is answered
+with ``X-Sbproxy-Engine-Reached: no``, so that a calling host may send the request to another
+replica without running the generation twice (issue 30, item 25)."""
+ENGINE_REACHED_HEADER: Final = "X-Sbproxy-Engine-Reached"
+
+
+def _hints(error: SbproxyError) -> dict[str, str]:
+    """The headers an error answer carries besides its body: ``Retry-After`` for a
+    retryable one; ``X-Sbproxy-Engine-Reached: no`` for an engine failure that sent
+    nothing."""
+    hints = _retry_after(error)
+    if error.details.get(ENGINE_REACHED) is False:
+        hints[ENGINE_REACHED_HEADER] = "no"
+    return hints
+
+
 def _retry_after(error: SbproxyError) -> dict[str, str]:
     if not error.retryable:
         return {}
@@ -255,7 +275,7 @@ def _gateway_sbproxy(_: Request[Any, Any, Any], exc: SbproxyError) -> Response[o
         message=exc.message,
         code=exc.code,
         retryable=exc.retryable,
-        headers=_retry_after(exc),
+        headers=_hints(exc),
     )
 
 
@@ -321,7 +341,7 @@ def _admin_sbproxy(_: Request[Any, Any, Any], exc: SbproxyError) -> Response[obj
         code=exc.code,
         message=exc.message,
         details=exc.details,
-        headers={**_retry_after(exc), **_challenge(status)},
+        headers={**_hints(exc), **_challenge(status)},
     )
 
 
@@ -379,7 +399,7 @@ def error_payload(
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
     ]
-    headers += [(k.lower().encode(), v.encode()) for k, v in _retry_after(error).items()]
+    headers += [(k.lower().encode(), v.encode()) for k, v in _hints(error).items()]
     return status_for(error), body, headers
 
 

@@ -84,6 +84,7 @@ from sbproxy.api.access import (
 from sbproxy.api.activity import Activity
 from sbproxy.api.bodies import ChatNotSupported, Head, check_body, decode_head, with_fields
 from sbproxy.api.errors import (
+    ENGINE_REACHED,
     InvalidBody,
     UnknownModel,
     UnknownOrigin,
@@ -143,12 +144,19 @@ _PEER_OUTCOMES: Final = {
 }
 # What a local replica may refuse before any byte reached the client and a peer replica can
 # take instead (spill-over, Gateway.forward_to_peer).
-_SPILLABLE: Final = (AdmissionRejected, UpstreamUnavailable)
 # An answer a peer host served (sbproxy/api/peers.py), the node that served it, and the code
 # of this host's own refusal when the request spilled over.
 _PEER_CLASS: Final = (b"x-sbproxy-route-class", b"peer")
 _PEER_NODE: Final = b"x-sbproxy-peer-node"
 _SPILLED: Final = b"x-sbproxy-spilled"
+
+
+def _spillable(exc: SbproxyError) -> bool:
+    """Whether a local refusal may go to a peer instead: any admission refusal, and an
+    engine failure that provably never reached the engine (the peer would run it again)."""
+    if isinstance(exc, AdmissionRejected):
+        return True
+    return isinstance(exc, UpstreamUnavailable) and exc.details.get(ENGINE_REACHED) is False
 
 
 def _request_headers(scope: Scope) -> tuple[str | None, str | None, bytes | None]:
@@ -547,7 +555,7 @@ class Gateway:
                 request, here, caller=caller, path=path, body=sent, streamed=head.stream
             )
         except SbproxyError as exc:  # a refusal, an engine timeout, an unreachable engine
-            if fleet is not None and hop is None and isinstance(exc, _SPILLABLE):
+            if fleet is not None and hop is None and _spillable(exc):
                 return await self.forward_to_peer(
                     request, route, fleet, caller=caller, host=host, path=path, head=head,
                     body=body, span=span, note=note, spilled=exc,
@@ -818,9 +826,13 @@ class Gateway:
                     data = await response.read()
         except aiohttp.ClientError as exc:
             _end(upstream, response, timed_out=False)
+            # Whether the request may have reached the engine: only a failure that opened
+            # no connection provably did not (a peer's caller, or spill-over, may then send
+            # it elsewhere without running it twice; issue 30, item 25).
+            reached = not isinstance(exc, engine_client.NOT_SENT)
             raise UpstreamUnavailable(
                 f"the engine of {route.deployment} did not answer: {type(exc).__name__}",
-                details={"deployment": route.deployment},
+                details={"deployment": route.deployment, ENGINE_REACHED: reached},
             ) from None
         except BaseException:
             _end(upstream, response, timed_out=False)

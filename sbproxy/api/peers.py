@@ -38,8 +38,10 @@ before the first byte"):
   clock, before membership notices), the next replica tried;
 * the peer refused the fleet credential (401/403): out of rotation, the next replica tried;
   both sides log a warning naming the other node;
-* the peer answered 429/502/503 (its queue is full, its replica cannot serve now): the next
-  replica tried, when one is left;
+* the peer answered 429 or 503 (its queue is full, its replica cannot serve now), or 502
+  with ``X-Sbproxy-Engine-Reached: no`` (its engine's port refused the connection: nothing
+  ran): the next replica tried, when one is left; any other 502 (its engine may have run
+  the request) is the client's answer;
 * the connection failed after the request was sent (closed or reset before the answer's
   headers, a plain answer's body broken off): out of rotation, 502 ``upstream_unavailable``
   to the client, no other peer asked;
@@ -101,7 +103,7 @@ from opentelemetry import propagate, trace
 from yarl import URL
 
 from sbproxy.api import engine_client
-from sbproxy.api.errors import ApiError
+from sbproxy.api.errors import ENGINE_REACHED_HEADER, ApiError
 from sbproxy.api.keys import Caller
 from sbproxy.api.relay import UpstreamUnavailable
 from sbproxy.api.supervision import ExchangeBound, Limit, engine_timeout
@@ -130,9 +132,9 @@ PEER_PRIORITY: Final = "X-Sbproxy-Peer-Priority"
 _HOP: Final = PEER_HOP.lower().encode()
 _PRIORITY: Final = PEER_PRIORITY.lower().encode()
 # Peer answers that leave the client untouched and are worth another replica: 429 is a full
-# queue there (a hop is checked against no key, budget or rate), 502/503 a replica that
-# cannot serve now.
-_REFUSALS: Final = frozenset({429, 502, 503})
+# queue there (a hop is checked against no key, budget or rate), 503 a replica that cannot
+# serve now; a 502 only when it says its engine was not reached (``_refused``).
+_REFUSALS: Final = frozenset({429, 503})
 # A peer that refuses this host's fleet credential (its 401 peer_unauthorized; 403 from
 # anything in front of it) refused before any engine saw the request: the next replica is
 # tried, and the client never sees the fleet's own credential problem.
@@ -747,7 +749,15 @@ def _unauthorized(answer: PeerAnswer) -> bool:
 
 
 def _refused(answer: PeerAnswer) -> bool:
-    return answer.data is not None and answer.response.status in _REFUSALS
+    """A peer's answer that is worth another replica: 429 or 503 (refused before its
+    engine), or a 502 that says its engine was not reached (issue 30, item 25); any other
+    502 may have run the generation there, and is the client's answer."""
+    if answer.data is None:
+        return False
+    status = answer.response.status
+    if status == 502:
+        return answer.response.headers.get(ENGINE_REACHED_HEADER, "").lower() == "no"
+    return status in _REFUSALS
 
 
 def _first_limit(ticket: PeerTicket, *, streamed: bool) -> tuple[Limit, float]:

@@ -146,3 +146,28 @@ async def test_a_hop_whose_answer_broke_off_is_not_sent_to_another_peer(
         assert len(cutting.requests()) == 1
         assert served_by(fleet) == {"a": 0, "c": 0}
         assert a.dispatch.tries == {("tiny", "x", "lost"): 1}
+
+
+@pytest.mark.parametrize("reached", [True, False])
+async def test_a_peer_s_502_is_retried_elsewhere_only_when_its_engine_was_not_reached(
+    tmp_path: Path, reached: bool
+) -> None:
+    """Issue 30, item 25: a peer's 502 whose engine may have run the request is the client's
+    answer (a second peer would run it again); one that says its engine was not reached
+    (``X-Sbproxy-Engine-Reached: no``) is retried on the next replica."""
+    mode = f"peer_502={'reached' if reached else 'unreached'}"
+    async with (
+        stand_in_peer(tmp_path / "x", mode=mode) as failing,
+        fleet_of(tmp_path, hosting=("c",), names=("a", "c")) as fleet,
+    ):
+        a = fleet["a"]
+        fleet.route("a", [failing.replica("x"), fleet.replica("c", active=3)])
+        answer = await post(a.host.gateway_url, CHAT)
+        assert len(failing.requests()) == 1
+        if reached:
+            assert answer.status_code == 502, answer.text
+            assert answer.json()["error"]["code"] == "upstream_unavailable"
+            assert served_by(fleet) == {"a": 0, "c": 0}  # not run a second time
+        else:
+            assert answer.status_code == 200, answer.text
+            assert served_by(fleet) == {"a": 0, "c": 1}

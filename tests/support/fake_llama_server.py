@@ -34,6 +34,9 @@ that closes is noticed at once and logged as ``closed``):
 * ``drop_completions`` -- ``/health`` answers 200, but each chat completion and completion
   has its connection closed at once, before any status line (an engine that fails a request
   before answering it);
+* ``peer_502=reached|unreached`` -- each completion is answered 502 ``upstream_unavailable``
+  as a peer host's gateway answers when its engine failed, with ``X-Sbproxy-Engine-Reached:
+  no`` for ``unreached`` (its engine's port refused the connection: nothing ran);
 * ``cut_completions`` -- a plain (non-streamed) completion gets its status line and headers
   (``Content-Length`` of the whole answer), half its body, and then its connection closed
   (a server that fails while its answer is being read).
@@ -116,6 +119,7 @@ class _State:
         self.hang_completions = False
         self.drop_completions = False
         self.cut_completions = False
+        self.peer_502: bool | None = None
         self.requests_log: str | None = None
         self.log_lock = threading.Lock()
         self.reply_delay_s = 0.0
@@ -142,11 +146,20 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         sys.stderr.write("fake-llama: " + (format % args) + "\n")
 
-    def _json(self, status: int, body: dict[str, Any], *, cut: bool = False) -> None:
+    def _json(
+        self,
+        status: int,
+        body: dict[str, Any],
+        *,
+        cut: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data[: len(data) // 2] if cut else data)
 
@@ -233,6 +246,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if self.state.drop_completions:
             self.close_connection = True
+            return
+        if self.state.peer_502 is not None:
+            # As a peer host's gateway answers when its engine failed: reached or not.
+            error = {"message": "the engine did not answer", "code": "upstream_unavailable"}
+            extra = {} if self.state.peer_502 else {"X-Sbproxy-Engine-Reached": "no"}
+            self._json(502, {"error": error}, headers=extra)
             return
         chat = self.path == "/v1/chat/completions"
         words = ["fake", " reply", " from", " the", " stand-in"]
@@ -374,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     state.hang_completions = "hang_completions" in modes
     state.drop_completions = "drop_completions" in modes
     state.cut_completions = "cut_completions" in modes
+    if "peer_502" in modes:
+        state.peer_502 = modes["peer_502"] == "reached"
     state.requests_log = modes.get("requests_log") or None
     state.reply_delay_s = float(modes.get("reply_delay_s") or 0)
     state.first_token_delay_s = float(modes.get("first_token_delay_s") or 0)
