@@ -786,7 +786,11 @@ class FleetAgent:
                 self.node_transitions[
                     (change.transition.from_state.value, change.transition.to_state.value)
                 ] += 1
-                logger.warning("node %s: %s", change.node, change.transition.to_dict())
+                # A node back to ready is routine; one going quiet or away is not.
+                level = (
+                    logging.INFO if change.transition.to_state.value == "ready" else logging.WARNING
+                )
+                logger.log(level, "node %s: %s", change.node, change.transition.to_dict())
         specs, definitions, frozen = self._specs(snapshot)
         current = {d: (s.revision, definition_digest(definitions[d])) for d, s in specs.items()}
         stuck = stuck_placements(
@@ -920,7 +924,7 @@ class FleetAgent:
                     self.replacements += 1
                     if decision.cause != "node_gone":
                         self.stuck_replacements[decision.cause] += 1
-                logger.warning(
+                logger.info(
                     "placed %s replica %d on %s (placement %s, job %s, variant %s, %s "
                     "bytes from %s%s)",
                     decision.deployment,
