@@ -625,6 +625,9 @@ class FleetAgent:
         self._failed_since = None
         self._failed_start = None
         self._unreached = 0
+        if self.removed:  # an operator admitted it again while it ran
+            logger.info("node %s was admitted again", self.identity.id)
+            self.removed = False
         lost = renewed.state == "lost"
         if lost and not self._lost_seen and not self.fenced:
             # Lost means over: the fleet gave up on this node and ended its placements; stop
