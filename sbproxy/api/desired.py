@@ -473,10 +473,10 @@ async def _refuse_restart_changes(manager: RuntimeManager) -> None:
         ConfigError: ``invalid_config``.
         SbproxyError: ``restart_required`` naming the dotted paths.
     """
-    source = ModelHostService.serving(manager).served.source
-    if source is not None:
-        loaded = await anyio.to_thread.run_sync(load_config, source)
-        refuse_restart_changes(manager.compiled, loaded)
+    served = ModelHostService.serving(manager).served
+    if served.source is not None:
+        loaded = await anyio.to_thread.run_sync(load_config, served.source)
+        refuse_restart_changes(served, loaded)
 
 
 async def _fleet_put(

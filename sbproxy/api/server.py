@@ -436,7 +436,10 @@ def _first_error(group: BaseExceptionGroup[SbproxyError]) -> SbproxyError:
 def _peer_routes(host: ServedHost) -> list[HTTPRouteHandler]:
     """The fleet's peer route on a cluster host's gateway (:mod:`sbproxy.api.fleet`), with
     the credential the runtime serves now (a reload may rotate it)."""
-    return peer_handlers(host.fleet, lambda: fleet_credential(host.manager.compiled))
+    # One facade per read: a reload replaces the configuration it is taken from.
+    return peer_handlers(
+        host.fleet, lambda: fleet_credential(ModelHostService.serving(host.manager).served)
+    )
 
 
 async def _serve_host(

@@ -156,6 +156,8 @@ def open_agent(
         timing=FleetTiming.from_config(host.fleet),
         policy=PlacementPolicy.from_config(host.fleet),
         artifacts=lambda: sorted(meta.artifact_digest for meta in cache.published()),
-        ask_peers=ask_peers_http(lambda: fleet_credential(manager.compiled)),
+        ask_peers=ask_peers_http(
+            lambda: fleet_credential(ModelHostService.serving(manager).served)
+        ),
         artifact_facts=CachedFacts(cache),
     )

@@ -294,3 +294,40 @@ def test_a_loopback_advertise_url_is_refused_when_a_member_is_on_another_machine
     assert a.process.wait(timeout=60) == 2
     assert "invalid_advertise_url" in a.output
     assert "proxy.model_host.node.advertise_url" in a.output
+
+
+def test_a_running_node_removed_stops_its_engines_and_serves_again_once_admitted(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    """Items 8 and 26: a node removed while it runs stops its engine, renews nothing and
+    takes no controller lease; its replica is re-placed. Admitted again, it renews and is
+    ready (and takes new replicas); the moved replica stays where it went."""
+    url = postgres_server.create_database()
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
+    hosts = [a, b]
+    try:
+        start_all(hosts)
+        apply(b, {"tiny": TINY})
+        poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+        assert json.loads(cli(b, "nodes", "remove", "node-a").stdout)["job_id"]
+        poll(lambda: a.engines() == [], timeout_s=10, what="node-a stopped its engine")
+        poll(lambda: ready_nodes(b, "tiny") == ["node-b"], timeout_s=60, what="moved to b")
+        assert "sbproxy nodes admit node-a" in a.output
+        (renewed,) = query(url, "SELECT renewed_at_ms FROM fleet_nodes WHERE id = 'node-a'")
+        holder = b.fleet("controller")["controller"]["holder"]
+        assert holder == "node-b"
+        assert json.loads(cli(b, "nodes", "admit", "node-a").stdout)["job_id"]
+        poll(
+            lambda: (
+                {n["id"]: n["state"] for n in b.fleet("nodes")["nodes"]}.get("node-a") == "ready"
+            ),
+            timeout_s=30,
+            what="node-a ready again",
+        )
+        (again,) = query(url, "SELECT renewed_at_ms FROM fleet_nodes WHERE id = 'node-a'")
+        assert again[0] > renewed[0]
+        assert ready_nodes(b, "tiny") == ["node-b"]
+        assert a.chat().status_code == 200  # through its peer
+    finally:
+        stop_all(hosts)
