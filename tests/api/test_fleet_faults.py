@@ -10,6 +10,7 @@ printed."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -276,24 +277,36 @@ def test_a_loopback_advertise_url_is_refused_when_a_member_is_on_another_machine
     reach it, and its own fence ask would reach its own gateway."""
     url = postgres_server.create_database()
     remote = FleetStore(url)
-    try:
-        remote.join(
-            "remote-1",
-            advertise_url="http://10.20.30.40:8080",
-            labels={},
-            engines=["llama_cpp"],
-            devices=[],
-            artifacts=[],
-            instance="elsewhere",
-        )
-    finally:
-        remote.close()
+    remote.join(
+        "remote-1",
+        advertise_url="http://10.20.30.40:8080",
+        labels={},
+        engines=["llama_cpp"],
+        devices=[],
+        artifacts=[],
+        instance="elsewhere",
+    )
+    # The remote member stays live (it renews) however long the host takes to start.
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(HEARTBEAT_MS / 1000):
+            remote.renew("remote-1", replicas={}, instance="elsewhere")
+
+    renewer = threading.Thread(target=renew, daemon=True)
+    renewer.start()
     a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
-    a.start()
-    assert a.process is not None
-    assert a.process.wait(timeout=60) == 2
-    assert "invalid_advertise_url" in a.output
-    assert "proxy.model_host.node.advertise_url" in a.output
+    try:
+        a.start()
+        assert a.process is not None
+        assert a.process.wait(timeout=60) == 2
+        assert "invalid_advertise_url" in a.output
+        assert "proxy.model_host.node.advertise_url" in a.output
+    finally:
+        stop.set()
+        renewer.join(timeout=5)
+        remote.close()
+        a.stop()
 
 
 def test_a_running_node_removed_stops_its_engines_and_serves_again_once_admitted(
