@@ -263,7 +263,6 @@ class FleetAgent:
         self._failed_since: float | None = None
         self._failed_start: float | None = None
         self._lost_seen = False
-        self._judging = False
         self._changed = anyio.Event()
         self._reported: dict[str, dict[str, Any]] = {}
         self._loaded_at: dict[str, float] = {}
@@ -504,26 +503,16 @@ class FleetAgent:
                 # call: a beat blocked on a silent database is not a pause.
                 logger.warning("node %s was paused for %d ms", self.identity.id, away_ms)
                 self.fence()
-            try:
-                await self.check_lease()
-            except SbproxyError as exc:  # pragma: no cover - asks never raise; belt and braces
-                logger.warning("lease watch: [%s] %s", exc.code, exc)
+            await self.check_lease()
 
     async def check_lease(self) -> None:
         """One look at the lease: past ``fence_after_ms`` without a successful renewal, ask
-        the peers and fence or hold (:meth:`_judge_own_lease`); one ask at a time."""
-        if self.fenced or self.removed or self.last_renewal is None or self._judging:
+        the peers and fence or hold (:meth:`_judge_own_lease`). Only :meth:`watch_lease`
+        calls it, one look at a time; a successful renewal sets the verdict back."""
+        if self.fenced or self.removed or self.last_renewal is None:
             return
-        since_ms = (self.clock() - self.last_renewal) * 1000
-        if since_ms < self.timing.fence_after_ms:
-            if self.verdict is not FenceVerdict.SERVE and self._renewing_since is None:
-                self.verdict = FenceVerdict.SERVE
-            return
-        self._judging = True
-        try:
+        if (self.clock() - self.last_renewal) * 1000 >= self.timing.fence_after_ms:
             await self._judge_own_lease()
-        finally:
-            self._judging = False
 
     async def beat(self, group: anyio.abc.TaskGroup) -> None:
         """One heartbeat (module docstring)."""

@@ -32,6 +32,7 @@ from sbproxy.fleet.agent import ask_peers_http
 from sbproxy.model_host.runtime.reload import listener_changes
 from tests.api.cluster_hosts import CREDENTIAL, FleetHost, ready_nodes
 from tests.api.pg_hosts import PASSWORD, poll
+from tests.api.test_fleet_hosts import start_all
 from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer
 
@@ -67,19 +68,6 @@ def applied(host: FleetHost, path: Path) -> dict[str, Any]:
     return dict(json.loads(done.stdout))
 
 
-def start(*hosts: FleetHost, fault: str | None = None) -> None:
-    for host in hosts:
-        host.start(fault=fault if host is hosts[0] else None)
-
-    def joined() -> bool:
-        for host in hosts:
-            if not host.alive():
-                raise AssertionError(f"{host.node} exited: {host.output[-4000:]}")
-        return len(hosts[0].fleet("nodes").get("nodes", [])) == len(hosts)
-
-    poll(joined, timeout_s=90, what="every host joined")
-
-
 def desired_revision(host: FleetHost) -> int | None:
     found = host.admin_call("GET", "/admin/model-host/deployments").json()["revision"]
     return int(found) if found is not None else None
@@ -93,7 +81,7 @@ def test_two_applies_through_two_hosts_each_report_the_revision_they_committed(
     b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, timing=dict(CALM))
     try:
         # node-a stops itself (SIGSTOP) right after its compare-and-set wrote.
-        start(a, b, fault="apply.fleet_written@stop")
+        start_all([a, b], fault="apply.fleet_written@stop")
         a.write({"tiny": TINY})
         first = subprocess.Popen(
             [*apply_args(a, a.config, "--format", "json")],
@@ -147,7 +135,7 @@ def test_a_desired_state_document_applied_through_any_member_shows_the_fleet_cha
         document.write_text(yaml.safe_dump(b.document(deployments)))
 
     try:
-        start(a, b)
+        start_all([a, b])
         write({"tiny": TINY})
         first = applied(a, document)
         assert (first["revision"], first["job_id"], first["host_reloaded"]) == (1, None, False)
@@ -242,7 +230,7 @@ def test_a_rotated_credential_reaches_the_lease_route_and_a_timing_change_is_ref
         return answers[0].reached
 
     try:
-        start(host)
+        start_all([host])
         assert (lease(CREDENTIAL), lease(ROTATED)) == (200, 401)
         host.settings = {"fleet": {**CALM, "credential": ROTATED}}
         host.write({})

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,23 @@ from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer, postgres_bin_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@contextmanager
+def _replica_on_node_a(
+    tmp_path: Path, url: str, mirror: HfMirror
+) -> Iterator[tuple[FleetHost, FleetHost]]:
+    """node-a and node-b of one fleet, with the one replica of ``tiny`` ready on node-a;
+    both stopped after."""
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
+    try:
+        start_all([a, b])
+        apply(b, {"tiny": TINY})
+        poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+        yield a, b
+    finally:
+        stop_all([a, b])
 
 
 def _runtime(host: FleetHost) -> dict[str, Any]:
@@ -87,13 +106,7 @@ def test_a_paused_host_declared_lost_gets_nothing_back_over_its_replacement(
     before the replacement is ready. It gets no placement back, runs no engine, and the
     replacement is never stopped as a 'duplicate'."""
     url = postgres_server.create_database()
-    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
-    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
-    hosts = [a, b]
-    try:
-        start_all(hosts)
-        apply(b, {"tiny": TINY})
-        poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+    with _replica_on_node_a(tmp_path, url, mirror) as (a, b):
         (old,) = [p["id"] for p in placements(b)]
         a.pause()
         paused = time.monotonic()
@@ -120,8 +133,6 @@ def test_a_paused_host_declared_lost_gets_nothing_back_over_its_replacement(
         assert not [r for r in stops if "duplicate" in str(r[0])], stops
         assert len(b.engines()) == 1 and b.chat().status_code == 200
         print(f"SIGSTOP -> node-a's engine killed by its guard: {guarded_s:.2f} s")
-    finally:
-        stop_all(hosts)
 
 
 def test_a_graceful_stop_is_re_placed_after_the_rejoin_grace_not_lost_after(
@@ -173,13 +184,7 @@ def test_a_cordoned_node_that_dies_shows_its_replica_unreachable_at_once(
     ready) and its replica unreachable well before lost_after_ms; the node listing shows the
     controller's one state with the heartbeat age beside it."""
     url = postgres_server.create_database()
-    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
-    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
-    hosts = [a, b]
-    try:
-        start_all(hosts)
-        apply(b, {"tiny": TINY})
-        poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+    with _replica_on_node_a(tmp_path, url, mirror) as (a, b):
         assert json.loads(cli(b, "nodes", "cordon", "node-a").stdout)["job_id"]
         poll(lambda: _runtime(b).get("node-a", ("",))[0] == "cordoned", timeout_s=10, what="c")
         a.kill()
@@ -195,8 +200,6 @@ def test_a_cordoned_node_that_dies_shows_its_replica_unreachable_at_once(
         assert row["heartbeat_age_ms"] >= HEARTBEAT_MS
         assert "recorded_state" not in row  # one state, the controller's
         print(f"SIGKILL of a cordoned node -> replica shown unreachable: {shown_s:.2f} s")
-    finally:
-        stop_all(hosts)
 
 
 def test_a_new_controller_places_nothing_on_the_silent_host_it_took_the_lease_from(
@@ -316,13 +319,7 @@ def test_a_running_node_removed_stops_its_engines_and_serves_again_once_admitted
     takes no controller lease; its replica is re-placed. Admitted again, it renews and is
     ready (and takes new replicas); the moved replica stays where it went."""
     url = postgres_server.create_database()
-    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
-    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
-    hosts = [a, b]
-    try:
-        start_all(hosts)
-        apply(b, {"tiny": TINY})
-        poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+    with _replica_on_node_a(tmp_path, url, mirror) as (a, b):
         assert json.loads(cli(b, "nodes", "remove", "node-a").stdout)["job_id"]
         poll(lambda: a.engines() == [], timeout_s=10, what="node-a stopped its engine")
         poll(lambda: ready_nodes(b, "tiny") == ["node-b"], timeout_s=60, what="moved to b")
@@ -342,5 +339,3 @@ def test_a_running_node_removed_stops_its_engines_and_serves_again_once_admitted
         assert again[0] > renewed[0]
         assert ready_nodes(b, "tiny") == ["node-b"]
         assert a.chat().status_code == 200  # through its peer
-    finally:
-        stop_all(hosts)

@@ -57,11 +57,11 @@ def apply(host: FleetHost, deployments: dict[str, dict[str, Any]]) -> dict[str, 
     return dict(json.loads(done.stdout))
 
 
-def start_all(hosts: list[FleetHost]) -> None:
-    """Start ``hosts`` and wait until each joined; a host that exits fails at once with its
-    stderr."""
+def start_all(hosts: list[FleetHost], *, fault: str | None = None) -> None:
+    """Start ``hosts`` (``fault`` armed on the first) and wait until each joined; a host that
+    exits fails at once with its stderr."""
     for host in hosts:
-        host.start()
+        host.start(fault=fault if host is hosts[0] else None)
 
     def joined() -> bool:
         for host in hosts:
