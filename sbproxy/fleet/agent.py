@@ -1062,11 +1062,14 @@ class FleetAgent:
 
 
 def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) -> FleetView:
-    """The console's :class:`~sbproxy.fleet.view.FleetView` of ``snapshot``: states on
-    database time; a replica's state as its node reported it (``placing`` before that);
-    placements not yet ready as the jobs in progress."""
+    """The console's :class:`~sbproxy.fleet.view.FleetView` of ``snapshot``: each node in
+    the one state the controller recorded (as ``/admin/fleet/nodes`` shows it; issue 30,
+    item 7), with its heartbeat age on database time; a replica's state as its node
+    reported it (``placing`` before that); placements not yet ready as the jobs in
+    progress. ``timing`` is kept for callers; the controller applied it when it recorded."""
+    del timing
     now = snapshot.now_ms
-    views = {v.id: v.state.value for v in observe(snapshot.nodes, now_ms=now, timing=timing)}
+    views = {node.id: node.state for node in snapshot.nodes}
     nodes = tuple(
         NodeRow(
             node_id=node.id,
