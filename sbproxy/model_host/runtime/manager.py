@@ -572,15 +572,17 @@ class RuntimeManager:
         ``failed`` with ``recovery_exhausted`` for their current definition, with that
         job. A later load, drain or reset, a ``jobs retry`` (the job is queued again) or a
         changed definition (``config_digest``) lifts it."""
-        jobs = await self.engine.store.list_jobs(limit=-1)  # newest first
         latest: dict[str, JobRecord] = {}
-        for job in jobs:
-            subject = job.subject or ""
-            if job.kind not in RUNTIME_JOB_KINDS or not subject.startswith("deployment:"):
-                continue
-            if job.node not in (None, self.engine.store.node):
-                continue  # another host's job on a shared journal
-            latest.setdefault(subject.removeprefix("deployment:"), job)
+        for deployment in self._live:
+            # Each deployment's own jobs (newest first), not the whole shared journal.
+            jobs = await self.engine.store.list_jobs(subject=f"deployment:{deployment}", limit=-1)
+            for job in jobs:
+                if job.kind not in RUNTIME_JOB_KINDS:
+                    continue
+                if job.node not in (None, self.engine.store.node):
+                    continue  # another host's job on a shared journal
+                latest[deployment] = job
+                break
         exhausted = {}
         for deployment, job in latest.items():
             found = self._live.get(deployment)
