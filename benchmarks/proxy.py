@@ -70,9 +70,11 @@ PUBLIC_MODEL = "bench-chat"
 CHAT_BODY = {"model": PUBLIC_MODEL, "messages": [{"role": "user", "content": "hi"}]}
 STREAM_BODY = {**CHAT_BODY, "stream": True}
 CONCURRENCY = (1, 16)
-TARGET_ADDED_P50_MS_AT_1 = 1.0
-TARGET_RPS_AT_16 = 1500.0
-TARGET_P99_MS_AT_16 = 20.0
+# Issue 31's targets: sbproxy's requests/s at least 0.75x the bare pass-through's and its p99
+# at most 1.5x, at 16 connections; at 1 connection at most 0.3 ms added to the direct p50.
+TARGET_OVER_BARE_RPS = 0.75
+TARGET_OVER_BARE_P99 = 1.5
+TARGET_ADDED_P50_MS_AT_1 = 0.3
 
 # --------------------------------------------------------------------------- the upstream
 
@@ -227,6 +229,132 @@ def run_upstream(argv: list[str]) -> None:
             await stop.wait()
 
     asyncio.run(serve())
+
+
+# --------------------------------------------------------------------------- the bare pass-through
+
+
+def bare_app(upstream: str) -> Callable[..., Any]:
+    """The least a Python pass-through on the gateway's libraries does: a raw ASGI app that
+    reads the body, POSTs it to ``upstream`` through one pooled aiohttp session (as the
+    gateway's :mod:`sbproxy.api.engine_client` does) and relays the answer -- whole, or
+    chunk by chunk for an event stream -- with no auth, routing, admission, usage, spans or
+    access log. The contender the gateway's overhead is measured against."""
+    import aiohttp
+
+    session: aiohttp.ClientSession | None = None
+    target = f"{upstream}/v1/chat/completions"
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal session
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    session = aiohttp.ClientSession(
+                        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+                        auto_decompress=False,
+                        headers={"Content-Type": "application/json"},
+                    )
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    if session is not None:
+                        await session.close()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        assert session is not None
+        async with session.post(target, data=b"".join(chunks)) as response:
+            media = response.headers.get("Content-Type", "application/json").encode()
+            start = {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": [(b"content-type", media)],
+            }
+            if response.content_type == "text/event-stream":
+                await send(start)
+                async for chunk in response.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+            else:
+                data = await response.read()
+                start["headers"].append((b"content-length", str(len(data)).encode()))
+                await send(start)
+                await send({"type": "http.response.body", "body": data})
+
+    return app
+
+
+def run_bare(argv: list[str]) -> None:
+    """``bare --port P --upstream URL``: the bare pass-through under uvicorn, with uvloop and
+    httptools as ``sbproxy serve`` runs its gateway."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser(prog="bare")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--upstream", required=True)
+    args = parser.parse_args(argv)
+    uvicorn.run(
+        bare_app(args.upstream),
+        host="127.0.0.1",
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+    )
+
+
+@contextlib.contextmanager
+def bare_serving(engine_port: int, tmp: Path) -> Iterator[str]:
+    """The bare pass-through in its own process in front of ``engine_port``, ready: its
+    chat URL."""
+    import httpx
+
+    port = free_port()
+    log = (tmp / f"bare-{port}.log").open("wb")
+    process = subprocess.Popen(  # noqa: S603 - this interpreter, our arguments
+        [
+            sys.executable,
+            str(UPSTREAM_PROGRAM),
+            "bare",
+            "--port",
+            str(port),
+            "--upstream",
+            f"http://127.0.0.1:{engine_port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"the bare pass-through exited with {process.returncode}")
+            try:
+                httpx.post(url, json=CHAT_BODY, timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the bare pass-through did not answer in 30 s") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
 
 
 # --------------------------------------------------------------------------- set-up
@@ -464,16 +592,6 @@ def load(
     return python_run(url, body, clients, duration)
 
 
-def compare(direct: dict[str, Any], proxied: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "direct": direct,
-        "proxy": proxied,
-        "added_p50_ms": round(proxied["p50_ms"] - direct["p50_ms"], 3),
-        "added_p99_ms": round(proxied["p99_ms"] - direct["p99_ms"], 3),
-        "proxy_over_direct_rps": round(proxied["requests_per_s"] / direct["requests_per_s"], 3),
-    }
-
-
 # --------------------------------------------------------------------------- baselines
 
 COMPARED = (("chat", CHAT_BODY), ("chat_stream", STREAM_BODY))
@@ -634,9 +752,12 @@ def compare_commits(args: argparse.Namespace, wrk: str | None) -> dict[str, Any]
 # --------------------------------------------------------------------------- main
 
 
-def main() -> None:  # noqa: PLR0915 - one linear script
+def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "upstream":
         run_upstream(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "bare":
+        run_bare(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
@@ -649,6 +770,10 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         help="compare with the gateway of this commit (repeatable); see the module docstring",
     )
     parser.add_argument("--pairs", type=int, default=5, help="rounds of the comparison")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of direct/bare/sbproxy")
+    parser.add_argument(
+        "--ttfb", action="store_true", help="also time the first event of a stream (aiohttp)"
+    )
     parser.add_argument(
         "--min-ratio", type=float, default=0.99, help="required median requests/s ratio"
     )
@@ -660,104 +785,136 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         print(json.dumps(compare_commits(args, wrk), indent=2))
         return
 
+    print(json.dumps(against_bare(args, wrk), indent=2))
+
+
+CONTENDERS = ("direct", "bare", "proxy")
+SCENARIOS = (("chat", CHAT_BODY, False), ("chat_stream", STREAM_BODY, False))
+TTFB = ("chat_stream_ttfb", STREAM_BODY, True)
+
+
+def _median_of(rounds: list[dict[str, Any]], path: tuple[str, ...]) -> float:
+    values = []
+    for figures in rounds:
+        value: Any = figures
+        for key in path:
+            value = value[key]
+        values.append(value)
+    return round(statistics.median(values), 3)
+
+
+def against_bare(args: argparse.Namespace, wrk: str | None) -> dict[str, Any]:  # noqa: PLR0912
+    """The default run: direct, bare pass-through and sbproxy, each measurement of the three
+    back to back, ``--rounds`` rounds in an order that rotates (module docstring)."""
+    rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sbproxy-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        gateway_port, admin_port = free_port(), free_port()
-        config = write_config(tmp, gateway_port, admin_port)
-        log = (tmp / "serve.log").open("wb")
-        process = subprocess.Popen(  # noqa: S603 - this interpreter, our arguments
-            [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
-            cwd=ROOT,
-        )
-        try:
-            engine_port = wait_ready(admin_port, process)
+        with serving(None, tmp) as (proxy_url, engine_port), bare_serving(engine_port, tmp) as bare:
             targets = {
                 "direct": f"http://127.0.0.1:{engine_port}/v1/chat/completions",
-                "proxy": f"http://127.0.0.1:{gateway_port}/v1/chat/completions",
+                "bare": bare,
+                "proxy": proxy_url,
             }
-
-            def measure(
-                body: dict[str, Any], clients: int, *, first_byte: bool = False
-            ) -> dict[str, Any]:
-                runs: dict[str, dict[str, Any]] = {}
-                for name, url in targets.items():  # back to back: same machine state
-                    if wrk is not None and not first_byte:
-                        wrk_run(wrk, url, body, clients, 1, tmp)  # warm-up, not kept
-                        runs[name] = wrk_run(wrk, url, body, clients, args.duration, tmp)
-                    else:
-                        runs[name] = python_run(
-                            url, body, clients, args.duration, first_byte=first_byte
+            scenarios = [*SCENARIOS, TTFB] if args.ttfb else list(SCENARIOS)
+            for index in range(args.rounds):
+                order = list(CONTENDERS[index % 3 :] + CONTENDERS[: index % 3])
+                figures: dict[str, Any] = {"order": order}
+                for scenario, body, first_byte in scenarios:
+                    for clients in CONCURRENCY:
+                        key = f"clients_{clients}"
+                        for name in order:
+                            if wrk is not None and not first_byte:
+                                measured = load(
+                                    wrk, targets[name], body, clients, args.duration, tmp
+                                )
+                            else:
+                                measured = python_run(
+                                    targets[name],
+                                    body,
+                                    clients,
+                                    args.duration,
+                                    first_byte=first_byte,
+                                )
+                            figures.setdefault(scenario, {}).setdefault(key, {})[name] = measured
+                        row = figures[scenario][key]
+                        row["proxy_over_bare_rps"] = round(
+                            row["proxy"]["requests_per_s"] / row["bare"]["requests_per_s"], 3
                         )
-                return compare(runs["direct"], runs["proxy"])
-
-            results: dict[str, dict[str, Any]] = {"chat": {}, "chat_stream": {}}
-            results["chat_stream_ttfb"] = {}
-            for clients in CONCURRENCY:
-                key = f"clients_{clients}"
-                results["chat"][key] = measure(CHAT_BODY, clients)
-                results["chat_stream"][key] = measure(STREAM_BODY, clients)
-                results["chat_stream_ttfb"][key] = measure(STREAM_BODY, clients, first_byte=True)
-            stats = process.poll()
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            log.close()
-        if stats is not None:
-            raise SystemExit(f"sbproxy serve died during the run: {stats}")
-
-    one = results["chat"]["clients_1"]
-    sixteen = results["chat"]["clients_16"]
-    checks = {
-        "added_p50_ms_at_1_client": {
+                        row["proxy_over_bare_p99"] = round(
+                            row["proxy"]["p99_ms"] / row["bare"]["p99_ms"], 3
+                        )
+                        row["proxy_added_p50_ms"] = round(
+                            row["proxy"]["p50_ms"] - row["direct"]["p50_ms"], 3
+                        )
+                        row["bare_added_p50_ms"] = round(
+                            row["bare"]["p50_ms"] - row["direct"]["p50_ms"], 3
+                        )
+                rounds.append(figures)
+                print(f"round {index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    summary: dict[str, Any] = {}
+    for scenario, _, _ in scenarios:
+        for clients in CONCURRENCY:
+            key = f"clients_{clients}"
+            row: dict[str, Any] = {}
+            for name in CONTENDERS:
+                for field in ("requests_per_s", "p50_ms", "p99_ms"):
+                    row[f"{name}.{field}"] = _median_of(rounds, (scenario, key, name, field))
+            for field in (
+                "proxy_over_bare_rps",
+                "proxy_over_bare_p99",
+                "proxy_added_p50_ms",
+                "bare_added_p50_ms",
+            ):
+                row[field] = _median_of(rounds, (scenario, key, field))
+                row[f"{field}_range"] = [
+                    min(r[scenario][key][field] for r in rounds),
+                    max(r[scenario][key][field] for r in rounds),
+                ]
+            summary[f"{scenario}.{key}"] = row
+    checks: dict[str, Any] = {}
+    for scenario in ("chat", "chat_stream"):
+        sixteen = summary[f"{scenario}.clients_16"]
+        checks[f"{scenario}.clients_16.proxy_over_bare_rps"] = {
+            "target": f">= {TARGET_OVER_BARE_RPS}",
+            "median": sixteen["proxy_over_bare_rps"],
+            "met": sixteen["proxy_over_bare_rps"] >= TARGET_OVER_BARE_RPS,
+        }
+        checks[f"{scenario}.clients_16.proxy_over_bare_p99"] = {
+            "target": f"<= {TARGET_OVER_BARE_P99}",
+            "median": sixteen["proxy_over_bare_p99"],
+            "met": sixteen["proxy_over_bare_p99"] <= TARGET_OVER_BARE_P99,
+        }
+        one = summary[f"{scenario}.clients_1"]
+        checks[f"{scenario}.clients_1.proxy_added_p50_ms"] = {
             "target": f"<= {TARGET_ADDED_P50_MS_AT_1}",
-            "measured": one["added_p50_ms"],
-            "met": one["added_p50_ms"] <= TARGET_ADDED_P50_MS_AT_1,
-        },
-        "proxy_requests_per_s_at_16_clients": {
-            "target": f">= {TARGET_RPS_AT_16:.0f}",
-            "measured": sixteen["proxy"]["requests_per_s"],
-            "met": sixteen["proxy"]["requests_per_s"] >= TARGET_RPS_AT_16,
-        },
-        "proxy_p99_ms_at_16_clients": {
-            "target": f"<= {TARGET_P99_MS_AT_16}",
-            "measured": sixteen["proxy"]["p99_ms"],
-            "met": sixteen["proxy"]["p99_ms"] <= TARGET_P99_MS_AT_16,
-        },
-    }
+            "median": one["proxy_added_p50_ms"],
+            "met": one["proxy_added_p50_ms"] <= TARGET_ADDED_P50_MS_AT_1,
+        }
     wrk_version = None
     if wrk is not None:
         probe = subprocess.run(  # noqa: S603 - wrk found on PATH
             [wrk, "-v"], capture_output=True, text=True, check=False
         )
         wrk_version = (probe.stdout or probe.stderr).splitlines()[0].strip()
-    print(
-        json.dumps(
-            {
-                "benchmark": "proxy",
-                "loader": "wrk -t1" if wrk is not None else "python aiohttp",
-                "ttfb_loader": "python aiohttp (first body chunk)",
-                "duration_s_each": args.duration,
-                "results": results,
-                "targets": checks,
-                "targets_met": all(c["met"] for c in checks.values()),
-                "targets_measured_on": "chat (non-streaming), wrk when installed",
-                "environment": {
-                    "python": platform.python_version(),
-                    "platform": platform.platform(),
-                    "cpu_count": os.cpu_count(),
-                    "wrk": wrk_version,
-                },
-            },
-            indent=2,
-        )
-    )
+    return {
+        "benchmark": "proxy",
+        "mode": "direct, bare pass-through and sbproxy",
+        "loader": "wrk -t1" if wrk is not None else "python aiohttp",
+        "ttfb_loader": "python aiohttp (first body chunk)" if args.ttfb else None,
+        "duration_s_each": args.duration,
+        "rounds_run": args.rounds,
+        "summary_medians": summary,
+        "targets": checks,
+        "targets_met": all(c["met"] for c in checks.values()),
+        "rounds": rounds,
+        "environment": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "load_average": os.getloadavg(),
+            "wrk": wrk_version,
+        },
+    }
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ __all__ = [
     "admin_exception_handlers",
     "error_event",
     "error_payload",
+    "gateway_error",
     "gateway_exception_handlers",
     "status_for",
     "stream_error_event",
@@ -244,64 +245,57 @@ def _envelope(*, status: int, message: str, code: str, retryable: bool) -> dict[
     }
 
 
-def openai_error(
-    *,
-    status: int,
-    message: str,
-    code: str,
-    retryable: bool,
-    headers: Mapping[str, str] | None = None,
-) -> Response[dict[str, object]]:
-    """The OpenAI error envelope (reference section 2, "Managed errors")."""
-    body = _envelope(status=status, message=message, code=code, retryable=retryable)
-    return Response(body, status_code=status, headers=dict(headers or {}))
-
-
 def stream_error_event(error: SbproxyError) -> bytes:
     """``error`` as the last event of an SSE stream: ``data: {"error": {...}}`` and a blank
-    line, the envelope :func:`openai_error` would have sent with a status."""
+    line, the envelope :func:`gateway_error` would have sent with a status."""
     body = _envelope(
         status=status_for(error), message=error.message, code=error.code, retryable=error.retryable
     )
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def _gateway_sbproxy(_: Request[Any, Any, Any], exc: SbproxyError) -> Response[object]:
-    status = status_for(exc)
-    if status in (502, 504):  # the engine failed or timed out: worth an operator's look
-        logger.warning("gateway request failed: %s (%s)", exc.message, exc.code)
-    return openai_error(  # type: ignore[return-value]
-        status=status,
-        message=exc.message,
-        code=exc.code,
-        retryable=exc.retryable,
-        headers=_hints(exc),
-    )
+def gateway_error(exc: Exception) -> tuple[int, dict[str, object], dict[str, str]]:
+    """What the gateway answers for ``exc`` raised by a request's handling: its status, the
+    OpenAI envelope and the extra headers (``Retry-After``, ``X-Sbproxy-Engine-Reached``,
+    an ``HTTPException``'s own). The one map both the Litestar routes and the raw inference
+    routes (:class:`sbproxy.api.gateway.GatewayApp`) answer with.
 
-
-def _gateway_http(_: Request[Any, Any, Any], exc: HTTPException) -> Response[object]:
-    return openai_error(  # type: ignore[return-value]
-        status=exc.status_code,
-        message=_http_message(exc),
-        code=_http_code(exc),
-        retryable=False,
-        headers=exc.headers,
-    )
-
-
-def _gateway_internal(_: Request[Any, Any, Any], exc: Exception) -> Response[object]:
+    An :class:`SbproxyError` of status 502 or 504 (the engine failed or timed out) is logged
+    as a warning; an exception that is neither an :class:`SbproxyError` nor an
+    ``HTTPException`` is logged with its traceback and answered 500 ``internal``.
+    """
+    if isinstance(exc, SbproxyError):
+        status = status_for(exc)
+        if status in (502, 504):  # worth an operator's look
+            logger.warning("gateway request failed: %s (%s)", exc.message, exc.code)
+        envelope = _envelope(
+            status=status, message=exc.message, code=exc.code, retryable=exc.retryable
+        )
+        return status, envelope, _hints(exc)
+    if isinstance(exc, HTTPException):
+        status = exc.status_code
+        envelope = _envelope(
+            status=status, message=_http_message(exc), code=_http_code(exc), retryable=False
+        )
+        return status, envelope, dict(exc.headers or {})
     logger.exception("gateway request failed", exc_info=exc)
-    return openai_error(  # type: ignore[return-value]
+    envelope = _envelope(
         status=500, message="internal error; see the server log", code="internal", retryable=False
     )
+    return 500, envelope, {}
+
+
+def _gateway_handler(_: Request[Any, Any, Any], exc: Exception) -> Response[object]:
+    status, envelope, headers = gateway_error(exc)
+    return Response(envelope, status_code=status, headers=headers)
 
 
 def gateway_exception_handlers() -> ExceptionHandlersMap:
     """Exception handlers of the gateway app."""
     return {
-        SbproxyError: _gateway_sbproxy,
-        HTTPException: _gateway_http,
-        Exception: _gateway_internal,
+        SbproxyError: _gateway_handler,
+        HTTPException: _gateway_handler,
+        Exception: _gateway_handler,
     }
 
 

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import aiohttp
+import msgspec
 from litestar import Litestar, Request, get, post
 from litestar.exceptions import ClientException, InternalServerException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
@@ -88,6 +89,7 @@ from sbproxy.api.errors import (
     InvalidBody,
     UnknownModel,
     UnknownOrigin,
+    gateway_error,
     gateway_exception_handlers,
 )
 from sbproxy.api.keys import Caller, KeyPlane
@@ -126,7 +128,7 @@ from sbproxy.telemetry import (
     enabled,
 )
 
-__all__ = ["Gateway", "Routing", "create_gateway_app"]
+__all__ = ["INFERENCE_PATHS", "Gateway", "GatewayApp", "Routing", "create_gateway_app"]
 
 LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 # Embedding batches can be large; anything beyond this is not a chat request.
@@ -508,7 +510,7 @@ class Gateway:
             value = self._model_headers[public_model] = public_model.encode("latin-1")
         return value
 
-    async def forward(self, request: Request[Any, Any, Any], path: str) -> ASGIApp:
+    async def forward(self, scope: Scope, receive: Receive, path: str) -> ASGIApp:
         """Relay one OpenAI request to its engine (see the module docstring).
 
         The answer is built as an ASGI app directly, not as a ``Response`` for the route to
@@ -522,14 +524,13 @@ class Gateway:
             EngineTimeout: ``engine_timeout`` (504): a supervision limit ran out before the
                 answer's headers went out.
         """
-        scope = request.scope
         authorization, host, length = _request_headers(scope)
         fleet = self.fleet
         if fleet is None:
             caller, hop = self.keys.authenticate(authorization), None
         else:
             caller, hop = self.fleet_caller(fleet, scope, authorization)
-        body = await read_body(request.receive, length)
+        body = await read_body(receive, length)
         head = decode_head(body)
         route = self.routing.route(host, head.model)
         deployment = route.deployment
@@ -538,8 +539,8 @@ class Gateway:
             self.usage.check(caller.name)
             if fleet is not None and not self.serves_here(fleet, deployment):
                 return await self.forward_to_peer(
-                    request, route, fleet, caller=caller, host=host, path=path, head=head,
-                    body=body, span=span, note=note,
+                    scope, receive, route, fleet, caller=caller, host=host, path=path,
+                    head=head, body=body, span=span, note=note,
                 )  # fmt: skip
         else:
             self.hop_here(fleet, deployment)
@@ -552,13 +553,13 @@ class Gateway:
         strip_usage = strip_usage and hop is None
         try:
             answer = await self.exchange(
-                request, here, caller=caller, path=path, body=sent, streamed=head.stream
+                receive, here, caller=caller, path=path, body=sent, streamed=head.stream
             )
         except SbproxyError as exc:  # a refusal, an engine timeout, an unreachable engine
             if fleet is not None and hop is None and _spillable(exc):
                 return await self.forward_to_peer(
-                    request, route, fleet, caller=caller, host=host, path=path, head=head,
-                    body=body, span=span, note=note, spilled=exc,
+                    scope, receive, route, fleet, caller=caller, host=host, path=path,
+                    head=head, body=body, span=span, note=note, spilled=exc,
                 )  # fmt: skip
             if note is not None:
                 note.outcome = exc.code
@@ -695,7 +696,8 @@ class Gateway:
 
     async def forward_to_peer(
         self,
-        request: Request[Any, Any, Any],
+        scope: Scope,
+        receive: Receive,
         route: Route,
         fleet: PeerDispatch,
         *,
@@ -734,7 +736,7 @@ class Gateway:
         try:
             answer = await fleet.dispatch(
                 self.session,
-                request.receive,
+                receive,
                 deployment=deployment,
                 config=self.deployments.get(deployment),
                 caller=caller,
@@ -742,7 +744,7 @@ class Gateway:
                 path=path,
                 body=body,
                 streamed=head.stream,
-                carrier=trace_context(request.scope),
+                carrier=trace_context(scope),
             )
         except SbproxyError as exc:
             raise _peer_failure(fleet, deployment, exc, spilled, note) from None
@@ -783,7 +785,7 @@ class Gateway:
 
     async def exchange(
         self,
-        request: Request[Any, Any, Any],
+        receive: Receive,
         route: Route,
         *,
         caller: Caller,
@@ -791,7 +793,8 @@ class Gateway:
         body: bytes,
         streamed: bool,
     ) -> _Answer | None:
-        """Admit ``request`` and send it to the engine, watching its client and its limit.
+        """Admit a request and send it to the engine, watching its client (on ``receive``)
+        and its limit.
 
         A plain answer is read whole, and its exchange is over (reported, permit freed); a
         stream comes back with its headers read, for :class:`StreamRelay` to finish.
@@ -807,7 +810,7 @@ class Gateway:
         # One bound covers the wait for admission (no deadline: the gate has its own) and
         # for the engine's answer (the deadline of the first limit); it ends early when the
         # client goes away.
-        bound = ExchangeBound(request.receive)
+        bound = ExchangeBound(receive)
         upstream: Upstream | None = None
         response: aiohttp.ClientResponse | None = None
         limit, limit_s, started = Limit.REQUEST, 0.0, 0.0
@@ -958,11 +961,79 @@ def ask_for_usage(head: Head) -> tuple[dict[str, Any], bool]:
     return {"stream_options": {**(head.stream_options or {}), "include_usage": True}}, True
 
 
+# The inference routes: served by GatewayApp itself, each a POST of a JSON body.
+INFERENCE_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+
+
+class GatewayApp:
+    """The gateway's ASGI app: a ``POST`` to an inference route (:data:`INFERENCE_PATHS`)
+    is served here directly, everything else (``/v1/models``, other methods and paths, the
+    lifespan, a fleet's peer routes) by the Litestar app (``app``).
+
+    Why: on a fast engine, Litestar's request handling -- its router, the ``Request`` and
+    the handler's signature model, the response conversion, the middleware's per-request
+    layers -- was the largest part of what the gateway added over a bare pass-through on the
+    same server and client (``benchmarks/proxy.py``, issue 31). An inference request needs
+    none of it: its headers are read from the scope, its body from ``receive``
+    (:func:`read_body`, with Litestar's limits and answers) and its answer is raw ASGI
+    already. What the Litestar routes do is done here the same way: the access log and the
+    server span (the same middleware, :func:`~sbproxy.api.access.access_log` and
+    :func:`~sbproxy.api.tracing.server_spans`, around this route only), and every error
+    answered by :func:`~sbproxy.api.errors.gateway_error`, the map the Litestar app's
+    exception handlers use. The Litestar app keeps its own routes for the same paths (a
+    trailing slash, say), which end in :meth:`Gateway.forward` too.
+
+    Args:
+        app: The Litestar app of :func:`create_gateway_app` (with its lifespan).
+        gateway: The gateway state the routes serve.
+    """
+
+    __slots__ = ("app", "gateway", "inference")
+
+    def __init__(self, app: Litestar, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+        self.inference: ASGIApp = access_log(gateway.activity)(server_spans("gateway")(self._serve))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in INFERENCE_PATHS
+        ):
+            await self.inference(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            answer = await self.gateway.forward(scope, receive, scope["path"])
+        except Exception as exc:  # noqa: BLE001 - every error gets the gateway's answer
+            # forward sends nothing itself: no byte of an answer is out yet.
+            status, envelope, extra = gateway_error(exc)
+            body = _ERROR_ENCODER.encode(envelope)
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ]
+            headers += [
+                (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()
+            ]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await answer(scope, receive, send)
+
+
+_ERROR_ENCODER: Final = msgspec.json.Encoder()
+
+
 def create_gateway_app(
     gateway: Gateway, *, debug: bool = False, extra: Sequence[HTTPRouteHandler] = ()
-) -> Litestar:
+) -> GatewayApp:
     """The gateway app: ``/v1/models``, chat/completions/embeddings relays (and ``extra``
-    routes: the fleet's peer route on a cluster host).
+    routes: the fleet's peer route on a cluster host), as a :class:`GatewayApp` over a
+    Litestar app.
 
     The app opens the shared upstream session at startup and closes it at shutdown.
     """
@@ -985,17 +1056,17 @@ def create_gateway_app(
 
     @post("/v1/chat/completions")
     async def chat_completions(request: Request[Any, Any, Any]) -> ASGIApp:
-        return await gateway.forward(request, "/v1/chat/completions")
+        return await gateway.forward(request.scope, request.receive, "/v1/chat/completions")
 
     @post("/v1/completions")
     async def completions(request: Request[Any, Any, Any]) -> ASGIApp:
-        return await gateway.forward(request, "/v1/completions")
+        return await gateway.forward(request.scope, request.receive, "/v1/completions")
 
     @post("/v1/embeddings")
     async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
-        return await gateway.forward(request, "/v1/embeddings")
+        return await gateway.forward(request.scope, request.receive, "/v1/embeddings")
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[list_models, chat_completions, completions, embeddings, *extra],
         exception_handlers=gateway_exception_handlers(),
         on_startup=[gateway.open],
@@ -1007,3 +1078,4 @@ def create_gateway_app(
         # Logging is configured once by the process (sbproxy serve / run), not per app.
         logging_config=None,
     )
+    return GatewayApp(app, gateway)
