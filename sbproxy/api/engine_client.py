@@ -1,4 +1,5 @@
-"""The gateway's HTTP client to its engines: one pooled aiohttp session, and a POST that
+"""The gateway's aiohttp client (peer hops; this host's engines are reached through
+:mod:`sbproxy.api.engine_http`, on the same rules): one pooled session, and a POST that
 survives a kept-alive connection the engine closed.
 
 An engine closes a kept-alive connection that stays idle for a few seconds: llama-server
@@ -33,7 +34,14 @@ from typing import Final
 import aiohttp
 from yarl import URL
 
-__all__ = ["ENGINE_IDLE_CLOSE_S", "KEEPALIVE_S", "NOT_SENT", "engine_session", "post"]
+__all__ = [
+    "ENGINE_IDLE_CLOSE_S",
+    "KEEPALIVE_S",
+    "NOT_SENT",
+    "EngineNotReached",
+    "engine_session",
+    "post",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +50,18 @@ ENGINE_IDLE_CLOSE_S: Final = 5.0
 # How long the gateway's pool keeps an idle connection to an engine, seconds: below the
 # engines' idle close, with margin for a request on its way.
 KEEPALIVE_S: Final = 4.0
+
+
+class EngineNotReached(aiohttp.ClientConnectionError):
+    """No connection to an engine of this host could be opened (refused, timed out): the
+    request was provably not sent (raised by :mod:`sbproxy.api.engine_http`)."""
+
+
 # The failures of a POST that provably sent none of the request: no connection could be
 # opened (refused, unreachable, name not resolved, TLS refused) or none opened within the
 # connect timeout. aiohttp's own retry rule draws the same line (it never retries these,
 # and retries a failure on an open connection for idempotent methods only, never a POST).
-NOT_SENT: Final = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+NOT_SENT: Final = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, EngineNotReached)
 
 
 def engine_session() -> aiohttp.ClientSession:

@@ -41,6 +41,7 @@ import aiohttp
 import msgspec
 
 from sbproxy.api.access import CLIENT_DISCONNECTED
+from sbproxy.api.engine_http import EngineResponse
 from sbproxy.api.errors import ApiError, stream_error_event
 from sbproxy.api.supervision import Limit, StreamDeadlines, engine_timeout
 
@@ -216,7 +217,8 @@ class StreamRelay:
     the estimate) and how it ended.
 
     Args:
-        response: The engine's streamed response (headers read).
+        response: The engine's streamed response (headers read): of this host's engine
+            client (:mod:`sbproxy.api.engine_http`), or aiohttp's for a peer host.
         upstream: The admitted engine (or the peer serving the request); reported and
             released exactly once.
         public_model: Written into each event's ``model``.
@@ -231,7 +233,7 @@ class StreamRelay:
 
     def __init__(
         self,
-        response: aiohttp.ClientResponse,
+        response: aiohttp.ClientResponse | EngineResponse,
         upstream: RelayUpstream,
         public_model: str,
         *,
