@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 
 from sbproxy.cli._options import check_catalog_choice, load_cli_config, resolve_layout
-from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, fail, interrupted
-from sbproxy.errors import CatalogError, ConfigError, ResolutionError, SbproxyError, sole_error
+from sbproxy.cli._output import EXIT_INVALID, exit_status, fail, interrupted
+from sbproxy.errors import CatalogError, ResolutionError, SbproxyError, sole_error
 from sbproxy.model_host.artifacts import CacheLayout
 
 if TYPE_CHECKING:
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from sbproxy.model_host.service import ModelHostService
 
 __all__ = [
-    "INVALID_INPUT_CODES",
     "HostChoice",
     "choose_host",
     "exit_code_for",
@@ -37,33 +36,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-# Codes that mean the request itself was wrong (exit 2); anything else is a runtime failure.
-INVALID_INPUT_CODES = frozenset(
-    {
-        "invalid_config",
-        "invalid_cache_dir",
-        "invalid_catalog",
-        "catalog_conflict",
-        "unknown_catalog_model",
-        "unknown_catalog_variant",
-        "variant_not_pinned",
-        "preview_incomplete",
-        "no_compatible_variant",
-        "no_model_host",
-        "no_cache_budget",
-        "invalid_import_path",
-        "removal_blocked",
-        "config_required",
-        "invalid_lockfile",
-        "lockfile_not_found",
-        "invalid_endpoint",
-        # The configured PostgreSQL journal cannot be reached, or is newer than this
-        # sbproxy: the setting (or the server) must change before anything can start.
-        "journal_unavailable",
-        "journal_schema_newer",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -105,10 +77,11 @@ def choose_host(
 
 
 def exit_code_for(error: SbproxyError) -> int:
-    """2 for bad input, 1 for a failure while working."""
-    if isinstance(error, ConfigError | CatalogError | ResolutionError):
+    """2 for bad input or a refusal (:func:`~sbproxy.cli._output.exit_status`), 1 for a
+    failure while working."""
+    if isinstance(error, CatalogError | ResolutionError):
         return EXIT_INVALID
-    return EXIT_INVALID if error.code in INVALID_INPUT_CODES else EXIT_RUNTIME
+    return exit_status(error)
 
 
 def run_host(command: str, output_format: str, work: Callable[[], Awaitable[T]]) -> T:

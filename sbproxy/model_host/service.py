@@ -720,8 +720,7 @@ async def open_service(
     chosen = catalog_file or (Path(host.catalog_file) if host and host.catalog_file else None)
     catalog = load_catalog(chosen)
     cache = ArtifactCache.open(layout)
-    url = host.journal.url.get_secret_value() if host and host.journal else None
-    location = journal_location(layout.journal, url)
+    location = journal_location(layout.journal, host)
     # On a shared PostgreSQL journal the cache's own node id, never the host name.
     node = journal_node_id(location, layout.root, host.node.id if host else None)
     engine = await WorkflowEngine.open(location, registry, resources=[cache], node=node)
