@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from sbproxy.cli._options import check_catalog_choice, load_cli_config, resolve_layout
+from sbproxy.cli._options import (
+    JournalChoice,
+    check_catalog_choice,
+    load_cli_config,
+    resolve_layout,
+    select_journal,
+)
 from sbproxy.cli._output import EXIT_INVALID, exit_status, fail, interrupted
 from sbproxy.errors import CatalogError, ResolutionError, SbproxyError, sole_error
 from sbproxy.model_host.artifacts import CacheLayout
@@ -46,11 +52,23 @@ class HostChoice:
         layout: The cache root.
         config: The ``-f`` configuration, if any.
         catalog_file: ``--catalog-file``, if given (else the config's, else built-in).
+        journal: The journal the options select (``None``: as ``open_service`` selects it,
+            for a choice made without :func:`choose_host`).
     """
 
     layout: CacheLayout
     config: CompiledConfig | None
     catalog_file: Path | None
+    journal: JournalChoice | None = None
+
+    def cache_used(self) -> bool:
+        """Whether anything ever ran with this cache root: its SQLite journal exists, or,
+        with the journal on PostgreSQL (shared, so no sign of this cache), its artifact
+        directories do. A verb that only reports reads nothing, and creates nothing, when
+        not."""
+        if self.journal is not None and self.journal.on_postgres:
+            return self.layout.metadata.is_dir() or self.layout.partials.is_dir()
+        return self.layout.journal.is_file()
 
     @property
     def catalog_path(self) -> Path | None:
@@ -69,11 +87,14 @@ def choose_host(
     catalog_file: Path | None,
     output_format: str,
 ) -> HostChoice:
-    """Read the shared options (exit 2 for an invalid config, cache root or catalog choice)."""
+    """Read the shared options (exit 2 for an invalid config, cache root, catalog choice or
+    journal URL)."""
     config = load_cli_config(command, config_path, output_format=output_format)
     check_catalog_choice(command, catalog_file, config, output_format=output_format)
     layout = resolve_layout(command, cache_dir, config, output_format=output_format)
-    return HostChoice(layout=layout, config=config, catalog_file=catalog_file)
+    # The journal is chosen (and its URL checked, exit 2) before anything opens it.
+    journal = select_journal(command, layout, config, output_format=output_format)
+    return HostChoice(layout=layout, config=config, catalog_file=catalog_file, journal=journal)
 
 
 def exit_code_for(error: SbproxyError) -> int:
