@@ -77,6 +77,7 @@ REFUSAL_CODES = frozenset(
         "invalid_journal_url",
         "journal_unavailable",
         "journal_schema_newer",
+        "store_version_mismatch",  # a SQLite journal newer than this sbproxy
         "journal_in_use",
         "journal_not_empty",
         # A host that cannot start where it was told to.

@@ -299,8 +299,6 @@ VERBS = {
 
 
 @pytest.mark.parametrize("verb", sorted(VERBS))
-def test_each_verb_uses_the_postgres_journal_the_config_names(
-    journal: Journal, verb: str
-) -> None:
+def test_each_verb_uses_the_postgres_journal_the_config_names(journal: Journal, verb: str) -> None:
     VERBS[verb](journal)
     assert not journal.sqlite_journal.exists(), f"{verb} opened the cache's SQLite journal"
