@@ -8,6 +8,7 @@ closed port).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -24,11 +25,13 @@ from sbproxy.store import Database
 from sbproxy.store.migrations import SCHEMA_VERSION
 from tests.api.cluster_hosts import FleetHost
 from tests.api.pg_hosts import PASSWORD, catalog, tiny_gguf
+from tests.catalog.builders import COMMIT, document, entry, variant, write
 from tests.support.hf_server import HfMirror
 from tests.support.ports import free_port
 from tests.support.postgres import PostgresServer
 
 SECRET = "pw-xyz"
+REPO = "org/tiny"
 
 
 def sbproxy(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -219,3 +222,52 @@ def test_a_malformed_journal_url_in_the_environment_is_invalid(
     assert "$SBPROXY_JOURNAL_URL" in error["error"]
     assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "cache" / "jobs" / "journal.db").exists()
+
+
+# -- a connection lost under a running verb ----------------------------------------------------
+
+
+def test_a_verb_that_loses_its_journal_prints_no_driver_warning(
+    tmp_path: Path, own_postgres_server: PostgresServer
+) -> None:
+    """``models pull`` downloading (slowly) when its PostgreSQL stops: its next journal write
+    meets a dead connection inside a pipeline. The verb ends with its own line and exit 2,
+    without psycopg's ``error ignored terminating <psycopg.Pipeline [BAD]>`` before it."""
+    data = b"GGUF" + bytes(range(256)) * 16_000  # 4 MiB, served at 256 KiB/s
+    files = [
+        {"path": "tiny.gguf", "sha256": hashlib.sha256(data).hexdigest(), "size_bytes": len(data)}
+    ]
+    doc = document(
+        models={
+            "tiny": entry(variant("q4_k_m", source=f"hf:{REPO}", files=files, min_memory_bytes=1))
+        }
+    )
+    config = sb_yml(tmp_path, own_postgres_server.create_database())
+    text = yaml.safe_load(config.read_text())
+    text["proxy"]["model_host"]["catalog_file"] = str(write(tmp_path / "catalog.yaml", doc))
+    config.write_text(yaml.safe_dump(text))
+    with HfMirror() as mirror:
+        mirror.add_file(REPO, COMMIT, "tiny.gguf", data, throttle_bps=256 * 1024)
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("SBPROXY_", "HF_"))}
+        pull = subprocess.Popen(
+            [sys.executable, "-m", "sbproxy.cli", "models", "pull", "tiny", "-f", str(config),
+             "--format", "json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**base, "PYTHONWARNINGS": "ignore", "HF_ENDPOINT": mirror.url},
+        )  # fmt: skip
+        assert pull.stderr is not None
+        seen = []
+        # Poll the verb's own progress: the download is under way, its journal in use.
+        while not any("running step fetch" in line for line in seen):
+            line = pull.stderr.readline()
+            assert line, "".join(seen)
+            seen.append(line)
+        own_postgres_server.stop_server("immediate")
+        out, rest = pull.communicate(timeout=120)
+    err = "".join(seen) + rest
+    assert pull.returncode == 2, err
+    assert "error ignored" not in err and "Pipeline" not in err, err
+    assert "Traceback" not in err, err
+    assert json.loads(out)["error"]["code"] == "journal_unavailable"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("sbproxy models pull: the job journal's PostgreSQL server"), err
