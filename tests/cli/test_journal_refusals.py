@@ -256,7 +256,7 @@ def test_a_verb_that_loses_its_journal_prints_no_driver_warning(
             env={**base, "PYTHONWARNINGS": "ignore", "HF_ENDPOINT": mirror.url},
         )  # fmt: skip
         assert pull.stderr is not None
-        seen = []
+        seen: list[str] = []
         # Poll the verb's own progress: the download is under way, its journal in use.
         while not any("running step fetch" in line for line in seen):
             line = pull.stderr.readline()
