@@ -177,10 +177,7 @@ async def open_host(
 async def _open_journal(host_config: ModelHostConfig | None, layout: CacheLayout) -> JobStore:
     """The host's journal: ``proxy.model_host.journal.url``, else the cache's SQLite file;
     on PostgreSQL its jobs record the cache's own node id (issue 30, item 12)."""
-    configured = host_config.journal if host_config else None
-    location = journal_location(
-        layout.journal, configured.url.get_secret_value() if configured else None
-    )
+    location = journal_location(layout.journal, host_config)
     node = journal_node_id(location, layout.root, host_config.node.id if host_config else None)
     return await open_journal(location, node=node)
 

@@ -18,9 +18,15 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
-from sbproxy.cli._options import check_catalog_choice, load_cli_config, resolve_layout
-from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, fail, interrupted
-from sbproxy.errors import CatalogError, ConfigError, ResolutionError, SbproxyError, sole_error
+from sbproxy.cli._options import (
+    JournalChoice,
+    check_catalog_choice,
+    load_cli_config,
+    resolve_layout,
+    select_journal,
+)
+from sbproxy.cli._output import EXIT_INVALID, exit_status, fail, interrupted
+from sbproxy.errors import CatalogError, ResolutionError, SbproxyError, sole_error
 from sbproxy.model_host.artifacts import CacheLayout
 
 if TYPE_CHECKING:
@@ -28,7 +34,6 @@ if TYPE_CHECKING:
     from sbproxy.model_host.service import ModelHostService
 
 __all__ = [
-    "INVALID_INPUT_CODES",
     "HostChoice",
     "choose_host",
     "exit_code_for",
@@ -37,33 +42,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-# Codes that mean the request itself was wrong (exit 2); anything else is a runtime failure.
-INVALID_INPUT_CODES = frozenset(
-    {
-        "invalid_config",
-        "invalid_cache_dir",
-        "invalid_catalog",
-        "catalog_conflict",
-        "unknown_catalog_model",
-        "unknown_catalog_variant",
-        "variant_not_pinned",
-        "preview_incomplete",
-        "no_compatible_variant",
-        "no_model_host",
-        "no_cache_budget",
-        "invalid_import_path",
-        "removal_blocked",
-        "config_required",
-        "invalid_lockfile",
-        "lockfile_not_found",
-        "invalid_endpoint",
-        # The configured PostgreSQL journal cannot be reached, or is newer than this
-        # sbproxy: the setting (or the server) must change before anything can start.
-        "journal_unavailable",
-        "journal_schema_newer",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -74,11 +52,23 @@ class HostChoice:
         layout: The cache root.
         config: The ``-f`` configuration, if any.
         catalog_file: ``--catalog-file``, if given (else the config's, else built-in).
+        journal: The journal the options select (``None``: as ``open_service`` selects it,
+            for a choice made without :func:`choose_host`).
     """
 
     layout: CacheLayout
     config: CompiledConfig | None
     catalog_file: Path | None
+    journal: JournalChoice | None = None
+
+    def cache_used(self) -> bool:
+        """Whether anything ever ran with this cache root: its SQLite journal exists, or,
+        with the journal on PostgreSQL (shared, so no sign of this cache), its artifact
+        directories do. A verb that only reports reads nothing, and creates nothing, when
+        not."""
+        if self.journal is not None and self.journal.on_postgres:
+            return self.layout.metadata.is_dir() or self.layout.partials.is_dir()
+        return self.layout.journal.is_file()
 
     @property
     def catalog_path(self) -> Path | None:
@@ -97,18 +87,22 @@ def choose_host(
     catalog_file: Path | None,
     output_format: str,
 ) -> HostChoice:
-    """Read the shared options (exit 2 for an invalid config, cache root or catalog choice)."""
+    """Read the shared options (exit 2 for an invalid config, cache root, catalog choice or
+    journal URL)."""
     config = load_cli_config(command, config_path, output_format=output_format)
     check_catalog_choice(command, catalog_file, config, output_format=output_format)
     layout = resolve_layout(command, cache_dir, config, output_format=output_format)
-    return HostChoice(layout=layout, config=config, catalog_file=catalog_file)
+    # The journal is chosen (and its URL checked, exit 2) before anything opens it.
+    journal = select_journal(command, layout, config, output_format=output_format)
+    return HostChoice(layout=layout, config=config, catalog_file=catalog_file, journal=journal)
 
 
 def exit_code_for(error: SbproxyError) -> int:
-    """2 for bad input, 1 for a failure while working."""
-    if isinstance(error, ConfigError | CatalogError | ResolutionError):
+    """2 for bad input or a refusal (:func:`~sbproxy.cli._output.exit_status`), 1 for a
+    failure while working."""
+    if isinstance(error, CatalogError | ResolutionError):
         return EXIT_INVALID
-    return EXIT_INVALID if error.code in INVALID_INPUT_CODES else EXIT_RUNTIME
+    return exit_status(error)
 
 
 def run_host(command: str, output_format: str, work: Callable[[], Awaitable[T]]) -> T:

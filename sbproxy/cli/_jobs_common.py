@@ -1,5 +1,5 @@
-"""What the ``sbproxy jobs`` verbs share: the journal options, the journal they select, exit
-codes for bad input and the JSON form of a job. Both ``jobs_cmd`` (the group and ``list``)
+"""What the ``sbproxy jobs`` verbs share: the journal options, the journal they select and the
+JSON form of a job. Both ``jobs_cmd`` (the group and ``list``)
 and ``jobs_control_cmd`` (the verbs that open the workflow engine) import it; neither imports
 the other at module level.
 """
@@ -11,29 +11,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sbproxy.cli._job_text import stale_dict
-from sbproxy.cli._options import cache_dir_option, config_option, load_cli_config, resolve_layout
+from sbproxy.cli._options import (
+    JournalChoice,
+    cache_dir_option,
+    config_option,
+    load_cli_config,
+    resolve_layout,
+    select_journal,
+)
 from sbproxy.store import JobRecord
 from sbproxy.workflows import Staleness
 
-__all__ = ["INVALID_INPUT_CODES", "job_json", "journal_options", "journal_path"]
+__all__ = ["job_json", "journal_choice", "journal_options"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-# Codes that mean the request itself was wrong (exit 2); anything else is a runtime failure.
-INVALID_INPUT_CODES = frozenset(
-    {
-        "invalid_config",
-        "invalid_cache_dir",
-        "invalid_job_id",
-        "job_not_found",
-        "no_job_journal",
-        "job_not_retryable",
-        "idempotency_key_taken",
-        # The PostgreSQL journal ($SBPROXY_JOURNAL_URL) cannot be reached or is newer.
-        "journal_unavailable",
-        "journal_schema_newer",
-    }
-)
 
 
 def journal_options(fn: F) -> F:
@@ -41,17 +32,15 @@ def journal_options(fn: F) -> F:
     return config_option(cache_dir_option(fn))
 
 
-def journal_path(
+def journal_choice(
     command: str, cache_dir: Path | None, config_path: Path | None, output_format: str
-) -> Path:
-    """The journal file the options select (exit 2 on an invalid config or cache root)."""
-    # The config matters only for its cache directory, so it is not read under --cache-dir.
-    config = (
-        load_cli_config(command, config_path, output_format=output_format)
-        if cache_dir is None
-        else None
-    )
-    return resolve_layout(command, cache_dir, config, output_format=output_format).journal
+) -> JournalChoice:
+    """The journal the options select, as every verb selects it (:func:`select_journal`):
+    exit 2 on an invalid config, cache root or journal URL."""
+    # Read under --cache-dir too: the config may name a PostgreSQL journal.
+    config = load_cli_config(command, config_path, output_format=output_format)
+    layout = resolve_layout(command, cache_dir, config, output_format=output_format)
+    return select_journal(command, layout, config, output_format=output_format)
 
 
 def job_json(job: JobRecord, stale: Staleness | None) -> dict[str, Any]:

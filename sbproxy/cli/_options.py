@@ -7,7 +7,11 @@ thing on every verb that takes them:
   else the platform default (:func:`~sbproxy.model_host.artifacts.resolve_cache_root`);
 * the catalog is ``--catalog-file``, else the config's ``proxy.model_host.catalog_file``, else
   the built-in one. One node loads one catalog, so a ``--catalog-file`` that differs from the
-  config's own ``catalog_file`` is refused (``catalog_conflict``).
+  config's own ``catalog_file`` is refused (``catalog_conflict``);
+* the journal is the config's ``proxy.model_host.journal.url``, else ``$SBPROXY_JOURNAL_URL``,
+  else the SQLite file of the cache root (:func:`select_journal`, through
+  :func:`~sbproxy.store.journal_location`, as ``serve`` and ``open_service`` choose it), even
+  under ``--cache-dir``.
 
 Problems with any of them are bad input: exit status 2.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsFloat, SupportsIndex, TypeVar, get_args
 
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FiniteFloatRange",
+    "JournalChoice",
     "cache_dir_option",
     "catalog_file_option",
     "check_catalog_choice",
@@ -37,6 +43,7 @@ __all__ = [
     "engine_option",
     "load_cli_config",
     "resolve_layout",
+    "select_journal",
 ]
 
 config_option = click.option(
@@ -136,6 +143,58 @@ def resolve_layout(
         )
     except SbproxyError as exc:
         fail(command, exc, output_format=output_format)
+
+
+@dataclass(frozen=True)
+class JournalChoice:
+    """The journal a verb's options select.
+
+    Attributes:
+        layout: The cache root (its SQLite journal, its node id file).
+        location: The SQLite file, or a checked ``postgresql://`` URL (never printed: it may
+            hold a password; :func:`~sbproxy.store.journal_display` shows it).
+        configured_node: ``proxy.model_host.node.id`` of the config, if any.
+    """
+
+    layout: CacheLayout
+    location: Path | str
+    configured_node: str | None = None
+
+    @property
+    def on_postgres(self) -> bool:
+        """Whether the journal is a PostgreSQL database (created by whoever used it first)."""
+        return isinstance(self.location, str)
+
+    def node(self) -> str | None:
+        """The node id this cache's jobs record (:func:`~sbproxy.store.journal_node_id`).
+
+        Raises:
+            SbproxyError: ``store_failed`` when the cache's node id file cannot be used.
+        """
+        from sbproxy.store import journal_node_id
+
+        return journal_node_id(self.location, self.layout.root, self.configured_node)
+
+
+def select_journal(
+    command: str,
+    layout: CacheLayout,
+    config: CompiledConfig | None,
+    *,
+    output_format: str,
+) -> JournalChoice:
+    """The journal of ``layout`` under ``config`` (exit 2, ``invalid_journal_url``, when the
+    URL chosen names no PostgreSQL server)."""
+    from sbproxy.store import journal_location
+
+    host = config.model_host if config is not None else None
+    try:
+        location = journal_location(layout.journal, host)
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format)
+    return JournalChoice(
+        layout=layout, location=location, configured_node=host.node.id if host else None
+    )
 
 
 def check_catalog_choice(

@@ -3,8 +3,9 @@
 * JSON goes to stdout as one object carrying ``schema_version: 1`` and a stable ``command``
   name (``models.list``, ``config.validate`` ...), with no ANSI escapes or carriage returns.
 * Progress and human diagnostics go to stderr.
-* Exit codes: 0 success, 1 runtime failure, 2 bad input (usage, config, unknown id),
-  130 interrupted (Ctrl-C; 128 + SIGINT, as shells report it).
+* Exit codes: 0 success, 1 runtime failure, 2 bad input or a refusal (usage, config,
+  unknown id, a journal that cannot be used: :data:`REFUSAL_CODES`), 130 interrupted
+  (Ctrl-C; 128 + SIGINT, as shells report it).
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from typing import NoReturn
 
 import click
 
-from sbproxy.errors import SbproxyError
+from sbproxy.errors import ConfigError, SbproxyError
 
 __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_INVALID",
     "EXIT_RUNTIME",
+    "REFUSAL_CODES",
     "configure_server_logging",
     "emit_json",
+    "exit_status",
     "fail",
     "format_option",
     "freeze_startup_heap",
@@ -36,6 +39,57 @@ __all__ = [
 EXIT_RUNTIME = 1
 EXIT_INVALID = 2
 EXIT_INTERRUPTED = 130
+
+# Reason codes of refusals: what was asked cannot be done as asked, and nothing ran -- the
+# input, the configuration or the situation (a journal that cannot be reached, a port in
+# use) must change first. Every verb exits 2 on them, however they reach it: raised here, or
+# answered by a server's admin API. Anything else is a failure while working (exit 1).
+REFUSAL_CODES = frozenset(
+    {
+        # The request itself.
+        "usage",
+        "invalid_config",
+        "empty_config",
+        "invalid_cache_dir",
+        "invalid_catalog",
+        "catalog_conflict",
+        "unknown_catalog_model",
+        "unknown_catalog_variant",
+        "variant_not_pinned",
+        "preview_incomplete",
+        "no_compatible_variant",
+        "no_model_host",
+        "no_cache_budget",
+        "invalid_import_path",
+        "removal_blocked",
+        "config_required",
+        "invalid_lockfile",
+        "lockfile_not_found",
+        "invalid_endpoint",
+        "invalid_job_id",
+        "job_not_found",
+        "no_job_journal",
+        "job_not_retryable",
+        "idempotency_key_taken",
+        "admin_password_required",
+        # The journal: a URL that names no server, a server that cannot be reached or that
+        # is newer than this sbproxy, a journal that cannot be moved now.
+        "invalid_journal_url",
+        "journal_unavailable",
+        "journal_schema_newer",
+        "store_version_mismatch",  # a SQLite journal newer than this sbproxy
+        "journal_in_use",
+        "journal_not_empty",
+        # A host that cannot start where it was told to.
+        "port_in_use",
+        "port_not_permitted",
+        "bind_address_unavailable",
+        "cache_in_use",
+        "node_id_in_use",
+        "node_removed",
+        "invalid_advertise_url",
+    }
+)
 
 SCHEMA_VERSION = 1
 
@@ -62,6 +116,14 @@ def emit_json(command: str, payload: Mapping[str, object]) -> None:
     click.echo(_scrub(text))
 
 
+def exit_status(error: SbproxyError, *, otherwise: int = EXIT_RUNTIME) -> int:
+    """The exit status for ``error``: 2 for a refusal (:data:`REFUSAL_CODES`, or any
+    configuration error), else ``otherwise``."""
+    if error.code in REFUSAL_CODES or isinstance(error, ConfigError):
+        return EXIT_INVALID
+    return otherwise
+
+
 def fail(
     command: str,
     error: SbproxyError,
@@ -69,11 +131,12 @@ def fail(
     output_format: str,
     exit_code: int = EXIT_INVALID,
 ) -> NoReturn:
-    """Report ``error`` (JSON on stdout or a message on stderr) and exit with ``exit_code``."""
+    """Report ``error`` (JSON on stdout or a message on stderr) and exit with ``exit_code``
+    -- 2 whatever ``exit_code`` says when ``error`` is a refusal (:func:`exit_status`)."""
     if output_format == "json":
         emit_json(command, {"ok": False, "error": error.to_dict()})
     click.echo(_scrub(f"sbproxy {command.replace('.', ' ')}: {error}"), err=True)
-    sys.exit(exit_code)
+    sys.exit(exit_status(error, otherwise=exit_code))
 
 
 def interrupted(command: str) -> NoReturn:

@@ -13,7 +13,13 @@ import click
 import psutil
 
 from sbproxy.catalog import ArtifactRequest, load_catalog, resolve_artifact
-from sbproxy.cli._options import cache_dir_option, config_option, load_cli_config, resolve_layout
+from sbproxy.cli._options import (
+    cache_dir_option,
+    config_option,
+    load_cli_config,
+    resolve_layout,
+    select_journal,
+)
 from sbproxy.cli._output import EXIT_RUNTIME, emit_json, format_option
 from sbproxy.config import CompiledConfig
 from sbproxy.errors import SbproxyError
@@ -21,7 +27,6 @@ from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.engines import detect_llama_cpp
 from sbproxy.model_host.engines.vllm import detect_vllm
 from sbproxy.model_host.runtime import probe_devices, probe_worker
-from sbproxy.store import journal_location
 from sbproxy.store.probe import probe_journal
 
 __all__ = ["doctor_command"]
@@ -95,6 +100,15 @@ def _deployments(
     return rows
 
 
+def _journal_state(journal: dict[str, Any]) -> str:
+    """``reachable, schema N`` / ``reachable, not created yet``; an unreachable journal says
+    so with its reason code: whether it exists there is not known."""
+    if not journal["reachable"]:
+        return f"UNREACHABLE: {journal['code'] or 'journal_unavailable'}, schema unknown"
+    version = journal["schema_version"]
+    return "reachable, " + ("not created yet" if version is None else f"schema {version}")
+
+
 @click.command("doctor")
 @config_option
 @cache_dir_option
@@ -134,9 +148,8 @@ def doctor_command(config_path: Path | None, cache_dir: Path | None, output_form
         for d in probe_devices()
     ]
     deployments = _deployments(config, layout, engines) if config else []
-    configured = host_config.journal if host_config else None
     journal = probe_journal(
-        journal_location(layout.journal, configured.url.get_secret_value() if configured else None)
+        select_journal(command, layout, config, output_format=output_format).location
     )
     report: dict[str, Any] = {
         "host": {
@@ -175,12 +188,13 @@ def doctor_command(config_path: Path | None, cache_dir: Path | None, output_form
         free_text = f"{free / 2**30:.1f} GiB free" if free is not None else "free space unknown"
         exists = "exists" if cache["exists"] else "not created yet"
         click.echo(f"cache: {cache['root']} ({exists}, {free_text})")
-        version = journal["schema_version"]
-        state = "reachable" if journal["reachable"] else "UNREACHABLE"
-        schema = "not created yet" if version is None else f"schema {version}"
-        click.echo(f"journal: {journal['backend']} {journal['location']} ({state}, {schema})")
+        click.echo(
+            f"journal: {journal['backend']} {journal['location']} ({_journal_state(journal)})"
+        )
         if journal["error"]:
             click.echo(f"  {journal['error']}")
+        if journal["remediation"]:
+            click.echo(f"  to do: {journal['remediation']}")
         for row in deployments:
             mark = "ok" if row["runnable"] else "BLOCKED"
             click.echo(f"deployment {row['deployment']} ({row['model']}): {mark}")

@@ -9,11 +9,18 @@ import anyio
 import click
 
 from sbproxy.cli._live import run_followed
-from sbproxy.cli._options import cache_dir_option, config_option, load_cli_config, resolve_layout
+from sbproxy.cli._options import (
+    JournalChoice,
+    cache_dir_option,
+    config_option,
+    load_cli_config,
+    resolve_layout,
+    select_journal,
+)
 from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.config import CompiledConfig, EngineConfig
 from sbproxy.errors import SbproxyError
-from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
+from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.engines import (
     BuildInput,
     BuildOutput,
@@ -24,7 +31,7 @@ from sbproxy.model_host.engines import (
 from sbproxy.model_host.engines.vllm import detect_vllm
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime import probe_worker
-from sbproxy.store import JobRecord, JobStatus, journal_location, journal_node_id
+from sbproxy.store import JobRecord, JobStatus
 from sbproxy.workflows import WorkflowEngine
 
 __all__ = ["engines_group"]
@@ -77,12 +84,11 @@ def list_command(config_path: Path | None, cache_dir: Path | None, output_format
             click.echo(f"  to do: {detection.remediation}")
 
 
-async def _build(layout: CacheLayout, request: BuildInput) -> JobRecord:
-    cache = ArtifactCache(layout)
+async def _build(journal: JournalChoice, request: BuildInput) -> JobRecord:
+    cache = ArtifactCache(journal.layout)
     cache.ensure_dirs()
-    location = journal_location(layout.journal)
     engine = await WorkflowEngine.open(
-        location, registry, resources=[cache], node=journal_node_id(location, layout.root)
+        journal.location, registry, resources=[cache], node=journal.node()
     )
     try:
         submitted = await engine.submit(
@@ -132,6 +138,7 @@ def build_command(
     command = "engines.build"
     config = load_cli_config(command, config_path, output_format=output_format)
     layout = resolve_layout(command, cache_dir, config, output_format=output_format)
+    journal = select_journal(command, layout, config, output_format=output_format)
     configured = _engine_config(config, engine_kind)
     source = configured.source if configured is not None else None
     archive = source_archive or (Path(source.file) if source and source.file else None)
@@ -169,7 +176,7 @@ def build_command(
             output_format=output_format,
         )
     try:
-        job = anyio.run(_build, layout, request)
+        job = anyio.run(_build, journal, request)
     except SbproxyError as exc:
         fail(command, exc, output_format=output_format, exit_code=EXIT_RUNTIME)
     if job.status != JobStatus.SUCCEEDED:

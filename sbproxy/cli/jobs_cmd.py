@@ -1,16 +1,19 @@
 """``sbproxy jobs``: list, inspect, follow, cancel and retry durable jobs.
 
-Every verb reads the SQLite journal under the cache root (``<cache>/jobs/journal.db``), the
-same file the server's worker and other CLI processes write, so it sees their jobs live and
-after restarts. A running job whose lease lapsed or whose owner died is *stale*: ``list`` and
-``show`` mark it (its age, why, last step, owner, and who resumes it; ``"stale"`` in JSON,
-``null`` for any other job), and ``watch`` says so once it meets one instead of waiting
+Every verb reads the journal the server's worker and other CLI processes write, so it sees
+their jobs live and after restarts: the ``-f`` config's ``proxy.model_host.journal.url``, else
+``$SBPROXY_JOURNAL_URL`` (PostgreSQL), else the SQLite file under the cache root
+(``<cache>/jobs/journal.db``), chosen as ``serve`` chooses it (``_options.select_journal``).
+A running job whose lease lapsed or whose owner died is *stale*: ``list`` and ``show`` mark
+it (its age, why, last step, owner, and who resumes it; ``"stale"`` in JSON, ``null`` for any
+other job), and ``watch`` says so once it meets one instead of waiting
 silently. The cache root comes from ``--cache-dir``, else the ``-f`` config's
 ``proxy.model_host.cache.directory``, else the platform default (``resolve_cache_root``).
 
 Exit status: 0 success; 1 a followed job ended failed, cancelled or parked (or the journal
-could not be used); 2 bad input: a malformed or unknown job id, an invalid config, no journal
-at the chosen cache root, or a retry of a job that is not failed or parked.
+could not be used); 2 bad input or a refusal: a malformed or unknown job id, an invalid config
+or journal URL, no journal at the chosen cache root, a PostgreSQL journal that cannot be
+reached or is newer than this sbproxy, or a retry of a job that is not failed or parked.
 
 ``list`` lives here with the group and reads the journal through the stdlib ``sqlite3``
 (:class:`~sbproxy.store.JournalReader`), falling back to the full store only when that reader
@@ -27,7 +30,7 @@ from typing import Any, TypeVar
 import click
 
 from sbproxy.cli._job_text import job_table
-from sbproxy.cli._jobs_common import job_json, journal_options, journal_path
+from sbproxy.cli._jobs_common import job_json, journal_choice, journal_options
 from sbproxy.cli._lazy import LazyCommand, LazyGroup
 from sbproxy.cli._output import emit_json, format_option
 from sbproxy.store import (
@@ -36,7 +39,6 @@ from sbproxy.store import (
     JournalReader,
     ReaderDeclined,
     journal_display,
-    journal_location,
     system_lease_time,
     wall_clock_ms,
 )
@@ -137,20 +139,20 @@ def list_command(
     step and owner, and what resumes it.
     """
     command = "jobs.list"
-    journal = journal_path(command, cache_dir, config_path, output_format)
+    journal = journal_choice(command, cache_dir, config_path, output_format)
+    location = journal.location
     statuses = tuple(JobStatus(state) for state in states)
     jobs: list[JobRecord] = []
     stale: dict[str, Staleness] = {}
-    location = journal_location(journal)  # $SBPROXY_JOURNAL_URL: PostgreSQL
-    if location != journal:
+    if journal.on_postgres:
         from sbproxy.cli.jobs_control_cmd import list_with_engine
 
         jobs, stale = list_with_engine(
             command, output_format, journal, statuses=statuses, kind=kind, limit=limit
         )
-    elif journal.is_file():
+    elif journal.layout.journal.is_file():
         try:
-            jobs, stale = _read_listing(journal, statuses, kind, limit)
+            jobs, stale = _read_listing(journal.layout.journal, statuses, kind, limit)
         except ReaderDeclined:
             from sbproxy.cli.jobs_control_cmd import list_with_engine
 

@@ -26,10 +26,10 @@ from sbproxy.cli._job_text import (
     show_lines,
     stale_text,
 )
-from sbproxy.cli._jobs_common import INVALID_INPUT_CODES, job_json, journal_options, journal_path
+from sbproxy.cli._jobs_common import job_json, journal_choice, journal_options
 from sbproxy.cli._live import follow, run_followed
+from sbproxy.cli._options import JournalChoice
 from sbproxy.cli._output import (
-    EXIT_INVALID,
     EXIT_RUNTIME,
     emit_json,
     fail,
@@ -37,7 +37,7 @@ from sbproxy.cli._output import (
     interrupted,
 )
 from sbproxy.errors import SbproxyError
-from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
+from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.artifacts.locks import serving_host
 from sbproxy.model_host.flows import registry
 from sbproxy.store import (
@@ -45,8 +45,6 @@ from sbproxy.store import (
     JobStatus,
     StepRecord,
     StepStatus,
-    journal_location,
-    journal_node_id,
     wall_clock_ms,
 )
 from sbproxy.workflows import Staleness, WorkflowEngine
@@ -80,33 +78,33 @@ def _parse_job_id(value: str) -> str:
         ) from None
 
 
-def _require_journal(journal: Path) -> None:
+def _require_journal(journal: JournalChoice) -> None:
     """Refuse to go on (and to create the file) when nothing has run with this cache root.
 
     Raises:
         SbproxyError: ``no_job_journal``.
     """
-    if journal_location(journal) != journal:
-        return  # $SBPROXY_JOURNAL_URL: a PostgreSQL journal, which the server created
-    if not journal.is_file():
+    if journal.on_postgres:
+        return  # a PostgreSQL journal, which whoever used it first created
+    if not journal.layout.journal.is_file():
         raise SbproxyError(
-            f"no job journal at {journal}; nothing has run with this cache directory.",
+            f"no job journal at {journal.layout.journal}; nothing has run with this cache "
+            "directory.",
             code="no_job_journal",
             remediation="Pass the --cache-dir (or -f config) that the server uses.",
-            details={"journal": str(journal)},
+            details={"journal": str(journal.layout.journal)},
         )
 
 
 @asynccontextmanager
-async def _engine(journal: Path) -> AsyncIterator[WorkflowEngine]:
+async def _engine(journal: JournalChoice) -> AsyncIterator[WorkflowEngine]:
     """The workflow engine over ``journal`` with what this process's workflows need: the
-    artifact cache the journal belongs to (``<cache>/jobs/journal.db``), as ``models pull``
-    has it, so that a retried pull (or import, remove, gc) runs here. With
-    ``$SBPROXY_JOURNAL_URL`` set, the journal is that PostgreSQL database instead."""
-    cache = ArtifactCache(CacheLayout(root=journal.parent.parent))
-    location = journal_location(journal)
-    node = journal_node_id(location, cache.layout.root)
-    engine = await WorkflowEngine.open(location, registry, resources=[cache], node=node)
+    artifact cache the journal belongs to, as ``models pull`` has it, so that a retried pull
+    (or import, remove, gc) runs here; on PostgreSQL its jobs record the cache's node."""
+    cache = ArtifactCache(journal.layout)
+    engine = await WorkflowEngine.open(
+        journal.location, registry, resources=[cache], node=journal.node()
+    )
     try:
         yield engine
     finally:
@@ -118,8 +116,7 @@ def _run(command: str, output_format: str, work: Callable[[], Awaitable[int]]) -
     try:
         status = anyio.run(work)
     except SbproxyError as exc:
-        code = EXIT_INVALID if exc.code in INVALID_INPUT_CODES else EXIT_RUNTIME
-        fail(command, exc, output_format=output_format, exit_code=code)
+        fail(command, exc, output_format=output_format, exit_code=EXIT_RUNTIME)
     except KeyboardInterrupt:
         interrupted(command)
     if status:
@@ -161,7 +158,7 @@ def _report_outcome(command: str, job: JobRecord, output_format: str, **extra: o
 def list_with_engine(
     command: str,
     output_format: str,
-    journal: Path,
+    journal: JournalChoice,
     *,
     statuses: Sequence[JobStatus],
     kind: str | None,
@@ -199,7 +196,7 @@ def show_command(
     and owner, and what resumes it.
     """
     command = "jobs.show"
-    journal = journal_path(command, cache_dir, config_path, output_format)
+    journal = journal_choice(command, cache_dir, config_path, output_format)
 
     async def work() -> int:
         wanted = _parse_job_id(job_id)
@@ -245,7 +242,7 @@ def watch_command(
     and follows the resumed run.
     """
     command = "jobs.watch"
-    journal = journal_path(command, cache_dir, config_path, output_format)
+    journal = journal_choice(command, cache_dir, config_path, output_format)
 
     async def work() -> int:
         wanted = _parse_job_id(job_id)
@@ -285,7 +282,7 @@ def cancel_command(
     Prints the job after the request. A job that already finished is left as it is.
     """
     command = "jobs.cancel"
-    journal = journal_path(command, cache_dir, config_path, output_format)
+    journal = journal_choice(command, cache_dir, config_path, output_format)
 
     async def work() -> int:
         wanted = _parse_job_id(job_id)
@@ -337,7 +334,7 @@ def retry_command(
     (succeeded or cancelled).
     """
     command = "jobs.retry"
-    journal = journal_path(command, cache_dir, config_path, output_format)
+    journal = journal_choice(command, cache_dir, config_path, output_format)
 
     async def work() -> int:
         wanted = _parse_job_id(job_id)
@@ -363,14 +360,16 @@ def retry_command(
     _run(command, output_format, work)
 
 
-async def _who_runs_it(engine: WorkflowEngine, job: JobRecord, journal: Path) -> dict[str, object]:
+async def _who_runs_it(
+    engine: WorkflowEngine, job: JobRecord, journal: JournalChoice
+) -> dict[str, object]:
     """Where a job left in the journal (queued or running) is run from, for ``jobs retry``
     that does not run it here: ``{"text": one line, "serving_pid": pid or None}``."""
     steps = await engine.steps(job.id)
     done = _completed_prefix(steps)
     resume = f"after step {steps[done - 1].name}" if done else "from its start"
     watch = f"`sbproxy jobs watch {job.id}` follows it"
-    pid = serving_host(journal.parent.parent / "locks" / "host.lock")
+    pid = serving_host(journal.layout.root / "locks" / "host.lock")
     if job.status == JobStatus.RUNNING:
         stale = await engine.staleness(job)
         if stale is None:

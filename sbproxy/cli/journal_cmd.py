@@ -7,24 +7,14 @@ from pathlib import Path
 import anyio
 import click
 
-from sbproxy.cli._jobs_common import journal_options, journal_path
-from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.cli._jobs_common import journal_options
+from sbproxy.cli._options import load_cli_config, resolve_layout
+from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.artifacts.locks import serving_host
-from sbproxy.store import journal_display
+from sbproxy.store import check_journal_url, journal_display
 
 __all__ = ["journal_group"]
-
-# Refusals that mean "not now / not there" (exit 2): fix the situation, run again.
-_REFUSALS = frozenset(
-    {
-        "journal_in_use",
-        "journal_not_empty",
-        "journal_unavailable",
-        "journal_schema_newer",
-        "invalid_config",
-    }
-)
 
 
 @click.group("journal")
@@ -56,21 +46,16 @@ def migrate_command(
     Afterwards set ``proxy.model_host.journal.url`` (or ``$SBPROXY_JOURNAL_URL``); the SQLite
     file stays as it was (a backup).
     """
-    from sbproxy.store.postgres import is_postgres_url
     from sbproxy.store.transfer import copy_journal
 
     command = "journal.migrate"
-    source = journal_path(command, cache_dir, config_path, output_format)
-    if not is_postgres_url(target):
-        fail(
-            command,
-            SbproxyError(
-                "--to must be a postgresql://user@host:port/dbname URL",
-                code="invalid_config",
-                remediation="Name the target PostgreSQL database.",
-            ),
-            output_format=output_format,
-        )
+    # The source is this cache's SQLite file, whatever journal the config names.
+    config = load_cli_config(command, config_path, output_format=output_format)
+    source = resolve_layout(command, cache_dir, config, output_format=output_format).journal
+    try:
+        target = check_journal_url(target, source="--to (or $SBPROXY_JOURNAL_URL)")
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format)
     if not source.is_file():
         fail(
             command,
@@ -95,8 +80,7 @@ def migrate_command(
     try:
         report = anyio.run(copy_journal, source, target)
     except SbproxyError as exc:
-        code = EXIT_INVALID if exc.code in _REFUSALS else EXIT_RUNTIME
-        fail(command, exc, output_format=output_format, exit_code=code)
+        fail(command, exc, output_format=output_format, exit_code=EXIT_RUNTIME)
     where = journal_display(target)
     if output_format == "json":
         emit_json(command, {"from": str(source), "to": where, "rows": report.rows})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
@@ -72,6 +73,27 @@ def cli() -> None:
     """
 
 
+class _DriverAftermath(logging.Filter):
+    """Drops the PostgreSQL driver's ``error ignored ...`` warnings.
+
+    psycopg logs one when cleaning up after an error fails too -- a pipeline, transaction or
+    copy ended on a connection that is gone (``error ignored terminating <psycopg.Pipeline
+    [BAD]>: the connection is lost``). The error that caused it is raised anyway, and the
+    store reports it as its own (``journal_unavailable``, one line naming ``host:port``); in a
+    CLI verb, where no logging is set up, the driver's line would reach stderr bare, before it.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith("error ignored"))
+
+
+def _quiet_driver_aftermath() -> None:
+    # Logger filters are not inherited: psycopg logs on "psycopg" and on
+    # "psycopg.transaction" (its transaction blocks).
+    for name in ("psycopg", "psycopg.transaction"):
+        logging.getLogger(name).addFilter(_DriverAftermath())
+
+
 def main() -> None:
     """Console-script entry point (collection paused while the command imports, see ``_lazy``).
 
@@ -81,6 +103,7 @@ def main() -> None:
     every other error (``{"ok": false, "error": {"code": "usage", ...}}``).
     """
     defer_collection()
+    _quiet_driver_aftermath()
     try:
         outcome = cli.main(prog_name="sbproxy", standalone_mode=False)
     except click.ClickException as exc:

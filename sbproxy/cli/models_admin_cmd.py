@@ -164,6 +164,8 @@ def admin_call(
                 code=str(reason or "admin_error"),
             ),
             output_format=output_format,
+            # The server's reason code decides first (a 503 journal_unavailable is a
+            # refusal, exit 2, as from a verb that reads the journal itself).
             exit_code=EXIT_INVALID
             if response.status_code in (400, 401, 404, 409, 422)
             else EXIT_RUNTIME,

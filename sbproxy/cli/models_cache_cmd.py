@@ -547,11 +547,7 @@ def partials_command(
         return await service.partials()
 
     # A root without a journal has never had a pull: nothing to list, nothing to create.
-    reports = (
-        run_with_service(command, output_format, host, work)
-        if host.layout.journal.is_file()
-        else []
-    )
+    reports = run_with_service(command, output_format, host, work) if host.cache_used() else []
     if output_format == "json":
         emit_json(command, {"cache_root": str(host.layout.root), **partials_json(reports)})
         return

@@ -273,7 +273,7 @@ def _cache_view(command: str, host: HostChoice, catalog: Catalog, output_format:
     found writable: the same ``invalid_cache_dir`` errors) but the journal is not opened:
     what is cached is the ready markers and snapshots, not the jobs.
     """
-    if not host.layout.journal.is_file():
+    if not host.cache_used():
         return _CacheView()
     try:
         cache = ArtifactCache.open(host.layout)

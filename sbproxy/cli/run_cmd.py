@@ -34,6 +34,7 @@ from sbproxy.cli._output import (
     EXIT_INVALID,
     EXIT_RUNTIME,
     configure_server_logging,
+    exit_status,
     fail,
     freeze_startup_heap,
 )
@@ -290,13 +291,7 @@ def _serve(path: Path, *, public: str, port: int, admin_port: int, password: str
             run_served(lambda: serve(compiled, watch=watch, listener_fields=fields))
     except SbproxyError as exc:
         click.echo(f"sbproxy run: {exc}", err=True)
-        refused = exc.code in (
-            "port_in_use",
-            "port_not_permitted",
-            "bind_address_unavailable",
-            "cache_in_use",
-        )
-        return EXIT_INVALID if refused else EXIT_RUNTIME
+        return exit_status(exc)
     if failure:
         click.echo(f"sbproxy run: {failure[0]}", err=True)
         return EXIT_RUNTIME

@@ -14,9 +14,14 @@ from typing import TYPE_CHECKING
 
 import click
 
-from sbproxy.cli._output import EXIT_INVALID, configure_server_logging, freeze_startup_heap
+from sbproxy.cli._output import (
+    EXIT_INVALID,
+    configure_server_logging,
+    exit_status,
+    freeze_startup_heap,
+)
 from sbproxy.config import CompiledConfig, load_config
-from sbproxy.errors import ConfigError, SbproxyError
+from sbproxy.errors import SbproxyError
 from sbproxy.telemetry import configure_from_environment
 
 if TYPE_CHECKING:
@@ -87,7 +92,7 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool, locked
         compiled = load_config(config_file)
     except SbproxyError as exc:
         click.echo(f"serve: {exc} ({exc.code})", err=True)
-        sys.exit(EXIT_INVALID if isinstance(exc, ConfigError) else 1)
+        sys.exit(exit_status(exc))
     if locked:
         _check_lock(config_file, compiled, cache_dir)
     try:
@@ -101,23 +106,10 @@ def serve_command(config_file: Path, cache_dir: Path | None, watch: bool, locked
             )
         )
     except SbproxyError as exc:
+        # A refusal (a port in use, a journal that cannot be reached ...) is 2, as from
+        # every verb (``REFUSAL_CODES``); a failure while serving is 1.
         click.echo(f"serve: {exc} ({exc.code})", err=True)
-        sys.exit(EXIT_INVALID if isinstance(exc, ConfigError) or exc.code in START_REFUSALS else 1)
-
-
-# Bad input found before anything starts: exit 2.
-START_REFUSALS = frozenset(
-    {
-        "invalid_config",
-        "port_in_use",
-        "port_not_permitted",
-        "bind_address_unavailable",
-        "cache_in_use",
-        "node_id_in_use",
-        "node_removed",
-        "invalid_advertise_url",
-    }
-)
+        sys.exit(exit_status(exc))
 
 
 def _lock_path(config_file: Path) -> Path:

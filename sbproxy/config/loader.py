@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from sbproxy.config._rules import RuleViolation, dotted
 from sbproxy.config.compile import CompiledConfig, compile_config
 from sbproxy.config.document import SbConfig
+from sbproxy.config.journal_url import INVALID_JOURNAL_URL
 from sbproxy.errors import ConfigError, ConfigIssue
 
 __all__ = ["load_config", "load_config_text", "validation_issues"]
@@ -277,7 +278,11 @@ def load_config_text(
     try:
         config = SbConfig.model_validate(data, context=context)
     except ValidationError as exc:
-        raise ConfigError(validation_issues(exc, doc=doc), source=source) from None
+        # A journal URL that is the only problem gets its own code (a script tells it from
+        # the rest); with others beside it, the file is just invalid.
+        kinds = {error["type"] for error in exc.errors()}
+        code = INVALID_JOURNAL_URL if kinds == {INVALID_JOURNAL_URL} else None
+        raise ConfigError(validation_issues(exc, doc=doc), source=source, code=code) from None
     try:
         return compile_config(config, source=path)
     except ConfigError as exc:

@@ -22,6 +22,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from sbproxy.config._rules import (
     ConfigModel,
@@ -33,6 +34,7 @@ from sbproxy.config._rules import (
     is_sha256_hex,
 )
 from sbproxy.config.engine_args import EngineKind, check_engine_args
+from sbproxy.config.journal_url import INVALID_JOURNAL_URL, JOURNAL_URL_FORM, journal_url_problem
 
 __all__ = [
     "MAX_CACHE_BUDGET_GIB",
@@ -891,13 +893,13 @@ class JournalConfig(ConfigModel):
     @field_validator("url")
     @classmethod
     def _postgres_url(cls, value: SecretStr) -> SecretStr:
-        scheme = (
-            value.get_secret_value().split("://", 1)[0] if "://" in value.get_secret_value() else ""
-        )
-        if scheme not in ("postgresql", "postgres"):
-            raise ValueError(
-                "must be a postgresql://user@host:port/dbname URL (the SQLite journal needs "
-                "no setting: leave journal out)"
+        problem = journal_url_problem(value.get_secret_value())
+        if problem is not None:
+            # Its own error type: the loader reports it as ``invalid_journal_url``.
+            raise PydanticCustomError(
+                INVALID_JOURNAL_URL,
+                "not a usable journal URL (invalid_journal_url): it {problem}; write {form}",
+                {"problem": problem, "form": JOURNAL_URL_FORM},
             )
         return value
 

@@ -714,14 +714,15 @@ async def open_service(
     Raises:
         CatalogError: ``invalid_catalog`` (checked before the cache root is touched).
         SbproxyError: ``invalid_cache_dir`` when the cache root cannot be created or written
-            (a read-only file system, no permission, a file in the way).
+            (a read-only file system, no permission, a file in the way);
+            ``invalid_journal_url`` when ``$SBPROXY_JOURNAL_URL`` names no PostgreSQL server
+            (the journal is :func:`~sbproxy.store.journal_location`'s, as ``serve``'s).
     """
     host = config.model_host if config else None
     chosen = catalog_file or (Path(host.catalog_file) if host and host.catalog_file else None)
     catalog = load_catalog(chosen)
     cache = ArtifactCache.open(layout)
-    url = host.journal.url.get_secret_value() if host and host.journal else None
-    location = journal_location(layout.journal, url)
+    location = journal_location(layout.journal, host)
     # On a shared PostgreSQL journal the cache's own node id, never the host name.
     node = journal_node_id(location, layout.root, host.node.id if host else None)
     engine = await WorkflowEngine.open(location, registry, resources=[cache], node=node)

@@ -29,7 +29,13 @@ from sbproxy.store.lifecycle import (
     JobStatus,
     StepStatus,
 )
-from sbproxy.store.location import ENV_JOURNAL_URL, journal_display, journal_location
+from sbproxy.store.location import (
+    CONFIG_JOURNAL_URL,
+    ENV_JOURNAL_URL,
+    check_journal_url,
+    journal_display,
+    journal_location,
+)
 from sbproxy.store.outcomes import DURATION_BUCKETS_S, DurationHistogram, JobOutcomes
 from sbproxy.store.readonly import JournalReader, ReaderDeclined
 from sbproxy.store.records import (
@@ -88,6 +94,7 @@ else:
 
 __all__ = [
     "ACTIVE_JOB_STATUSES",
+    "CONFIG_JOURNAL_URL",
     "DURATION_BUCKETS_S",
     "ENV_JOURNAL_URL",
     "HOUR_MS",
@@ -124,6 +131,7 @@ __all__ = [
     "UsageStore",
     "UsageTotals",
     "boot_id",
+    "check_journal_url",
     "journal_display",
     "journal_fault",
     "journal_location",

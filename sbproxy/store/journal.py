@@ -48,6 +48,7 @@ from sbproxy.store.jobs import (
 )
 from sbproxy.store.leaseclock import LeaseClock
 from sbproxy.store.lifecycle import JobStatus
+from sbproxy.store.location import check_journal_url
 from sbproxy.store.outcomes import JobOutcomes, WriteTallies
 
 __all__ = ["JobJournal", "open_journal"]
@@ -208,5 +209,10 @@ async def open_journal(
         StoreError: as :meth:`Database.open` (``store_failed``, ``disk_full``,
             ``invalid_cache_dir``, ``store_version_mismatch``; on PostgreSQL
             ``journal_unavailable`` and ``journal_schema_newer``).
+        SbproxyError: ``invalid_journal_url`` when ``path`` is a URL that names no
+            PostgreSQL server (``location.check_journal_url``): a caller that passes a URL
+            without :func:`~sbproxy.store.location.journal_location` gets the same check.
     """
+    if isinstance(path, str) and "://" in path:
+        path = check_journal_url(path, source="the journal URL")
     return JobStore(await Database.open(path, synchronous=synchronous), node=node)

@@ -29,8 +29,10 @@ def probe_journal(location: Path | str) -> dict[str, Any]:
 
     Returns:
         ``{"backend": "sqlite" | "postgresql", "location": str, "reachable": bool,
-        "schema_version": int | None, "supported_schema": int, "error": str | None}``;
-        ``schema_version`` ``None`` when the journal is not created yet (or unreachable).
+        "schema_version": int | None, "supported_schema": int, "error": str | None,
+        "code": str | None, "remediation": str | None}``; ``schema_version`` ``None`` when
+        the journal is not created yet, or unknown (unreachable); ``code`` the reason code
+        of ``error`` (``journal_unavailable``, ``invalid_journal_url``, ``store_failed``).
     """
     report: dict[str, Any] = {
         "backend": "sqlite",
@@ -39,6 +41,8 @@ def probe_journal(location: Path | str) -> dict[str, Any]:
         "schema_version": None,
         "supported_schema": SCHEMA_VERSION,
         "error": None,
+        "code": None,
+        "remediation": None,
     }
     if isinstance(location, str) and is_postgres_url(location):
         report["backend"] = "postgresql"
@@ -46,7 +50,7 @@ def probe_journal(location: Path | str) -> dict[str, Any]:
             target = PgTarget.parse(location)
         except SbproxyError as exc:
             report["location"] = "postgresql://(invalid URL)"
-            report["error"] = exc.message
+            report.update(error=exc.message, code="invalid_journal_url")
             return report
         report["location"] = target.describe()
         try:
@@ -66,7 +70,12 @@ def probe_journal(location: Path | str) -> dict[str, Any]:
                     row = connection.execute(_VERSION).fetchone()
                     report["schema_version"] = int(row[0]) if row else None
         except psycopg.Error as exc:
-            report["error"] = target.unavailable(exc).message
+            unavailable = target.unavailable(exc)
+            report.update(
+                error=unavailable.message,
+                code=unavailable.code,
+                remediation=unavailable.remediation,
+            )
         return report
     path = Path(location)
     if not path.exists():
@@ -77,5 +86,5 @@ def probe_journal(location: Path | str) -> dict[str, Any]:
             report["reachable"] = True
             report["schema_version"] = int(raw.execute(_VERSION).fetchone()[0])
     except sqlite3.Error as exc:
-        report["error"] = f"cannot read the journal {path}: {exc}"
+        report.update(error=f"cannot read the journal {path}: {exc}", code="store_failed")
     return report

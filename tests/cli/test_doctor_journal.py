@@ -72,6 +72,8 @@ def test_doctor_shows_the_postgres_journal_without_its_password(
         "schema_version": SCHEMA_VERSION,
         "supported_schema": SCHEMA_VERSION,
         "error": None,
+        "code": None,
+        "remediation": None,
     }
 
 

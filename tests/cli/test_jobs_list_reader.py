@@ -51,7 +51,7 @@ def _through_engine(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         raise ReaderDeclined(f"declined {path} for the test")
 
     def engine_listing(*args: Any, **kwargs: Any) -> Any:
-        used.append(str(args[2]))
+        used.append(str(args[2].location))  # the JournalChoice the verb selected
         return fallback(*args, **kwargs)
 
     monkeypatch.setattr(JournalReader, "open", declined)

@@ -10,7 +10,8 @@ access-log outcome. The scan collects string literals in the places such a code 
   of the package whose parameter (or first dataclass field) is named ``code`` --
   ``ErrorInfo("invalid_input", ...)``, ``self._error("engine_port_lost", ...)``;
 * ``{"code": ...}`` dictionaries; ``x.code == "..."`` and ``x.code in (...)`` comparisons
-  (the codes a table produces are compared where they are handled);
+  (the codes a table produces are compared where they are handled), ``x.code in NAME`` of a
+  module's ``NAME = frozenset({...})`` (or set, tuple) of literals too;
 * assignments to ``code``, ``reason_code`` or ``outcome`` (a name or an attribute);
 * ``stop(..., reason="...")`` of the runtime: a stop's reason becomes the stopped
   deployment's ``reason_code``;
@@ -53,6 +54,7 @@ class _Module:
         self.tree = tree
         self.constants: dict[str, str] = {}
         self.tables: dict[str, list[ast.expr]] = {}
+        self.sets: dict[str, ast.expr] = {}
         self.functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
         for statement in tree.body:
             target, value = _assignment(statement)
@@ -61,6 +63,15 @@ class _Module:
                     self.constants[target] = value.value
                 elif isinstance(value, ast.Dict):
                     self.tables[target] = list(value.values)
+                elif isinstance(value, ast.Set | ast.Tuple):
+                    self.sets[target] = value
+                elif (
+                    isinstance(value, ast.Call)
+                    and isinstance(value.func, ast.Name)
+                    and value.func.id == "frozenset"
+                    and value.args
+                ):
+                    self.sets[target] = value.args[0]
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 self.functions.setdefault(node.name, node)
@@ -111,6 +122,8 @@ class _Scan:
             yield node.value
         elif isinstance(node, ast.Name) and node.id in self.constants:
             yield self.constants[node.id]
+        elif isinstance(node, ast.Name) and node.id in module.sets:
+            yield from self.literals(module.sets[node.id], module, depth + 1)
         elif isinstance(node, ast.Attribute) and node.attr in self.constants:
             yield self.constants[node.attr]
         elif isinstance(node, ast.IfExp):

@@ -167,10 +167,7 @@ async def runtime_host(
     cache = ArtifactCache(layout)
     cache.ensure_dirs()
     # proxy.model_host.journal (a PostgreSQL journal) as `serve` reads it; else SQLite.
-    shared = compiled.model_host.journal if compiled.model_host else None
-    journal = await open_journal(
-        journal_location(layout.journal, shared.url.get_secret_value() if shared else None)
-    )
+    journal = await open_journal(journal_location(layout.journal, compiled.model_host))
     engine = WorkflowEngine(
         journal, registry, resources=[cache], lease=LeaseSettings(lease_s=5, heartbeat_s=0.5)
     )
