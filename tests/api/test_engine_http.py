@@ -252,7 +252,7 @@ async def test_an_idle_connection_past_its_keepalive_is_not_reused() -> None:
 async def test_an_answer_cut_inside_its_body_fails_the_read() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"partial\":")
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"partial":')
         await writer.drain()
 
     async with engine(handler) as port:
