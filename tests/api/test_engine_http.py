@@ -313,13 +313,17 @@ async def test_a_stream_nobody_reads_stops_being_read_from_the_engine() -> None:
         response = await pool.post("127.0.0.1", port, CHAT, b"{}")
         connection = response._connection
         assert connection is not None
+
+        def paused() -> bool:
+            return connection._paused
+
         async with asyncio.timeout(5):
-            while not connection._paused:  # the engine's bytes arrive; reading pauses
+            while not paused():  # the engine's bytes arrive; reading pauses
                 await asyncio.sleep(0.01)
         received = b""
         while part := await response.content.readany():
             received += part
         assert received == data
-        assert not connection._paused
+        assert not paused()
         response.release()
         await pool.close()
