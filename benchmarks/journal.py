@@ -28,12 +28,16 @@ that a noisy neighbour hits all of them alike. It prints ONE JSON object on stdo
   from inside the workflow: a trivial step does nothing, so this is the journal's cost per
   step; p50/p95/p99/mean/max), ``job_ms`` (start to outcome per job);
 * ``sbproxy_over_dbos``: sbproxy's steps/s over DBOS's, and DBOS's step p50 and p95 over
-  sbproxy's (above 1: sbproxy is faster), with the targets of issue 14 (step p50 at most
-  1.5 ms, steps/s at least 1.5 times DBOS's);
+  sbproxy's (above 1: sbproxy is faster), with the targets of issue 31 (step p50 at most
+  0.7 ms, steps/s at least 3 times DBOS's);
 * ``full_over_normal``: what FULL costs over NORMAL for sbproxy;
 * ``raw_sqlite_commit_ms``: a one-row ``BEGIN IMMEDIATE`` commit through the stdlib driver
   (WAL, FULL and NORMAL), the floor that fsync sets, measured in every round too (as many
   commits as a contender ran steps);
+* ``postgresql`` (with ``--postgres``): the floors there, measured the same way -- a
+  one-row committed ``INSERT`` (``raw_commit_ms``) and the statement the journal sends for a
+  step, executed straight through psycopg (``step_statement_ms``: what the server does for
+  a step) -- and sbproxy's step p50 over each, its steps/s over DBOS's;
 * ``claims``: claims per second with 4 processes competing for one journal's queue of
   ``--claim-jobs`` jobs (each process opens the journal, they start together at a barrier
   and claim until none is left), on SQLite and, with ``--postgres``, on PostgreSQL;
@@ -68,8 +72,9 @@ from typing import Any
 import anyio
 from pydantic import BaseModel
 
-from sbproxy.store import Synchronous
+from sbproxy.store import EndedStep, StepStatus, Synchronous, jobs
 from sbproxy.store.journal import open_journal
+from sbproxy.store.postgres import translate
 from sbproxy.workflows import Registry, StepContext, WorkflowContext, WorkflowEngine, step
 
 registry = Registry()
@@ -77,9 +82,12 @@ registry = Registry()
 # Where the running contender's workflow body appends each step call's duration (seconds).
 _timings: list[list[float]] = [[]]
 
-# The issue's targets (issue 14, item 8).
-TARGET_STEP_P50_MS = 1.5
-TARGET_OVER_DBOS = 1.5
+# The issue's targets (issue 31, item 2): on SQLite, the step p50 and steps/s over DBOS on
+# SQLite; on PostgreSQL, steps/s over DBOS there and the step p50 over the one-row commit.
+TARGET_STEP_P50_MS = 0.7
+TARGET_OVER_DBOS = 3.0
+TARGET_PG_OVER_DBOS = 2.0
+TARGET_PG_STEP_OVER_COMMIT = 2.0
 
 
 class BenchInput(BaseModel):
@@ -430,6 +438,64 @@ class RawPgCommits:
         self.connection.close()
 
 
+class PgStepStatements:
+    """The server's share of a step: the very statement the journal sends for one (the end
+    of the step before it and its own start, fenced, with their events), executed
+    prepared straight through psycopg on a job of its own, one after another, measured in
+    every round beside the contenders. Between it and the one-row commit lies what the
+    statement makes the server do; between it and sbproxy's step, the client's cost."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        self.job_id, self.attempt = anyio.run(_claimed_job, url)
+        self.connection = psycopg.connect(url, autocommit=True)
+        self.statement = translate(jobs._END_AND_BEGIN_STEP_PG)
+        self.seq = 0
+        self.timings: list[float] = []
+
+    def run(self, commits: int) -> None:
+        import psycopg
+
+        for _ in range(commits):
+            self.seq += 1
+            ended = EndedStep(seq=self.seq - 1, name=f"s{self.seq - 1}", output_json="1")
+            now = int(time.time() * 1000)
+            ending = jobs._Ending.success(self.job_id, "bench", self.attempt, ended)
+            params = {
+                **ending.pg_params(now),
+                "id": self.job_id,
+                "seq": self.seq,
+                "name": f"s{self.seq}",
+                "now": now,
+                "owner": "bench",
+                "attempt": self.attempt,
+                "event": jobs._step_event(self.seq, f"s{self.seq}", StepStatus.RUNNING),
+            }
+            started = time.perf_counter()
+            cursor = psycopg.Cursor(self.connection)
+            cursor.execute(self.statement, params, prepare=True)
+            assert cursor.fetchone() is not None
+            self.timings.append(time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+async def _claimed_job(url: str) -> tuple[str, int]:
+    """A job claimed by owner ``bench`` on the journal at ``url`` (created here), its first
+    step begun: ``(job id, attempt)``."""
+    store = await open_journal(url)
+    try:
+        job = (await store.submit(kind="bench-statement", workflow_version=1, input_json="{}")).job
+        claimed = await store.claim(owner="bench", lease_ms=3_600_000, job_id=job.id)
+        assert claimed is not None
+        await store.begin_step(job.id, owner="bench", attempt=claimed.attempt, seq=0, name="s0")
+        return job.id, claimed.attempt
+    finally:
+        await store.close()
+
+
 def _server_settings(url: str) -> dict[str, Any]:
     """The durability settings of the server at ``url`` (and its version)."""
     import psycopg
@@ -632,6 +698,7 @@ def _postgres_summary(reports: dict[str, Any], floors: list[Any]) -> dict[str, A
     """sbproxy on PostgreSQL against DBOS on PostgreSQL and the one-row commit floor."""
     sb_pg, dbos_pg = reports["sbproxy_postgresql"], reports.get("dbos_postgresql")
     floor_pg = _summary_ms(floors[2].timings)
+    statement = _summary_ms(floors[3].timings)
     p50 = sb_pg["step_overhead_ms"]["p50"]
     over_floor = _ratio(p50, floor_pg["p50"] if floor_pg else None)
     over_dbos = (
@@ -639,13 +706,21 @@ def _postgres_summary(reports: dict[str, Any], floors: list[Any]) -> dict[str, A
     )
     return {
         "raw_commit_ms": floor_pg,
+        "step_statement_ms": statement,
         "sbproxy_step_p50_over_raw_commit_p50": over_floor,
+        "step_statement_p50_over_raw_commit_p50": _ratio(
+            statement["p50"] if statement else None, floor_pg["p50"] if floor_pg else None
+        ),
+        "sbproxy_step_p50_over_step_statement_p50": _ratio(
+            p50, statement["p50"] if statement else None
+        ),
         "sbproxy_steps_per_s_over_dbos": over_dbos,
         "targets": {
-            "steps_per_s_over_dbos_at_least": TARGET_OVER_DBOS,
-            "steps_per_s_over_dbos_met": over_dbos is not None and over_dbos >= TARGET_OVER_DBOS,
-            "step_p50_over_raw_commit_at_most": 2.0,
-            "step_p50_over_raw_commit_met": over_floor is not None and over_floor <= 2.0,
+            "steps_per_s_over_dbos_at_least": TARGET_PG_OVER_DBOS,
+            "steps_per_s_over_dbos_met": over_dbos is not None and over_dbos >= TARGET_PG_OVER_DBOS,
+            "step_p50_over_raw_commit_at_most": TARGET_PG_STEP_OVER_COMMIT,
+            "step_p50_over_raw_commit_met": over_floor is not None
+            and over_floor <= TARGET_PG_STEP_OVER_COMMIT,
         },
     }
 
@@ -727,6 +802,7 @@ def main() -> None:
         floors: list[Any] = [RawCommits(mode, directory=root) for mode in ("FULL", "NORMAL")]
         if postgres is not None:
             floors.append(RawPgCommits(postgres.create()))
+            floors.append(PgStepStatements(postgres.create()))
         claims: dict[str, Any] | None = None
         try:
             anyio.run(_measure_all, contenders, floors, args.jobs, args.warmup, args.rounds)

@@ -195,10 +195,20 @@ def _exhausted_message(
 
 
 def _event_json(data: Mapping[str, Any]) -> str:
-    encoded = json.dumps(_redact_tree(data), separators=(",", ":"), sort_keys=True)
-    if len(encoded.encode()) > MAX_EVENT_BYTES:
-        encoded = json.dumps({"truncated": True})
-    return encoded
+    return _bounded_event(json.dumps(_redact_tree(data), separators=(",", ":"), sort_keys=True))
+
+
+def _bounded_event(encoded: str) -> str:
+    return encoded if len(encoded.encode()) <= MAX_EVENT_BYTES else json.dumps({"truncated": True})
+
+
+def _step_event(seq: int, name: str, status: StepStatus) -> str:
+    """The ``step`` event of a step's start (``running``) or success: the text
+    ``_event_json({"seq", "name", "status"})`` writes, built without its tree walk -- every
+    step writes two of these. Only the name is free text (redacted); the status is the
+    journal's own constant."""
+    data = {"name": redact(name), "seq": seq, "status": status.value}  # sorted keys
+    return _bounded_event(json.dumps(data, separators=(",", ":")))
 
 
 class JobStore:
@@ -845,7 +855,7 @@ class JobStore:
             ``StepRefusal.LEASE_LOST`` (the claim no longer holds the job: nothing was
             recorded; stop).
         """
-        event = _event_json({"seq": seq, "name": name, "status": "running"})
+        event = _step_event(seq, name, StepStatus.RUNNING)
         ended = _Ending.success(job_id, owner, attempt, ending) if ending else None
 
         def work(tx: Transaction) -> StepRecord | StepRefusal:
@@ -922,10 +932,12 @@ class _Ending:
         error: ErrorInfo | None,
     ) -> None:
         status = StepStatus.FAILED if error else StepStatus.SUCCEEDED
-        data: dict[str, Any] = {"seq": seq, "name": name, "status": status.value}
         if error:
+            data: dict[str, Any] = {"seq": seq, "name": name, "status": status.value}
             data["error"] = {"code": error.code, "message": error.message}
-        self.event = _event_json(data)
+            self.event = _event_json(data)
+        else:
+            self.event = _step_event(seq, name, status)
         self.params: dict[str, Any] = {
             "status": status.value,
             "output": output_json,

@@ -421,6 +421,8 @@ class PgConnection:
         connection.row_factory = _row_factory
         connection.deadline_s = self._round_trip_s
         self._connection = connection
+        # The hot statements this connection's server session has prepared (none yet).
+        self._prepared_here: set[str] = set()
 
     def _live(self) -> DeadlineConnection:
         connection = self._connection
@@ -534,6 +536,14 @@ class PgConnection:
             # the WAL flush as any commit) before it answers -- one message, one round trip.
             # A reader's one SELECT sees one snapshot either way.
             def send(connection: psycopg.Connection[Any]) -> _Cursor:
+                if prepared and text not in self._prepared_here:
+                    # Its first use on this connection: psycopg alone would wait for the
+                    # preparation before it executes (two round trips); in a pipeline of
+                    # its own the preparation travels with the execution and the Sync
+                    # ends the statement's own transaction, as sent alone.
+                    answer = _run_prepared(connection, (), text, params, ())
+                    self._prepared_here.add(text)
+                    return answer
                 return _run_alone(connection, text, params, prepared=prepared)
 
         elif prepared:
@@ -653,14 +663,32 @@ def _run_prepared(
     tail: Sequence[str],
 ) -> _Cursor:
     """Run ``text`` bound on the server (prepared once per connection), with the statements
-    ``held`` before it and ``tail`` after it, in one pipeline (one round trip); its rows."""
-    with connection.pipeline():
-        for statement in held:
-            connection.execute(statement)
-        cursor = psycopg.Cursor(connection, row_factory=_row_factory)
-        cursor.execute(text, _params(params), prepare=True)
-        for statement in tail:
-            connection.execute(statement)
+    ``held`` before it and ``tail`` after it, in one pipeline (one round trip); its rows.
+
+    Raises:
+        psycopg.Error: the first error met, once (a lost connection fails the pipeline's
+            end too; psycopg, handed the first, would log the second as
+            ``error ignored terminating <psycopg.Pipeline [BAD]>`` -- nothing is logged).
+    """
+    cursor = psycopg.Cursor(connection, row_factory=_row_factory)
+    failed: psycopg.Error | None = None
+    try:
+        with connection.pipeline():
+            try:
+                for statement in held:
+                    connection.execute(statement)
+                cursor.execute(text, _params(params), prepare=True)
+                for statement in tail:
+                    connection.execute(statement)
+            except psycopg.Error as exc:
+                # Kept from the pipeline's end, which syncs, meets the same failure (or the
+                # statement's own error) and raises it without a word.
+                failed = exc
+    except psycopg.Error:
+        if failed is None:
+            raise
+    if failed is not None:
+        raise failed
     with cursor:
         return _answer(cursor)
 

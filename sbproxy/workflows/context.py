@@ -391,6 +391,11 @@ class WorkflowContext:
 
     async def _run(self, definition: StepDef[A, R], context: StepContext, arg: A) -> R:
         policy = definition.retry
+        if policy.max_attempts <= 1:
+            # One attempt, nothing to retry: what tenacity would do (run it once, raise its
+            # error as is), without the ~30 us its machinery costs on every step.
+            context.check_cancelled()
+            return await definition.fn(context, arg)
 
         async def announce(state: RetryCallState) -> None:
             await self._announce_retry(context, state, max_attempts=policy.max_attempts)

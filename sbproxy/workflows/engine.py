@@ -477,8 +477,8 @@ class WorkflowEngine:
             nonlocal resumed
             if resumed and not await self._take_up(job):
                 return await self.get(job.id)
-            resumed = True
-            return await self._run_claimed(job)
+            first, resumed = not resumed, True
+            return await self._run_claimed(job, first_run=first)
 
         return await self._outlast(run)
 
@@ -502,7 +502,9 @@ class WorkflowEngine:
             logger.info("job %s (%s): the journal answers again; resuming it", job.id, job.kind)
         return held
 
-    async def _run_claimed(self, job: JobRecord) -> JobRecord:
+    async def _run_claimed(self, job: JobRecord, *, first_run: bool) -> JobRecord:
+        """Run ``job`` as this worker's claim returned it (``first_run``: no run of this
+        claim ran before, so a first claim's journal is known empty)."""
         return await execute(
             job,
             store=self.store,
@@ -511,6 +513,7 @@ class WorkflowEngine:
             lease=self.lease,
             resources=self.resources,
             keep_finished=self.history_limit,
+            first_run_of_first_claim=first_run,
         )
 
     async def run_worker(

@@ -15,7 +15,16 @@ import pytest
 from sqlmodel import SQLModel
 
 from sbproxy.errors import SbproxyError
-from sbproxy.store import Database, ErrorInfo, JobStatus, JobStore, LeaseTime, StoreError
+from sbproxy.store import (
+    Database,
+    ErrorInfo,
+    JobStatus,
+    JobStore,
+    LeaseTime,
+    StepStatus,
+    StoreError,
+    jobs,
+)
 from sbproxy.store.migrations import SCHEMA_VERSION
 from sbproxy.store.tables import (
     DesiredRevisionRow,
@@ -495,3 +504,21 @@ def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "download:model.gguf",
+        "fetch:https://u:pa55word@host/x?token=hf_" + "a" * 24,
+        'quote "and" back\\slash, ünïcode',
+        "huge:" + "x" * (17 * 1024),
+    ],
+)
+def test_a_step_event_is_the_text_the_general_event_encoder_writes(name: str) -> None:
+    # Every step writes two of these, built without the general encoder's tree walk: the
+    # same text (keys sorted, the name redacted, too large: truncated) all the same.
+    for seq, status in ((0, StepStatus.RUNNING), (7, StepStatus.SUCCEEDED)):
+        general = jobs._event_json({"seq": seq, "name": name, "status": status.value})
+        assert jobs._step_event(seq, name, status) == general
+    assert "hf_aaaa" not in jobs._step_event(0, name, StepStatus.RUNNING)
