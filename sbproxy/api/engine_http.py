@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import Callable
 from typing import Final, cast
 
@@ -328,7 +329,8 @@ class EnginePool:
     Args:
         keepalive_s: How long an idle connection is kept, seconds.
         connect_timeout_s: How long opening a connection may take, seconds.
-        clock: The loop's clock (seconds); tests pass their own.
+        clock: A monotonic clock (seconds; :func:`time.monotonic` by default); tests pass
+            their own.
     """
 
     def __init__(
@@ -347,7 +349,7 @@ class EnginePool:
         self.opened = 0  # connections opened (for tests and metrics)
 
     def _now(self) -> float:
-        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+        return self._clock() if self._clock is not None else time.monotonic()
 
     def _request_head(self, host: str, port: int, path: str) -> bytes:
         key = (host, port, path)

@@ -291,13 +291,19 @@ class _EventStream:
             )
             events = relay.events()
             bound = ExchangeBound(receive)
+            ended = False
             with bound:
                 try:
                     async for chunk in events:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        # The batch with [DONE] goes out as the body's last message: the
+                        # server writes it and the chunked body's end in one write.
+                        ended = relay.at_done
+                        await send(
+                            {"type": "http.response.body", "body": chunk, "more_body": not ended}
+                        )
                 finally:
                     await events.aclose()  # a cancellation at send leaves it at a yield
-            if not bound.cancelled_caught:
+            if not bound.cancelled_caught and not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await relay.close()

@@ -138,6 +138,18 @@ _MODEL_MEMBER = re.compile(rb'("model"\s*:\s*)"(?:[^"\\]|\\.)*"')
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
+class _EventFields(msgspec.Struct):
+    """The members of an event's JSON object the relay reads; the others are skipped by the
+    decoder (checked as JSON, never built as Python objects)."""
+
+    model: object = None
+    usage: object = None
+    choices: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b""))
+
+
+_EVENT_DECODER = msgspec.json.Decoder(_EventFields)
+
+
 def _rewrite_event(
     event: bytes, public_model: str, name: bytes | None = None
 ) -> tuple[bytes, Usage | None, bool]:
@@ -147,33 +159,46 @@ def _rewrite_event(
     ``name`` is ``public_model`` JSON-encoded, when the caller has it already."""
     if b'"model"' not in event and b'"usage"' not in event:
         return event, None, False
+    if name is None:
+        name = _ENCODER.encode(public_model)
+    if b"\n" not in event and b"\r" not in event:  # one line, as engines write events
+        if not event.startswith(b"data:"):
+            return event, None, False
+        return _rewrite_data(event, event[5:].strip(), name)
     usage: Usage | None = None
     usage_only = False
     out = event
-    if name is None:
-        name = _ENCODER.encode(public_model)
     for line in event.splitlines():
         if not line.startswith(b"data:"):
             continue
-        payload = line[5:].strip()
-        if not payload.startswith(b"{"):
-            continue
-        try:
-            document = _DECODER.decode(payload)
-        except (msgspec.DecodeError, RecursionError):
-            continue
-        if not isinstance(document, dict):
-            continue
-        found = usage_of(document)
+        out, found, only = _rewrite_data(out, line[5:].strip(), name)
         if found is not None:
-            usage = found
-            usage_only = document.get("choices") == []
-        if isinstance(document.get("model"), str):
-            member = _MODEL_MEMBER.search(payload)
-            if member is not None:
-                renamed = payload[: member.end(1)] + name + payload[member.end() :]
-                out = out.replace(payload, renamed, 1)
+            usage, usage_only = found, only
     return out, usage, usage_only
+
+
+def _rewrite_data(event: bytes, payload: bytes, name: bytes) -> tuple[bytes, Usage | None, bool]:
+    """``event`` with the ``model`` of its ``data:`` line ``payload`` renamed to ``name``,
+    the usage ``payload`` reports and whether it is a usage-only event."""
+    if not payload.startswith(b"{"):
+        return event, None, False
+    try:
+        fields = _EVENT_DECODER.decode(payload)
+    except (msgspec.DecodeError, RecursionError):  # not an object, or not JSON
+        return event, None, False
+    found = fields.usage
+    usage = (
+        (_count(found.get("prompt_tokens")), _count(found.get("completion_tokens")))
+        if isinstance(found, dict)
+        else None
+    )
+    usage_only = usage is not None and bytes(fields.choices).replace(b" ", b"") == b"[]"
+    if isinstance(fields.model, str):
+        member = _MODEL_MEMBER.search(payload)
+        if member is not None:
+            renamed = payload[: member.end(1)] + name + payload[member.end() :]
+            event = event.replace(payload, renamed, 1)
+    return event, usage, usage_only
 
 
 def split_events(pending: bytes) -> tuple[list[tuple[bytes, bytes]], bytes]:
@@ -270,6 +295,12 @@ class StreamRelay:
             stall_s=upstream.stall_timeout_s,
             on_expire=self._expire,
         )
+
+    @property
+    def at_done(self) -> bool:
+        """Whether the batch :meth:`events` yielded last holds ``[DONE]`` (nothing but the
+        end of the body follows it)."""
+        return self._done
 
     def _event(self, event: bytes, separator: bytes) -> bytes:
         rewritten, usage, usage_only = _rewrite_event(event, self.public_model, self._name)
