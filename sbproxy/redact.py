@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import threading
 
-__all__ = ["REDACTED", "redact", "register_secret"]
+__all__ = ["REDACTED", "redact", "register_secret", "secrets_generation"]
 
 REDACTED = "[REDACTED]"
 
@@ -64,6 +64,13 @@ def register_secret(value: str | None) -> None:
     if value and len(value) >= _MIN_REGISTERED_CHARS:
         with _lock:
             _registered.add(value)
+
+
+def secrets_generation() -> int:
+    """A number that changes whenever :func:`register_secret` remembers a new value: a
+    :func:`redact` result kept under one number stays exact while it does not change (the
+    patterns are fixed, and registered values are only ever added)."""
+    return len(_registered)
 
 
 def redact(text: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 from ulid import ULID
 
-from sbproxy.redact import redact
+from sbproxy.redact import redact, secrets_generation
 from sbproxy.store.database import Database, Transaction
 from sbproxy.store.leaseclock import LeaseClock
 from sbproxy.store.lifecycle import (
@@ -205,10 +205,36 @@ def _bounded_event(encoded: str) -> str:
 def _step_event(seq: int, name: str, status: StepStatus) -> str:
     """The ``step`` event of a step's start (``running``) or success: the text
     ``_event_json({"seq", "name", "status"})`` writes, built without its tree walk -- every
-    step writes two of these. Only the name is free text (redacted); the status is the
-    journal's own constant."""
-    data = {"name": redact(name), "seq": seq, "status": status.value}  # sorted keys
-    return _bounded_event(json.dumps(data, separators=(",", ":")))
+    step writes two of these. Only the name is free text (redacted, :func:`_step_name_json`);
+    the seq is an integer and the status the journal's own constant, which JSON writes as
+    they are."""
+    name_json = _step_name_json(name)
+    # Keys sorted, no spaces: json.dumps(data, separators=(",", ":"), sort_keys=True).
+    return _bounded_event(f'{{"name":{name_json},"seq":{seq:d},"status":"{status.value}"}}')
+
+
+# Step names redacted and encoded as JSON strings, each with the secrets generation it was
+# made under. A job's steps are named as every other job of its workflow names them, and
+# the redactor's patterns cost ~8 us a name, two names a step (benchmarks/journal.py): kept,
+# a name is redacted once per registered secret, not twice a step. Bounded, for workflows
+# that put data in their step names.
+_STEP_NAMES_KEPT = 1024
+_step_names: dict[str, tuple[int, str]] = {}
+
+
+def _step_name_json(name: str) -> str:
+    """``json.dumps(redact(name))``, kept while no new secret is registered."""
+    generation = secrets_generation()
+    kept = _step_names.get(name)
+    if kept is not None and kept[0] == generation:
+        return kept[1]
+    # The generation was read before redacting: a secret registered meanwhile makes this
+    # entry look older than it is, so it is only ever redone, never trusted too long.
+    encoded = json.dumps(redact(name))
+    if len(_step_names) >= _STEP_NAMES_KEPT:
+        _step_names.clear()
+    _step_names[name] = (generation, encoded)
+    return encoded
 
 
 class JobStore:

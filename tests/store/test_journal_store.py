@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import sqlite3
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from sqlmodel import SQLModel
 
 from sbproxy.errors import SbproxyError
+from sbproxy.redact import redact, register_secret
 from sbproxy.store import (
     Database,
     ErrorInfo,
@@ -522,3 +524,30 @@ def test_a_step_event_is_the_text_the_general_event_encoder_writes(name: str) ->
         general = jobs._event_json({"seq": seq, "name": name, "status": status.value})
         assert jobs._step_event(seq, name, status) == general
     assert "hf_aaaa" not in jobs._step_event(0, name, StepStatus.RUNNING)
+
+
+def test_a_step_name_is_redacted_once_not_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Jobs of one workflow name their steps alike: the redactor's patterns run once per
+    # name, not twice a step (the events read the same, the test above says).
+    calls: list[str] = []
+
+    def counting(text: str) -> str:
+        calls.append(text)
+        return redact(text)
+
+    monkeypatch.setattr(jobs, "redact", counting)
+    name = f"download:{uuid.uuid4().hex}"
+    events = {jobs._step_event(seq, name, StepStatus.RUNNING) for seq in range(10)}
+    events |= {jobs._step_event(seq, name, StepStatus.SUCCEEDED) for seq in range(10)}
+    assert len(events) == 20
+    assert calls == [name]
+
+
+def test_a_kept_step_name_is_redacted_anew_once_a_secret_is_registered() -> None:
+    secret = f"step-secret-{uuid.uuid4().hex}"
+    name = f"fetch:{secret}"
+    assert secret in jobs._step_event(0, name, StepStatus.RUNNING)  # no secret yet
+    register_secret(secret)
+    event = jobs._step_event(1, name, StepStatus.RUNNING)
+    assert secret not in event
+    assert event == jobs._event_json({"seq": 1, "name": name, "status": "running"})
