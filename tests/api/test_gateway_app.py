@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sbproxy.model_host.runtime.admission import PriorityClass
+from sbproxy.config import PriorityClass
 from tests.api.support import served
 
 pytestmark = pytest.mark.anyio
