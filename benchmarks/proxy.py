@@ -1,4 +1,5 @@
-"""What the gateway adds on the request path: direct to a fast upstream vs through sbproxy.
+"""What the gateway adds on the request path: direct to a fast upstream, through a bare
+pass-through on the same libraries, and through sbproxy.
 
 A fast upstream (a raw asyncio + httptools HTTP server, uvloop when installed, in its own
 process) stands in for the engine: it answers ``POST /v1/chat/completions`` with a fixed
@@ -9,23 +10,26 @@ file in ``upstream`` mode, and ``engines.llama_cpp.path`` points at the wrapper.
 
 The real ``sbproxy serve -f sb.yml`` process then runs with one warm deployment
 (``max_concurrency`` 64, ``max_queue_depth`` 256); once the admin status route says
-``ready``, the engine's port is read from it and, for each scenario, the upstream directly
-and the gateway are measured back to back in the same run:
+``ready``, the engine's port is read from it, and the bare pass-through (this file in
+``bare`` mode: uvicorn with uvloop and httptools, a raw ASGI app forwarding through one
+aiohttp session, :func:`bare_app`) starts in front of the same engine. ``--rounds`` rounds
+each measure, for every scenario and at 1 and 16 connections, the three contenders back to
+back in an order that rotates by round:
 
-* ``chat`` and ``chat_stream`` with ``wrk`` (one thread, ``--duration`` seconds each, at 1
-  and 16 connections): p50/p99 of the whole response (for the stream: all chunks up to
-  ``[DONE]``) and requests/s; an in-Python aiohttp load generator replaces wrk when it is
-  not installed;
-* ``chat_stream_ttfb``: an aiohttp load generator timing the first body chunk (the first
-  SSE event) of streamed requests, at 1 and 16 concurrent clients.
+* ``chat`` and ``chat_stream`` with ``wrk`` (one thread, ``--duration`` seconds each):
+  p50/p99 of the whole response (for the stream: all chunks up to ``[DONE]``) and
+  requests/s; an in-Python aiohttp load generator replaces wrk when it is not installed;
+* with ``--ttfb``, ``chat_stream_ttfb``: an aiohttp load generator timing the first body
+  chunk (the first SSE event) of streamed requests.
 
-Prints ONE JSON object: per scenario and concurrency the direct and proxied figures, the
-added p50/p99 (ms), the proxied over direct requests/s, and the issue's targets (added p50 at
-1 client <= 1 ms; at 16 clients >= 1,500 requests/s through the proxy with p99 <= 20 ms)
-with whether they were met.
+Prints ONE JSON object: every round's figures; per scenario and concurrency sbproxy's
+requests/s and p99 over the bare's and the p50 each adds over direct, their medians and
+ranges; and issue 31's targets (at 16 connections >= 0.75x the bare's requests/s and <= 1.5x
+its p99, plain and streamed; at 1 connection <= 0.3 ms added to the direct p50) with whether
+they were met.
 
-Usage: ``python benchmarks/proxy.py [--duration 5] [--loader auto|wrk|python]`` from the
-repository root with the project's virtual environment.
+Usage: ``python benchmarks/proxy.py [--duration 5] [--rounds 3] [--ttfb]
+[--loader auto|wrk|python]`` from the repository root with the project's virtual environment.
 
 With ``--baseline-commit REV`` (repeatable) it compares this checkout's gateway with older
 commits instead, in one run: each commit's ``sbproxy`` package is extracted (``git
