@@ -21,6 +21,14 @@ _COMMANDS = {
         "sbproxy.cli.apply_cmd:apply_command",
         "Validate sb.yml, then reload it in the running server (POST /admin/reload).",
     ),
+    "capabilities": LazyCommand(
+        "sbproxy.cli.capabilities_cmd:capabilities_command",
+        "Show the capability matrix: engines x accelerators x features, live/planned/unsupported.",
+    ),
+    "certify": LazyCommand(
+        "sbproxy.cli.certify_cmd:certify_command",
+        "Run the live checks this machine can run; append the results to the ledger.",
+    ),
     "config": LazyCommand(
         "sbproxy.cli.config_cmd:config_group",
         "Check and describe configuration files; show the one a running server serves.",

@@ -27,6 +27,7 @@ __all__ = [
     "CPU_MEMORY_FRACTION_ENV",
     "DEFAULT_CPU_MEMORY_FRACTION",
     "MAX_CPU_MEMORY_FRACTION",
+    "PROBED_ACCELERATORS",
     "DeviceInfo",
     "HostDevice",
     "HostDevices",
@@ -47,6 +48,10 @@ DEFAULT_CPU_MEMORY_FRACTION = 0.7
 """Share of total RAM a CPU worker offers to models unless overridden."""
 MAX_CPU_MEMORY_FRACTION = 0.95
 """Larger overrides are capped here, leaving room for the OS and the host itself."""
+PROBED_ACCELERATORS: tuple[Accelerator, ...] = (Accelerator.CPU, Accelerator.CUDA)
+"""The accelerators this probe can describe a worker as (NVML finds CUDA, else CPU); Apple
+Metal and AMD hosts are described as CPU workers (module doc). The capability matrix
+(``sbproxy capabilities``) has one column per entry."""
 
 # NVML errors that only mean "this machine has no usable NVIDIA stack".
 _NO_NVIDIA_ERRORS: tuple[type[Exception], ...] = (
