@@ -23,11 +23,11 @@ _COMMANDS = {
     ),
     "capabilities": LazyCommand(
         "sbproxy.cli.capabilities_cmd:capabilities_command",
-        "Show the capability matrix: engines x accelerators x features, live/planned/unsupported.",
+        "Show each engine x accelerator x feature as live, planned or unsupported (with why).",
     ),
     "certify": LazyCommand(
         "sbproxy.cli.certify_cmd:certify_command",
-        "Run the live checks this machine can run; append the results to the ledger.",
+        "Run the live checks this machine can run (load, chat, stream, stop) and record them.",
     ),
     "config": LazyCommand(
         "sbproxy.cli.config_cmd:config_group",

@@ -400,10 +400,15 @@ def matrix_markdown(cells: Iterable[Cell]) -> str:
         "  configuration check raises (see docs/troubleshooting.md).",
         "",
         "Accelerators are those the device probe knows (NVIDIA GPUs through NVML, else the",
-        "CPU); Apple Metal and AMD hosts are probed as CPU workers. No GPU has been certified",
-        "here yet, so every CUDA cell the code accepts is `planned`, not `live`, until",
-        "`sbproxy certify` passes on a GPU machine and its entry is committed.",
+        "CPU); Apple Metal and AMD hosts are probed as CPU workers.",
     ]
+    if not any(c.accelerator == "cuda" and c.status is CellStatus.LIVE for c in cells):
+        out += [
+            "",
+            "No GPU has been certified here yet: every CUDA cell the code accepts is",
+            "`planned`, not `live`, until `sbproxy certify` passes on a GPU machine and its",
+            "entry is committed.",
+        ]
     for engine in ENGINES:
         out += ["", f"## {engine}", "", "| feature | " + " | ".join(columns) + " |"]
         out.append("| --- |" + " --- |" * len(columns))
