@@ -3,7 +3,9 @@
 :func:`certify` runs, for each engine x accelerator this machine has (CPU llama.cpp always;
 CUDA llama.cpp when the device probe finds NVIDIA GPUs; vLLM when it is installed and the
 worker is CUDA), the checks **load** (the driver's launch plan spawned as a supervised child
-until ``/health`` answers), **chat** (one completion with content), **stream** (a streamed
+until ``/health`` answers), **chat** (one completion with content), **multi_device** (on
+CUDA with several GPUs: that chat, answered by an engine split across all of them),
+**stream** (a streamed
 completion ending in ``[DONE]``) and **stop** (a clean shutdown; the process is gone). Each
 entry carries its evidence: UTC time, git commit, hardware from the probe, the engine build
 and version, the model's artifact digest and each check's seconds. A combination this
@@ -311,7 +313,13 @@ async def _run_checks(target: Target, *, scratch: Path) -> list[dict[str, object
     base = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
         async with httpx.AsyncClient(timeout=_REQUEST_TIMEOUT_S) as client:
-            checks.append(await _chat(client, base))
+            chat = await _chat(client, base)
+            checks.append(chat)
+            if len(target.devices) > 1:
+                # The plan split the model across every device (--split-mode row): a chat
+                # answered by that engine is the multi-device check.
+                split = f"split across devices {list(target.devices)}; chat {chat['evidence']}"
+                checks.append({**chat, "name": "multi_device", "evidence": split})
             checks.append(await _stream(client, base))
     finally:
         started = time.monotonic()

@@ -11,6 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
+from sbproxy.model_host.certify import Target
+from sbproxy.model_host.certify import certify as certify_targets
 from tests.model_host.engines.support import fake_llama_server, verified_snapshot
 
 
@@ -166,3 +171,26 @@ def test_without_an_engine_or_a_model_it_says_what_to_run_first(tmp_path: Path) 
     assert done.returncode == 2
     assert "no cached GGUF model" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "ledger").exists()
+
+
+@pytest.mark.anyio
+async def test_a_launch_across_several_devices_records_the_multi_device_check(
+    tmp_path: Path,
+) -> None:
+    # No GPU needed to exercise the bookkeeping: the stand-in ignores CUDA_VISIBLE_DEVICES.
+    executable = fake_llama_server(tmp_path / "bin")
+    cache = cache_with_model(tmp_path / "cache")
+    (metadata,) = ArtifactCache(CacheLayout(root=cache)).published()
+    target = Target(
+        "llama_cpp",
+        "cuda",
+        executable,
+        {"build_id": "stand-in"},
+        metadata,
+        cache / "snapshots" / metadata.artifact_digest,
+        (0, 1),
+    )
+    (entry,) = await certify_targets([target], scratch=tmp_path / "scratch", gpus=[])
+    names = [check["name"] for check in entry["checks"]]  # type: ignore[attr-defined]
+    assert names == ["load", "chat", "multi_device", "stream", "stop"]
+    assert entry["outcome"] == "passed"
