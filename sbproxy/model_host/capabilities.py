@@ -142,22 +142,6 @@ def accelerators() -> tuple[str, ...]:
     return tuple(accelerator.value for accelerator in PROBED_ACCELERATORS)
 
 
-def _request(snapshot: Path, metadata: CachedMetadata, **changes: object) -> LaunchRequest:
-    fields: dict[str, object] = {
-        "deployment": "capabilities",
-        "generation": 1,
-        "metadata": metadata,
-        "snapshot": snapshot,
-        "port": 8000,
-        "ctx_size": 2048,
-        "max_concurrency": 1,
-        "gpu_memory_bytes": 2**30,
-        "device_memory_bytes": 2**34,
-    }
-    fields.update(changes)
-    return LaunchRequest(**fields)  # type: ignore[arg-type]
-
-
 def _stand_in(root: Path, fmt: str) -> tuple[Path, CachedMetadata]:
     """A verified snapshot of one empty file in ``fmt`` (the planners check files exist)."""
     name = "model.gguf" if fmt == "gguf" else "model.safetensors"
@@ -199,8 +183,20 @@ def _planner(engine: str, root: Path) -> Callable[..., object]:
         extra_args: tuple[str, ...] = (),
         container: bool = False,
     ) -> object:
-        request = _request(
-            snapshot, metadata, accelerator=accelerator, devices=devices, extra_args=extra_args
+        request = LaunchRequest(
+            deployment="capabilities",
+            generation=1,
+            metadata=metadata,
+            snapshot=snapshot,
+            port=8000,
+            ctx_size=2048,
+            max_concurrency=1,
+            accelerator=accelerator,
+            devices=devices,
+            extra_args=extra_args,
+            # vLLM sizes its memory share from these; any plausible pair plans.
+            gpu_memory_bytes=2**30,
+            device_memory_bytes=2**34,
         )
         if engine == "llama_cpp":
             if container:
