@@ -124,6 +124,10 @@ class TcpRelay:
             with contextlib.suppress(OSError):
                 client.close()
 
+    def _passing(self, client: socket.socket, *, from_client: bool) -> None:
+        """Called before bytes of ``client``'s connection are relayed (from the client when
+        ``from_client``, else from the server): a subclass observes the traffic here."""
+
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
         selector = selectors.DefaultSelector()
         peers = {client: upstream, upstream: client}
@@ -138,6 +142,7 @@ class TcpRelay:
                     if not data:
                         return
                     if not self._hole.is_set():
+                        self._passing(client, from_client=source is client)
                         peers[source].sendall(data)
         except (OSError, ValueError):
             return
