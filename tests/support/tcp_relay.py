@@ -19,6 +19,7 @@ import selectors
 import socket
 import threading
 from types import TracebackType
+from typing import Self
 
 __all__ = ["TcpRelay"]
 
@@ -38,7 +39,7 @@ class TcpRelay:
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
-    def __enter__(self) -> TcpRelay:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
