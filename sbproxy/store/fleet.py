@@ -680,16 +680,20 @@ class FleetStore:
         once; its replicas are re-placed after ``rejoin_grace_ms`` unless it is back) and
         release the id (a restart takes it at once); ``False`` when another instance holds
         it or there is no row."""
+        # The mark is taken under the row's lock, never before the node's last renewal: a
+        # renewal that committed between a clock read and this update would otherwise sit
+        # after the mark, and the node would count as running until lost_after_ms.
         with self._transaction() as cursor:
-            now = self._now(cursor)
-            moved = cursor.execute(
-                "UPDATE fleet_nodes SET leaving_at_ms = %s, instance = ''"
-                " WHERE id = %s AND instance = %s AND left_fleet = 0",
-                (now, node_id, instance),
-            ).rowcount
-            if moved:
-                self._event(cursor, now, "node_leaving", node_id, {})
-        return bool(moved)
+            row = cursor.execute(
+                f"UPDATE fleet_nodes SET leaving_at_ms = GREATEST({_NOW}, renewed_at_ms),"  # noqa: S608
+                " instance = ''"
+                " WHERE id = %s AND instance = %s AND left_fleet = 0"
+                " RETURNING leaving_at_ms",
+                (node_id, instance),
+            ).fetchone()
+            if row is not None:
+                self._event(cursor, int(row[0]), "node_leaving", node_id, {})
+        return row is not None
 
     def snapshot(self, *, events: int = 0) -> FleetSnapshot:
         """Members, placements, the controller lease and the newest desired revision, in one

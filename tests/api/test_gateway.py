@@ -67,8 +67,11 @@ async def test_streamed_chunks_arrive_with_the_upstream_spacing(tmp_path: Path) 
         assert "".join(text) == "fake reply from the stand-in"
         gaps = [b - a for a, b in itertools.pairwise(arrivals)]
         assert len(gaps) == 4
-        # Buffering would deliver everything at once at the end (gaps ~0).
-        assert min(gaps) > 0.15, gaps
+        # Buffering would deliver everything at once at the end (gaps ~0). One gap may
+        # shrink when this process stalls for a moment on a busy machine (the chunk before
+        # it then arrives late, beside the next): seen once in CI, [0.017, 0.25, 0.25, 0.25].
+        assert sorted(gaps)[1] > 0.15, gaps
+        assert arrivals[-1] - arrivals[0] > 0.6, gaps
 
 
 async def test_client_disconnect_mid_stream_releases_the_permit(tmp_path: Path) -> None:

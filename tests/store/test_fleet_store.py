@@ -4,6 +4,7 @@ at a time with a growing epoch, and a deposed controller's writes refused by the
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -134,6 +135,45 @@ def test_a_second_live_instance_of_one_node_id_is_refused_and_holds_nothing(url:
     # A graceful leave releases the id: a restart takes it at once.
     assert twin.leave("n1", instance="twin")
     _join(first, "n1", instance="again", live_within_ms=60_000)
+
+
+def _wait_for_a_lock_wait(url: str, timeout_s: float = 10) -> None:
+    """Return once some session of the database waits on a lock."""
+    with psycopg.connect(url, autocommit=True) as watcher:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            waiting = watcher.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone()
+            if waiting is not None and waiting[0]:
+                return
+        raise AssertionError("no session waited on a lock")
+
+
+def test_a_leave_is_marked_after_a_renewal_that_committed_while_it_waited(url: str) -> None:
+    """A renewal in flight when the node leaves (it holds the row) commits first; the leave
+    mark must not land before it, or the node would count as running (not leaving) until
+    lost_after_ms (seen in CI: re-placed after 10.4 s, not after the 0.6 s grace)."""
+    store = _open(url)
+    _join(store, "n1", instance="me")
+    with psycopg.connect(url, autocommit=False) as renewing:
+        # A renewal's transaction, holding the row, whose clock reads later than any the
+        # leave could have read before it got the row.
+        renewing.execute(
+            "UPDATE fleet_nodes SET renewed_at_ms = renewed_at_ms + 60000 WHERE id = 'n1'"
+        )
+        left: list[bool] = []
+        leaving = threading.Thread(target=lambda: left.append(store.leave("n1", instance="me")))
+        leaving.start()
+        _wait_for_a_lock_wait(url)  # the leave is blocked on the row the renewal holds
+        assert leaving.is_alive()
+        renewing.commit()
+        leaving.join(timeout=10)
+    assert left == [True]
+    (node,) = store.snapshot().nodes
+    assert node.leaving_at_ms is not None
+    assert node.leaving_at_ms >= node.renewed_at_ms
 
 
 def test_a_node_declared_lost_loses_its_placements_with_the_move(url: str) -> None:
