@@ -12,9 +12,11 @@ The real ``sbproxy serve -f sb.yml`` process then runs with one warm deployment
 (``max_concurrency`` 64, ``max_queue_depth`` 256); once the admin status route says
 ``ready``, the engine's port is read from it, and the bare pass-through (this file in
 ``bare`` mode: uvicorn with uvloop and httptools, a raw ASGI app forwarding through one
-aiohttp session, :func:`bare_app`) starts in front of the same engine. ``--rounds`` rounds
-each measure, for every scenario and at 1 and 16 connections, the three contenders back to
-back in an order that rotates by round:
+aiohttp session, :func:`bare_app`) starts in front of the same engine, and beside it the
+same app on the gateway's own engine client (``bare_pool``, :func:`bare_pool_app`: what is
+left of sbproxy's cost once the client is alike). ``--rounds`` rounds each measure, for
+every scenario and at 1 and 16 connections, the four contenders back to back in an order
+that rotates by round:
 
 * ``chat`` and ``chat_stream`` with ``wrk`` (one thread, ``--duration`` seconds each):
   p50/p99 of the whole response (for the stream: all chunks up to ``[DONE]``) and
@@ -23,7 +25,8 @@ back in an order that rotates by round:
   chunk (the first SSE event) of streamed requests.
 
 Prints ONE JSON object: every round's figures; per scenario and concurrency sbproxy's
-requests/s and p99 over the bare's and the p50 each adds over direct, their medians and
+requests/s and p99 over the bare's (and over ``bare_pool``'s) and the p50 each adds over
+direct, their medians and
 ranges; and issue 31's targets (at 16 connections >= 0.75x the bare's requests/s and <= 1.5x
 its p99, plain and streamed; at 1 connection <= 0.3 ms added to the direct p50) with whether
 they were met.
@@ -294,6 +297,63 @@ def bare_app(upstream: str) -> Callable[..., Any]:
     return app
 
 
+def bare_pool_app(upstream: str) -> Callable[..., Any]:
+    """:func:`bare_app` with the gateway's own engine client (:class:`EnginePool`: asyncio
+    protocols and httptools) in place of aiohttp: the least a pass-through does on the very
+    client sbproxy uses for this hop, so that ``proxy_over_bare_pool`` is what sbproxy's own
+    contracts (auth, admission, usage, spans, access log, body checks) cost."""
+    from urllib.parse import urlsplit
+
+    from sbproxy.api.engine_http import EnginePool
+
+    pool: EnginePool | None = None
+    parts = urlsplit(upstream)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal pool
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    pool = EnginePool()
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    if pool is not None:
+                        await pool.close()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        assert pool is not None
+        response = await pool.post(host, port, "/v1/chat/completions", b"".join(chunks))
+        try:
+            media = response.headers.get("content-type", "application/json").encode()
+            start = {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": [(b"content-type", media)],
+            }
+            if response.content_type == "text/event-stream":
+                await send(start)
+                while chunk := await response.content.readany():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+            else:
+                data = await response.read()
+                start["headers"].append((b"content-length", str(len(data)).encode()))
+                await send(start)
+                await send({"type": "http.response.body", "body": data})
+        finally:
+            response.release()
+
+    return app
+
+
 def run_bare(argv: list[str]) -> None:
     """``bare --port P --upstream URL``: the bare pass-through under uvicorn, with uvloop and
     httptools as ``sbproxy serve`` runs its gateway."""
@@ -302,9 +362,11 @@ def run_bare(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bare")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
+    parser.add_argument("--client", choices=("aiohttp", "pool"), default="aiohttp")
     args = parser.parse_args(argv)
+    make = bare_pool_app if args.client == "pool" else bare_app
     uvicorn.run(
-        bare_app(args.upstream),
+        make(args.upstream),
         host="127.0.0.1",
         port=args.port,
         loop="uvloop",
@@ -317,9 +379,9 @@ def run_bare(argv: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def bare_serving(engine_port: int, tmp: Path) -> Iterator[str]:
-    """The bare pass-through in its own process in front of ``engine_port``, ready: its
-    chat URL."""
+def bare_serving(engine_port: int, tmp: Path, *, client: str = "aiohttp") -> Iterator[str]:
+    """The bare pass-through (``client``: ``aiohttp`` or ``pool``) in its own process in
+    front of ``engine_port``, ready: its chat URL."""
     import httpx
 
     port = free_port()
@@ -333,6 +395,8 @@ def bare_serving(engine_port: int, tmp: Path) -> Iterator[str]:
             str(port),
             "--upstream",
             f"http://127.0.0.1:{engine_port}",
+            "--client",
+            client,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -792,7 +856,7 @@ def main() -> None:
     print(json.dumps(against_bare(args, wrk), indent=2))
 
 
-CONTENDERS = ("direct", "bare", "proxy")
+CONTENDERS = ("direct", "bare", "bare_pool", "proxy")
 SCENARIOS = (("chat", CHAT_BODY, False), ("chat_stream", STREAM_BODY, False))
 TTFB = ("chat_stream_ttfb", STREAM_BODY, True)
 
@@ -813,15 +877,21 @@ def against_bare(args: argparse.Namespace, wrk: str | None) -> dict[str, Any]:  
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sbproxy-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        with serving(None, tmp) as (proxy_url, engine_port), bare_serving(engine_port, tmp) as bare:
+        with (
+            serving(None, tmp) as (proxy_url, engine_port),
+            bare_serving(engine_port, tmp) as bare,
+            bare_serving(engine_port, tmp, client="pool") as bare_pool,
+        ):
             targets = {
                 "direct": f"http://127.0.0.1:{engine_port}/v1/chat/completions",
                 "bare": bare,
+                "bare_pool": bare_pool,
                 "proxy": proxy_url,
             }
             scenarios = [*SCENARIOS, TTFB] if args.ttfb else list(SCENARIOS)
             for index in range(args.rounds):
-                order = list(CONTENDERS[index % 3 :] + CONTENDERS[: index % 3])
+                turn = index % len(CONTENDERS)
+                order = list(CONTENDERS[turn:] + CONTENDERS[:turn])
                 figures: dict[str, Any] = {"order": order}
                 for scenario, body, first_byte in scenarios:
                     for clients in CONCURRENCY:
@@ -847,6 +917,12 @@ def against_bare(args: argparse.Namespace, wrk: str | None) -> dict[str, Any]:  
                         row["proxy_over_bare_p99"] = round(
                             row["proxy"]["p99_ms"] / row["bare"]["p99_ms"], 3
                         )
+                        row["proxy_over_bare_pool_rps"] = round(
+                            row["proxy"]["requests_per_s"] / row["bare_pool"]["requests_per_s"], 3
+                        )
+                        row["proxy_over_bare_pool_p99"] = round(
+                            row["proxy"]["p99_ms"] / row["bare_pool"]["p99_ms"], 3
+                        )
                         row["proxy_added_p50_ms"] = round(
                             row["proxy"]["p50_ms"] - row["direct"]["p50_ms"], 3
                         )
@@ -866,6 +942,8 @@ def against_bare(args: argparse.Namespace, wrk: str | None) -> dict[str, Any]:  
             for field in (
                 "proxy_over_bare_rps",
                 "proxy_over_bare_p99",
+                "proxy_over_bare_pool_rps",
+                "proxy_over_bare_pool_p99",
                 "proxy_added_p50_ms",
                 "bare_added_p50_ms",
             ):
