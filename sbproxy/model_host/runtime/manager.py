@@ -210,7 +210,8 @@ class RuntimeManager:
         await self._supervision.start()
 
     def record_outcome(self, deployment: str, generation: int, *, timed_out: bool) -> None:
-        """See :meth:`Supervision.record_outcome`."""
+        """Count one request's end at ``deployment``/``generation`` (``timed_out``: the
+        engine timed out); see :meth:`Supervision.record_outcome`."""
         self._supervision.record_outcome(deployment, generation, timed_out=timed_out)
 
     def _report(self, deployment: str, generation: int, timed_out: bool) -> None:
@@ -219,7 +220,9 @@ class RuntimeManager:
     async def launch_generation(
         self, found: Deployment, *, executable: Path, job_id: str, generation: int | None = None
     ) -> int:
-        """See :meth:`Launches.launch_generation`."""
+        """Start a new generation of ``found`` and wait until it is ready; its port. Raises
+        ``crash_loop``, ``start_timeout``, ``artifact_not_ready`` or
+        ``insufficient_capacity``; see :meth:`Launches.launch_generation`."""
         return await self._launches.launch_generation(
             found, executable=executable, job_id=job_id, generation=generation
         )
