@@ -1,10 +1,12 @@
 """What the runtime manager's parts share: :class:`RuntimeContext`.
 
-The parts (``snapshots.py``, ``launches.py``, ``requests.py``, ``command_runner.py``,
-``supervision.py``, ``transaction.py``, ``steps.py``) each own their own state; what they
-all read -- the live deployments, the desired state, the residency, the command lanes, the
-staging, the clock -- and the few things every one of them does (journal the queued
-transitions, wake a swap waiting for capacity) live here, once.
+The parts (``snapshots.py``, ``requests.py``, ``command_runner.py``, ``launches.py``,
+``swaps.py``, ``spawner.py``, ``retire.py``, ``supervision.py``, ``transaction.py``,
+``steps.py``) each own their own state; what they all read -- the live deployments, the
+desired state, the residency, the command lanes, the staging, the clock -- and the few
+things every one of them does (journal the queued transitions, wake a swap waiting for
+capacity) live here, once. Only a reload's commit (``transaction.py``) replaces the
+deployments, the desired state and the catalog.
 """
 
 from __future__ import annotations
