@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The test command: installs what it needs into .venv, runs the linters, then the tests.
 #
-# Without arguments the suite runs in two parts: every test but the real-engine ones (-m "not
-# e2e") on $SBPROXY_TEST_WORKERS pytest-xdist workers (default 4: most tests wait on real
-# processes, sockets and polls, so 4 workers beat 2 on 2 cores), each file on one worker
-# (--dist loadfile: module fixtures such as the console's served host are built once); then
-# the real-engine tests (-m e2e: llama-server, real GGUFs, several hundred MB each) one at a
+# Without arguments the suite runs in two parts: every test but the real-engine ones (-m
+# "not e2e") on $SBPROXY_TEST_WORKERS pytest-xdist workers (default 4: most tests wait on
+# real processes, sockets and polls, so more workers than cores keep 2 CPUs busy), each test
+# file on one worker (--dist loadfile: module fixtures such as the console's served host are
+# built once); then the real-engine tests (-m e2e: llama-server serving real GGUFs) one at a
 # time. Their llama-server is built once per machine into the default cache, where
 # scripts/main.sh builds it too (tests/support/engine.py): whichever runs first builds it,
-# the other reuses it. On a fresh machine the build starts in the background with the first
-# part, so it is ready (or nearly) when the second part needs it.
+# the other reuses it. On a fresh machine that build starts in the background before the
+# linters, so it is ready (or nearly) when the second part needs it.
 #
 # Extra arguments go to one plain pytest run instead (e.g. `bash scripts/test.sh -k catalog`,
 # `bash scripts/test.sh -n 4 -m "not e2e"`).
