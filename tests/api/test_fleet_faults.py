@@ -222,7 +222,13 @@ def test_a_new_controller_places_nothing_on_the_silent_host_it_took_the_lease_fr
         )
         b.start()
         c.start()
-        poll(lambda: len(a.fleet("nodes").get("nodes", [])) == 3, timeout_s=60, what="3 nodes")
+        # node-b's own admin API answers too: the apply goes through it, and node-a may list
+        # node-b before node-b's admin listener is up.
+        poll(
+            lambda: all(len(h.fleet("nodes").get("nodes", [])) == 3 for h in (a, b)),
+            timeout_s=60,
+            what="3 nodes",
+        )
         apply(b, {"tiny": {**TINY, "required_labels": {"role": "serve"}}})
         poll(lambda: len(ready_nodes(b, "tiny")) == 1, timeout_s=60, what="one replica")
         (first,) = ready_nodes(b, "tiny")

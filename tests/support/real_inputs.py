@@ -19,6 +19,7 @@ prefix, the GGUF) for shell scripts.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -103,6 +104,13 @@ def ensure_real_inputs(directory: Path | None = None) -> RealInputs:
         os.environ.get("SBPROXY_TEST_INPUTS") or Path.home() / ".cache" / "sbproxy-test-inputs"
     )
     root.mkdir(parents=True, exist_ok=True)
+    # pytest workers (and the main job) may ask at once: one fetches, the others then verify.
+    with (root / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _ensure_in(root)
+
+
+def _ensure_in(root: Path) -> RealInputs:
     sdist = root / LLAMA_SDIST
     if not sdist.exists() or _sha256(sdist) != LLAMA_SHA256:
         sdist.unlink(missing_ok=True)

@@ -70,6 +70,9 @@ async def test_an_engine_that_exits_stops_being_routed_at_once(tmp_path: Path) -
         tmp_path, deployments={"tiny": TINY}, launcher=launcher, backoff=BACKOFF
     ) as host:
         (await host.manager.acquire("tiny", priority=STANDARD)).release()
+        # The load that launched it has settled (its job ended, its waiters woken): a later
+        # wake-up from it would meet the loss below and refuse the healing request.
+        await until(lambda: not host.manager.queue("tiny").pending)
         launcher.engines[0].exit(1)
         await until(lambda: host.manager.snapshot("tiny").state == DeploymentState.FAILED)
         # Its engine is stopped and its reservation freed before a request heals it.

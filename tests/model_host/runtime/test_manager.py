@@ -90,10 +90,16 @@ async def test_a_dead_engine_is_detected_and_healed_on_the_next_request(tmp_path
     async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
         first = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
         first.release()
+        # The load that launched it has settled (its job ended, its waiters woken): a later
+        # wake-up from it would meet the loss below and refuse the healing request.
+        await until(lambda: not host.manager.queue("tiny").pending)
         slot = host.manager.deployment("tiny")
         assert isinstance(slot.process, EngineProcess)
         slot.process._process.kill()  # the engine dies under us
         await until(lambda: slot.state == DeploymentState.FAILED)
+        # The loss is published first, then the engine is stopped and its reservation freed
+        # (the last step before the waiters are woken).
+        await until(lambda: not host.manager.residency.reservations)
         assert slot.reason_code == "engine_health_failed"
         assert slot.port is None
         healed = await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
