@@ -65,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -241,6 +241,57 @@ def run_upstream(argv: list[str]) -> None:
 # --------------------------------------------------------------------------- the bare pass-through
 
 
+async def _lifespan(
+    receive: Any, send: Any, startup: Callable[[], Any], shutdown: Callable[[], Awaitable[None]]
+) -> None:
+    """Serve ASGI's lifespan messages: ``startup()`` at start, ``await shutdown()`` at the end."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            startup()
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await shutdown()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _request_body(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _relay_answer(
+    send: Any,
+    status: int,
+    media: str,
+    *,
+    stream: AsyncIterator[bytes] | None,
+    whole: Callable[[], Awaitable[bytes]],
+) -> None:
+    """Send an upstream answer on: chunk by chunk from ``stream`` (an event stream), else
+    ``await whole()`` with its length."""
+    start = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", media.encode())],
+    }
+    if stream is not None:
+        await send(start)
+        async for chunk in stream:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    else:
+        data = await whole()
+        start["headers"].append((b"content-length", str(len(data)).encode()))
+        await send(start)
+        await send({"type": "http.response.body", "body": data})
+
+
 def bare_app(upstream: str) -> Callable[..., Any]:
     """The least a Python pass-through on the gateway's libraries does: a raw ASGI app that
     reads the body, POSTs it to ``upstream`` through one pooled aiohttp session (as the
@@ -249,50 +300,36 @@ def bare_app(upstream: str) -> Callable[..., Any]:
     access log. The contender the gateway's overhead is measured against."""
     import aiohttp
 
-    session: aiohttp.ClientSession | None = None
+    sessions: list[aiohttp.ClientSession] = []
     target = f"{upstream}/v1/chat/completions"
 
+    def open_session() -> None:
+        sessions.append(
+            aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+                auto_decompress=False,
+                headers={"Content-Type": "application/json"},
+            )
+        )
+
+    async def close_session() -> None:
+        for session in sessions:
+            await session.close()
+
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        nonlocal session
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    session = aiohttp.ClientSession(
-                        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
-                        auto_decompress=False,
-                        headers={"Content-Type": "application/json"},
-                    )
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    if session is not None:
-                        await session.close()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        assert session is not None
-        async with session.post(target, data=b"".join(chunks)) as response:
-            media = response.headers.get("Content-Type", "application/json").encode()
-            start = {
-                "type": "http.response.start",
-                "status": response.status,
-                "headers": [(b"content-type", media)],
-            }
-            if response.content_type == "text/event-stream":
-                await send(start)
-                async for chunk in response.content.iter_any():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
-            else:
-                data = await response.read()
-                start["headers"].append((b"content-length", str(len(data)).encode()))
-                await send(start)
-                await send({"type": "http.response.body", "body": data})
+            await _lifespan(receive, send, open_session, close_session)
+            return
+        body = await _request_body(receive)
+        async with sessions[0].post(target, data=body) as response:
+            streamed = response.content_type == "text/event-stream"
+            await _relay_answer(
+                send,
+                response.status,
+                response.headers.get("Content-Type", "application/json"),
+                stream=response.content.iter_any() if streamed else None,
+                whole=response.read,
+            )
 
     return app
 
@@ -304,50 +341,35 @@ def bare_pool_app(upstream: str) -> Callable[..., Any]:
     contracts (auth, admission, usage, spans, access log, body checks) cost."""
     from urllib.parse import urlsplit
 
-    from sbproxy.api.engine_http import EnginePool
+    from sbproxy.api.engine_http import EnginePool, EngineResponse
 
-    pool: EnginePool | None = None
+    pools: list[EnginePool] = []
     parts = urlsplit(upstream)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
 
+    async def close_pool() -> None:
+        for pool in pools:
+            await pool.close()
+
+    async def chunks(response: EngineResponse) -> AsyncIterator[bytes]:
+        while chunk := await response.content.readany():
+            yield chunk
+
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        nonlocal pool
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    pool = EnginePool()
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    if pool is not None:
-                        await pool.close()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        assert pool is not None
-        response = await pool.post(host, port, "/v1/chat/completions", b"".join(chunks))
+            await _lifespan(receive, send, lambda: pools.append(EnginePool()), close_pool)
+            return
+        body = await _request_body(receive)
+        response = await pools[0].post(host, port, "/v1/chat/completions", body)
         try:
-            media = response.headers.get("content-type", "application/json").encode()
-            start = {
-                "type": "http.response.start",
-                "status": response.status,
-                "headers": [(b"content-type", media)],
-            }
-            if response.content_type == "text/event-stream":
-                await send(start)
-                while chunk := await response.content.readany():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
-            else:
-                data = await response.read()
-                start["headers"].append((b"content-length", str(len(data)).encode()))
-                await send(start)
-                await send({"type": "http.response.body", "body": data})
+            streamed = response.content_type == "text/event-stream"
+            await _relay_answer(
+                send,
+                response.status,
+                response.headers.get("content-type", "application/json"),
+                stream=chunks(response) if streamed else None,
+                whole=response.read,
+            )
         finally:
             response.release()
 
