@@ -259,8 +259,9 @@ async def test_an_open_stream_that_runs_out_of_a_limit_ends_with_an_error_event(
 async def test_answers_within_the_limits_report_no_timeout_once_each(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A slow but steady stream (0.15 s per event) stays under a 400 ms stall limit.
-    deployments = tiny(stall_timeout_ms=400, first_token_timeout_ms=2000)
+    # A slow but steady stream (0.15 s per event) stays under a 1 s stall limit (400 ms was
+    # seen to run out when the suite's parallel workers stalled this process for a moment).
+    deployments = tiny(stall_timeout_ms=1000, first_token_timeout_ms=2000)
     async with served(tmp_path, deployments=deployments, mode="token_delay_s=0.15") as host:
         outcomes = outcomes_of(host.host.manager)
         generation = await warm(host)

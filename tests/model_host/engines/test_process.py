@@ -48,7 +48,9 @@ def gone(pid: int) -> bool:
 
 
 async def test_ready_then_clean_shutdown_leaves_nothing(tmp_path: Path) -> None:
-    process, health = await start(tmp_path, mode="load_s=0.5")
+    # Loading for 3 s: the first probe must land inside it even when a busy machine (the
+    # suite on parallel workers) delays this test's start (0.5 s was seen to run out).
+    process, health = await start(tmp_path, mode="load_s=3")
     assert await process.probe(health) == "unhealthy"  # 503 while loading
     await process.wait_ready(health, timeout_s=20)
     assert await process.probe(health) == "ready"
