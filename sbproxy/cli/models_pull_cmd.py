@@ -73,7 +73,7 @@ def _deployment_selection(
             "model": deployment.model,
             "variant": deployment.variant,
             "engine": str(deployment.engine) if engine == "auto" else engine,
-            "replicas": deployment.replicas,
+            "replicas": deployment.max_replicas,
             "heterogeneous_variants": deployment.heterogeneous_variants,
         }
     )

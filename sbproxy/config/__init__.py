@@ -5,6 +5,7 @@ errors), ``serve:`` compatibility lowering and the JSON Schema export.
 from __future__ import annotations
 
 from sbproxy.config._rules import dotted
+from sbproxy.config.autoscale import ReplicaRange
 from sbproxy.config.compile import CompiledConfig, Route, compile_config, legacy_deployment_id
 from sbproxy.config.document import SbConfig
 from sbproxy.config.engine_args import check_engine_args
@@ -75,6 +76,7 @@ __all__ = [
     "ProviderConfig",
     "ProxyConfig",
     "PullPolicy",
+    "ReplicaRange",
     "Rollout",
     "Route",
     "SbConfig",

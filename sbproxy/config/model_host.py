@@ -33,6 +33,7 @@ from sbproxy.config._rules import (
     check_path_text,
     is_sha256_hex,
 )
+from sbproxy.config.autoscale import ReplicaRange, range_or_problems
 from sbproxy.config.engine_args import EngineKind, check_engine_args
 from sbproxy.config.journal_url import INVALID_JOURNAL_URL, JOURNAL_URL_FORM, journal_url_problem
 
@@ -614,12 +615,12 @@ class DeploymentConfig(ConfigModel):
         description="Allow replicas to resolve to different variants (per node's hardware, "
         "fleet placement intent).",
     )
-    replicas: int = Field(
+    replicas: Annotated[int, Field(ge=1, le=_MAX_U32)] | ReplicaRange = Field(
         default=1,
-        ge=1,
-        le=_MAX_U32,
         description="Replica count; a fleet places each on its own node or devices. This "
-        "single-node authorities serve one; cluster_authority places each on its own node.",
+        "single-node authorities serve one; cluster_authority places each on its own node. "
+        "A mapping {min, max, target, ...} (cluster_authority only) scales the count with "
+        "the requests in flight.",
     )
     tensor_parallel: int | None = Field(
         default=None, ge=1, le=1024, description="Devices per replica; default: planner's choice."
@@ -778,6 +779,43 @@ class DeploymentConfig(ConfigModel):
         default=None, description="Per-deployment engine archive digest override."
     )
 
+    @property
+    def replica_range(self) -> ReplicaRange | None:
+        """The autoscaling range, or ``None`` for a fixed count."""
+        return self.replicas if isinstance(self.replicas, ReplicaRange) else None
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas this deployment may have: the fixed count, or the range's
+        ``max``."""
+        return self.replicas.max if isinstance(self.replicas, ReplicaRange) else self.replicas
+
+    @property
+    def replica_count(self) -> int:
+        """The replicas to run before any scaling decision: the fixed count, or the range's
+        :meth:`~sbproxy.config.autoscale.ReplicaRange.initial`."""
+        if isinstance(self.replicas, ReplicaRange):
+            return self.replicas.initial()
+        return self.replicas
+
+    @property
+    def scale_target(self) -> float:
+        """Requests in flight per replica an autoscaled deployment aims at: the range's
+        ``target``, else ``max_concurrency``."""
+        target = self.replicas.target if isinstance(self.replicas, ReplicaRange) else None
+        return float(target if target is not None else self.max_concurrency)
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _replica_form(cls, value: Any) -> Any:
+        # Validated here rather than by the union, so that an error names the range's own
+        # field (``replicas.max``), not both branches of the union.
+        if isinstance(value, dict):
+            return range_or_problems(value)
+        if isinstance(value, bool) or not isinstance(value, int | ReplicaRange):
+            raise ValueError("must be a whole number or a range {min, max, ...}")
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
@@ -825,11 +863,11 @@ class DeploymentConfig(ConfigModel):
                     "one of the two",
                 )
             )
-        if self.replicas > 1 and self.variant is None and not self.heterogeneous_variants:
+        if self.max_replicas > 1 and self.variant is None and not self.heterogeneous_variants:
             problems.append(
                 (
                     ("replicas",),
-                    f"replicas: {self.replicas} needs a pinned `variant` (or "
+                    f"replicas: {self.max_replicas} needs a pinned `variant` (or "
                     "heterogeneous_variants: true) so every replica serves the same artifact",
                 )
             )
@@ -990,6 +1028,20 @@ class ModelHostConfig(ConfigModel):
                 "cluster_authority needs the shared PostgreSQL journal "
                 "(proxy.model_host.journal.url); the SQLite journal serves one host only",
             )
+        if self.authority != Authority.CLUSTER_AUTHORITY:
+            ranged = sorted(d for d, c in self.deployments.items() if c.replica_range)
+            if ranged:
+                raise RuleViolation(
+                    [
+                        (
+                            ("deployments", d, "replicas"),
+                            "replicas as a range {min, max} (autoscaling) needs authority: "
+                            "cluster_authority on the shared PostgreSQL journal; a single "
+                            "host runs one replica: give replicas a number",
+                        )
+                        for d in ranged
+                    ]
+                )
         if self.authority == Authority.ADMIN_MANAGED and self.store_path is None:
             raise RuleViolation.at(
                 "store_path",

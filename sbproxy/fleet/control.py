@@ -592,6 +592,7 @@ def deployment_spec(
     facts: Mapping[str, GgufFacts],
     safety_margin: float,
     avoid: frozenset[str] = frozenset(),
+    replicas: int | None = None,
 ) -> DeploymentSpec:
     """The planner's spec of one desired deployment.
 
@@ -607,6 +608,7 @@ def deployment_spec(
             (``estimate_basis: gguf_header``), else from its file sizes (``file_size``).
         safety_margin: ``model_host.safety_margin``.
         avoid: Nodes the deployment avoids now (:func:`avoided_nodes`).
+        replicas: The count the autoscaler set for it (``None``: its configured count).
 
     With ``heterogeneous_variants: true`` and no pinned ``variant``, every variant of the
     model is a choice (first in catalog order) and each placement names the one it got;
@@ -644,4 +646,5 @@ def deployment_spec(
         avoid_nodes=avoid,
         accelerators=first.accelerators,
         min_compute_capability=first.min_compute_capability,
+        replicas=replicas,
     )

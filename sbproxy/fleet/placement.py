@@ -310,12 +310,15 @@ class DeploymentSpec(_Frozen):
         avoid_nodes: Iterable[str] = (),
         accelerators: Iterable[str] = (),
         min_compute_capability: tuple[int, int] | None = None,
+        replicas: int | None = None,
     ) -> DeploymentSpec:
-        """The spec of a configured deployment; ``engines`` come from its resolved variant."""
+        """The spec of a configured deployment; ``engines`` come from its resolved variant;
+        ``replicas``: the count an autoscaling decision set (default: the configured count,
+        or the range's initial one)."""
         return cls(
             id=deployment_id,
             revision=revision,
-            replicas=config.replicas,
+            replicas=config.replica_count if replicas is None else replicas,
             required_labels=dict(config.required_labels),
             spread_by=tuple(config.spread_by),
             engines=tuple(engines),

@@ -297,7 +297,7 @@ class ModelHostService:
                 "model": deployment.model,
                 "variant": deployment.variant,
                 "engine": str(deployment.engine),
-                "replicas": deployment.replicas,
+                "replicas": deployment.max_replicas,
                 "heterogeneous_variants": deployment.heterogeneous_variants,
             }
         )

@@ -22,7 +22,7 @@ def artifact_request(config: DeploymentConfig) -> ArtifactRequest:
             "model": config.model,
             "variant": config.variant,
             "engine": str(config.engine),
-            "replicas": config.replicas,
+            "replicas": config.max_replicas,
             "heterogeneous_variants": config.heterogeneous_variants,
         }
     )

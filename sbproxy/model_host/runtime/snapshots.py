@@ -45,7 +45,7 @@ class Snapshots:
             },
             routable=routable,
             crash_looped=found.crash is not None,
-            desired_replicas=config.replicas,
+            desired_replicas=config.replica_count,
             configured_engine=str(config.engine),
             keep_alive_secs=config.keep_alive_secs,
         )
