@@ -209,6 +209,24 @@ def _deployments(raw: object) -> dict[str, DeploymentConfig]:
         ) from None
 
 
+def _refuse_ranges(deployments: dict[str, DeploymentConfig]) -> None:
+    """Refuse autoscaled replicas on a single host.
+
+    Raises:
+        SbproxyError: ``invalid_desired`` naming ``deployments.<id>.replicas``.
+    """
+    ranged = sorted(d for d, c in deployments.items() if c.replica_range is not None)
+    if ranged:
+        path = f"deployments.{ranged[0]}.replicas"
+        raise SbproxyError(
+            f"{path}: replicas as a range (autoscaling) needs a fleet "
+            "(authority: cluster_authority); a single host runs one replica",
+            code="invalid_desired",
+            remediation="Give replicas a number.",
+            details={"path": path},
+        )
+
+
 async def _add_store_details(exc: SbproxyError, store: RevisionStore, expected: int | None) -> None:
     """Name the store's revision in a conflict or a post-store commit failure."""
     if exc.code not in ("revision_conflict", "runtime_commit_failed"):
@@ -316,8 +334,11 @@ def _definition(body: Mapping[str, Any]) -> dict[str, Any]:
         return dict(body)
 
 
-def _replicas(definition: Mapping[str, Any]) -> int:
+def _replicas(definition: Mapping[str, Any]) -> int | str:
+    """The fixed count, or an autoscaled range as ``"<min>..<max>"``."""
     count = definition.get("replicas", 1)
+    if isinstance(count, dict):
+        return f"{count.get('min', 1)}..{count.get('max', '?')}"
     return count if isinstance(count, int) else 1
 
 
@@ -606,6 +627,8 @@ def desired_handlers(manager: RuntimeManager, config: ConfigState) -> list[HTTPR
         body = await request.body()
         try:
             expected, deployments = parse_put(body)
+            if not _is_cluster(manager):
+                _refuse_ranges(deployments)
         except InvalidBody:
             raise
         except SbproxyError as exc:

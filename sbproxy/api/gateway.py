@@ -559,6 +559,7 @@ class Gateway:
         note, span = _annotate(scope, route, caller)
         if hop is None:
             self.usage.check(caller.name)
+            await self.wake_if_cold(fleet, deployment)
             if fleet is not None and not self.serves_here(fleet, deployment):
                 return await self.forward_to_peer(
                     scope, receive, route, fleet, caller=caller, host=host, path=path,
@@ -642,6 +643,17 @@ class Gateway:
         if hop is None:
             return self.keys.authenticate(authorization), None
         return fleet.admit_hop(authorization, priority, node=hop), hop
+
+    async def wake_if_cold(self, fleet: PeerDispatch | None, deployment: str) -> None:
+        """On a host of a fleet, for a deployment autoscaling took to zero replicas: ask the
+        fleet for one and wait until one is ready (:mod:`sbproxy.api.wake`).
+
+        Raises:
+            AdmissionRejected: ``queue_timeout`` (503) -- none ready within the deployment's
+                ``queue_timeout_ms``.
+        """
+        if fleet is not None and fleet.cold is not None and fleet.cold.wanted(deployment):
+            await fleet.cold.wait(deployment)
 
     def serves_here(self, fleet: PeerDispatch, deployment: str) -> bool:
         """Whether this node serves ``deployment`` itself (:meth:`PeerDispatch.serves_here`):

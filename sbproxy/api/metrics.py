@@ -410,6 +410,7 @@ class _FleetCollector(Collector):
             "Placements this host recorded as the controller (re-placements included).",
             value=agent.placements_made,
         )
+        yield from _autoscale_metrics(agent)
         yield GaugeMetricFamily(
             "sbproxy_fleet_controller",
             "1 while this host holds the controller lease.",
@@ -420,6 +421,49 @@ class _FleetCollector(Collector):
             "1 while this host has fenced itself.",
             value=1 if agent.fenced else 0,
         )
+
+
+def _autoscale_metrics(agent: FleetAgent) -> Iterator[Metric]:
+    """The autoscaled deployments: desired and current replicas (every host, at its last
+    heartbeat), the load per replica and the decisions (the controller's own)."""
+    desired = GaugeMetricFamily(
+        "sbproxy_fleet_autoscale_replicas_desired",
+        "Replicas the last scaling decision set, by autoscaled deployment.",
+        labels=["deployment"],
+    )
+    current = GaugeMetricFamily(
+        "sbproxy_fleet_autoscale_replicas_current",
+        "Replicas placed and not being stopped on live nodes, by autoscaled deployment.",
+        labels=["deployment"],
+    )
+    for deployment, (want, have) in sorted(agent.autoscale_counts().items()):
+        desired.add_metric([deployment], want)
+        current.add_metric([deployment], have)
+    yield desired
+    yield current
+    load = GaugeMetricFamily(
+        "sbproxy_fleet_autoscale_load",
+        "Mean requests in flight (running and queued) per replica over the stable or the "
+        "panic window, as this host's controller last sampled them.",
+        labels=["deployment", "window"],
+    )
+    for deployment, figures in sorted(agent.scaler.figures.items()):
+        for window, value in (
+            ("stable", figures.stable_per_replica),
+            ("panic", figures.panic_per_replica),
+        ):
+            if value is not None:
+                load.add_metric([deployment, window], value)
+    yield load
+    decisions = CounterMetricFamily(
+        "sbproxy_fleet_scale_decisions",
+        "Scaling decisions this host recorded as the controller (fleet.scale jobs), by "
+        "deployment, direction (up, down) and reason.",
+        labels=["deployment", "direction", "reason"],
+    )
+    for (deployment, direction, reason), count in sorted(agent.scaler.decisions.items()):
+        decisions.add_metric([deployment, direction, reason], count)
+    yield decisions
 
 
 def build_registry(

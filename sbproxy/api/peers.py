@@ -107,6 +107,7 @@ from sbproxy.api.errors import ENGINE_REACHED_HEADER, ApiError
 from sbproxy.api.keys import Caller
 from sbproxy.api.relay import UpstreamUnavailable
 from sbproxy.api.supervision import ExchangeBound, Limit, engine_timeout
+from sbproxy.api.wake import ColdWake
 from sbproxy.config import DeploymentConfig, PriorityClass
 from sbproxy.fleet.routing import FleetDirectory, PeerReplica, RoutingTable
 from sbproxy.telemetry import ATTR_DEPLOYMENT, ATTR_PEER_NODE, enabled, tracer
@@ -308,6 +309,8 @@ class PeerDispatch:
         self._turn = 0
         self.tries: Counter[tuple[str, str, str]] = Counter()
         """Tries at peers by ``(deployment, node, outcome)``."""
+        self.cold: ColdWake | None = None
+        """Scale from zero (:mod:`sbproxy.api.wake`), on a host of a fleet."""
         self.spills: Counter[tuple[str, str]] = Counter()
         """Requests this host's own replica refused before any byte reached the client and
         that went to a peer instead (spill-over), by ``(deployment, refusal code)``."""

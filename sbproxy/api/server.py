@@ -61,10 +61,11 @@ from sbproxy.api.keys import KeyPlane
 from sbproxy.api.metrics import Disconnects, Rejections
 from sbproxy.api.peers import LoneDirectory, PeerDispatch
 from sbproxy.api.shutdown import Shutdown
+from sbproxy.api.wake import ColdWake
 from sbproxy.config import CompiledConfig, FleetConfig
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.cluster import fleet_credential
-from sbproxy.fleet.routing import FleetDirectory
+from sbproxy.fleet.routing import FleetDirectory, FleetWaker
 from sbproxy.fleet.view import FleetStatus
 from sbproxy.model_host.lockfile import lock_guard
 from sbproxy.model_host.runtime.reload import reload_from_source
@@ -156,11 +157,14 @@ def _node_id(compiled: CompiledConfig) -> str:
 def peer_dispatch(compiled: CompiledConfig, directory: FleetDirectory) -> PeerDispatch:
     """The gateway's peer dispatch over ``directory``, with the fleet credential and
     cool-down of ``compiled`` (``proxy.model_host.fleet``)."""
-    return PeerDispatch(
+    dispatch = PeerDispatch(
         directory,
         credential=_credential(compiled),
         cooldown_s=_fleet(compiled).peer_cooldown_ms / 1000,
     )
+    if isinstance(directory, FleetWaker):
+        dispatch.cold = ColdWake(directory, directory)
+    return dispatch
 
 
 def build_servers(

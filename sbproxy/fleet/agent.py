@@ -88,6 +88,13 @@ from sbproxy.fleet.placement import (
     plan,
 )
 from sbproxy.fleet.routing import PeerReplica, RoutingTable, replica_deployment_id
+from sbproxy.fleet.scaling import (
+    Autoscaled,
+    Autoscaler,
+    autoscaled,
+    in_flight,
+    scaled_counts,
+)
 from sbproxy.fleet.view import ControllerRow, FleetView, NodeRow, PlacementJobRow, ReplicaRow
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.reload import reload, with_deployments
@@ -101,6 +108,7 @@ from sbproxy.store.fleet import (
     NodeIdInUse,
     Renewal,
 )
+from sbproxy.store.fleet_scale import record_demand, record_scale
 from sbproxy.workflows.faults import fault_point
 
 __all__ = ["FleetAgent", "NodeIdentity", "PeerAsker", "ask_peers_http", "fleet_view"]
@@ -251,6 +259,9 @@ class FleetAgent:
         """Stuck or failed placements this host moved as the controller, by reason."""
         self.stuck_staying: dict[str, str] = {}
         """Stuck placements no other node takes now: ``{placement: why}`` (last pass)."""
+        self.scaler = Autoscaler()
+        """Load samples and scaling decisions while this host is the controller."""
+        self._demanded: dict[str, float] = {}
         # {deployment: placement id} a failed reconcile could not load, and its code
         self._load_failure: tuple[dict[str, str], str] | None = None
         self._facts_sent: frozenset[str] | None = None
@@ -303,6 +314,7 @@ class FleetAgent:
         wanted = json.loads(snapshot.desired_document).get("deployments", {})
         live = {v.id for v in self.views if v.state.value not in ("lost", "left")}
         reports = {node.id: node.replicas for node in snapshot.nodes}
+        scaled = scaled_counts(snapshot, autoscaled(snapshot.desired_document))
         counts: dict[str, tuple[int, int, int]] = {}
         for deployment, body in wanted.items():
             ready: set[int] = set()
@@ -313,8 +325,25 @@ class FleetAgent:
                 local = replica_deployment_id(p.deployment, p.replica)
                 report = reports.get(p.node, {}).get(local) or {}
                 (idle if idle_loadable(report) else ready).add(p.replica)
-            counts[deployment] = (int(body.get("replicas", 1)), len(ready), len(idle - ready))
+            want = scaled.get(deployment)
+            if want is None:
+                want = int(body.get("replicas", 1))
+            counts[deployment] = (want, len(ready), len(idle - ready))
         return counts
+
+    def autoscale_counts(self) -> dict[str, tuple[int, int]]:
+        """``{deployment: (desired, current)}`` of the autoscaled deployments at the last
+        heartbeat: the count the last scaling decision set, and the replicas placed (not
+        being stopped) on live nodes."""
+        snapshot = self.snapshot
+        if snapshot is None:
+            return {}
+        scaled = autoscaled(snapshot.desired_document)
+        gone = [v.id for v in self.views if v.state.value in ("lost", "left")]
+        return {
+            deployment: (count, in_flight(snapshot, deployment, gone=gone)[1])
+            for deployment, count in scaled_counts(snapshot, scaled).items()
+        }
 
     async def view(self) -> FleetView:
         """The fleet now for the console (FleetStatus): one database read.
@@ -747,12 +776,14 @@ class FleetAgent:
             logger.info("node %s is the controller (epoch %d)", lease.holder, lease.epoch)
         self.holding = lease
         if lease is None:
+            self.scaler.forget()
             return
         try:
             await self._control_pass(lease)
         except Deposed as exc:
             logger.warning("controller deposed: %s", exc)
             self.holding = None
+            self.scaler.forget()
 
     async def _control_pass(self, lease: ControllerLease) -> None:
         snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
@@ -783,7 +814,8 @@ class FleetAgent:
                     logging.INFO if change.transition.to_state.value == "ready" else logging.WARNING
                 )
                 logger.log(level, "node %s: %s", change.node, change.transition.to_dict())
-        specs, definitions, frozen = self._specs(snapshot)
+        counts = await self._autoscale(lease, snapshot, views)
+        specs, definitions, frozen = self._specs(snapshot, counts)
         current = {d: (s.revision, definition_digest(definitions[d])) for d, s in specs.items()}
         stuck = stuck_placements(
             snapshot.placements,
@@ -811,6 +843,54 @@ class FleetAgent:
                 partial(self.store.forget_placement, lease, placement, why="re-placed")
             )
 
+    async def _autoscale(
+        self, lease: ControllerLease, snapshot: FleetSnapshot, views: Sequence[NodeView]
+    ) -> dict[str, int]:
+        """Sample and decide the autoscaled deployments' counts (:mod:`.scaling`), record
+        each decision as a fenced ``fleet.scale`` job; the counts to plan with now."""
+        scaled = autoscaled(snapshot.desired_document)
+        counts = scaled_counts(snapshot, scaled)
+        if not scaled:
+            return counts
+        gone = [v.id for v in views if v.state.value in ("lost", "left")]
+        for decision in self.scaler.decide(snapshot, scaled, gone=gone):
+            body = decision.model_dump(mode="json")
+            job = await anyio.to_thread.run_sync(partial(record_scale, self.store, lease, body))
+            if job is None:
+                continue
+            self.scaler.recorded(decision)
+            counts[decision.deployment] = decision.to_replicas
+            logger.info(
+                "scaled %s from %d to %d replicas (%s: %s; job %s)",
+                decision.deployment,
+                decision.from_replicas,
+                decision.to_replicas,
+                decision.reason.value,
+                decision.message,
+                job,
+            )
+        return counts
+
+    async def wake(self, deployment: str) -> bool:
+        """Ask the fleet for a replica of ``deployment``, autoscaled and at zero (a request
+        waits for it): the demand is recorded once per deployment however many requests
+        ask (:func:`~sbproxy.store.fleet_scale.record_demand`), again from this host at
+        most once a heartbeat while it waits; whether this call wrote it.
+
+        Raises:
+            JournalUnavailable: ``journal_unavailable``.
+        """
+        now = self.clock()
+        if now - self._demanded.get(deployment, float("-inf")) < self.timing.heartbeat_ms / 1000:
+            return False
+        self._demanded[deployment] = now
+        written = await anyio.to_thread.run_sync(
+            partial(record_demand, self.store, deployment, node=self.identity.id)
+        )
+        if written:
+            logger.info("a request wants %s, scaled to zero: demand recorded", deployment)
+        return written
+
     def _note_staying(
         self, stuck: dict[str, StuckReason], placed: Sequence[Any], decisions: Sequence[Any]
     ) -> None:
@@ -831,10 +911,11 @@ class FleetAgent:
         self.stuck_staying = staying
 
     def _specs(
-        self, snapshot: FleetSnapshot
+        self, snapshot: FleetSnapshot, counts: dict[str, int] | None = None
     ) -> tuple[dict[str, DeploymentSpec], dict[str, dict[str, Any]], frozenset[str]]:
         """The desired deployments as planner specs, their definitions (JSON), and the ones
-        this controller cannot build a spec for (frozen: never stopped for it).
+        this controller cannot build a spec for (frozen: never stopped for it); ``counts``:
+        the replicas of the autoscaled ones.
 
         A spec comes from the catalog, not from this controller's own hardware: a pinned
         variant is taken as pinned (its hardware is checked per candidate node by the
@@ -867,6 +948,7 @@ class FleetAgent:
                     facts=facts,
                     safety_margin=self.manager.safety_margin,
                     avoid=avoid.get(deployment, frozenset()),
+                    replicas=(counts or {}).get(deployment),
                 )
             except (SbproxyError, ValueError, KeyError) as exc:
                 if deployment not in self._unspecified:
@@ -1057,7 +1139,10 @@ class FleetAgent:
                 )
             )
         self._table = RoutingTable(
-            self.identity.id, {d: tuple(r) for d, r in table.items()}, self.clock()
+            self.identity.id,
+            {d: tuple(r) for d, r in table.items()},
+            self.clock(),
+            wakeable=_wakeable(autoscaled(snapshot.desired_document)),
         )
 
 
@@ -1115,8 +1200,10 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
             )
     desired: dict[str, int] = {}
     if snapshot.desired_document is not None:
+        scaled = scaled_counts(snapshot, autoscaled(snapshot.desired_document))
         for deployment, body in json.loads(snapshot.desired_document)["deployments"].items():
-            desired[deployment] = int(body.get("replicas", 1))
+            count = scaled.get(deployment)
+            desired[deployment] = int(body.get("replicas", 1)) if count is None else count
     lease = snapshot.controller
     controller = None
     if lease is not None and lease.expires_at_ms > now:
@@ -1129,6 +1216,12 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
         controller=controller,
         jobs=tuple(sorted(jobs, key=lambda j: -j.age_ms)),
     )
+
+
+def _wakeable(scaled: dict[str, Autoscaled]) -> dict[str, int]:
+    """``{deployment: queue_timeout_ms}`` of the autoscaled deployments that may have no
+    replica (``min: 0``): a request for one waits for a replica the fleet places."""
+    return {d: a.queue_timeout_ms for d, a in scaled.items() if a.bounds.min == 0}
 
 
 def _is_loopback(url: str) -> bool:

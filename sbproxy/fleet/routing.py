@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 __all__ = [
     "FleetDirectory",
+    "FleetWaker",
     "PeerReplica",
     "RoutingTable",
     "replica_deployment_id",
@@ -106,11 +107,15 @@ class RoutingTable:
         replicas: The replicas of each deployment, by deployment name.
         taken_at: Monotonic seconds (``time.monotonic()`` of the node that made it) when the
             snapshot was taken.
+        wakeable: ``{deployment: queue_timeout_ms}`` of the fleet's deployments that scale
+            to zero (``replicas: {min: 0, ...}``): with no replica, a request asks the fleet
+            for one and waits up to that long.
     """
 
     local_node_id: str
     replicas: Mapping[str, tuple[PeerReplica, ...]]
     taken_at: float
+    wakeable: Mapping[str, int] = field(default_factory=dict)
 
     def for_deployment(self, name: str) -> tuple[PeerReplica, ...]:
         """The replicas of deployment ``name``; empty when the fleet has none."""
@@ -123,4 +128,17 @@ class FleetDirectory(Protocol):
     def routing(self) -> RoutingTable:
         """The current routing table: a snapshot, cheap to call on every request, never
         blocking on the database (the directory refreshes it in the background)."""
+        ...
+
+
+@runtime_checkable
+class FleetWaker(Protocol):
+    """What asks the fleet for a replica of a deployment scaled to zero."""
+
+    async def wake(self, deployment: str) -> bool:
+        """Record that a request wants ``deployment``; whether this call wrote the demand.
+
+        Raises:
+            JournalUnavailable: ``journal_unavailable``.
+        """
         ...

@@ -46,6 +46,7 @@ from sbproxy.store.revisions import FLEET_CHANNEL
 __all__ = [
     "AvoidRow",
     "ControllerLease",
+    "DemandRow",
     "Deposed",
     "FleetSnapshot",
     "FleetStore",
@@ -54,6 +55,7 @@ __all__ = [
     "NodeRow",
     "PlacementRow",
     "Renewal",
+    "ScaleRow",
 ]
 
 _NOW = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT"
@@ -286,6 +288,27 @@ class AvoidRow:
 
 
 @dataclass(frozen=True)
+class ScaleRow:
+    """The replica count the last ``fleet.scale`` decision set for one deployment."""
+
+    deployment: str
+    replicas: int
+    decided_at_ms: int
+    reason: str
+    epoch: int
+    job_id: str
+
+
+@dataclass(frozen=True)
+class DemandRow:
+    """A gateway's request for a deployment at zero replicas (one per deployment)."""
+
+    deployment: str
+    at_ms: int
+    node: str
+
+
+@dataclass(frozen=True)
 class FleetSnapshot:
     """Everything a controller pass or a reader needs, read in one transaction."""
 
@@ -298,6 +321,10 @@ class FleetSnapshot:
     events: tuple[dict[str, Any], ...] = field(default=())
     avoids: tuple[AvoidRow, ...] = field(default=())
     """The nodes deployments avoid now (``until_ms`` after ``now_ms``)."""
+    scales: tuple[ScaleRow, ...] = field(default=())
+    """The replica counts autoscaling decisions set (migration 12)."""
+    demands: tuple[DemandRow, ...] = field(default=())
+    """Deployments at zero replicas a gateway asked for."""
 
 
 def _node(row: Sequence[Any]) -> NodeRow:
@@ -443,6 +470,28 @@ class FleetStore:
                     self._drop(channel)
                 raise
 
+    @contextmanager
+    def fenced(self, lease: ControllerLease) -> Iterator[tuple[psycopg.Cursor[Any], int]]:
+        """A controller's transaction: ``(cursor, database now)`` with the lease row locked
+        and checked (for the fleet records of other modules, :mod:`.fleet_scale`).
+
+        Raises:
+            Deposed: the lease is no longer this controller's.
+            JournalUnavailable: ``journal_unavailable``.
+        """
+        with self._transaction() as cursor:
+            yield cursor, self._fence(cursor, lease)
+
+    @contextmanager
+    def transaction(self) -> Iterator[tuple[psycopg.Cursor[Any], int]]:
+        """A plain transaction on the control connection: ``(cursor, database now)``.
+
+        Raises:
+            JournalUnavailable: ``journal_unavailable``.
+        """
+        with self._transaction() as cursor:
+            yield cursor, self._now(cursor)
+
     @staticmethod
     def _drop(channel: _Channel) -> None:
         connection, channel.connection = channel.connection, None
@@ -478,6 +527,9 @@ class FleetStore:
             # Delivered at commit to every host that listens (:meth:`wait_for_change`): its
             # routing table follows a placement change at once, not at its next heartbeat.
             cursor.execute("SELECT pg_notify(%s, %s)", (FLEET_CHANNEL, kind))
+
+    record_event = _event
+    """Record a fleet event (and notify listeners of a routing change) in a transaction."""
 
     def wait_for_change(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a change that moves routing (a placement made,
@@ -535,6 +587,9 @@ class FleetStore:
             (job_id, now, json.dumps({"status": "succeeded", "by": node})),
         )
         return job_id
+
+    record_job = _job
+    """Record a finished fleet job in a transaction; its id."""
 
     # -- membership --------------------------------------------------------------------
 
@@ -728,6 +783,19 @@ class FleetStore:
                     (now,),
                 ).fetchall()
             )
+            scales = tuple(
+                ScaleRow(str(r[0]), int(r[1]), int(r[2]), str(r[3]), int(r[4]), str(r[5]))
+                for r in cursor.execute(
+                    "SELECT deployment, replicas, decided_at_ms, reason, epoch, job_id"
+                    " FROM fleet_scale ORDER BY deployment"
+                ).fetchall()
+            )
+            demands = tuple(
+                DemandRow(str(r[0]), int(r[1]), str(r[2]))
+                for r in cursor.execute(
+                    "SELECT deployment, at_ms, node FROM fleet_demand ORDER BY deployment"
+                ).fetchall()
+            )
             recent: list[dict[str, Any]] = []
             if events:
                 recent = [
@@ -753,6 +821,8 @@ class FleetStore:
             desired_document=None if desired is None else str(desired[1]),
             events=tuple(recent),
             avoids=avoids,
+            scales=scales,
+            demands=demands,
         )
 
     def set_flags(

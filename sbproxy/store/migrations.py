@@ -309,6 +309,35 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "ALTER TABLE fleet_controller ADD COLUMN holder_instance TEXT NOT NULL DEFAULT ''",
         ),
     ),
+    (
+        12,
+        "fleet: autoscaled replica counts and demand for a deployment at zero",
+        (
+            # The replica count the controller's last ``fleet.scale`` decision set for an
+            # autoscaled deployment (``replicas: {min, max}``), with when, why and the job
+            # that records its figures. No row: the range's initial count.
+            """
+            CREATE TABLE fleet_scale (
+                deployment TEXT PRIMARY KEY,
+                replicas INTEGER NOT NULL,
+                decided_at_ms INTEGER NOT NULL,
+                reason TEXT NOT NULL,
+                epoch INTEGER NOT NULL,
+                job_id TEXT NOT NULL
+            )
+            """,
+            # A gateway's request for a deployment scaled to zero: one row per deployment
+            # however many requests wait; the controller's scale-from-zero decision deletes
+            # it in its own transaction.
+            """
+            CREATE TABLE fleet_demand (
+                deployment TEXT PRIMARY KEY,
+                at_ms INTEGER NOT NULL,
+                node TEXT NOT NULL
+            )
+            """,
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -118,6 +118,8 @@ def test_an_older_journal_is_listed_by_the_store_which_migrates_it(tmp_path: Pat
         # tables (9) and its avoided nodes (10; its new columns go with their tables).
         raw.execute("DELETE FROM schema_migrations WHERE version >= 5")
         for table in (
+            "fleet_demand",
+            "fleet_scale",
             "fleet_avoid",
             "fleet_events",
             "fleet_placements",
