@@ -814,6 +814,10 @@ class DeploymentConfig(ConfigModel):
             return range_or_problems(value)
         if isinstance(value, bool) or not isinstance(value, int | ReplicaRange):
             raise ValueError("must be a whole number or a range {min, max, ...}")
+        if isinstance(value, int) and value < 1:
+            raise ValueError("Input should be greater than or equal to 1")
+        if isinstance(value, int) and value > _MAX_U32:
+            raise ValueError(f"Input should be less than or equal to {_MAX_U32}")
         return value
 
     @model_validator(mode="before")
