@@ -19,9 +19,10 @@ replica, every average is fleet-wide and divided by the replicas the fleet is se
 * **Scale up.** When the average over ``window_ms`` exceeds the target per replica, the
   count goes to ``ceil(average / target)`` (``above_target``), at most ``max``.
 * **Scale down, one at a time.** When every sample of the last ``scale_down_delay_ms`` fits
-  in one replica fewer at the target, and the last decision is at least that old, one
-  replica goes (``below_target``), never below ``min``; the last one (``min: 0``) only
-  after that long with no request in flight at all (``idle``).
+  in one replica fewer at the target, the last decision is at least that old, and every
+  replica has been ready at least that long, one replica goes (``below_target``), never
+  below ``min``; the last one (``min: 0``) only after that long with no request in flight at
+  all (``idle``).
 
 Nothing is decided on a window this controller has not watched: a panic or a scale-up
 needs ``panic_window_ms`` of samples, a scale-down ``scale_down_delay_ms`` of them (a
@@ -186,6 +187,7 @@ def decide(
     watched_since_ms: int | None,
     last_decision_ms: int | None,
     demand: bool = False,
+    settled_since_ms: int | None = None,
 ) -> ScaleVerdict:
     """The replica count ``deployment`` needs now (module docstring for the rules).
 
@@ -202,6 +204,10 @@ def decide(
         last_decision_ms: Database time of its last ``fleet.scale`` decision (``None``:
             none).
         demand: A gateway asked for a replica while it had none.
+        settled_since_ms: Since when every replica of the set count has been placed and
+            ready (``None``: one is still being placed or started). A scale-down needs
+            ``scale_down_delay_ms`` of it: a replica that is still starting has not shown
+            whether it is needed (requests wait for it at the gateways, unseen).
 
     Returns:
         The figures, and the decision when the count changes (by one step for a
@@ -238,7 +244,9 @@ def decide(
         stable_mean=stable_mean if watched >= bounds.panic_window_ms else None,
         panic_mean=panic_mean if watched >= bounds.panic_window_ms else None,
         peak=figures.peak_in_flight if watched >= bounds.scale_down_delay_ms else None,
-        quiet=last_decision_ms is None or now_ms - last_decision_ms >= bounds.scale_down_delay_ms,
+        quiet=(last_decision_ms is None or now_ms - last_decision_ms >= bounds.scale_down_delay_ms)
+        and settled_since_ms is not None
+        and now_ms - settled_since_ms >= bounds.scale_down_delay_ms,
     )
     if step is None:
         return ScaleVerdict(figures=figures)

@@ -58,13 +58,13 @@ def scaled_counts(snapshot: Any, scaled: Mapping[str, Autoscaled]) -> dict[str, 
     return {d: recorded.get(d, a.bounds.initial()) for d, a in scaled.items()}
 
 
-def in_flight(snapshot: Any, deployment: str, *, gone: Iterable[str] = ()) -> tuple[int, int]:
-    """``(requests in flight, replicas placed)`` of ``deployment``: running plus queued, as
-    each live node reported its replicas at its last renewal, over its placements not being
-    stopped on nodes not in ``gone``."""
+def in_flight(snapshot: Any, deployment: str, *, gone: Iterable[str] = ()) -> tuple[int, int, int]:
+    """``(requests in flight, replicas placed, replicas ready)`` of ``deployment``: running
+    plus queued, as each live node reported its replicas at its last renewal, over its
+    placements not being stopped on nodes not in ``gone``."""
     away = set(gone)
     reports = {node.id: node.replicas for node in snapshot.nodes}
-    total = placed = 0
+    total = placed = ready = 0
     for placement in snapshot.placements:
         if (
             placement.deployment != deployment
@@ -73,10 +73,11 @@ def in_flight(snapshot: Any, deployment: str, *, gone: Iterable[str] = ()) -> tu
         ):
             continue
         placed += 1
+        ready += placement.state == "ready"
         local = replica_deployment_id(placement.deployment, placement.replica)
         report = reports.get(placement.node, {}).get(local) or {}
         total += int(report.get("active") or 0) + int(report.get("queued") or 0)
-    return total, placed
+    return total, placed, ready
 
 
 class Autoscaler:
@@ -88,6 +89,8 @@ class Autoscaler:
         """The figures of each autoscaled deployment at this controller's last pass."""
         self.placed: dict[str, int] = {}
         """Replicas placed (not stopping, on live nodes) at the last pass."""
+        self._settled: dict[str, int] = {}
+        # {deployment: database time since which every placed replica was ready}
         self.decisions: Counter[tuple[str, str, str]] = Counter()
         """Decisions this host recorded, by ``(deployment, direction, reason)``."""
 
@@ -96,6 +99,7 @@ class Autoscaler:
         self._windows.clear()
         self.figures.clear()
         self.placed.clear()
+        self._settled.clear()
 
     def decide(
         self, snapshot: Any, scaled: Mapping[str, Autoscaled], *, gone: Iterable[str]
@@ -114,6 +118,7 @@ class Autoscaler:
             del self._windows[deployment]
             self.figures.pop(deployment, None)
             self.placed.pop(deployment, None)
+            self._settled.pop(deployment, None)
         counts = scaled_counts(snapshot, scaled)
         last = {row.deployment: row.decided_at_ms for row in snapshot.scales}
         wanted = {row.deployment for row in snapshot.demands}
@@ -124,9 +129,14 @@ class Autoscaler:
             horizon = max(bounds.window_ms, bounds.scale_down_delay_ms)
             if window is None or window.horizon_ms != horizon:
                 window = self._windows[deployment] = LoadWindow(horizon)
-            load, placed = in_flight(snapshot, deployment, gone=gone)
+            load, placed, ready = in_flight(snapshot, deployment, gone=gone)
             window.add(LoadSample(snapshot.now_ms, load))
             self.placed[deployment] = placed
+            # An unplaceable replica does not hold the deployment unsettled: nothing starts.
+            if placed == ready:
+                self._settled.setdefault(deployment, snapshot.now_ms)
+            else:
+                self._settled.pop(deployment, None)
             verdict = decide(
                 deployment,
                 bounds=bounds,
@@ -137,6 +147,7 @@ class Autoscaler:
                 watched_since_ms=window.since_ms,
                 last_decision_ms=last.get(deployment),
                 demand=deployment in wanted,
+                settled_since_ms=self._settled.get(deployment),
             )
             self.figures[deployment] = verdict.figures
             if verdict.decision is not None:

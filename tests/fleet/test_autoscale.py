@@ -33,6 +33,8 @@ class Fleet:
         self.now = 1_000_000
         self.window = LoadWindow(max(bounds.window_ms, bounds.scale_down_delay_ms))
         self.last: int | None = None
+        self.settled: int | None = self.now
+        """Every replica ready since (they start at once here)."""
         self.decisions: list[ScaleDecision] = []
 
     def run(self, ticks: int, load: Callable[[int], int], *, demand: bool = False) -> None:
@@ -49,6 +51,7 @@ class Fleet:
                 watched_since_ms=self.window.since_ms,
                 last_decision_ms=self.last,
                 demand=demand,
+                settled_since_ms=self.settled,
             )
             if verdict.decision is not None:
                 self.decisions.append(verdict.decision)
@@ -201,3 +204,16 @@ def test_every_reason_has_a_stable_value() -> None:
     assert {r.value for r in ScaleReason} == {
         "bounds", "demand", "panic", "above_target", "below_target", "idle",
     }  # fmt: skip
+
+
+def test_no_scale_down_while_a_replica_is_still_starting() -> None:
+    bounds = RANGE.model_copy(update={"min": 0})
+    fleet = Fleet(bounds, replicas=1)
+    fleet.settled = None  # its placement is not ready: requests may wait for it, unseen
+    fleet.run(100, lambda _: 0)
+    assert fleet.decisions == []
+    fleet.settled = fleet.now  # ready now: the idle window counts from here
+    fleet.run(int(bounds.scale_down_delay_ms / TICK_MS) - 1, lambda _: 0)
+    assert fleet.decisions == []
+    fleet.run(2, lambda _: 0)
+    assert fleet.reasons() == [(1, 0, "idle")]
