@@ -309,6 +309,35 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "ALTER TABLE fleet_controller ADD COLUMN holder_instance TEXT NOT NULL DEFAULT ''",
         ),
     ),
+    (
+        12,
+        "fleet admission: join tokens, each member's node credential, revocation",
+        (
+            # A join token (``store/admission.py``): its public id, the SHA-256 of its secret
+            # (never the secret), its expiry on database time (NULL: none) and the joins it
+            # has left (NULL: unlimited); revoked by an operator.
+            """
+            CREATE TABLE fleet_join_tokens (
+                id TEXT NOT NULL PRIMARY KEY,
+                secret_sha256 TEXT NOT NULL,
+                created_at_ms INTEGER NOT NULL,
+                created_by TEXT NOT NULL,
+                expires_at_ms INTEGER,
+                uses_left INTEGER,
+                used INTEGER NOT NULL DEFAULT 0,
+                revoked_at_ms INTEGER,
+                description TEXT NOT NULL DEFAULT ''
+            )
+            """,
+            # The SHA-256 of the member's own node credential (issued at its join; peers
+            # check it on every hop), and when and why an operator revoked the member:
+            # a revoked row is never renewed (the renewal's WHERE), and joins again only
+            # with a fresh join token after ``sbproxy nodes admit``.
+            "ALTER TABLE fleet_nodes ADD COLUMN credential_sha256 TEXT",
+            "ALTER TABLE fleet_nodes ADD COLUMN revoked_at_ms INTEGER",
+            "ALTER TABLE fleet_nodes ADD COLUMN revoked_reason TEXT",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
