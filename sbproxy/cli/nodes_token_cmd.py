@@ -12,15 +12,19 @@ renewals are refused, it fences, and its replicas are re-placed. Exit 0 done, 2 
 
 from __future__ import annotations
 
+import socket
 import time
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
 import click
 
-from sbproxy.cli._output import emit_json, format_option
+from sbproxy.cli._options import config_option, load_cli_config
+from sbproxy.cli._output import EXIT_RUNTIME, emit_json, fail, format_option
 from sbproxy.cli.models_admin_cmd import admin_call, admin_options
 from sbproxy.config.origins import parse_duration_secs
+from sbproxy.errors import SbproxyError
 
 __all__ = ["revoke_command", "token_group"]
 
@@ -59,26 +63,39 @@ def token_group() -> None:
     "--uses", type=click.IntRange(min=1), default=None, help="Joins it admits; default unlimited."
 )
 @click.option("--description", default="", help="A note shown by `token list`.")
+@config_option
 @admin_options
 @format_option
 def create_command(
     ttl_ms: int | None,
     uses: int | None,
     description: str,
+    config_path: Path | None,
     admin_url: str,
     username: str,
     password: str,
     output_format: str,
 ) -> None:
-    """Make a join token and print it, once (the fleet keeps only its hash)."""
-    body = admin_call(
-        "nodes.token.create",
-        "POST",
-        f"{admin_url.rstrip('/')}/admin/fleet/join-tokens",
-        auth=(username, password),
-        output_format=output_format,
-        json_body={"ttl_ms": ttl_ms, "uses": uses, "description": description},
-    )
+    """Make a join token and print it, once (the fleet keeps only its hash).
+
+    Through a member's admin API; or, with -f sb.yml (a cluster_authority file), straight in
+    the fleet's journal -- how the first member of a new fleet gets its token.
+    """
+    command = "nodes.token.create"
+    if config_path is not None:
+        body = _create_in_journal(
+            command, config_path, ttl_ms=ttl_ms, uses=uses, description=description,
+            output_format=output_format,
+        )  # fmt: skip
+    else:
+        body = admin_call(
+            command,
+            "POST",
+            f"{admin_url.rstrip('/')}/admin/fleet/join-tokens",
+            auth=(username, password),
+            output_format=output_format,
+            json_body={"ttl_ms": ttl_ms, "uses": uses, "description": description},
+        )
     if output_format == "json":
         emit_json("nodes.token.create", body)
         return
@@ -91,6 +108,49 @@ def create_command(
         "new host as proxy.model_host.fleet.join_token or $SBPROXY_JOIN_TOKEN.",
         err=True,
     )
+
+
+def _create_in_journal(
+    command: str,
+    config_path: Path,
+    *,
+    ttl_ms: int | None,
+    uses: int | None,
+    description: str,
+    output_format: str,
+) -> dict[str, Any]:
+    """Make the token in the journal of a ``cluster_authority`` file (exit 2 for any other
+    file, 1 when the journal cannot be reached)."""
+    from sbproxy.fleet.cluster import fleet_store, is_cluster
+    from sbproxy.store.admission import create_join_token, token_body
+
+    config = load_cli_config(command, config_path, output_format=output_format)
+    if config is None or not is_cluster(config):
+        fail(
+            command,
+            SbproxyError(
+                f"{config_path} is not a fleet member's file (proxy.model_host.authority is "
+                "not cluster_authority): it names no fleet journal",
+                code="fleet_disabled",
+                remediation="Give -f the sb.yml of a cluster_authority host, or leave -f out "
+                "to ask a member's admin API.",
+            ),
+            output_format=output_format,
+        )
+    store = fleet_store(config)
+    try:
+        row, token, job_id = create_join_token(
+            store,
+            by=f"cli@{socket.gethostname()}",
+            ttl_ms=ttl_ms,
+            uses=uses,
+            description=description,
+        )
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format, exit_code=EXIT_RUNTIME)
+    finally:
+        store.close()
+    return {"job_id": job_id, "token": token_body(row, token, row.created_at_ms)}
 
 
 @token_group.command("list")
