@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 import click
@@ -45,6 +46,16 @@ def _when(at_ms: int | None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at_ms / 1000))
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _offline_with_config(func: F) -> F:
+    """Mark a verb whose ``-f`` works on that file's journal itself: no admin password is
+    needed then (:func:`~sbproxy.cli.models_admin_cmd.admin_options`)."""
+    func.offline_with_config = True  # type: ignore[attr-defined]
+    return func
+
+
 @click.group("token")
 def token_group() -> None:
     """Join tokens: a new node joins the fleet only with one."""
@@ -66,6 +77,7 @@ def token_group() -> None:
 @config_option
 @admin_options
 @format_option
+@_offline_with_config
 def create_command(
     ttl_ms: int | None,
     uses: int | None,
