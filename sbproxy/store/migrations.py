@@ -351,10 +351,7 @@ def ddl(statement: str, dialect: str) -> str:
     return _INTEGER.sub("BIGINT", text)
 
 
-def _apply(transaction: Transaction) -> None:
-    postgres = transaction.dialect == "postgresql"
-    if postgres:
-        transaction.execute("SELECT pg_advisory_xact_lock(:key)", {"key": MIGRATION_LOCK_KEY})
+def _create_versions(transaction: Transaction) -> None:
     transaction.execute(
         ddl(
             "CREATE TABLE IF NOT EXISTS schema_migrations ("
@@ -364,6 +361,21 @@ def _apply(transaction: Transaction) -> None:
             transaction.dialect,
         )
     )
+
+
+def _apply(transaction: Transaction) -> None:
+    postgres = transaction.dialect == "postgresql"
+    if postgres:
+        transaction.execute("SELECT pg_advisory_xact_lock(:key)", {"key": MIGRATION_LOCK_KEY})
+    # A host connecting as a role without CREATE on the schema (per-node roles,
+    # docs/cluster.md "Admitting nodes") must not issue DDL at all once the schema exists.
+    exists = postgres and bool(
+        transaction.scalar(
+            "SELECT CASE WHEN to_regclass('schema_migrations') IS NULL THEN 0 ELSE 1 END"
+        )
+    )
+    if not exists:
+        _create_versions(transaction)
     current = transaction.scalar("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
     if current > SCHEMA_VERSION:
         raise StoreError(
