@@ -18,8 +18,10 @@ host does.
 
 Between hosts: the request goes to the peer's gateway with the same path, the client's own
 body (the peer completes it for its engine, as for its own clients) and ``Host``, plus
-``Authorization: Bearer <fleet credential>`` (``proxy.model_host.fleet.credential``, never
-the admin password, never logged), ``X-Sbproxy-Peer-Hop: <this node id>`` and
+``Authorization: Bearer <this node's own node credential>`` (or, before it has one and while
+accepted, the deprecated shared ``proxy.model_host.fleet.credential``; never the admin
+password, never logged; docs/cluster.md, "Admitting nodes"), ``X-Sbproxy-Peer-Hop: <this
+node id>`` and
 ``X-Sbproxy-Peer-Priority: <the caller's class>``. A host receiving a hop checks the
 credential (401 ``peer_unauthorized`` otherwise), serves it only locally (never a second
 hop; 503 ``no_ready_replica`` when rule 1 does not hold here), checks no key and no budget
@@ -365,8 +367,10 @@ class PeerDispatch:
         own warning; the credential itself is never logged).
 
         Raises:
-            PeerUnauthorized: ``peer_unauthorized`` without the fleet credential (or when
-                this host has none).
+            PeerUnauthorized: ``peer_unauthorized`` -- neither the calling node's own node
+                credential (checked against the fleet's record; a revoked or removed member
+                is refused whatever it presents) nor the shared fleet credential while it is
+                accepted.
         """
         scheme, _, token = (authorization or "").partition(" ")
         if not self._peer_admitted(scheme, token.strip(), node):
@@ -644,7 +648,8 @@ class PeerDispatch:
         self._out[replica.node_id] = self.clock() + self.cooldown_s
         logger.warning(
             "peer %s (%s) refused this host's fleet credential (HTTP %d): out of rotation for "
-            "%g s; give every host of the fleet the same proxy.model_host.fleet.credential",
+            "%g s; this node may be revoked or not yet known there, or the hosts' shared "
+            "proxy.model_host.fleet.credential differ",
             replica.node_id,
             replica.base_url,
             status,
