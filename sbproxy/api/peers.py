@@ -21,8 +21,8 @@ body (the peer completes it for its engine, as for its own clients) and ``Host``
 ``Authorization: Bearer <this node's own node credential>`` (or, before it has one and while
 accepted, the deprecated shared ``proxy.model_host.fleet.credential``; never the admin
 password, never logged; docs/cluster.md, "Admitting nodes"), ``X-Sbproxy-Peer-Hop: <this
-node id>`` and
-``X-Sbproxy-Peer-Priority: <the caller's class>``. A host receiving a hop checks the
+node id>`` and ``X-Sbproxy-Peer-Priority: <the caller's class>``. A host receiving a hop
+checks the
 credential (401 ``peer_unauthorized`` otherwise), serves it only locally (never a second
 hop; 503 ``no_ready_replica`` when rule 1 does not hold here), checks no key and no budget
 and counts no usage: usage and budgets are counted once, on the host the client called, from
