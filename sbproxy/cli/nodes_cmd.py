@@ -44,7 +44,7 @@ def _nodes_rows(body: dict[str, Any]) -> list[tuple[str, ...]]:
         rows.append(
             (
                 str(node["id"]) + (" *" if node.get("controller") else ""),
-                str(node.get("state")),
+                str(node.get("state")) + (" (revoked)" if node.get("revoked_at_ms") else ""),
                 f"{int(node.get('heartbeat_age_ms', 0)) / 1000:.1f}s",
                 labels or "-",
                 replicas or "-",
