@@ -61,6 +61,7 @@ from sbproxy.api.errors import (
     admin_exception_handlers,
 )
 from sbproxy.api.fleet import fleet_admin_handlers
+from sbproxy.api.fleet_admission import admission_handlers
 from sbproxy.api.jobs import jobs_router
 from sbproxy.api.metrics import Disconnects, Rejections, build_registry
 from sbproxy.api.peers import PeerDispatch
@@ -462,6 +463,7 @@ def create_admin_app(admin: Admin, *, debug: bool = False) -> Litestar:
             *cache_handlers(manager),
             *desired_handlers(manager, config),
             *fleet_admin_handlers(admin.agent),
+            *admission_handlers(admin.agent),
             jobs_router(lambda: ModelHostService.serving(manager), admin.spawn),
             *usage_handlers(admin.usage),
             console_router(manager, admin.activity, fleet=admin.fleet, peers=admin.peers),

@@ -10,6 +10,8 @@ every one answers 409 ``fleet_disabled``):
 * ``GET /admin/fleet/nodes/{node}`` -- one node (404 ``unknown_node``);
 * ``POST /admin/fleet/nodes/{node}/{cordon|uncordon|drain|remove|admit}`` -- the operator's
   flag, recorded as a ``fleet.node`` job: 202 ``{job_id, node, action}``;
+* ``POST /admin/fleet/nodes/{node}/revoke[?reason=...]`` -- revoke the member at once
+  (:func:`~sbproxy.store.admission.revoke_node`): 202 ``{job_id, node, action}``;
 * ``GET /admin/fleet/placements`` -- every placement and every replica's reported runtime
   (``sbproxy models ps --fleet``): its ``variant``, its ``estimate_basis`` (``gguf_header``
   or ``file_size``), ``stuck`` (``placement_timeout``, ``crash_loop``, ``load_failed``, or
@@ -19,9 +21,10 @@ every one answers 409 ``fleet_disabled``):
 
 A journal that cannot be reached answers 503 ``journal_unavailable``.
 
-Peer route: ``GET /fleet/v1/lease`` on the gateway, ``Authorization: Bearer <fleet
-credential>`` -- the one in force now, so a reload that rotates it is honoured at once
-(401 ``peer_unauthorized`` otherwise; 404 while no credential is configured):
+Peer route: ``GET /fleet/v1/lease`` on the gateway, ``Authorization: Bearer <the calling
+node's own node credential>`` with ``X-Sbproxy-Peer-Node: <its id>``, or the shared fleet
+credential in force now while it is accepted (a reload that rotates it is honoured at once);
+a revoked or removed member is refused whatever it presents (401 ``peer_unauthorized``):
 ``{node_id, renewed_at_ms, renewed_recently, fenced}`` -- what a host that cannot renew
 asks its peers before fencing itself (it fences when a peer renewed, on database time, after
 it lost the database).
@@ -40,10 +43,12 @@ from litestar.params import FromPath, QueryParameter
 
 from sbproxy.api.errors import admin_error
 from sbproxy.errors import SbproxyError
-from sbproxy.fleet.agent import FleetAgent
+from sbproxy.fleet.admission import PeerCheck
+from sbproxy.fleet.agent import PEER_NODE, FleetAgent
 from sbproxy.fleet.control import stuck_placements
 from sbproxy.fleet.membership import replica_state
 from sbproxy.fleet.routing import replica_deployment_id
+from sbproxy.store.admission import revoke_node
 from sbproxy.store.fleet import FleetSnapshot
 
 __all__ = ["fleet_admin_handlers", "peer_handlers"]
@@ -176,22 +181,31 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
 
     @post("/fleet/nodes/{node:str}/{action:str}", status_code=202)
     async def node_action(
-        node: FromPath[str], action: FromPath[str]
+        node: FromPath[str],
+        action: FromPath[str],
+        reason: Annotated[str, QueryParameter(max_length=200)] = "",
     ) -> Response[dict[str, object]]:
-        """Cordon, uncordon, drain, remove or admit a member (a ``fleet.node`` job)."""
+        """Cordon, uncordon, drain, remove, admit or revoke a member (a ``fleet.node``
+        job); ``reason`` is recorded with a revocation."""
         if agent is None:
             return _disabled()
         flags = _ACTIONS.get(action)
-        if flags is None:
+        if flags is None and action != "revoke":
             return admin_error(
                 status=404,
                 code="unknown_action",
-                message=f"unknown node action {action!r}; use {', '.join(_ACTIONS)}",
+                message=f"unknown node action {action!r}; use {', '.join(_ACTIONS)}, revoke",
                 details={"action": action},
             )
         try:
             job_id = await anyio.to_thread.run_sync(
-                lambda: agent.store.set_flags(node, by=agent.identity.id, **flags)
+                lambda: (
+                    agent.store.set_flags(node, by=agent.identity.id, **flags)
+                    if flags is not None
+                    else revoke_node(
+                        agent.store, node, by=agent.identity.id, reason=reason or "revoked"
+                    )
+                )
             )
         except SbproxyError as exc:
             return _error(exc)
@@ -256,31 +270,37 @@ def peer_handlers(
 ) -> list[HTTPRouteHandler]:
     """The gateway's peer route (module docstring); none without an agent.
 
-    ``credential()`` is the fleet credential in force, read at each request: a reload that
-    rotates it is honoured at once (the old one refused, the new one accepted)."""
+    A peer presents its own node credential, naming itself in ``X-Sbproxy-Peer-Node``
+    (a revoked or removed member is refused whatever it presents), or the shared credential
+    ``credential()`` -- the one in force, read at each request (``None`` once it is no longer
+    accepted): a reload that rotates it is honoured at once (the old one refused, the new one
+    accepted)."""
     if agent is None:
         return []
+
+    def admitted(request: Request[Any, Any, Any]) -> bool:
+        given = request.headers.get("authorization") or ""
+        scheme, _, token = given.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return False
+        node = request.headers.get(PEER_NODE)
+        check = agent.check_peer(node, token) if node else PeerCheck.UNKNOWN
+        if check is not PeerCheck.UNKNOWN:
+            return check is PeerCheck.VALID
+        current = credential()
+        return bool(current) and hmac.compare_digest(given.encode(), f"Bearer {current}".encode())
 
     @get("/fleet/v1/lease", sync_to_thread=False, include_in_schema=False)
     def lease(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
         """This node's own view of its lease, for a peer deciding whether to fence."""
-        current = credential()
-        if not current:
-            return Response(
-                {
-                    "code": "not_found",
-                    "error": "this host has no fleet credential, so it answers no peer "
-                    "(proxy.model_host.fleet.credential)",
-                },
-                status_code=404,
-            )
-        given = (request.headers.get("authorization") or "").encode()
-        if not hmac.compare_digest(given, f"Bearer {current}".encode()):
+        if not admitted(request):
             return Response(
                 {
                     "code": "peer_unauthorized",
-                    "error": "a fleet peer request needs the fleet "
-                    "credential (Authorization: Bearer)",
+                    "error": "a fleet peer request needs the calling node's own node "
+                    "credential (Authorization: Bearer, X-Sbproxy-Peer-Node) or the shared "
+                    "fleet credential while it is accepted",
                 },
                 status_code=401,
             )

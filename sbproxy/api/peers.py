@@ -18,9 +18,11 @@ host does.
 
 Between hosts: the request goes to the peer's gateway with the same path, the client's own
 body (the peer completes it for its engine, as for its own clients) and ``Host``, plus
-``Authorization: Bearer <fleet credential>`` (``proxy.model_host.fleet.credential``, never
-the admin password, never logged), ``X-Sbproxy-Peer-Hop: <this node id>`` and
-``X-Sbproxy-Peer-Priority: <the caller's class>``. A host receiving a hop checks the
+``Authorization: Bearer <this node's own node credential>`` (or, before it has one and while
+accepted, the deprecated shared ``proxy.model_host.fleet.credential``; never the admin
+password, never logged; docs/cluster.md, "Admitting nodes"), ``X-Sbproxy-Peer-Hop: <this
+node id>`` and ``X-Sbproxy-Peer-Priority: <the caller's class>``. A host receiving a hop
+checks the
 credential (401 ``peer_unauthorized`` otherwise), serves it only locally (never a second
 hop; 503 ``no_ready_replica`` when rule 1 does not hold here), checks no key and no budget
 and counts no usage: usage and budgets are counted once, on the host the client called, from
@@ -109,6 +111,7 @@ from sbproxy.api.relay import UpstreamUnavailable
 from sbproxy.api.supervision import ExchangeBound, Limit, engine_timeout
 from sbproxy.api.wake import ColdWake
 from sbproxy.config import DeploymentConfig, PriorityClass
+from sbproxy.fleet.admission import PeerAdmission, PeerCheck
 from sbproxy.fleet.routing import FleetDirectory, PeerReplica, RoutingTable
 from sbproxy.telemetry import ATTR_DEPLOYMENT, ATTR_PEER_NODE, enabled, tracer
 
@@ -286,9 +289,14 @@ class PeerDispatch:
 
     Args:
         directory: The fleet's routing table.
-        credential: The fleet credential; ``None``: no hop is accepted and none is sent.
+        credential: The shared fleet credential (deprecated); ``None``: only node credentials.
         cooldown_s: How long a failed peer stays out of rotation.
         clock: Monotonic seconds (injected by tests).
+        admission: The fleet's node credentials (the agent): hops are sent with this node's
+            own credential and checked against the calling node's; a revoked or removed
+            member is refused whatever it presents. ``None``: the shared credential only.
+        accept_shared: Whether the shared credential is still accepted and sent (the
+            migration path, ``proxy.model_host.fleet.accept_shared_credential``).
     """
 
     def __init__(
@@ -298,10 +306,13 @@ class PeerDispatch:
         credential: str | None,
         cooldown_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        admission: PeerAdmission | None = None,
+        accept_shared: bool = True,
     ) -> None:
         self.directory = directory
         self.clock = clock
-        self.configure(credential=credential, cooldown_s=cooldown_s)
+        self.admission = admission
+        self.configure(credential=credential, cooldown_s=cooldown_s, accept_shared=accept_shared)
         self._in_flight: Counter[tuple[str, str]] = Counter()
         self._flights: dict[tuple[str, str], _Flight] = {}
         self._serial = 0
@@ -315,13 +326,37 @@ class PeerDispatch:
         """Requests this host's own replica refused before any byte reached the client and
         that went to a peer instead (spill-over), by ``(deployment, refusal code)``."""
 
-    def configure(self, *, credential: str | None, cooldown_s: float) -> None:
-        """Take a (reloaded) fleet credential and cool-down; rotation and counts stay."""
+    def configure(
+        self, *, credential: str | None, cooldown_s: float, accept_shared: bool = True
+    ) -> None:
+        """Take a (reloaded) shared credential, its switch and cool-down; rotation and counts
+        stay."""
         self.cooldown_s = cooldown_s
-        self._digest = (
-            hashlib.sha256(credential.encode()).digest() if credential is not None else None
+        shared = credential if accept_shared else None
+        self._digest = hashlib.sha256(shared.encode()).digest() if shared is not None else None
+        self._shared = f"Bearer {shared}" if shared is not None else None
+
+    @property
+    def _authorization(self) -> str | None:
+        """What this host presents to a peer: its own node credential once it has one, else
+        the shared credential (while accepted)."""
+        own = self.admission.node_secret() if self.admission is not None else None
+        return f"Bearer {own}" if own is not None else self._shared
+
+    def _peer_admitted(self, scheme: str, token: str, node: str) -> bool:
+        """Whether a hop's bearer ``token`` admits calling ``node``: its own node credential,
+        else -- unless the node is revoked or removed -- the shared credential."""
+        if scheme.lower() != "bearer" or not token:
+            return False
+        check = (
+            self.admission.check_peer(node, token)
+            if self.admission is not None
+            else PeerCheck.UNKNOWN
         )
-        self._authorization = f"Bearer {credential}" if credential is not None else None
+        if check is not PeerCheck.UNKNOWN:
+            return check is PeerCheck.VALID
+        presented = hashlib.sha256(token.encode()).digest()
+        return self._digest is not None and hmac.compare_digest(presented, self._digest)
 
     # -- the receiving side ------------------------------------------------------------------
 
@@ -335,23 +370,21 @@ class PeerDispatch:
         own warning; the credential itself is never logged).
 
         Raises:
-            PeerUnauthorized: ``peer_unauthorized`` without the fleet credential (or when
-                this host has none).
+            PeerUnauthorized: ``peer_unauthorized`` -- neither the calling node's own node
+                credential (checked against the fleet's record; a revoked or removed member
+                is refused whatever it presents) nor the shared fleet credential while it is
+                accepted.
         """
         scheme, _, token = (authorization or "").partition(" ")
-        presented = hashlib.sha256(token.strip().encode()).digest()
-        if (
-            self._digest is None
-            or scheme.lower() != "bearer"
-            or not hmac.compare_digest(presented, self._digest)
-        ):
+        if not self._peer_admitted(scheme, token.strip(), node):
             logger.warning(
-                "refused a peer hop from node %r: %s; give every host of the fleet the same "
-                "proxy.model_host.fleet.credential",
+                "refused a peer hop from node %r: %s",
                 node,
-                "this host has no fleet credential"
+                "it is not a member this host admits (revoked, removed, or unknown yet), and "
+                "this host takes no shared fleet credential"
                 if self._digest is None
-                else "it does not carry this host's fleet credential",
+                else "it carries neither its own node credential nor this host's shared fleet "
+                "credential (proxy.model_host.fleet.credential)",
             )
             raise PeerUnauthorized(
                 "a peer hop needs the fleet credential (proxy.model_host.fleet.credential) "
@@ -618,7 +651,8 @@ class PeerDispatch:
         self._out[replica.node_id] = self.clock() + self.cooldown_s
         logger.warning(
             "peer %s (%s) refused this host's fleet credential (HTTP %d): out of rotation for "
-            "%g s; give every host of the fleet the same proxy.model_host.fleet.credential",
+            "%g s; this node may be revoked or not yet known there, or the hosts' shared "
+            "proxy.model_host.fleet.credential differ",
             replica.node_id,
             replica.base_url,
             status,

@@ -64,7 +64,8 @@ from sbproxy.api.shutdown import Shutdown
 from sbproxy.api.wake import ColdWake
 from sbproxy.config import CompiledConfig, FleetConfig
 from sbproxy.errors import SbproxyError
-from sbproxy.fleet.cluster import fleet_credential
+from sbproxy.fleet.admission import PeerAdmission
+from sbproxy.fleet.cluster import fleet_credential, shared_credential
 from sbproxy.fleet.routing import FleetDirectory, FleetWaker
 from sbproxy.fleet.view import FleetStatus
 from sbproxy.model_host.lockfile import lock_guard
@@ -161,6 +162,9 @@ def peer_dispatch(compiled: CompiledConfig, directory: FleetDirectory) -> PeerDi
         directory,
         credential=_credential(compiled),
         cooldown_s=_fleet(compiled).peer_cooldown_ms / 1000,
+        # A cluster host's directory is its agent: it knows every member's node credential.
+        admission=directory if isinstance(directory, PeerAdmission) else None,
+        accept_shared=_fleet(compiled).accept_shared_credential,
     )
     if isinstance(directory, FleetWaker):
         dispatch.cold = ColdWake(directory, directory)
@@ -208,6 +212,7 @@ def build_servers(
             gateway.fleet.configure(
                 credential=_credential(candidate),
                 cooldown_s=_fleet(candidate).peer_cooldown_ms / 1000,
+                accept_shared=_fleet(candidate).accept_shared_credential,
             )
         # The ledger re-sums each key's window under its new budget (pending usage first).
         host.manager.background(lambda: gateway.usage.reconfigure(keys.budgets))
@@ -442,7 +447,7 @@ def _peer_routes(host: ServedHost) -> list[HTTPRouteHandler]:
     the credential the runtime serves now (a reload may rotate it)."""
     # One facade per read: a reload replaces the configuration it is taken from.
     return peer_handlers(
-        host.fleet, lambda: fleet_credential(ModelHostService.serving(host.manager).served)
+        host.fleet, lambda: shared_credential(ModelHostService.serving(host.manager).served)
     )
 
 

@@ -88,6 +88,15 @@ REFUSAL_CODES = frozenset(
         "node_id_in_use",
         "node_removed",
         "invalid_advertise_url",
+        # Admission (docs/cluster.md, "Admitting nodes").
+        "join_token_required",
+        "join_token_invalid",
+        "join_token_expired",
+        "join_token_used_up",
+        "node_revoked",
+        "node_credential_invalid",
+        "unknown_join_token",
+        "invalid_join_token_request",
     }
 )
 

@@ -67,6 +67,9 @@ def admin_options(func: F) -> F:
                 admin_url = run.admin_url
                 if password is None and username == run.username:
                     password = run.password
+        offline = getattr(func, "offline_with_config", False)
+        if password is None and offline and kw.get("config_path") is not None:
+            password = ""  # the verb works on the journal of -f itself: no admin API
         if password is None:
             context = click.get_current_context(silent=True)
             words = context.command_path.split()[1:] if context is not None else []

@@ -1,4 +1,5 @@
-"""``sbproxy nodes list|show|cordon|uncordon|drain|remove|admit``: the fleet's members through a
+"""``sbproxy nodes list|show|cordon|uncordon|drain|remove|admit`` (and ``revoke``, ``token``:
+:mod:`sbproxy.cli.nodes_token_cmd`): the fleet's members through a
 ``cluster_authority`` host's admin API (``/admin/fleet/*``), admin connection options as
 ``sbproxy models ps``.
 
@@ -20,6 +21,7 @@ import click
 
 from sbproxy.cli._output import emit_json, format_option
 from sbproxy.cli.models_admin_cmd import admin_call, admin_options
+from sbproxy.cli.nodes_token_cmd import revoke_command, token_group
 
 __all__ = ["nodes_group"]
 
@@ -42,7 +44,7 @@ def _nodes_rows(body: dict[str, Any]) -> list[tuple[str, ...]]:
         rows.append(
             (
                 str(node["id"]) + (" *" if node.get("controller") else ""),
-                str(node.get("state")),
+                str(node.get("state")) + (" (revoked)" if node.get("revoked_at_ms") else ""),
                 f"{int(node.get('heartbeat_age_ms', 0)) / 1000:.1f}s",
                 labels or "-",
                 replicas or "-",
@@ -144,4 +146,11 @@ nodes_group.add_command(
         "(node_removed) if it comes back, until `sbproxy nodes admit NODE`.",
     )
 )
-nodes_group.add_command(_mutation("admit", "Let a removed NODE join the fleet again."))
+nodes_group.add_command(
+    _mutation(
+        "admit",
+        "Let a removed NODE join the fleet again (a revoked one: with a fresh join token).",
+    )
+)
+nodes_group.add_command(revoke_command)
+nodes_group.add_command(token_group)

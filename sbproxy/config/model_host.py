@@ -362,6 +362,9 @@ class EnginesConfig(ConfigModel):
 
 _NOT_WIRED = " Used under authority: cluster_authority."
 
+JOIN_TOKEN_PATTERN: Final = r"^[a-z0-9]{8}\.[0-9a-f]{32}$"  # noqa: S105 - a pattern
+"""A join token as ``sbproxy nodes token create`` prints it: ``<id>.<secret>``."""
+
 FENCE_ASKS: Final = 2
 """Asks in a row that reach no peer before a host that cannot renew fences as a minority
 partition (one slow answer on a busy host is not a partition)."""
@@ -508,6 +511,21 @@ class FleetConfig(ConfigModel):
         "password. Absent: this host takes no peer hops (401 peer_unauthorized) and sends "
         "none.",
     )
+    join_token: SecretStr | None = Field(
+        default=None,
+        description="The join token (`sbproxy nodes token create`, <id>.<secret>) this host "
+        "redeems when it joins the fleet without a node credential of its own; give it as "
+        "${ENV} interpolation (or leave it out and set $SBPROXY_JOIN_TOKEN). Once joined, the "
+        "host keeps its own node credential in its cache and rejoins with it: the token is not "
+        "needed again.",
+    )
+    accept_shared_credential: bool = Field(
+        default=True,
+        description="Deprecated migration path: while true and credential is set, the shared "
+        "credential still admits a host into the fleet without a join token and is accepted "
+        "from peers beside each node's own credential. Set false once every member joined "
+        'with its own node credential (docs/cluster.md, "Admitting nodes").',
+    )
     peer_cooldown_ms: int = Field(
         default=5_000,
         ge=1,
@@ -525,6 +543,17 @@ class FleetConfig(ConfigModel):
             raise ValueError(
                 "must be at least 16 characters (a short shared secret lets anyone on the "
                 "network in as a peer); generate one, e.g. `openssl rand -hex 32`"
+            )
+        return value
+
+    @field_validator("join_token")
+    @classmethod
+    def _join_token_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not re.match(JOIN_TOKEN_PATTERN, value.get_secret_value().strip()):
+            # The value is not echoed: it is a secret.
+            raise ValueError(
+                "is not a join token: `sbproxy nodes token create` prints one as "
+                "<8 characters of a-z0-9>.<32 hex digits>"
             )
         return value
 

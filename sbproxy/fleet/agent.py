@@ -52,6 +52,7 @@ from ulid import ULID
 
 from sbproxy.config import DeploymentConfig
 from sbproxy.errors import SbproxyError
+from sbproxy.fleet.admission import JoinAdmission, PeerCheck, PeerCredentials
 from sbproxy.fleet.control import (
     avoided_nodes,
     catalog_artifact,
@@ -100,6 +101,7 @@ from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.reload import reload, with_deployments
 from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.model_host.service import ModelHostService
+from sbproxy.store.admission import secret_hash
 from sbproxy.store.fleet import (
     ControllerLease,
     Deposed,
@@ -116,6 +118,9 @@ __all__ = ["FleetAgent", "NodeIdentity", "PeerAsker", "ask_peers_http", "fleet_v
 logger = logging.getLogger(__name__)
 
 PEER_LEASE_PATH = "/fleet/v1/lease"
+PEER_NODE = "X-Sbproxy-Peer-Node"
+"""The header naming the asking node on a fence ask (its credential is checked as that
+node's)."""
 PEER_TIMEOUT_S = 2.0
 # A placed replica that is not serving is loaded again, and a failed reconcile is tried
 # again, at most this often.
@@ -145,13 +150,18 @@ class NodeIdentity:
 
 
 def ask_peers_http(
-    credential: str | Callable[[], str | None] | None, *, timeout_s: float = PEER_TIMEOUT_S
+    credential: str | Callable[[], str | None] | None,
+    *,
+    timeout_s: float = PEER_TIMEOUT_S,
+    as_node: str | None = None,
 ) -> PeerAsker:
     """A :data:`PeerAsker` over HTTP: ``GET <base_url>/fleet/v1/lease`` with the fleet
     credential (a string, or a callable read at each ask, so that a reloaded credential is
     the one sent). A peer that does not answer 200 within ``timeout_s``, or whose answer
     names another node than the one asked (a loopback advertise URL reaching this host's
-    own gateway, an address reused by another host), is not reached (issue 30, item 18)."""
+    own gateway, an address reused by another host), is not reached (issue 30, item 18).
+    With ``as_node`` (the asking node's id, sent as ``X-Sbproxy-Peer-Node``), the credential is
+    that node's own (docs/cluster.md, "Admitting nodes")."""
 
     def current() -> str | None:
         return credential() if callable(credential) else credential
@@ -161,6 +171,8 @@ def ask_peers_http(
         if not secret:
             return [PeerAnswer(node_id=node, reached=False) for node, _ in peers]
         headers = {"Authorization": f"Bearer {secret}"}
+        if as_node is not None:
+            headers[PEER_NODE] = as_node
         answers: dict[str, PeerAnswer] = {}
 
         async def one(client: httpx.AsyncClient, node: str, base_url: str) -> None:
@@ -213,6 +225,9 @@ class FleetAgent:
         clock: Monotonic seconds (tests inject one).
         artifact_facts: ``{digest: GGUF facts JSON}`` of the verified GGUF artifacts in this
             node's cache (read from their headers; none by default).
+        admission: Its node credential file and join token (docs/cluster.md, "Admitting
+            nodes"); ``None``: it joins without admission (a caller that predates it: tests
+            of the agent alone).
     """
 
     def __init__(
@@ -227,8 +242,14 @@ class FleetAgent:
         ask_peers: PeerAsker,
         clock: Callable[[], float] = time.monotonic,
         artifact_facts: Callable[[], dict[str, dict[str, Any]]] = dict,
+        admission: JoinAdmission | None = None,
     ) -> None:
         self.store = store
+        self.admission = admission
+        self._secret: str | None = None
+        self._peers = PeerCredentials.empty()
+        # An operator revoked this node: it runs nothing and renews nothing.
+        self.revoked = False
         self.manager = manager
         self.identity = identity
         self.timing = timing
@@ -284,6 +305,17 @@ class FleetAgent:
     def routing(self) -> RoutingTable:
         """The last routing table (FleetDirectory); never blocks."""
         return self._table
+
+    def node_secret(self) -> str | None:
+        """This node's own credential (presented to peers); ``None`` before it joined with
+        one (:class:`~sbproxy.fleet.admission.PeerAdmission`)."""
+        return self._secret
+
+    def check_peer(self, node: str, secret: str) -> PeerCheck:
+        """``secret`` presented as member ``node``, checked against the fleet as this host last
+        read it -- at its last heartbeat or the last change announced (a revocation is
+        announced): :class:`~sbproxy.fleet.admission.PeerCheck`."""
+        return self._peers.check(node, secret)
 
     def renewed_recently(self) -> bool:
         """This node renewed within ``fence_after_ms``."""
@@ -368,10 +400,21 @@ class FleetAgent:
             JournalUnavailable: ``journal_unavailable``.
             NodeIdInUse: ``node_id_in_use`` -- another live process holds this node id.
             NodeRemoved: ``node_removed`` -- an operator removed this node from the fleet.
+            JoinRefused: ``join_token_required``, ``join_token_invalid``,
+                ``join_token_expired``, ``join_token_used_up``, ``node_revoked``,
+                ``node_credential_invalid`` (docs/cluster.md, "Admitting nodes").
         """
         worker = ModelHostService.serving(self.manager).worker()
         devices = device_capacities(self.manager.devices)
         facts = await anyio.to_thread.run_sync(self.artifact_facts)
+        admission = self.admission
+        secret = (
+            None
+            if admission is None
+            else await anyio.to_thread.run_sync(admission.credential_file.load_or_make)
+        )
+        token = admission.join_token() if admission is not None else None
+        shared = admission.shared_admits() if admission is not None else True
 
         def send(take_over: int | None) -> int:
             return self.store.join(
@@ -385,6 +428,9 @@ class FleetAgent:
                 instance=self.instance,
                 live_within_ms=self.timing.lost_after_ms,
                 take_over_renewed_at_ms=take_over,
+                credential_sha256=None if secret is None else secret_hash(secret),
+                join_token=token,
+                shared_admits=shared,
             )
 
         await self._check_advertise_url()
@@ -408,6 +454,8 @@ class FleetAgent:
         self.streak_since_ms = now
         self._failed_since = None
         self.removed = False
+        self.revoked = False
+        self._secret = secret
         logger.info("joined the fleet as node %s (%s)", self.identity.id, worker.describe())
 
     async def _check_advertise_url(self) -> None:
@@ -665,6 +713,20 @@ class FleetAgent:
     async def _not_renewed(self, renewal: Renewal) -> bool:
         """The database answered but refused the renewal: removed from the fleet, or the
         node id is held by another process now. Either way this node runs nothing."""
+        if renewal.revoked:
+            if not self.revoked:
+                logger.warning(
+                    "node %s was revoked (sbproxy nodes revoke): it stops its engines, its "
+                    "peers refuse it, and it joins again only with a fresh join token",
+                    self.identity.id,
+                )
+            self.revoked = True
+            self.removed = True
+            self.holding = None
+            self._secret = None
+            if not self.fenced:
+                self.fence()
+            return False
         if renewal.left:
             if not self.removed:
                 logger.warning(
@@ -1110,6 +1172,7 @@ class FleetAgent:
         node's own replicas are never ready while it is fenced."""
         if snapshot is None:
             return
+        self._peers = PeerCredentials.from_nodes(snapshot.nodes)
         states = {view.id: view.state.value for view in self.views}
         nodes = {node.id: node for node in snapshot.nodes}
         table: dict[str, list[PeerReplica]] = {}

@@ -12,6 +12,12 @@ import anyio.to_thread
 
 from sbproxy.config import CompiledConfig, DeploymentConfig
 from sbproxy.config.model_host import Authority
+from sbproxy.fleet.admission import (
+    JoinAdmission,
+    NodeCredentialFile,
+    configured_join_token,
+    shared_admits,
+)
 from sbproxy.fleet.agent import FleetAgent, NodeIdentity, ask_peers_http
 from sbproxy.fleet.control import facts_of, local_deployments
 from sbproxy.fleet.membership import FleetTiming
@@ -32,6 +38,7 @@ __all__ = [
     "fleet_store",
     "is_cluster",
     "open_agent",
+    "shared_credential",
     "start_node",
     "starting_state",
 ]
@@ -92,6 +99,12 @@ def fleet_credential(compiled: CompiledConfig) -> str | None:
     return secret.get_secret_value() if secret is not None else None
 
 
+def shared_credential(compiled: CompiledConfig) -> str | None:
+    """The shared fleet credential of ``compiled`` while it is accepted
+    (``accept_shared_credential``), else ``None``."""
+    return fleet_credential(compiled) if shared_admits(compiled) else None
+
+
 def fleet_store(compiled: CompiledConfig) -> FleetStore:
     """The fleet store of a cluster host (its journal is PostgreSQL by config rule)."""
     host = compiled.model_host
@@ -143,11 +156,34 @@ async def starting_state(compiled: CompiledConfig, store: FleetStore, node: str)
 def open_agent(
     compiled: CompiledConfig, manager: RuntimeManager, store: FleetStore, node: str
 ) -> FleetAgent:
-    """The agent of a cluster host (not joined yet)."""
+    """The agent of a cluster host (not joined yet): it joins with its own node credential
+    (kept in its cache), else its join token, else -- deprecated -- the shared credential
+    (docs/cluster.md, "Admitting nodes"); it presents its node credential to peers once it
+    has joined with one."""
     host = compiled.model_host
     assert host is not None  # noqa: S101 - a cluster host has a model host
-    cache = ArtifactCache(ModelHostService.serving(manager).layout)
-    return FleetAgent(
+    layout = ModelHostService.serving(manager).layout
+    cache = ArtifactCache(layout)
+
+    def served() -> CompiledConfig:
+        return ModelHostService.serving(manager).served
+
+    if shared_admits(compiled):
+        logger.warning(
+            "proxy.model_host.fleet.credential: the shared fleet credential is deprecated; it "
+            "still admits hosts without a join token and is accepted from peers. Once every "
+            "member has joined with its own node credential, set "
+            "proxy.model_host.fleet.accept_shared_credential: false (docs/cluster.md, "
+            '"Admitting nodes")'
+        )
+
+    def peer_secret() -> str | None:
+        own = agent.node_secret()
+        if own is not None:
+            return own
+        return fleet_credential(served()) if shared_admits(served()) else None
+
+    agent = FleetAgent(
         store=store,
         manager=manager,
         identity=NodeIdentity(
@@ -156,8 +192,12 @@ def open_agent(
         timing=FleetTiming.from_config(host.fleet),
         policy=PlacementPolicy.from_config(host.fleet),
         artifacts=lambda: sorted(meta.artifact_digest for meta in cache.published()),
-        ask_peers=ask_peers_http(
-            lambda: fleet_credential(ModelHostService.serving(manager).served)
-        ),
+        ask_peers=ask_peers_http(peer_secret, as_node=node),
         artifact_facts=CachedFacts(cache),
+        admission=JoinAdmission(
+            credential_file=NodeCredentialFile(layout.root, node),
+            join_token=lambda: configured_join_token(served()),
+            shared_admits=lambda: shared_admits(served()),
+        ),
     )
+    return agent

@@ -28,6 +28,7 @@ a statement that runs past :func:`server_timeout_ms` of it (the connection stays
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -38,6 +39,7 @@ import psycopg
 from ulid import ULID
 
 from sbproxy.errors import SbproxyError
+from sbproxy.store.admission import JoinRefused, credential_matches, redeem
 from sbproxy.store.deadline import DeadlineConnection, transport_params
 from sbproxy.store.migrations import migrate_postgres
 from sbproxy.store.postgres import PgTarget
@@ -58,12 +60,14 @@ __all__ = [
     "ScaleRow",
 ]
 
+logger = logging.getLogger(__name__)
+
 _NOW = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT"
 _GONE = frozenset({"lost", "left"})
 # Fleet events after which a host's routing table is out of date.
 _ROUTING_EVENTS = frozenset(
     {"placed", "replaced", "ready", "stopping", "stopped", "forgotten", "node_state",
-     "node_flags", "node_joined", "node_leaving"}
+     "node_flags", "node_joined", "node_leaving", "node_revoked"}
 )  # fmt: skip
 # The kernel notices a dead peer of an idle LISTEN connection (libpq parameters).
 _KEEPALIVES: dict[str, Any] = {
@@ -123,12 +127,15 @@ class Renewal:
         held_elsewhere: Another process instance holds this node id now: nothing was
             renewed; this process must stop its engines and join again (refused while
             the other one lives).
+        revoked: An operator revoked the node (``sbproxy nodes revoke``): nothing was
+            renewed, it runs nothing, and it joins again only with a fresh join token.
     """
 
     now_ms: int | None
     state: str | None = None
     left: bool = False
     held_elsewhere: bool = False
+    revoked: bool = False
 
     @property
     def renewed(self) -> bool:
@@ -161,6 +168,17 @@ class NodeRow:
     leaving_at_ms: int | None = None
     """Database time the node marked itself leaving (a graceful stop); ``None`` while it
     runs."""
+    revoked_at_ms: int | None = None
+    """Database time an operator revoked the node (``sbproxy nodes revoke``); ``None``."""
+    revoked_reason: str | None = None
+    """Why it was revoked, as the operator said."""
+    credential_sha256: str | None = field(default=None, repr=False)
+    """The SHA-256 of the node's own credential (peers check hops against it); never shown."""
+
+    @property
+    def revoked(self) -> bool:
+        """An operator revoked the node: peers refuse it, it renews nothing."""
+        return self.revoked_at_ms is not None
 
     def to_dict(self, now_ms: int | None = None) -> dict[str, Any]:
         """The JSON form (``/admin/fleet/nodes``); with ``now_ms``, ``heartbeat_age_ms``."""
@@ -180,6 +198,8 @@ class NodeRow:
             "joined_at_ms": self.joined_at_ms,
             "renewed_at_ms": self.renewed_at_ms,
             "leaving_at_ms": self.leaving_at_ms,
+            "revoked_at_ms": self.revoked_at_ms,
+            "revoked_reason": self.revoked_reason,
         }
         if now_ms is not None:
             out["heartbeat_age_ms"] = max(0, now_ms - self.renewed_at_ms)
@@ -345,6 +365,9 @@ def _node(row: Sequence[Any]) -> NodeRow:
         artifact_facts=json.loads(row[13]),
         instance=str(row[14]),
         leaving_at_ms=None if row[15] is None else int(row[15]),
+        revoked_at_ms=None if row[16] is None else int(row[16]),
+        revoked_reason=row[17],
+        credential_sha256=row[18],
     )
 
 
@@ -372,7 +395,8 @@ def _placement(row: Sequence[Any]) -> PlacementRow:
 _NODE_COLUMNS = (
     "id, advertise_url, labels_json, engines_json, devices_json, artifacts_json,"
     " replicas_json, state, cordoned, draining, left_fleet, joined_at_ms, renewed_at_ms,"
-    " artifact_facts_json, instance, leaving_at_ms"
+    " artifact_facts_json, instance, leaving_at_ms, revoked_at_ms, revoked_reason,"
+    " credential_sha256"
 )
 _PLACEMENT_COLUMNS = (
     "id, deployment, replica, revision, node, devices_json, engine, reserved_bytes, state,"
@@ -606,8 +630,20 @@ class FleetStore:
         instance: str = "",
         live_within_ms: int | None = None,
         take_over_renewed_at_ms: int | None = None,
+        credential_sha256: str | None = None,
+        join_token: tuple[str, str] | None = None,
+        shared_admits: bool = True,
     ) -> int:
         """Join (or rejoin) as ``node_id`` under process ``instance``; database now (ms).
+
+        Admission (docs/cluster.md, "Admitting nodes"), checked in this one transaction with
+        the member's row locked: a node presenting ``credential_sha256`` (the hash of its own
+        node credential) joins when it is the hash recorded for it; else it redeems
+        ``join_token`` (``(id, secret hash)``, :func:`~sbproxy.store.admission.redeem`), or,
+        when ``shared_admits`` (the deprecated shared fleet credential still admits), joins
+        as before. Either way ``credential_sha256`` becomes the member's recorded hash. A
+        revoked member joins only by a token, after ``sbproxy nodes admit``. Without
+        ``credential_sha256`` (a caller that predates admission) nothing of it is checked.
 
         ``devices``: ``[{index, capacity_bytes, accelerator, compute_capability?}]``, one per
         device (each GPU, or each share of the CPU);
@@ -627,6 +663,8 @@ class FleetStore:
         Raises:
             NodeIdInUse: ``node_id_in_use`` -- another live instance holds the id.
             NodeRemoved: ``node_removed`` -- the node was removed (``sbproxy nodes admit``).
+            JoinRefused: ``node_revoked``, ``join_token_required``, ``join_token_invalid``,
+                ``join_token_expired``, ``join_token_used_up``, ``node_credential_invalid``.
         """
         info = (
             advertise_url,
@@ -639,10 +677,28 @@ class FleetStore:
         with self._transaction(membership=True) as cursor:
             now = self._now(cursor)
             held = cursor.execute(
-                "SELECT instance, renewed_at_ms, left_fleet FROM fleet_nodes WHERE id = %s"
-                " FOR UPDATE",
+                "SELECT instance, renewed_at_ms, left_fleet, revoked_at_ms, credential_sha256"
+                " FROM fleet_nodes WHERE id = %s FOR UPDATE",
                 (node_id,),
             ).fetchone()
+            if held is not None and bool(held[2]) and held[3] is not None:
+                raise JoinRefused(
+                    f"node {node_id} was revoked (sbproxy nodes revoke): it does not join again",
+                    code="node_revoked",
+                    remediation=f"If it may join again: `sbproxy nodes admit {node_id}`, then "
+                    "start it with a fresh join token (sbproxy nodes token create).",
+                    details={"node_id": node_id},
+                )
+            if credential_sha256 is not None:
+                self._admit(
+                    cursor,
+                    now,
+                    node_id=node_id,
+                    row=held,
+                    credential_sha256=credential_sha256,
+                    join_token=join_token,
+                    shared_admits=shared_admits,
+                )
             if held is not None:
                 other, renewed_at, left = str(held[0]), int(held[1]), bool(held[2])
                 if left:
@@ -681,8 +737,64 @@ class FleetStore:
                 " leaving_at_ms = NULL",
                 (node_id, *info, now, now, instance),
             )
+            if credential_sha256 is not None:
+                # Admitted above: this node's credential is the one peers check from now on.
+                cursor.execute(
+                    "UPDATE fleet_nodes SET credential_sha256 = %s, revoked_at_ms = NULL,"
+                    " revoked_reason = NULL WHERE id = %s",
+                    (credential_sha256, node_id),
+                )
             self._event(cursor, now, "node_joined", node_id, {"advertise_url": advertise_url})
         return now
+
+    @staticmethod
+    def _admit(
+        cursor: psycopg.Cursor[Any],
+        now: int,
+        *,
+        node_id: str,
+        row: Sequence[Any] | None,
+        credential_sha256: str,
+        join_token: tuple[str, str] | None,
+        shared_admits: bool,
+    ) -> None:
+        """Admit ``node_id`` (:meth:`join`'s rule) or raise :class:`JoinRefused`."""
+        revoked = row is not None and row[3] is not None
+        stored = None if row is None else row[4]
+        if not revoked and credential_matches(stored, credential_sha256):
+            return
+        if join_token is not None:
+            token_id = redeem(cursor, now, node_id=node_id, token=join_token)
+            logger.info("node %s joins with join token %s", node_id, token_id)
+            return
+        if revoked:
+            raise JoinRefused(
+                f"node {node_id} was revoked and admitted again: it joins only with a fresh "
+                "join token",
+                code="node_revoked",
+                remediation="Make one with `sbproxy nodes token create` and give it to this "
+                "host (proxy.model_host.fleet.join_token or $SBPROXY_JOIN_TOKEN).",
+                details={"node_id": node_id},
+            )
+        if shared_admits:
+            return
+        if stored is not None:
+            raise JoinRefused(
+                f"node {node_id}'s stored node credential is not the one the fleet recorded "
+                "for it (a copied or replaced cache, or another host under this id)",
+                code="node_credential_invalid",
+                remediation="Give this host a fresh join token (sbproxy nodes token create), "
+                "or its own node id.",
+                details={"node_id": node_id},
+            )
+        raise JoinRefused(
+            f"node {node_id} has no join token and no node credential the fleet knows: a new "
+            "node joins only with a join token",
+            code="join_token_required",
+            remediation="Make one on a member with `sbproxy nodes token create` and give it to "
+            "this host as proxy.model_host.fleet.join_token or $SBPROXY_JOIN_TOKEN.",
+            details={"node_id": node_id},
+        )
 
     def renew(
         self,
@@ -696,8 +808,9 @@ class FleetStore:
         """Renew ``node_id``'s membership on database time, with its replicas' counts (and,
         when given, its cached artifacts with their GGUF facts), as process ``instance``.
 
-        A removed node is not renewed (``left``), nor one another instance holds now
-        (``held_elsewhere``); the statement itself checks both.
+        A removed node is not renewed (``left``), nor a revoked one (``revoked``), nor one
+        another instance holds now (``held_elsewhere``); the statement itself checks all
+        three, so a node that ignores its own client logic cannot renew either.
 
         Returns:
             The :class:`Renewal`; ``None`` when the node has no row (it must join again).
@@ -715,19 +828,20 @@ class FleetStore:
                 " artifacts_json = COALESCE(%(artifacts)s, artifacts_json),"
                 " artifact_facts_json = COALESCE(%(facts)s, artifact_facts_json),"
                 " leaving_at_ms = NULL"
-                " WHERE id = %(id)s AND left_fleet = 0 AND instance = %(instance)s"
+                " WHERE id = %(id)s AND left_fleet = 0 AND revoked_at_ms IS NULL"
+                " AND instance = %(instance)s"
                 " RETURNING renewed_at_ms, state",
                 params,
             ).fetchone()
             if row is not None:
                 return Renewal(now_ms=int(row[0]), state=str(row[1]))
             found = cursor.execute(
-                "SELECT left_fleet FROM fleet_nodes WHERE id = %s", (node_id,)
+                "SELECT left_fleet, revoked_at_ms FROM fleet_nodes WHERE id = %s", (node_id,)
             ).fetchone()
         if found is None:
             return None
-        if bool(found[0]):
-            return Renewal(now_ms=None, left=True)
+        if bool(found[0]) or found[1] is not None:
+            return Renewal(now_ms=None, left=bool(found[0]), revoked=found[1] is not None)
         return Renewal(now_ms=None, held_elsewhere=True)
 
     def leave(self, node_id: str, *, instance: str) -> bool:
@@ -888,7 +1002,7 @@ class FleetStore:
                 " AND holder = %(me)s AND holder_instance = %(inst)s"
                 " AND expires_at_ms > %(now)s"
                 " AND NOT EXISTS (SELECT 1 FROM fleet_nodes WHERE id = %(me)s"
-                "   AND (left_fleet = 1 OR instance <> %(inst)s))"
+                "   AND (left_fleet = 1 OR revoked_at_ms IS NOT NULL OR instance <> %(inst)s))"
                 " RETURNING holder, epoch, acquired_at_ms, expires_at_ms",
                 params,
             ).fetchone()
@@ -898,7 +1012,7 @@ class FleetStore:
                 )
             eligible = cursor.execute(
                 "SELECT NOT EXISTS (SELECT 1 FROM fleet_nodes WHERE id = %(me)s"
-                " AND (left_fleet = 1 OR instance <> %(inst)s))",
+                " AND (left_fleet = 1 OR revoked_at_ms IS NOT NULL OR instance <> %(inst)s))",
                 params,
             ).fetchone()
             if eligible is None or not eligible[0]:

@@ -338,6 +338,35 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             """,
         ),
     ),
+    (
+        13,
+        "fleet admission: join tokens, each member's node credential, revocation",
+        (
+            # A join token (``store/admission.py``): its public id, the SHA-256 of its secret
+            # (never the secret), its expiry on database time (NULL: none) and the joins it
+            # has left (NULL: unlimited); revoked by an operator.
+            """
+            CREATE TABLE fleet_join_tokens (
+                id TEXT NOT NULL PRIMARY KEY,
+                secret_sha256 TEXT NOT NULL,
+                created_at_ms INTEGER NOT NULL,
+                created_by TEXT NOT NULL,
+                expires_at_ms INTEGER,
+                uses_left INTEGER,
+                used INTEGER NOT NULL DEFAULT 0,
+                revoked_at_ms INTEGER,
+                description TEXT NOT NULL DEFAULT ''
+            )
+            """,
+            # The SHA-256 of the member's own node credential (issued at its join; peers
+            # check it on every hop), and when and why an operator revoked the member:
+            # a revoked row is never renewed (the renewal's WHERE), and joins again only
+            # with a fresh join token after ``sbproxy nodes admit``.
+            "ALTER TABLE fleet_nodes ADD COLUMN credential_sha256 TEXT",
+            "ALTER TABLE fleet_nodes ADD COLUMN revoked_at_ms INTEGER",
+            "ALTER TABLE fleet_nodes ADD COLUMN revoked_reason TEXT",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -351,10 +380,7 @@ def ddl(statement: str, dialect: str) -> str:
     return _INTEGER.sub("BIGINT", text)
 
 
-def _apply(transaction: Transaction) -> None:
-    postgres = transaction.dialect == "postgresql"
-    if postgres:
-        transaction.execute("SELECT pg_advisory_xact_lock(:key)", {"key": MIGRATION_LOCK_KEY})
+def _create_versions(transaction: Transaction) -> None:
     transaction.execute(
         ddl(
             "CREATE TABLE IF NOT EXISTS schema_migrations ("
@@ -364,6 +390,21 @@ def _apply(transaction: Transaction) -> None:
             transaction.dialect,
         )
     )
+
+
+def _apply(transaction: Transaction) -> None:
+    postgres = transaction.dialect == "postgresql"
+    if postgres:
+        transaction.execute("SELECT pg_advisory_xact_lock(:key)", {"key": MIGRATION_LOCK_KEY})
+    # A host connecting as a role without CREATE on the schema (per-node roles,
+    # docs/cluster.md "Admitting nodes") must not issue DDL at all once the schema exists.
+    exists = postgres and bool(
+        transaction.scalar(
+            "SELECT CASE WHEN to_regclass('schema_migrations') IS NULL THEN 0 ELSE 1 END"
+        )
+    )
+    if not exists:
+        _create_versions(transaction)
     current = transaction.scalar("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
     if current > SCHEMA_VERSION:
         raise StoreError(

@@ -236,7 +236,9 @@ def listener_changes(current: CompiledConfig, candidate: CompiledConfig) -> list
 # What a reload hands on to a running fleet member (the gateway's peer dispatch and the lease
 # route read them at each use); every other fleet setting (timing, placement policy) the
 # agent took once at start, so a change must not look applied while the old value runs.
-_LIVE_FLEET_FIELDS = frozenset({"credential", "peer_cooldown_ms"})
+_LIVE_FLEET_FIELDS = frozenset(
+    {"credential", "peer_cooldown_ms", "join_token", "accept_shared_credential"}
+)
 
 
 def _fleet_changes(current: CompiledConfig, candidate: CompiledConfig) -> list[str]:
