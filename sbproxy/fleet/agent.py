@@ -1054,6 +1054,7 @@ class FleetAgent:
                     queued=int(reported.get("queued") or 0),
                     loaded=routable,
                     local_id=local,
+                    routing=str(placement.definition.get("routing") or "least_outstanding"),
                 )
             )
         self._table = RoutingTable(
