@@ -1,5 +1,5 @@
 """Prefix-aware routing against least outstanding, with real llama-server replicas:
-``python benchmarks/prefix_routing.py [--hosts 1|2] [--rounds 3] [--concurrency 4]``.
+``python benchmarks/prefix_routing.py [--hosts 1|2] [--rounds 3] [--concurrency 2]``.
 
 Real ``sbproxy serve`` hosts of one fleet (``authority: cluster_authority``) on a throw-away
 PostgreSQL (:mod:`tests.support.postgres`), each with the real llama-server (built from the
@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,11 +68,55 @@ PROMPTS = 16
 SLOTS = 4
 MAX_TOKENS = 8
 WORDS = (
-    "replica gateway prefix cache token engine request answer fleet node placement journal "
-    "queue slot prompt stream latency throughput model weight layer batch context window "
-    "system operator budget policy route health signal metric counter label shard lease "
-    "heartbeat failure retry timeout deadline spill agent tool call schema field value"
-).split()
+    "replica",
+    "gateway",
+    "prefix",
+    "cache",
+    "token",
+    "engine",
+    "request",
+    "answer",
+    "fleet",
+    "node",
+    "placement",
+    "journal",
+    "queue",
+    "slot",
+    "prompt",
+    "stream",
+    "latency",
+    "throughput",
+    "model",
+    "weight",
+    "layer",
+    "batch",
+    "context",
+    "window",
+    "system",
+    "operator",
+    "budget",
+    "policy",
+    "route",
+    "health",
+    "signal",
+    "metric",
+    "counter",
+    "label",
+    "shard",
+    "lease",
+    "heartbeat",
+    "failure",
+    "retry",
+    "timeout",
+    "deadline",
+    "spill",
+    "agent",
+    "tool",
+    "call",
+    "schema",
+    "field",
+    "value",
+)
 QUESTIONS = (
     "What is the first rule?",
     "Summarise your role.",
@@ -84,7 +129,7 @@ QUESTIONS = (
 def system_prompt(index: int) -> str:
     """Prompt ``index``: about 1,000 tokens of deterministic text, distinct from its first
     words on (so every prompt has its own cached prefix)."""
-    rng = random.Random(index)
+    rng = random.Random(index)  # noqa: S311 - deterministic text, not secrets
     sentences = [f"You are assistant number {index}, agent {rng.random():.6f}."]
     while sum(len(s.split()) for s in sentences) < 700:
         words = [rng.choice(WORDS) for _ in range(rng.randint(8, 16))]
@@ -221,7 +266,7 @@ def run_batch(
 
 
 def import_model(host: FleetHost, gguf: Path) -> None:
-    done = subprocess.run(
+    done = subprocess.run(  # noqa: S603 - this interpreter, our arguments
         [sys.executable, "-m", "sbproxy.cli", "models", "import", str(gguf), "--model", MODEL,
          "--variant", VARIANT, "--cache-dir", str(host.cache), "--format", "json"],
         capture_output=True, text=True, timeout=600, check=False,
@@ -230,11 +275,76 @@ def import_model(host: FleetHost, gguf: Path) -> None:
         raise RuntimeError(f"models import failed: {done.stderr[-2000:]}")
 
 
+def workload(rounds: int) -> list[tuple[int, str]]:
+    """Every prompt once per round, in a shuffled order, each round its own question."""
+    rng = random.Random(34)  # noqa: S311 - a fixed order, not secrets
+    work: list[tuple[int, str]] = []
+    for round_ in range(rounds):
+        order = list(range(PROMPTS))
+        rng.shuffle(order)
+        work += [(p, QUESTIONS[(p + round_) % len(QUESTIONS)]) for p in order]
+    return work
+
+
+def start_fleet(hosts: list[FleetHost], log: Callable[[str], None]) -> list[Any]:
+    """Start ``hosts``, apply both deployments, wait until every replica is ready; the
+    placements as ``(deployment, node, local id, devices)``."""
+    replica = {
+        "model": MODEL,
+        "variant": VARIANT,
+        "replicas": 2,
+        "max_concurrency": SLOTS,
+        "max_output_tokens": 64,
+        "max_context": 8192,
+        # A shared 2-core machine can take far longer than the defaults to prefill.
+        "first_token_timeout_ms": 600_000,
+        "stall_timeout_ms": 600_000,
+        "request_timeout_ms": 900_000,
+        "queue_timeout_ms": 600_000,
+    }
+    start_all(hosts)
+    apply(hosts[0], {name: {**replica, "routing": arm} for arm, name in ARMS.items()})
+
+    def ready() -> bool:
+        rows = placements(hosts[0])
+        return len(rows) == 4 and all(
+            r["state"] == "ready" and (r["runtime"] or {}).get("state") == "ready" for r in rows
+        )
+
+    poll(ready, timeout_s=300, what="every replica ready")
+    layout = sorted(
+        (r["deployment"], r["node"], r["local_id"], r["devices"]) for r in placements(hosts[0])
+    )
+    log(f"placements: {layout}")
+    # Every gateway's routing table lists the replicas ready (a heartbeat later).
+    time.sleep(3)
+    return layout
+
+
+def run_arms(
+    work: list[tuple[int, str]], gateways: list[str], size: int, log: Callable[[str], None]
+) -> dict[str, Arm]:
+    """Both arms' batches of ``size``, alternating (which arm goes first alternates too)."""
+    arms = {arm: Arm(arm) for arm in ARMS}
+    turns = {arm: [0] for arm in ARMS}
+    for index in range(0, len(work), size):
+        batch = work[index : index + size]
+        names = list(ARMS) if (index // size) % 2 == 0 else list(reversed(ARMS))
+        for arm in names:
+            run_batch(arms[arm], ARMS[arm], batch, gateways, turns[arm])
+        log(f"{index + len(batch)}/{len(work)} requests per arm")
+    return arms
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--hosts", type=int, choices=(1, 2), default=1)
     parser.add_argument("--rounds", type=int, default=3, help="questions per system prompt")
-    parser.add_argument("--concurrency", type=int, default=4, help="requests per batch")
+    parser.add_argument("--concurrency", type=int, default=2, help="requests per batch")
     args = parser.parse_args(argv)
 
     def log(line: str) -> None:
@@ -244,26 +354,18 @@ def main(argv: list[str] | None = None) -> int:
     engine = ensure_llama_server(inputs)
     root = Path(tempfile.mkdtemp(prefix="sbproxy-prefix-bench-"))
     devices = 4 // args.hosts
-    replica = {
-        "model": MODEL,
-        "variant": VARIANT,
-        "replicas": 2,
-        "max_concurrency": SLOTS,
-        "max_output_tokens": 64,
-        "max_context": 8192,
-    }
-    deployments = {name: {**replica, "routing": arm} for arm, name in ARMS.items()}
+    work = workload(args.rounds)
     with running_server() as postgres:
         url = postgres.create_database()
-        hosts = [
+        hosts: list[FleetHost] = [
             BenchHost(
                 f"node-{n}",
                 root / f"node-{n}",
                 url,
-                "http://127.0.0.1:9",
+                "http://127.0.0.1:9",  # no mirror: the model is imported
                 settings={"cpu_devices": devices},
-                timing={},
-            )  # fmt: skip
+                timing={},  # the product's fleet timing: a busy machine must not fence
+            )
             for n in "ab"[: args.hosts]
         ]
         for host in hosts:
@@ -271,42 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             import_model(host, inputs.smol)
             host.write({})
         try:
-            start_all(hosts)
-            apply(hosts[0], deployments)
-
-            def ready() -> bool:
-                rows = placements(hosts[0])
-                return len(rows) == 4 and all(
-                    r["state"] == "ready" and (r["runtime"] or {}).get("state") == "ready"
-                    for r in rows
-                )
-
-            poll(ready, timeout_s=300, what="every replica ready")
-            layout = sorted(
-                (r["deployment"], r["node"], r["local_id"], r["devices"])
-                for r in placements(hosts[0])
-            )
-            log(f"placements: {layout}")
-            # Every gateway's routing table lists the replicas ready (a heartbeat later).
-            time.sleep(3)
+            layout = start_fleet(hosts, log)
             gateways = [f"http://localhost:{h.gateway}" for h in hosts]
-            rng = random.Random(34)
-            work: list[tuple[int, str]] = []
-            for round_ in range(args.rounds):
-                order = list(range(PROMPTS))
-                rng.shuffle(order)
-                work += [(p, QUESTIONS[(p + round_) % len(QUESTIONS)]) for p in order]
-            arms = {arm: Arm(arm) for arm in ARMS}
-            turns = {arm: [0] for arm in ARMS}
-            size = args.concurrency
             started = time.perf_counter()
-            for index in range(0, len(work), size):
-                batch = work[index : index + size]
-                # Alternate which arm goes first, so neither always follows the other.
-                names = list(ARMS) if (index // size) % 2 == 0 else list(reversed(ARMS))
-                for arm in names:
-                    run_batch(arms[arm], ARMS[arm], batch, gateways, turns[arm])
-                log(f"{index + len(batch)}/{len(work)} requests per arm")
+            arms = run_arms(work, gateways, args.concurrency, log)
             wall_s = time.perf_counter() - started
             metrics = [
                 line
@@ -318,10 +388,6 @@ def main(argv: list[str] | None = None) -> int:
             stop_all(hosts)
     figures = {arm: arms[arm].figures() for arm in ARMS}
     prefix, lo = figures["prefix"], figures["least_outstanding"]
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 3) if a is not None and b else None
-
     report = {
         "hosts": args.hosts,
         "cpu_devices_per_host": devices,
