@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from sbproxy.fleet.agent import routing_policies
+from sbproxy.fleet.control import definition_digest
 from sbproxy.fleet.prefix import (
     PREFIX_BLOCK_BYTES,
     Choice,
@@ -213,3 +215,25 @@ def test_one_hot_prefix_never_takes_a_replica_over_its_bound() -> None:
 def test_a_negative_load_is_a_caller_bug() -> None:
     with pytest.raises(ValueError, match="loads must be"):
         choose(keys(1)[0], {"node-a/chat": -1})
+
+
+# -- the switch -------------------------------------------------------------------------------
+
+
+def test_the_routing_table_takes_each_deployments_routing_from_the_desired_state() -> None:
+    document = json.dumps(
+        {
+            "deployments": {
+                "chat": {"model": "m", "routing": "prefix"},
+                "embed": {"model": "e"},
+            }
+        }
+    )
+    assert routing_policies(document) == {"chat": "prefix", "embed": "least_outstanding"}
+    assert routing_policies(None) == {}
+
+
+def test_switching_routing_does_not_roll_the_replicas() -> None:
+    before = {"model": "m", "variant": "q4_k_m", "max_concurrency": 4}
+    assert definition_digest({**before, "routing": "prefix"}) == definition_digest(before)
+    assert definition_digest({**before, "max_concurrency": 2}) != definition_digest(before)
