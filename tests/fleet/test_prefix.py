@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from sbproxy.api.prefix_route import local_choice
 from sbproxy.fleet.agent import routing_policies
 from sbproxy.fleet.control import definition_digest
 from sbproxy.fleet.prefix import (
@@ -237,3 +238,17 @@ def test_switching_routing_does_not_roll_the_replicas() -> None:
     before = {"model": "m", "variant": "q4_k_m", "max_concurrency": 4}
     assert definition_digest({**before, "routing": "prefix"}) == definition_digest(before)
     assert definition_digest({**before, "max_concurrency": 2}) != definition_digest(before)
+
+
+def test_a_hop_picks_the_replica_its_caller_chose_among_its_nodes_own() -> None:
+    # The calling gateway chose over every replica of the fleet; the node it chose picks
+    # among its own replicas with the same key and ids: the same one, while within bounds.
+    agreed = 0
+    for key in keys(200):
+        first = rendezvous_order(key, REPLICAS)[0]
+        node, local = first.split("/")
+        own = {r.split("/")[1]: 0 for r in REPLICAS if r.startswith(f"{node}/")}
+        assert local_choice(key, node, own) == local
+        agreed += len(own) > 1
+    assert agreed > 0  # some keys landed on the node with two replicas
+    assert local_choice(keys(1)[0], "node-a", {}) is None
