@@ -48,7 +48,9 @@ for a deployment with no ready replica here goes to a peer host's gateway -- the
 fewest outstanding requests -- and its answer comes back byte for byte
 (``x-sbproxy-route-class: peer``, ``x-sbproxy-peer-node``); so does a client's request that the
 replica here refused before any byte went out (spill-over, :meth:`Gateway.forward_to_peer`:
-only on that exception path). A peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet
+only on that exception path). A ``routing: prefix`` deployment's request goes to the replica
+that most likely holds its prompt's prefix, here or a peer's (:mod:`sbproxy.api.prefix_route`).
+A peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet
 credential) is served here only, with no key, budget or usage, and never spills. A single host
 never looks at any of it: with no fleet the request path is the one above.
 
