@@ -48,7 +48,9 @@ for a deployment with no ready replica here goes to a peer host's gateway -- the
 fewest outstanding requests -- and its answer comes back byte for byte
 (``x-sbproxy-route-class: peer``, ``x-sbproxy-peer-node``); so does a client's request that the
 replica here refused before any byte went out (spill-over, :meth:`Gateway.forward_to_peer`:
-only on that exception path). A peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet
+only on that exception path). A ``routing: prefix`` deployment's request goes to the replica
+that most likely holds its prompt's prefix, here or a peer's (:mod:`sbproxy.api.prefix_route`).
+A peer host's own request (``X-Sbproxy-Peer-Hop`` with the fleet
 credential) is served here only, with no key, budget or usage, and never spills. A single host
 never looks at any of it: with no fleet the request path is the one above.
 
@@ -108,6 +110,7 @@ from sbproxy.api.peers import (
     peer_headers,
     trace_context,
 )
+from sbproxy.api.prefix_route import fleet_choice, local_choice, prefix_routed
 from sbproxy.api.relay import (
     StreamRelay,
     UpstreamUnavailable,
@@ -120,6 +123,8 @@ from sbproxy.api.tracing import server_spans
 from sbproxy.api.usage import UsageLedger
 from sbproxy.config import DeploymentConfig, Route
 from sbproxy.errors import SbproxyError
+from sbproxy.fleet.prefix import prefix_key
+from sbproxy.fleet.routing import PeerReplica
 from sbproxy.model_host.runtime import AdmissionRejected
 from sbproxy.model_host.runtime.manager import RuntimeManager, Upstream
 from sbproxy.model_host.runtime.state import DeploymentStatus
@@ -558,17 +563,17 @@ class Gateway:
         deployment = route.deployment
         note, span = _annotate(scope, route, caller)
         if hop is None:
+            # A client's request: its key's budget first, then, for a deployment autoscaling
+            # took to zero replicas, one asked for and waited for.
             self.usage.check(caller.name)
             await self.wake_if_cold(fleet, deployment)
-            if fleet is not None and not self.serves_here(fleet, deployment):
-                return await self.forward_to_peer(
-                    scope, receive, route, fleet, caller=caller, host=host, path=path,
-                    head=head, body=body, span=span, note=note,
-                )  # fmt: skip
-        else:
-            self.hop_here(fleet, deployment)
-        # On a host of a fleet, the replica of this node that takes it (one of several).
-        here = route if fleet is None else self.local_route(fleet, route)
+        here, prefer = self.place(fleet, route, hop, path, head)
+        if here is None:
+            assert fleet is not None  # noqa: S101 - only a fleet's route goes elsewhere
+            return await self.forward_to_peer(
+                scope, receive, route, fleet, caller=caller, host=host, path=path,
+                head=head, body=body, span=span, note=note, prefer=prefer,
+            )  # fmt: skip
         deployment = here.deployment
         sent, strip_usage = self.prepare(path, head, body, here)
         # For a hop the calling host counts usage: it gets the usage event and drops it for
@@ -669,16 +674,65 @@ class Gateway:
 
         return fleet.serves_here(deployment, known=bool(here), running=running)
 
-    def local_route(self, fleet: PeerDispatch, route: Route) -> Route:
+    def place(
+        self,
+        fleet: PeerDispatch | None,
+        route: Route,
+        hop: str | None,
+        path: str,
+        head: Head,
+    ) -> tuple[Route | None, PeerReplica | None]:
+        """Where a request goes: ``route`` aimed at the replica of this host that takes it,
+        or ``None`` and the peer replica to try first (``None``: the least outstanding) when
+        a peer host serves it; a peer's hop is served here or refused (:meth:`hop_here`).
+
+        Raises:
+            NoReadyReplica: ``no_ready_replica`` for a hop this node does not serve.
+        """
+        if hop is not None:
+            self.hop_here(fleet, route.deployment)
+            assert fleet is not None  # noqa: S101 - a hop is only read on a host of a fleet
+            # The replica of this node that takes it (one of several).
+            return self.local_route(fleet, route, path=path, head=head), None
+        if fleet is None:
+            return route, None
+        return self.fleet_route(fleet, route, path, head)
+
+    def fleet_route(
+        self, fleet: PeerDispatch, route: Route, path: str, head: Head
+    ) -> tuple[Route | None, PeerReplica | None]:
+        """Where a client's request goes on a host of a fleet: ``route`` aimed at the replica
+        here that takes it, or ``None`` and the peer replica to try first (``None``: the
+        least outstanding) when a peer serves it -- the replica prefix routing picks for a
+        ``routing: prefix`` deployment (:func:`fleet_choice`), else this node's replicas
+        when it serves the deployment (:meth:`serves_here`, :meth:`local_route`)."""
+        target = fleet_choice(fleet, route.deployment, path, head.document, self._replica_load)
+        if target is not None:
+            if not target.local:
+                return None, target.replica
+            return replace(route, deployment=target.replica.runtime_id), None
+        if not self.serves_here(fleet, route.deployment):
+            return None, None
+        return self.local_route(fleet, route), None
+
+    def local_route(
+        self, fleet: PeerDispatch, route: Route, *, path: str = "", head: Head | None = None
+    ) -> Route:
         """``route`` aimed at the replica of this node that takes a request for its
         deployment: with several replicas here (``chat``, ``chat.r1``, each on its own
         devices), a routable one with the fewest requests in flight and queued, in turn
-        among equals; with one, that one; with none listed, ``route`` itself (a deployment
-        that is not the fleet's)."""
+        among equals -- or, for a peer's hop (``head`` given) of a ``routing: prefix``
+        deployment, the one prefix routing picks (:func:`local_choice`); with one, that one;
+        with none listed, ``route`` itself (a deployment that is not the fleet's)."""
         here = self._runtime_ids(fleet, route.deployment, unlisted=())
         if not here:
             return route
-        if len(here) == 1:
+        chosen = None
+        if len(here) > 1 and head is not None and prefix_routed(fleet, route.deployment):
+            chosen = self._hop_choice(fleet, here, path, head)
+        if chosen is not None:
+            target = chosen
+        elif len(here) == 1:
             target = here[0]
         else:
             ranked = [(self._load_of(local), local) for local in here]
@@ -687,6 +741,33 @@ class Gateway:
             self._turn += 1
             target = best[self._turn % len(best)]
         return route if target == route.deployment else replace(route, deployment=target)
+
+    def _hop_choice(
+        self, fleet: PeerDispatch, here: list[str], path: str, head: Head
+    ) -> str | None:
+        """The replica here that prefix routing picks for a peer's hop, among the routable
+        ones; ``None`` when the request has no key or none is routable."""
+        key = prefix_key(path, head.document)
+        if key is None:
+            return None
+        loads = {local: load for local in here if (load := self._prefix_load(local)) is not None}
+        return local_choice(key, fleet.directory.routing().local_node_id, loads)
+
+    def _replica_load(self, local: str) -> tuple[int, bool] | None:
+        """Requests in flight and queued at this host's replica ``local`` and whether it is
+        routable now; ``None`` when this host does not run it."""
+        status = self.local_status(local)
+        if status is None:
+            return None
+        return status.active_requests + status.queued_requests, status.routable
+
+    def _prefix_load(self, local: str) -> int | None:
+        """Requests in flight and queued at this host's replica ``local``; ``None`` when it
+        cannot take a request now (not routable, or not this host's)."""
+        status = self.local_status(local)
+        if status is None or not status.routable:
+            return None
+        return status.active_requests + status.queued_requests
 
     def _runtime_ids(
         self, fleet: PeerDispatch, deployment: str, *, unlisted: tuple[str, ...]
@@ -743,6 +824,7 @@ class Gateway:
         span: trace.Span | None,
         note: AccessNote | None,
         spilled: SbproxyError | None = None,
+        prefer: PeerReplica | None = None,
     ) -> ASGIApp:
         """Relay one request to a peer host's replica (:mod:`sbproxy.api.peers`): the
         client's body as it came (checked here first), with the trace context
@@ -779,6 +861,7 @@ class Gateway:
                 body=body,
                 streamed=head.stream,
                 carrier=trace_context(scope),
+                prefer=prefer,
             )
         except SbproxyError as exc:
             raise _peer_failure(fleet, deployment, exc, spilled, note) from None

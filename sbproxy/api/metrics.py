@@ -38,7 +38,10 @@ Gateway and job metrics (this project's own names, outside the reference's table
   e.g. ``queue_full``, ``upstream_unavailable``) and that went to a peer's replica instead
   (spill-over; the tries themselves count above); and
   ``sbproxy_gateway_peers_out_of_rotation`` (gauge): peers this gateway keeps out of its
-  rotation now -- both only on a host with a fleet;
+  rotation now; ``sbproxy_gateway_prefix_routes_total{deployment,outcome}`` (counter):
+  client requests of ``routing: prefix`` deployments by how their replica was found
+  (:mod:`sbproxy.api.prefix_route`: ``first_choice`` -- a hit --, ``load_bound`` and
+  ``no_prefix`` -- the fall-backs) -- all only on a host with a fleet;
 * ``sbproxy_jobs_total{workflow,status}`` (counter): jobs this process brought to a terminal
   status (``succeeded``, ``failed``, ``cancelled``);
 * ``sbproxy_job_duration_seconds{workflow}`` (histogram): seconds from a job's first start
@@ -274,6 +277,17 @@ class _PeerCollector(Collector):
         for (deployment, reason), count in sorted(self.peers.spills.items()):
             spills.add_metric([deployment, reason], count)
         yield spills
+        prefix = CounterMetricFamily(
+            "sbproxy_gateway_prefix_routes",
+            "Client requests of routing: prefix deployments, by deployment and outcome: "
+            "first_choice (the replica most likely holding the prefix), load_bound (it was at "
+            "its load bound: the next in rendezvous order), no_prefix (nothing to key on: "
+            "least outstanding).",
+            labels=["deployment", "outcome"],
+        )
+        for (deployment, outcome), count in sorted(self.peers.prefix_routes.items()):
+            prefix.add_metric([deployment, outcome], count)
+        yield prefix
         yield GaugeMetricFamily(
             "sbproxy_gateway_peers_out_of_rotation",
             "Peer hosts this gateway keeps out of its rotation now (they failed a request "

@@ -325,6 +325,9 @@ class PeerDispatch:
         self.spills: Counter[tuple[str, str]] = Counter()
         """Requests this host's own replica refused before any byte reached the client and
         that went to a peer instead (spill-over), by ``(deployment, refusal code)``."""
+        self.prefix_routes: Counter[tuple[str, str]] = Counter()
+        """Client requests of ``routing: prefix`` deployments, by ``(deployment, outcome)``
+        (:mod:`sbproxy.api.prefix_route`)."""
 
     def configure(
         self, *, credential: str | None, cooldown_s: float, accept_shared: bool = True
@@ -483,6 +486,15 @@ class PeerDispatch:
         self._turn += 1
         return best[self._turn % len(best)]
 
+    def outstanding(self, replica: PeerReplica) -> int | None:
+        """A peer's replica's requests in flight and queued as it last reported them, plus
+        this gateway's own in flight to it; ``None`` when it cannot take a request from
+        here (not ready, no URL, out of rotation)."""
+        node = replica.node_id
+        if not replica.ready or not replica.base_url or not self._in_rotation(node, self.clock()):
+            return None
+        return replica.active + replica.queued + self._in_flight[(node, replica.deployment)]
+
     def _in_rotation(self, node_id: str, now: float) -> bool:
         until = self._out.get(node_id)
         if until is None:
@@ -565,10 +577,12 @@ class PeerDispatch:
         body: bytes,
         streamed: bool,
         carrier: Mapping[str, str] | None = None,
+        prefer: PeerReplica | None = None,
     ) -> PeerAnswer | None:
         """Send one request to the best peer replica of ``deployment``, and to the next while
         nothing has reached the client (see the module docstring); ``carrier``: the trace
-        context headers to send along (:func:`trace_context`).
+        context headers to send along (:func:`trace_context`); ``prefer``: the replica to try
+        first (prefix routing's choice), the others after it by least outstanding.
 
         A plain answer comes back read whole (its ticket released); a stream with its
         headers read, for the relay to finish (it releases the ticket).
@@ -600,7 +614,7 @@ class PeerDispatch:
         current: PeerReplica | None = None
         limit, limit_s = Limit.REQUEST, 0.0
         with bound:
-            replica = self.pick(deployment, tried)
+            replica = prefer if prefer is not None else self.pick(deployment, tried)
             while replica is not None:
                 tried.add(replica.node_id)
                 ticket = self._ticket(replica, config)

@@ -119,6 +119,13 @@ class Rollout(StrEnum):
     RECREATE = "recreate"
 
 
+class RoutingPolicy(StrEnum):
+    """How a request picks among a deployment's replicas."""
+
+    LEAST_OUTSTANDING = "least_outstanding"
+    PREFIX = "prefix"
+
+
 class PlacementStrategy(StrEnum):
     """How the fleet planner scores nodes: ``spread`` (fewest replicas, most free memory
     first) or ``binpack`` (fill the fullest node that still fits first)."""
@@ -780,6 +787,12 @@ class DeploymentConfig(ConfigModel):
     engine: EngineChoice = Field(default=EngineChoice.AUTO, description="auto, llama_cpp or vllm.")
     rollout: Rollout = Field(
         default=Rollout.ROLLING, description="rolling (overlap) or recreate (stop old first)."
+    )
+    routing: RoutingPolicy = Field(
+        default=RoutingPolicy.LEAST_OUTSTANDING,
+        description="How a request picks among the replicas: least_outstanding (fewest in "
+        "flight and queued) or prefix (the replica whose prompt cache most likely holds the "
+        "request's prefix, by rendezvous hashing, bounded by load; docs/cluster.md).",
     )
     extra_args: list[str] = Field(
         default_factory=list,

@@ -50,7 +50,7 @@ import anyio.to_thread
 import httpx
 from ulid import ULID
 
-from sbproxy.config import DeploymentConfig
+from sbproxy.config import DeploymentConfig, RoutingPolicy
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.admission import JoinAdmission, PeerCheck, PeerCredentials
 from sbproxy.fleet.control import (
@@ -125,6 +125,7 @@ PEER_TIMEOUT_S = 2.0
 # A placed replica that is not serving is loaded again, and a failed reconcile is tried
 # again, at most this often.
 RELOAD_RETRY_S = 5.0
+LEAST_OUTSTANDING = RoutingPolicy.LEAST_OUTSTANDING.value
 # Fleet events are kept a week, and at least the newest 10,000, pruned by the controller
 # at most once a minute (database time).
 EVENTS_KEEP_MS = 7 * 24 * 3600 * 1000
@@ -1175,6 +1176,7 @@ class FleetAgent:
         self._peers = PeerCredentials.from_nodes(snapshot.nodes)
         states = {view.id: view.state.value for view in self.views}
         nodes = {node.id: node for node in snapshot.nodes}
+        policies = routing_policies(snapshot.desired_document)
         table: dict[str, list[PeerReplica]] = {}
         for placement in snapshot.placements:
             node = nodes.get(placement.node)
@@ -1199,6 +1201,7 @@ class FleetAgent:
                     queued=int(reported.get("queued") or 0),
                     loaded=routable,
                     local_id=local,
+                    routing=policies.get(placement.deployment, LEAST_OUTSTANDING),
                 )
             )
         self._table = RoutingTable(
@@ -1207,6 +1210,18 @@ class FleetAgent:
             self.clock(),
             wakeable=_wakeable(autoscaled(snapshot.desired_document)),
         )
+
+
+def routing_policies(desired_document: str | None) -> dict[str, str]:
+    """Each deployment's ``routing`` in the fleet's desired state (``least_outstanding``
+    where it sets none): the routing table carries the current one, so switching it needs
+    no new placement (``routing`` is one of the placement fields)."""
+    if desired_document is None:
+        return {}
+    deployments = json.loads(desired_document).get("deployments", {})
+    return {
+        name: str(body.get("routing") or LEAST_OUTSTANDING) for name, body in deployments.items()
+    }
 
 
 def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) -> FleetView:

@@ -170,9 +170,12 @@ class NodeMove:
     transition: NodeTransition
 
 
-PLACEMENT_FIELDS = frozenset({"replicas", "required_labels", "spread_by", "heterogeneous_variants"})
-"""Fields that say where and how many replicas run, not what one replica runs: a change of
-them re-plans, it does not roll the replicas that stay."""
+PLACEMENT_FIELDS = frozenset(
+    {"replicas", "required_labels", "spread_by", "heterogeneous_variants", "routing"}
+)
+"""Fields that say where and how many replicas run, or how gateways pick among them
+(``routing``: read from the desired state by every routing table), not what one replica
+runs: a change of them re-plans, it does not roll the replicas that stay."""
 
 
 def definition_digest(definition: Mapping[str, Any]) -> str:

@@ -79,6 +79,8 @@ class PeerReplica:
             loaded one is ready.
         local_id: The id its node's runtime runs it under (:func:`replica_deployment_id`);
             the deployment id when not given.
+        routing: Its deployment's ``routing`` (``least_outstanding`` or ``prefix``), as its
+            placement's definition says: how a gateway picks among the replicas.
     """
 
     deployment: str
@@ -90,11 +92,18 @@ class PeerReplica:
     queued: int
     loaded: bool = True
     local_id: str = ""
+    routing: str = "least_outstanding"
 
     @property
     def runtime_id(self) -> str:
         """``local_id``, or the deployment id when the table did not name one."""
         return self.local_id or self.deployment
+
+    @property
+    def replica_key(self) -> str:
+        """The replica's id for prefix routing (:mod:`sbproxy.fleet.prefix`), the same on
+        every gateway: ``<node>/<runtime id>``."""
+        return f"{self.node_id}/{self.runtime_id}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ def test_base_document_is_valid() -> None:
     assert deployment.max_queue_depth == 128
     assert deployment.queue_timeout_ms == 30_000
     assert deployment.rollout == "rolling"
+    assert deployment.routing == "least_outstanding"
     assert deployment.cold_start == "wait"
     assert compiled.model_host is not None
     assert compiled.model_host.max_parallel_prepares == 2
@@ -61,6 +62,7 @@ def test_models_are_frozen() -> None:
         ({"keep_alive_secs": 0}, f"{DEPLOYMENT}.keep_alive_secs", "greater than or equal to 1"),
         ({"pull": "always"}, f"{DEPLOYMENT}.pull", "'on_boot', 'on_demand' or 'manual'"),
         ({"rollout": "blue_green"}, f"{DEPLOYMENT}.rollout", "'rolling' or 'recreate'"),
+        ({"routing": "random"}, f"{DEPLOYMENT}.routing", "'least_outstanding' or 'prefix'"),
         ({"cold_start": "sometimes"}, f"{DEPLOYMENT}.cold_start", "'wait', 'reject' or 'fallback'"),
         ({"engine": "tgi"}, f"{DEPLOYMENT}.engine", "'auto', 'llama_cpp' or 'vllm'"),
         ({"kv_quant": "int2"}, f"{DEPLOYMENT}.kv_quant", "'int4'"),
