@@ -7,8 +7,8 @@ Steps (a durable job; the idempotency key is the build identity):
 2. ``build`` -- in a fresh work directory named after the job and attempt, extract only the
    members under the archive's path prefix (``tarfile``'s ``data`` filter refuses absolute
    paths, ``..``, links out of the tree and device files), configure with CMake and build
-   the ``llama-server`` and ``ggml-rpc-server`` targets. A crash anywhere in here reruns the whole step from a clean
-   directory: a half-built tree is never reused or published.
+   the ``llama-server`` and ``ggml-rpc-server`` targets. A crash anywhere in here reruns
+   the whole step from a clean directory: a half-built tree is never reused or published.
 3. ``publish`` -- run the built binary's ``--version``; only if it answers, copy ``build/bin``
    (the binary links shared libraries that live beside it) into a staging directory, write
    ``build.json`` and rename it to ``engines/llama.cpp/<identity>/``.
@@ -22,8 +22,9 @@ Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUI
 -DBUILD_SHARED_LIBS=ON -DGGML_RPC=ON``. ``GGML_RPC`` (recipe 3) adds ggml's RPC backend, so
 one build holds both halves of a model split over hosts (``engines/rpc.py``): the
 ``ggml-rpc-server`` a worker runs, and the ``--rpc`` option of the leader's ``llama-server``.
-Nothing changes for a ``llama-server`` started without ``--rpc``. A CPU build keeps llama.cpp's default ``GGML_NATIVE=ON`` (it runs on
-the machine that built it); CUDA adds ``-DGGML_CUDA=ON -DGGML_NATIVE=OFF`` (reference 4.4).
+Nothing changes for a ``llama-server`` started without ``--rpc``. A CPU build keeps
+llama.cpp's default ``GGML_NATIVE=ON`` (it runs on the machine that built it); CUDA adds
+``-DGGML_CUDA=ON -DGGML_NATIVE=OFF`` (reference 4.4).
 
 On x86-64 a CPU build also compiles without Intel AMX (``-mno-amx-tile -mno-amx-int8
 -mno-amx-bf16`` in the C and C++ flags, recipe 2). ``-march=native`` turns AMX on wherever the
@@ -279,7 +280,7 @@ async def build_tree(ctx: StepContext, request: BuildInput) -> BuildTree:
                 RPC_SERVER,
                 "-j",
                 str(jobs),
-            ],  # fmt: skip
+            ],
             log=log,
             ctx=ctx,
             cwd=work,

@@ -38,8 +38,8 @@ from sbproxy.model_host.engines.driver import (
 )
 from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.model_host.engines.llama_build import BuildOutput, published_build, read_version
-from sbproxy.model_host.engines.rpc import rpc_argv
 from sbproxy.model_host.engines.process import minimal_env
+from sbproxy.model_host.engines.rpc import rpc_argv
 
 __all__ = [
     "DEFAULT_TAG",

@@ -45,8 +45,8 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import cast
 from pathlib import Path
+from typing import cast
 
 import anyio
 import anyio.abc
@@ -216,7 +216,7 @@ async def _serve(
     try:
         async with listener, anyio.create_task_group() as group:
             for one in listener.listeners:
-                group.start_soon(accept, cast(anyio.abc.SocketListener, one), group)
+                group.start_soon(accept, cast("anyio.abc.SocketListener", one), group)
     finally:
         with anyio.CancelScope(shield=True):
             for stream in waiting:

@@ -24,7 +24,7 @@ from sbproxy.model_host.engines.rpc import RpcGate, RpcTunnel, rpc_argv, split_e
 
 pytestmark = pytest.mark.anyio
 
-SECRET = "fleet-credential-9f3b2c"  # noqa: S105 - a test credential
+SECRET = "fleet-credential-9f3b2c"
 
 
 @dataclass
