@@ -88,6 +88,8 @@ RUNTIME_OWNED_FLAGS = frozenset(
         "--cache-type-v",
         "--served-model-name",
         "--cpu",
+        # A split over hosts: the runtime points the leader at its tunnels (engines/rpc.py).
+        "--rpc",
     }
 )
 

@@ -99,6 +99,9 @@ class LaunchRequest:
             does not chat.
         threads: CPU threads the engine computes with (llama.cpp ``--threads``, >= 1);
             ``None`` leaves the engine's default (every core).
+        rpc_servers: The loopback ``(host, port)`` of each RPC worker's tunnel when the
+            model is split over hosts (llama.cpp ``--rpc``, ``engines/rpc.py``); empty for a
+            generation on this host alone.
     """
 
     deployment: str
@@ -116,6 +119,7 @@ class LaunchRequest:
     device_memory_bytes: int | None = None
     chat_template: str | None = None
     threads: int | None = None
+    rpc_servers: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

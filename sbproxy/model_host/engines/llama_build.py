@@ -7,8 +7,8 @@ Steps (a durable job; the idempotency key is the build identity):
 2. ``build`` -- in a fresh work directory named after the job and attempt, extract only the
    members under the archive's path prefix (``tarfile``'s ``data`` filter refuses absolute
    paths, ``..``, links out of the tree and device files), configure with CMake and build
-   the ``llama-server`` target. A crash anywhere in here reruns the whole step from a clean
-   directory: a half-built tree is never reused or published.
+   the ``llama-server`` and ``ggml-rpc-server`` targets. A crash anywhere in here reruns
+   the whole step from a clean directory: a half-built tree is never reused or published.
 3. ``publish`` -- run the built binary's ``--version``; only if it answers, copy ``build/bin``
    (the binary links shared libraries that live beside it) into a staging directory, write
    ``build.json`` and rename it to ``engines/llama.cpp/<identity>/``.
@@ -19,8 +19,12 @@ of them builds into a new directory and never overwrites a published engine.
 
 CMake flags (measured here: 6.5 minutes on 2 cores for the CPU build): ``-DCMAKE_BUILD_TYPE=
 Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
--DBUILD_SHARED_LIBS=ON``. A CPU build keeps llama.cpp's default ``GGML_NATIVE=ON`` (it runs on
-the machine that built it); CUDA adds ``-DGGML_CUDA=ON -DGGML_NATIVE=OFF`` (reference 4.4).
+-DBUILD_SHARED_LIBS=ON -DGGML_RPC=ON``. ``GGML_RPC`` (recipe 3) adds ggml's RPC backend, so
+one build holds both halves of a model split over hosts (``engines/rpc.py``): the
+``ggml-rpc-server`` a worker runs, and the ``--rpc`` option of the leader's ``llama-server``.
+Nothing changes for a ``llama-server`` started without ``--rpc``. A CPU build keeps
+llama.cpp's default ``GGML_NATIVE=ON`` (it runs on the machine that built it); CUDA adds
+``-DGGML_CUDA=ON -DGGML_NATIVE=OFF`` (reference 4.4).
 
 On x86-64 a CPU build also compiles without Intel AMX (``-mno-amx-tile -mno-amx-int8
 -mno-amx-bf16`` in the C and C++ flags, recipe 2). ``-march=native`` turns AMX on wherever the
@@ -57,6 +61,7 @@ from sbproxy.workflows import StepContext, WorkflowContext, step
 
 __all__ = [
     "RECIPE_VERSION",
+    "RPC_SERVER",
     "BuildInput",
     "BuildOutput",
     "build_identity",
@@ -67,7 +72,9 @@ __all__ = [
     "version_of",
 ]
 
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
+# The RPC worker the build makes beside llama-server (``GGML_RPC=ON``).
+RPC_SERVER = "ggml-rpc-server"
 _X86_64 = frozenset({"x86_64", "amd64"})
 _PERCENT_RE = re.compile(rb"^\[\s*(\d+)%\]")
 
@@ -93,6 +100,10 @@ class BuildOutput(BaseModel):
     directory: str
     executable: str
     version: str
+    rpc_server: str | None = Field(
+        default=None,
+        description="The build's ggml-rpc-server (recipe 3 and later); None for older builds.",
+    )
 
 
 class BuildTree(BaseModel):
@@ -113,6 +124,7 @@ def cmake_flags(acceleration: str) -> tuple[str, ...]:
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DBUILD_SHARED_LIBS=ON",
+        "-DGGML_RPC=ON",
     ]
     if acceleration == "cuda":
         # A CUDA build may run on other GPUs of the fleet: no host-specific CPU code.
@@ -259,7 +271,16 @@ async def build_tree(ctx: StepContext, request: BuildInput) -> BuildTree:
         )
         jobs = request.jobs or os.cpu_count() or 2
         await _run_logged(
-            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
+            [
+                "cmake",
+                "--build",
+                str(build),
+                "--target",
+                "llama-server",
+                RPC_SERVER,
+                "-j",
+                str(jobs),
+            ],
             log=log,
             ctx=ctx,
             cwd=work,
@@ -325,11 +346,13 @@ async def publish_build(ctx: StepContext, request: BuildInput) -> BuildOutput:
     staging = layout.engines / "llama.cpp" / f".staging-{identity}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     await anyio.to_thread.run_sync(lambda: shutil.copytree(built.parent, staging, symlinks=True))
+    rpc_server = final / RPC_SERVER if (built.parent / RPC_SERVER).is_file() else None
     output = BuildOutput(
         identity=identity,
         directory=str(final),
         executable=str(final / "llama-server"),
         version=version,
+        rpc_server=None if rpc_server is None else str(rpc_server),
     )
     marker = {
         **output.model_dump(),

@@ -39,6 +39,7 @@ from sbproxy.model_host.engines.driver import (
 from sbproxy.model_host.engines.errors import EngineError
 from sbproxy.model_host.engines.llama_build import BuildOutput, published_build, read_version
 from sbproxy.model_host.engines.process import minimal_env
+from sbproxy.model_host.engines.rpc import rpc_argv
 
 __all__ = [
     "DEFAULT_TAG",
@@ -251,6 +252,13 @@ def detect_llama_cpp(
     )
 
 
+def _offloaded_layers(request: LaunchRequest) -> str:
+    """``--n-gpu-layers``: none on this host's CPU alone, all onto GPUs or RPC workers."""
+    if request.accelerator == "cpu" and not request.rpc_servers:
+        return "0"
+    return str(ALL_GPU_LAYERS)
+
+
 def plan_llama_launch(request: LaunchRequest, *, executable: Path) -> LaunchPlan:
     """The argv and environment of one llama-server generation.
 
@@ -283,8 +291,10 @@ def plan_llama_launch(request: LaunchRequest, *, executable: Path) -> LaunchPlan
         "--port", str(request.port),
         "--ctx-size", str(request.ctx_size),
         "--parallel", str(request.max_concurrency),
-        "--n-gpu-layers", "0" if request.accelerator == "cpu" else str(ALL_GPU_LAYERS),
+        "--n-gpu-layers", _offloaded_layers(request),
     ]  # fmt: skip
+    # A split: every layer goes to the RPC workers (their devices), none stays here.
+    argv += rpc_argv(request.rpc_servers)
     if request.accelerator == "cuda" and len(request.devices) > 1:
         argv += ["--split-mode", "row", "--tensor-split", ",".join("1" for _ in request.devices)]
     cache_type = _KV_TYPES.get(request.kv_quant)
