@@ -141,8 +141,11 @@ def test_extra_args_allowlist(errors_at: ErrorsAt) -> None:
     assert "unsafe_argument" in found[f"{DEPLOYMENT}.extra_args[2]"]
     found = errors_at(with_deployment(engine="llama_cpp", extra_args="[--threads, '-1']"))
     assert "starts with '-'" in found[f"{DEPLOYMENT}.extra_args[1]"]
-    found = errors_at(with_deployment(engine="llama_cpp", extra_args="[--rpc=host:1]"))
+    found = errors_at(with_deployment(engine="llama_cpp", extra_args="[--slot-save-path=/x]"))
     assert "not an allowed llama_cpp argument" in found[f"{DEPLOYMENT}.extra_args[0]"]
+    # --rpc would aim the engine at unauthenticated RPC servers: the runtime's own (a split).
+    found = errors_at(with_deployment(engine="llama_cpp", extra_args="[--rpc=host:1]"))
+    assert "set by the runtime" in found[f"{DEPLOYMENT}.extra_args[0]"]
     # engine: auto must accept the flag for both engines; --threads is llama.cpp only.
     found = errors_at(with_deployment(extra_args="[--threads=4]"))
     assert "engine: auto" in found[f"{DEPLOYMENT}.extra_args[0]"]
