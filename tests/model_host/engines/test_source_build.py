@@ -32,6 +32,11 @@ CMAKE = """cmake_minimum_required(VERSION 3.16)
 project(tiny CXX)
 set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
 add_executable(llama-server main.cpp)
+# As llama.cpp's: the RPC worker only with GGML_RPC (the recipe turns it on).
+option(GGML_RPC "RPC backend" OFF)
+if (GGML_RPC)
+  add_executable(ggml-rpc-server main.cpp)
+endif()
 """
 MAIN = """#include <cstdio>
 #include <cstring>
@@ -93,6 +98,9 @@ async def test_builds_verifies_and_publishes_atomically(tmp_path: Path) -> None:
     marker = json.loads((executable.parent / "build.json").read_text())
     assert marker["archive_sha256"] == digest
     assert "-DLLAMA_CURL=OFF" in marker["cmake_flags"]
+    assert "-DGGML_RPC=ON" in marker["cmake_flags"]
+    assert marker["rpc_server"] == str(Path(str(marker["directory"])) / "ggml-rpc-server")
+    assert Path(str(marker["rpc_server"])).is_file()
     assert not list((tmp_path / "cache" / "engines" / "staging").iterdir())
     # A second build of the same identity reuses the published one: nothing is rebuilt.
     again_status, again, _, steps = await build_with_steps(tmp_path / "cache", request)
