@@ -16,8 +16,9 @@ It prints ONE JSON object on stdout:
 * ``burst``: then ``clients`` clients at once for ``seconds``: the decisions and their
   reasons; ``idle``: the load stopped, the decisions down to ``min`` and how long it took.
 
-Progress lines go to stderr. Run it from the repository root with the test environment
-(``.venv``; PostgreSQL's binaries, as ``scripts/test.sh`` installs them).
+Progress lines, and ``sbproxy jobs list --kind fleet.scale`` at the end, go to stderr. Run
+it from the repository root with the test environment (``.venv``; PostgreSQL's binaries, as
+``scripts/test.sh`` installs them).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -166,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         log("two hosts joined")
         figures["scale_from_zero"] = from_zero(url, hosts, args.cycles)
         figures.update(load_phases(url, hosts, steady_s=args.steady_s, burst_s=args.burst_s))
+        listed = subprocess.run(  # noqa: S603 - this interpreter, fixed arguments
+            [sys.executable, "-m", "sbproxy.cli", "jobs", "list", "--kind", "fleet.scale",
+             "--limit", "6", "-f", str(hosts[0].config)],
+            env=hosts[0].env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        log("sbproxy jobs list --kind fleet.scale --limit 6:\n" + listed.stdout + listed.stderr)
         figures["fleet_scale_jobs"] = int(
             query(url, "SELECT count(*) FROM jobs WHERE kind = 'fleet.scale'")[0][0]
         )
