@@ -208,7 +208,7 @@ def job_table(
             # A finished job's last report describes some earlier step, not the job.
             progress_text(job.progress, compact=True)
             if job.progress and job.status != JobStatus.SUCCEEDED
-            else "-",
+            else _decision_text(job),
             job.subject or "-",
             age_text(job.created_at_ms, now_ms),
         )
@@ -221,6 +221,15 @@ def job_table(
         if job.id in stale
     ]
     return [*lines, "", *notes] if notes else lines
+
+
+def _decision_text(job: JobRecord) -> str:
+    """What a fleet scaling decision did (``1 -> 2 panic``), from its recorded input; ``-``
+    for any other job."""
+    body = job.input
+    if job.kind != "fleet.scale" or not {"from_replicas", "to_replicas", "reason"} <= set(body):
+        return "-"
+    return f"{body['from_replicas']} -> {body['to_replicas']} {body['reason']}"
 
 
 def last_error(job: JobRecord, steps: Sequence[StepRecord]) -> dict[str, str] | None:

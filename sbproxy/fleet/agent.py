@@ -38,7 +38,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -1296,7 +1296,7 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
     )
 
 
-def _wakeable(scaled: dict[str, Autoscaled]) -> dict[str, int]:
+def _wakeable(scaled: Mapping[str, Autoscaled]) -> dict[str, int]:
     """``{deployment: queue_timeout_ms}`` of the autoscaled deployments that may have no
     replica (``min: 0``): a request for one waits for a replica the fleet places."""
     return {d: a.queue_timeout_ms for d, a in scaled.items() if a.bounds.min == 0}

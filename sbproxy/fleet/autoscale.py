@@ -204,8 +204,9 @@ def decide(
         last_decision_ms: Database time of its last ``fleet.scale`` decision (``None``:
             none).
         demand: A gateway asked for a replica while it had none.
-        settled_since_ms: Since when every replica of the set count has been placed and
-            ready (``None``: one is still being placed or started). A scale-down needs
+        settled_since_ms: Since when every placed replica has been ready (``None``: one
+            is still being placed or started; one no node can take does not count, nothing
+            starts). A scale-down needs
             ``scale_down_delay_ms`` of it: a replica that is still starting has not shown
             whether it is needed (requests wait for it at the gateways, unseen).
 

@@ -14,6 +14,8 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
+from types import MappingProxyType
 from typing import Any
 
 from sbproxy.config import DeploymentConfig, ReplicaRange
@@ -34,11 +36,17 @@ class Autoscaled:
     queue_timeout_ms: int
 
 
-def autoscaled(document: str | None) -> dict[str, Autoscaled]:
+def autoscaled(document: str | None) -> Mapping[str, Autoscaled]:
     """The autoscaled deployments of a desired-state document (JSON), by id; a definition
-    that does not validate is left out (the controller logs it when it plans)."""
+    that does not validate is left out (the controller logs it when it plans). Read-only:
+    the answer for a document is kept (every heartbeat, scrape and routing rebuild asks)."""
     if document is None:
-        return {}
+        return MappingProxyType({})
+    return _autoscaled(document)
+
+
+@lru_cache(maxsize=4)
+def _autoscaled(document: str) -> Mapping[str, Autoscaled]:
     found: dict[str, Autoscaled] = {}
     for deployment, body in json.loads(document).get("deployments", {}).items():
         try:
@@ -48,7 +56,7 @@ def autoscaled(document: str | None) -> dict[str, Autoscaled]:
         bounds = config.replica_range
         if bounds is not None:
             found[deployment] = Autoscaled(bounds, config.scale_target, config.queue_timeout_ms)
-    return found
+    return MappingProxyType(found)
 
 
 def scaled_counts(snapshot: Any, scaled: Mapping[str, Autoscaled]) -> dict[str, int]:

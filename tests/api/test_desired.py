@@ -142,6 +142,14 @@ async def test_put_refusals_leave_the_store_unchanged(tmp_path: Path) -> None:
             {"expected_revision": 1, "deployments": {"a": {**TINY, "max_concurrency": 0}}},
         )
         assert invalid.json()["path"] == "deployments.a.max_concurrency"
+        # Autoscaling is a fleet's: a single host refuses a range, naming the field.
+        ranged = await put(
+            s.admin_url,
+            {"expected_revision": 1, "deployments": {"a": {**TINY, "replicas": {"max": 2}}}},
+        )
+        assert (ranged.status_code, ranged.json()["code"]) == (400, "invalid_desired")
+        assert ranged.json()["path"] == "deployments.a.replicas"
+        assert store.read_bytes() == before
         assert set(s.host.manager.deployments) == {"a"}
 
 

@@ -215,4 +215,5 @@ def test_a_request_for_a_deployment_at_zero_times_out_with_queue_timeout(
         took = time.monotonic() - started
         assert answer.status_code == 503
         assert answer.json()["error"]["code"] == "queue_timeout"
+        assert answer.headers.get("retry-after") is not None
         assert 1.4 <= took < 10

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Any
 
@@ -276,3 +277,18 @@ def test_line_view_drops_a_progress_line_that_repeats_the_previous_one() -> None
         f"{JOB}: running step build 30 / 100 percent (30%)",
         f"{JOB}: running step build 29 / 100 percent (29%)",
     ]
+
+
+def test_a_fleet_scale_decision_shows_what_it_did_and_why_in_the_list() -> None:
+    decision = dataclasses.replace(
+        running_job(None),
+        kind="fleet.scale",
+        subject="deployment:chat",
+        input={"from_replicas": 1, "to_replicas": 3, "reason": "panic", "figures": {}},
+        status=JobStatus.SUCCEEDED,
+    )
+    (_, row) = job_table([decision], now_ms=STARTED_MS + 1_000)
+    assert "fleet.scale" in row and "1 -> 3 panic" in row and "deployment:chat" in row
+    other = dataclasses.replace(running_job(None), status=JobStatus.SUCCEEDED)
+    (_, plain) = job_table([other], now_ms=STARTED_MS + 1_000)
+    assert "->" not in plain
