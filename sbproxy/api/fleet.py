@@ -29,7 +29,6 @@ it lost the database).
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
@@ -39,6 +38,7 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath, QueryParameter
 
 from sbproxy.api.errors import admin_error
+from sbproxy.api.peer_auth import peer_refusal
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.agent import FleetAgent
 from sbproxy.fleet.control import stuck_placements
@@ -264,26 +264,9 @@ def peer_handlers(
     @get("/fleet/v1/lease", sync_to_thread=False, include_in_schema=False)
     def lease(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
         """This node's own view of its lease, for a peer deciding whether to fence."""
-        current = credential()
-        if not current:
-            return Response(
-                {
-                    "code": "not_found",
-                    "error": "this host has no fleet credential, so it answers no peer "
-                    "(proxy.model_host.fleet.credential)",
-                },
-                status_code=404,
-            )
-        given = (request.headers.get("authorization") or "").encode()
-        if not hmac.compare_digest(given, f"Bearer {current}".encode()):
-            return Response(
-                {
-                    "code": "peer_unauthorized",
-                    "error": "a fleet peer request needs the fleet "
-                    "credential (Authorization: Bearer)",
-                },
-                status_code=401,
-            )
+        refused = peer_refusal(request.headers.get("authorization"), credential())
+        if refused is not None:
+            return refused
         return Response(agent.lease_report())
 
     return [lease]

@@ -205,6 +205,9 @@ class FleetAgent:
         clock: Monotonic seconds (tests inject one).
         artifact_facts: ``{digest: GGUF facts JSON}`` of the verified GGUF artifacts in this
             node's cache (read from their headers; none by default).
+        inventory: ``{digest: {"bytes", "verified"}}`` of the artifacts in this node's cache
+            (:class:`~sbproxy.fleet.cluster.CacheInventory`); sent at join and with a
+            renewal only when it changed (none by default).
     """
 
     def __init__(
@@ -219,6 +222,7 @@ class FleetAgent:
         ask_peers: PeerAsker,
         clock: Callable[[], float] = time.monotonic,
         artifact_facts: Callable[[], dict[str, dict[str, Any]]] = dict,
+        inventory: Callable[[], dict[str, dict[str, Any]]] = dict,
     ) -> None:
         self.store = store
         self.manager = manager
@@ -229,6 +233,8 @@ class FleetAgent:
         self.ask_peers = ask_peers
         self.clock = clock
         self.artifact_facts = artifact_facts
+        self.inventory = inventory
+        self._inventory_sent: dict[str, dict[str, Any]] | None = None
         self.fenced = False
         self.instance = str(ULID())
         """This process's token for the node id (a twin with the same id is refused)."""
@@ -343,6 +349,7 @@ class FleetAgent:
         worker = ModelHostService.serving(self.manager).worker()
         devices = device_capacities(self.manager.devices)
         facts = await anyio.to_thread.run_sync(self.artifact_facts)
+        inventory = await anyio.to_thread.run_sync(self.inventory)
 
         def send(take_over: int | None) -> int:
             return self.store.join(
@@ -353,6 +360,7 @@ class FleetAgent:
                 devices=devices,
                 artifacts=self.artifacts(),
                 artifact_facts=facts,
+                inventory=inventory,
                 instance=self.instance,
                 live_within_ms=self.timing.lost_after_ms,
                 take_over_renewed_at_ms=take_over,
@@ -374,6 +382,7 @@ class FleetAgent:
             # Refused again (NodeIdInUse) when the holder renewed meanwhile: it lives.
             now = await anyio.to_thread.run_sync(send, seen)
         self._facts_sent = frozenset(facts)
+        self._inventory_sent = inventory
         self.last_renewal = self.clock()
         self.renewed_at_ms = now
         self.streak_since_ms = now
@@ -578,6 +587,9 @@ class FleetAgent:
         facts = await anyio.to_thread.run_sync(self.artifact_facts)
         # The facts travel again only when the set of artifacts changed.
         changed = None if frozenset(facts) == self._facts_sent else facts
+        # So does the inventory: a renewal stays one small row update in steady state.
+        inventory = await anyio.to_thread.run_sync(self.inventory)
+        stocked = None if inventory == self._inventory_sent else inventory
         self._renewing_since = self.clock()
         try:
             renewed = await anyio.to_thread.run_sync(
@@ -586,6 +598,7 @@ class FleetAgent:
                     replicas=counts,
                     artifacts=self.artifacts(),
                     artifact_facts=changed,
+                    inventory=stocked,
                     instance=self.instance,
                 )
             )
@@ -606,6 +619,8 @@ class FleetAgent:
             return await self._not_renewed(renewed)
         if changed is not None:
             self._facts_sent = frozenset(changed)
+        if stocked is not None:
+            self._inventory_sent = stocked
         self._reported = counts
         self.last_renewal = self.clock()
         if self._failed_since is not None or self.streak_since_ms is None:

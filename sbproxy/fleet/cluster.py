@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,18 @@ from sbproxy.fleet.membership import FleetTiming
 from sbproxy.fleet.placement import PlacementPolicy
 from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.artifacts.cache import CachedMetadata
+from sbproxy.model_host.artifacts.peers import PeerHolder, PeerSources
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.memory import GgufError, read_gguf_header
 from sbproxy.model_host.runtime.reload import with_deployments
 from sbproxy.model_host.service import ModelHostService
-from sbproxy.store.fleet import FleetStore
+from sbproxy.store.fleet import FleetStore, NodeRow
 from sbproxy.store.node import ENV_NODE_ID, fleet_node_id
 
 __all__ = [
+    "MAX_INVENTORY",
+    "PEER_STATES",
+    "CacheInventory",
     "CachedFacts",
     "advertise_url",
     "fleet_credential",
@@ -73,6 +78,82 @@ class CachedFacts:
             )
             return None
         return facts_of(header)
+
+
+# A node reports at most this many artifacts (the most recently used first): the row stays
+# small, and a cache with more is still served, only not advertised beyond them.
+MAX_INVENTORY = 256
+# Members a pull may ask for files: live ones (a cordoned or draining node still serves its
+# cache; a suspect one may be slow, it is tried and the next source follows if it fails).
+PEER_STATES = frozenset({"ready", "suspect", "cordoned", "draining"})
+
+
+class CacheInventory:
+    """What a node's cache holds, as it reports it (``fleet_nodes.artifact_inventory_json``):
+    ``{artifact digest: {"bytes": N, "verified": bool}}`` -- each published artifact
+    (verified against the catalog's SHA-256 when it was pulled: ``verified: true``, ``bytes``
+    its total size), then each pull under way (``verified: false``, ``bytes`` its partials'
+    bytes so far), at most :data:`MAX_INVENTORY` entries. Cheap: sizes only."""
+
+    def __init__(self, cache: ArtifactCache) -> None:
+        self.cache = cache
+
+    def __call__(self) -> dict[str, dict[str, Any]]:
+        published = sorted(self.cache.published(), key=lambda m: -m.last_accessed_ms)
+        found: dict[str, dict[str, Any]] = {
+            meta.artifact_digest: {"bytes": meta.total_size_bytes, "verified": True}
+            for meta in published[:MAX_INVENTORY]
+        }
+        for download in self.cache.partial_downloads():
+            if len(found) >= MAX_INVENTORY:
+                break
+            if download.digest not in found:
+                done = sum(item.bytes for item in download.files)
+                found[download.digest] = {"bytes": done, "verified": False}
+        return found
+
+
+def peer_sources(agent: FleetAgent, credential: Callable[[], str | None]) -> PeerSources:
+    """The :class:`~sbproxy.model_host.artifacts.peers.PeerSources` of ``agent``'s node,
+    read from the fleet snapshot of its last heartbeat (no database call per lookup): the
+    live members (:data:`PEER_STATES`) with an advertised URL, other than this node, that
+    reported an artifact verified (by node id) or a pull of it under way."""
+
+    def live() -> list[NodeRow]:
+        snapshot = agent.snapshot
+        if snapshot is None:
+            return []
+        return [
+            node
+            for node in snapshot.nodes
+            if node.id != agent.identity.id
+            and not node.left
+            and node.state in PEER_STATES
+            and node.advertise_url
+        ]
+
+    def holders(digest: str) -> list[PeerHolder]:
+        return [
+            PeerHolder(node=node.id, base_url=str(node.advertise_url))
+            for node in live()
+            if node.holds(digest)
+        ]
+
+    def fetching(digest: str) -> dict[str, int]:
+        return {
+            node.id: int(entry.get("bytes", 0))
+            for node in live()
+            if (entry := node.inventory.get(digest)) is not None and not entry.get("verified")
+        }
+
+    return PeerSources(
+        node=agent.identity.id,
+        holders=holders,
+        credential=credential,
+        fetching=fetching,
+        members=lambda: len(live()),
+        settle_s=(2 * agent.timing.heartbeat_ms + 250) / 1000,
+    )
 
 
 def is_cluster(compiled: CompiledConfig) -> bool:
@@ -146,8 +227,9 @@ def open_agent(
     """The agent of a cluster host (not joined yet)."""
     host = compiled.model_host
     assert host is not None  # noqa: S101 - a cluster host has a model host
-    cache = ArtifactCache(ModelHostService.serving(manager).layout)
-    return FleetAgent(
+    service = ModelHostService.serving(manager)
+    cache = ArtifactCache(service.layout)
+    agent = FleetAgent(
         store=store,
         manager=manager,
         identity=NodeIdentity(
@@ -160,4 +242,10 @@ def open_agent(
             lambda: fleet_credential(ModelHostService.serving(manager).served)
         ),
         artifact_facts=CachedFacts(cache),
+        inventory=CacheInventory(cache),
     )
+    # The node's pulls ask the members that hold an artifact before the upstream.
+    service.engine.add_resource(
+        peer_sources(agent, lambda: fleet_credential(ModelHostService.serving(manager).served))
+    )
+    return agent
