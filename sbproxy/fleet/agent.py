@@ -933,7 +933,7 @@ class FleetAgent:
                         self.stuck_replacements[decision.cause] += 1
                 logger.info(
                     "placed %s replica %d on %s (placement %s, job %s, variant %s, %s "
-                    "bytes from %s%s)",
+                    "bytes from %s%s): %s",
                     decision.deployment,
                     decision.replica,
                     decision.node,
@@ -945,6 +945,7 @@ class FleetAgent:
                     f", replacing {decision.replaces} of {decision.from_node}: {decision.cause}"
                     if isinstance(decision, ReplaceReplica)
                     else "",
+                    decision.reason,
                 )
             elif isinstance(decision, StopReplica):
                 fault_point("fleet.stop:before")
