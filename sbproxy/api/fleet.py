@@ -13,7 +13,9 @@ every one answers 409 ``fleet_disabled``):
 * ``GET /admin/fleet/placements`` -- every placement and every replica's reported runtime
   (``sbproxy models ps --fleet``): its ``variant``, its ``estimate_basis`` (``gguf_header``
   or ``file_size``), ``stuck`` (``placement_timeout``, ``crash_loop``, ``load_failed``, or
-  ``null``), and the nodes deployments avoid after a stuck placement (``avoids``);
+  ``null``), the nodes deployments avoid after a stuck placement (``avoids``), and where
+  each artifact is cached (``artifacts``: ``{artifact_digest, size_bytes, nodes, fetching}``,
+  by digest);
 * ``GET /admin/fleet/controller`` -- the lease: holder, epoch, expiry;
 * ``GET /admin/fleet/events`` -- the newest fleet events (state moves, placements).
 
@@ -44,6 +46,7 @@ from sbproxy.fleet.agent import FleetAgent
 from sbproxy.fleet.control import stuck_placements
 from sbproxy.fleet.membership import replica_state
 from sbproxy.fleet.routing import replica_deployment_id
+from sbproxy.fleet.view import artifact_rows
 from sbproxy.store.fleet import FleetSnapshot
 
 __all__ = ["fleet_admin_handlers", "peer_handlers"]
@@ -228,6 +231,12 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
                 "desired_revision": snapshot.desired_revision,
                 "placements": rows,
                 "avoids": [avoid.to_dict() for avoid in snapshot.avoids],
+                "artifacts": [
+                    row.to_dict()
+                    for row in artifact_rows(
+                        (node.id, node.inventory) for node in snapshot.nodes if not node.left
+                    )
+                ],
             }
         )
 

@@ -88,7 +88,14 @@ from sbproxy.fleet.placement import (
     plan,
 )
 from sbproxy.fleet.routing import PeerReplica, RoutingTable, replica_deployment_id
-from sbproxy.fleet.view import ControllerRow, FleetView, NodeRow, PlacementJobRow, ReplicaRow
+from sbproxy.fleet.view import (
+    ControllerRow,
+    FleetView,
+    NodeRow,
+    PlacementJobRow,
+    ReplicaRow,
+    artifact_rows,
+)
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.reload import reload, with_deployments
 from sbproxy.model_host.runtime.state import DeploymentState
@@ -1144,6 +1151,7 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
         replicas=tuple(replicas),
         controller=controller,
         jobs=tuple(sorted(jobs, key=lambda j: -j.age_ms)),
+        artifacts=artifact_rows((node.id, node.inventory) for node in snapshot.nodes),
     )
 
 
