@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from sbproxy.store.node import ENV_NODE_ID, fleet_node_id
 __all__ = [
     "MAX_INVENTORY",
     "PEER_STATES",
+    "PULLING_WITHIN_S",
     "CacheInventory",
     "CachedFacts",
     "advertise_url",
@@ -83,6 +86,9 @@ class CachedFacts:
 # A node reports at most this many artifacts (the most recently used first): the row stays
 # small, and a cache with more is still served, only not advertised beyond them.
 MAX_INVENTORY = 256
+# A partial directory counts as a pull under way while something in it changed this
+# recently (a pull writes its manifest at its plan and its bytes as they come).
+PULLING_WITHIN_S = 60.0
 # Members a pull may ask for files: live ones (a cordoned or draining node still serves its
 # cache; a suspect one may be slow, it is tried and the next source follows if it fails).
 PEER_STATES = frozenset({"ready", "suspect", "cordoned", "draining"})
@@ -92,8 +98,9 @@ class CacheInventory:
     """What a node's cache holds, as it reports it (``fleet_nodes.artifact_inventory_json``):
     ``{artifact digest: {"bytes": N, "verified": bool}}`` -- each published artifact
     (verified against the catalog's SHA-256 when it was pulled: ``verified: true``, ``bytes``
-    its total size), then each pull under way (``verified: false``, ``bytes`` its partials'
-    bytes so far), at most :data:`MAX_INVENTORY` entries. Cheap: sizes only."""
+    its total size), then each pull under way -- a partial directory written to within
+    :data:`PULLING_WITHIN_S` -- (``verified: false``, ``bytes`` its partials' bytes so far),
+    at most :data:`MAX_INVENTORY` entries. Cheap: sizes and times only, nothing hashed."""
 
     def __init__(self, cache: ArtifactCache) -> None:
         self.cache = cache
@@ -104,13 +111,29 @@ class CacheInventory:
             meta.artifact_digest: {"bytes": meta.total_size_bytes, "verified": True}
             for meta in published[:MAX_INVENTORY]
         }
+        now = time.time()
         for download in self.cache.partial_downloads():
             if len(found) >= MAX_INVENTORY:
                 break
-            if download.digest not in found:
-                done = sum(item.bytes for item in download.files)
-                found[download.digest] = {"bytes": done, "verified": False}
+            if download.digest in found or not _touched_since(
+                self.cache.layout.partials / download.digest, now - PULLING_WITHIN_S
+            ):
+                continue
+            done = sum(item.bytes for item in download.files)
+            found[download.digest] = {"bytes": done, "verified": False}
         return found
+
+
+def _touched_since(directory: Path, since: float) -> bool:
+    """Whether a file of ``directory`` (a pull's partials and manifest) changed after
+    ``since`` (wall-clock seconds): a pull under way writes there; a failed one left long
+    ago does not."""
+    with contextlib.suppress(OSError):
+        for path in directory.rglob("*"):
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime >= since:
+                    return True
+    return False
 
 
 def peer_sources(agent: FleetAgent, credential: Callable[[], str | None]) -> PeerSources:

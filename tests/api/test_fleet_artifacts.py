@@ -133,6 +133,36 @@ def test_a_second_node_fetches_the_artifact_from_the_member_that_holds_it(
         stop_all([a, b])
 
 
+def test_three_nodes_placing_one_deployment_take_the_artifact_from_the_upstream_once(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    sha, size = the_file(tmp_path)
+    hosts = [FleetHost(n, tmp_path / n, url, mirror.url) for n in ("node-a", "node-b", "node-c")]
+    for host in hosts:
+        host.write({})
+    try:
+        start_all(hosts)
+        apply(hosts[0], {"tiny": {**TINY, "replicas": 3}})
+        poll(
+            lambda: ready_nodes(hosts[0], "tiny") == ["node-a", "node-b", "node-c"],
+            timeout_s=120,
+            what="three replicas ready",
+        )
+        assert mirror.bytes_served(FILE) == size  # 1.0x the file, not 3x
+        assert [r.range_start for r in mirror.requests] == [None]
+        (first,) = pulls(url, "node-a")
+        assert first["output"]["sources"] == {"upstream": size}
+        for node in ("node-b", "node-c"):
+            (job,) = pulls(url, node)
+            assert job["output"]["sources"] == {"node-a": size}, (node, job)
+            assert events_of(job, "peer_failed") == []
+        for host in hosts:
+            published_right(host, sha)
+    finally:
+        stop_all(hosts)
+
+
 def test_the_node_that_holds_the_artifact_wins_the_placement_and_the_reason_says_so(
     tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
 ) -> None:
