@@ -224,6 +224,35 @@ def test_a_peer_blob_needs_the_fleet_credential_and_answers_ranges(
         stop_all([a])
 
 
+def test_a_peer_transfer_cut_once_continues_from_the_partial_with_a_range_request(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    url = postgres_server.create_database()
+    sha, size = the_file(tmp_path)
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url)
+    with TcpRelay(a.gateway) as relay:
+        a.advertise_url = f"http://127.0.0.1:{relay.port}"
+        a.write({})
+        b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url)
+        try:
+            start_all([a])
+            apply(a, {"tiny": TINY})
+            poll(lambda: ready_nodes(a, "tiny") == ["node-a"], timeout_s=90, what="ready on a")
+            relay.cut_after, relay.cut_times = 1500, 1  # the first transfer breaks mid-file
+            second_replica_on_b(a, b)
+            assert mirror.bytes_served(FILE) == size  # the upstream served a's pull only
+            (job,) = pulls(url, "node-b")
+            assert job["output"]["sources"] == {"node-a": size}
+            (source,) = events_of(job, "source")
+            assert source["source"] == "node-a"
+            assert 0 < source["resumed_from"] < size  # the second transfer was a Range
+            assert source["bytes"] == size
+            assert events_of(job, "peer_failed") == []
+            published_right(b, sha)
+        finally:
+            stop_all([a, b])
+
+
 @pytest.mark.parametrize("fault", ["cut_mid_transfer", "corrupted", "not_held"])
 def test_a_failing_peer_never_publishes_a_bad_snapshot_and_the_upstream_serves_instead(
     tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror, fault: str

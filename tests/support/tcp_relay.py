@@ -41,6 +41,8 @@ class TcpRelay:
         self.cut_after: int | None = None
         """Close each connection once this many bytes came from the server (``None``: no
         limit); read when a connection opens."""
+        self.cut_times: int | None = None
+        """With :attr:`cut_after`: cut only this many connections (``None``: every one)."""
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
@@ -134,10 +136,21 @@ class TcpRelay:
         """Called before bytes of ``client``'s connection are relayed (from the client when
         ``from_client``, else from the server): a subclass observes the traffic here."""
 
+    def _cut_limit(self) -> int | None:
+        """The server bytes a new connection may carry (:attr:`cut_after`, counting
+        :attr:`cut_times` down); ``None``: no limit."""
+        with self._lock:
+            if self.cut_after is None or self.cut_times is None:
+                return self.cut_after
+            if self.cut_times <= 0:
+                return None
+            self.cut_times -= 1
+            return self.cut_after
+
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
         selector = selectors.DefaultSelector()
         peers = {client: upstream, upstream: client}
-        left = self.cut_after
+        left = self._cut_limit()
         try:
             for sock in peers:
                 sock.setblocking(True)

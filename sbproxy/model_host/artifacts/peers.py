@@ -19,10 +19,12 @@ of one artifact on an empty fleet thus takes its bytes from the upstream once.
 What each peer failure does (the next source is tried at once; the peer's bytes are never
 trusted before the SHA-256 of the whole file matched the catalog's):
 
-* connection refused, a stream cut mid-transfer, a read timeout (``transport``): the partial
-  is kept with its resume state naming that peer's URL -- a later attempt that asks the same
-  peer continues it with ``Range``/``If-Range``; another source's URL does not match the
-  state, so the partial is discarded and that source starts from byte 0;
+* a stream cut mid-transfer (``transport``) after bytes arrived: the partial is kept with
+  its resume state naming that peer's URL, and the same peer is asked again from there with
+  ``Range``/``If-Range`` (:data:`PEER_RESUMES` times; a job restarted after a crash does the
+  same). Connection refused, a read timeout, or a cut again: the next source; another
+  source's URL does not match the partial's state, so the partial is discarded and that
+  source starts from byte 0;
 * 401 ``peer_unauthorized``, 404 ``blob_not_held`` or any other status (``http_status``):
   nothing was written;
 * wrong bytes or a truncated body that the peer claims complete (``digest_mismatch``,
@@ -38,13 +40,18 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import anyio
 
 from sbproxy.errors import SbproxyError
-from sbproxy.model_host.artifacts.download import DownloadResult, RemoteFile, download_file
+from sbproxy.model_host.artifacts.download import (
+    DownloadResult,
+    RemoteFile,
+    download_file,
+    partial_length,
+)
 from sbproxy.model_host.artifacts.errors import (
     DigestMismatch,
     HttpStatusError,
@@ -56,6 +63,7 @@ __all__ = [
     "PEER_BLOB_PREFIX",
     "PEER_CONNECT_TIMEOUT_S",
     "PEER_READ_TIMEOUT_S",
+    "PEER_RESUMES",
     "PEER_STALL_S",
     "PeerFailure",
     "PeerHolder",
@@ -75,6 +83,9 @@ PEER_READ_TIMEOUT_S = 15.0
 # bytes move; it counts as gone once they stood still this long.
 PEER_STALL_S = 30.0
 WAIT_POLL_S = 0.25
+# A transfer from a peer cut after it brought bytes is continued from the partial this many
+# times (each with ``Range``) before the next source is asked.
+PEER_RESUMES = 1
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # The failures after which the next source is tried (anything else -- disk full,
 # cancellation -- ends the attempt as it would for the upstream).
@@ -209,33 +220,30 @@ async def download_from_peers(
         for holder in sources.holders(artifact_digest):
             if holder.node in failed:
                 continue
-            remote = RemoteFile(url=holder.blob_url(sha256), path=path, sha256=sha256, size=size)
-            try:
-                result = await download_file(
-                    remote,
-                    part=part,
-                    token=credential,
-                    on_progress=on_progress,
-                    check_cancelled=check_cancelled,
-                    read_timeout=PEER_READ_TIMEOUT_S,
-                    connect_timeout=PEER_CONNECT_TIMEOUT_S,
-                )
-            except _PEER_ERRORS as exc:
-                failed.add(holder.node)
-                failure = PeerFailure(node=holder.node, code=exc.code, message=_short(exc))
-                logger.warning(
-                    "peer %s did not deliver %s (%s) of artifact %s: [%s] %s; trying the "
-                    "next source",
-                    holder.node,
-                    path,
-                    sha256[:12],
-                    artifact_digest[:12],
-                    failure.code,
-                    failure.message,
-                )
-                await on_failure(failure)
-                continue
-            return holder, result
+            served = await _from_holder(
+                holder,
+                path=path,
+                sha256=sha256,
+                size=size,
+                part=part,
+                credential=credential,
+                on_progress=on_progress,
+                check_cancelled=check_cancelled,
+            )
+            if isinstance(served, DownloadResult):
+                return holder, served
+            failed.add(holder.node)
+            failure = PeerFailure(node=holder.node, code=served.code, message=_short(served))
+            logger.warning(
+                "peer %s did not deliver %s (%s) of artifact %s: [%s] %s; trying the next source",
+                holder.node,
+                path,
+                sha256[:12],
+                artifact_digest[:12],
+                failure.code,
+                failure.message,
+            )
+            await on_failure(failure)
         if failed or sources.members() == 0:
             return None  # a peer failed, or nobody else could hold it: the upstream now
         if not settled:
@@ -248,6 +256,53 @@ async def download_from_peers(
             return None  # this node is the one to fetch it from the upstream
         check_cancelled()
         await anyio.sleep(WAIT_POLL_S)
+
+
+async def _from_holder(
+    holder: PeerHolder,
+    *,
+    path: str,
+    sha256: str,
+    size: int,
+    part: Path,
+    credential: str,
+    on_progress: Callable[[int], Awaitable[None]],
+    check_cancelled: Callable[[], None],
+) -> DownloadResult | SbproxyError:
+    """The file from ``holder`` (``downloaded_bytes``: every byte it sent, cut transfers
+    included), or the error it failed with. A transfer cut after it brought bytes is
+    continued from the partial with ``Range`` (at most :data:`PEER_RESUMES` times per
+    holder) before the holder counts as failed."""
+    remote = RemoteFile(url=holder.blob_url(sha256), path=path, sha256=sha256, size=size)
+    resumes = carried = 0
+    while True:
+        before = partial_length(part)
+        try:
+            result = await download_file(
+                remote,
+                part=part,
+                token=credential,
+                on_progress=on_progress,
+                check_cancelled=check_cancelled,
+                read_timeout=PEER_READ_TIMEOUT_S,
+                connect_timeout=PEER_CONNECT_TIMEOUT_S,
+            )
+        except TransportError as exc:
+            if resumes >= PEER_RESUMES or partial_length(part) <= before:
+                return exc
+            resumes += 1
+            carried += partial_length(part) - before
+            logger.info(
+                "peer %s: %s cut after %d bytes; continuing from there",
+                holder.node,
+                path,
+                partial_length(part),
+            )
+            continue
+        except _PEER_ERRORS as exc:
+            return exc
+        # What this holder sent in all: the cut transfers' bytes too.
+        return replace(result, downloaded_bytes=result.downloaded_bytes + carried)
 
 
 def _ahead(
