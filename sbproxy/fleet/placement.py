@@ -46,18 +46,22 @@ hardware), ``insufficient_capacity`` (memory or devices).
 Score, in this order (issue 33, "Artifact-aware placement"):
 
 1. **fit** -- only nodes that pass the four filters above are scored at all;
-2. **locality** -- a node that reported the choice's artifact verified in its cache
-   (``cached_artifacts``) ranks before every node that would have to fetch it: a replica
-   starts sooner and the upstream (or a peer) serves no bytes for it;
-3. **strategy** -- ``spread`` (default) prefers fewer replicas of the deployment in the
-   node's ``spread_by`` label domains, then on the node, then the most free memory left (as
-   a share of the node's capacity); ``binpack`` prefers the fewest replicas in the
-   ``spread_by`` domains, then the least free memory left.
+2. **replica spreading** -- fewer replicas of the deployment in the node's ``spread_by``
+   label domains, and under ``spread`` fewer on the node itself: availability, which
+   locality never trades away (a node holding the artifact is, after a scale-up, the node
+   that already runs a replica; on a node with eight GPUs, locality first would stack every
+   replica there);
+3. **locality** -- a node that reported the choice's artifact verified in its cache
+   (``cached_artifacts``) before every node that would have to fetch it: the replica starts
+   sooner and nothing is downloaded for it;
+4. **strategy** -- ``spread`` (default) the most free memory left (as a share of the node's
+   capacity); ``binpack`` the least.
 
 Ties go to the smaller node id, and devices to the smaller index, so a plan is
 deterministic. Every start and replace decision carries a ``reason`` sentence naming why
-its node won: the artifact it holds (``node-b holds sha256:1f2e3d4c5b6a... (1.0 GiB)``), or
-that no fitting node holds it, then the strategy.
+its node won: the artifact it holds (``node-b holds sha256:1f2e3d4c5b6a... (1.0 GiB)``),
+that a holder was passed over to spread the replicas, or that no fitting node holds it;
+then how many nodes fit and the strategy.
 
 Rollouts: a placement of an older revision, or on a draining node, is *retiring*. Rolling
 starts the new placement first and stops the retiring one only once the new one is
@@ -984,8 +988,8 @@ class _Planner:
         left = Fraction(max(0, total - used), total) if total else Fraction(0)
         cold = not _holds(fit)
         if self.policy.strategy is PlacementStrategy.BINPACK:
-            return (cold, domains, left, node.id)
-        return (cold, domains, self.ledger.per_node[(spec.id, node.id)], -left, node.id)
+            return (domains, cold, left, node.id)
+        return (domains, self.ledger.per_node[(spec.id, node.id)], cold, -left, node.id)
 
     def _domain_count(self, spec: DeploymentSpec, key: str, node: NodeView) -> int:
         value = node.labels.get(key)
@@ -1018,14 +1022,20 @@ def _size(count: int) -> str:
 def _why(best: _Fit, fits: Iterable[_Fit], strategy: PlacementStrategy) -> str:
     """The sentence of a start or replace decision: locality first, then the strategy."""
     digest = best.choice.artifact_digest
-    others = sorted(fit.node.id for fit in fits if fit.node.id != best.node.id)
-    fitting = f"{len(others) + 1} node(s) fit"
+    fits = list(fits)
+    fitting = f"{len(fits)} node(s) fit"
+    holders = sorted(fit.node.id for fit in fits if _holds(fit))
     if digest is None:
         where = "the artifact is resolved on the node"
     elif _holds(best):
         size = best.node.cached_bytes.get(digest)
         held = f" ({_size(size)})" if size is not None else ""
         where = f"{best.node.id} holds sha256:{digest[:12]}...{held}"
+    elif holders:
+        where = (
+            f"{', '.join(holders)} hold(s) sha256:{digest[:12]}... but run more replicas of "
+            f"it (spreading first); {best.node.id} fetches it"
+        )
     else:
         where = f"no fitting node holds sha256:{digest[:12]}..., it is fetched"
     return f"{where}; {fitting}, then {strategy.value} picked {best.node.id}"

@@ -407,18 +407,25 @@ def test_score_is_fit_then_locality_then_strategy(
     assert (start.node, start.reason) == (winner, reason)
 
 
-def test_locality_ranks_before_spreading_across_label_domains() -> None:
-    # Two replicas, zones z1/z2: the second replica still goes where the artifact is (the
-    # holder's other device), not to the empty zone that would have to fetch it.
+def test_spreading_replicas_ranks_before_locality() -> None:
+    # Replica 0 runs on a (which holds the artifact, and has a second device); replica 1
+    # goes to the empty zone z2 that must fetch it, not beside replica 0.
     nodes = [
         node("a", gib=(16, 16), labels={"zone": "z1"}, cached=frozenset({DIGEST})),
         node("b", labels={"zone": "z2"}),
     ]
-    result = plan(nodes, [spec(replicas=2, spread_by=("zone",), digest=DIGEST)], [])
-    assert [(d.node, d.devices) for d in result.of_kind("start")] == [  # type: ignore[union-attr]
-        ("a", (0,)),
-        ("a", (1,)),
-    ]
+    wanted = spec(replicas=2, spread_by=("zone",), digest=DIGEST)
+    result = plan(nodes, [wanted], [placed("p0", "a", replica=0)])
+    (start,) = result.of_kind("start")
+    assert isinstance(start, StartReplica)
+    assert (start.node, start.replica) == ("b", 1)
+    assert start.reason == (
+        f"a hold(s) sha256:{DIGEST[:12]}... but run more replicas of it (spreading first); "
+        "b fetches it; 2 node(s) fit, then spread picked b"
+    )
+    # Without spread_by, spread still puts the second replica on the other node.
+    result = plan(nodes, [spec(replicas=2, digest=DIGEST)], [placed("p0", "a", replica=0)])
+    assert [d.node for d in result.of_kind("start")] == ["b"]  # type: ignore[union-attr]
 
 
 def test_a_replacement_says_why_its_node_won() -> None:
