@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.api.cluster_hosts import CREDENTIAL, FleetHost, ready_nodes
+from tests.api.cluster_hosts import CREDENTIAL, FleetHost, placements, ready_nodes
 from tests.api.pg_hosts import FILE, poll, query
 from tests.api.test_fleet_hosts import TINY, apply, cli, start_all, stop_all
 from tests.support.hf_server import HfMirror
@@ -176,7 +176,7 @@ def test_the_node_that_holds_the_artifact_wins_the_placement_and_the_reason_says
         apply(b, {"tiny": TINY})
         poll(lambda: ready_nodes(b, "tiny") == ["node-b"], timeout_s=90, what="ready on b")
         apply(b, {})
-        poll(lambda: ready_nodes(b, "tiny") == [], timeout_s=60, what="removed")
+        poll(lambda: placements(b) == [], timeout_s=60, what="the placement removed")
         a.start()
         poll(lambda: len(b.fleet("nodes").get("nodes", [])) == 2, timeout_s=60, what="a joined")
         # Equal nodes: without locality the tie goes to the smaller id, node-a.
