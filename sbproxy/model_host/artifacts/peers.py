@@ -195,8 +195,7 @@ async def download_from_peers(
         path: The file's path in the artifact (for messages).
         sha256: The catalog's SHA-256 of the file (the blob's name; the check).
         size: The catalog's size of the file in bytes.
-        part: The partial, resumed when its state names the same
-            peer URL.
+        part: The partial, resumed when its state names the same peer URL.
         on_progress: As :func:`~sbproxy.model_host.artifacts.download.download_file`.
         check_cancelled: As :func:`~sbproxy.model_host.artifacts.download.download_file`.
         on_failure: Awaited with each peer that failed, before the next one is asked.
