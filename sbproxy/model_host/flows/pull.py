@@ -419,11 +419,15 @@ def _copy_verified(
 
 @step("fetch", retry=FETCH_RETRY)
 async def fetch_file(ctx: StepContext, task: FileTask) -> FetchResult:
-    """Download or copy one file, verify it, scan it if it is a pickle, promote it.
+    """Download or copy one file, verify it, scan it if it is a pickle, promote it. On a
+    fleet a download asks the members that hold the artifact first (the engine's
+    :class:`~sbproxy.model_host.artifacts.peers.PeerSources`), the upstream last.
 
     Idempotency: a blob that is already stored (an earlier run got this far) is reused; a
-    partial download resumes from its length (the final SHA-256 decides); promotion is an
-    atomic rename under the blob lock.
+    partial download resumes from its length when its resume state names the same source
+    URL (another source's discards it; the final SHA-256 decides either way); promotion is
+    an atomic rename under the blob lock. A rerun may take the file from another source
+    than the first run: the bytes are the same, checked against the catalog's SHA-256.
 
     Raises:
         DiskFull: ``disk_full`` when the file system lacks room for the rest of this file
