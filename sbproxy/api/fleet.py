@@ -15,7 +15,9 @@ every one answers 409 ``fleet_disabled``):
 * ``GET /admin/fleet/placements`` -- every placement and every replica's reported runtime
   (``sbproxy models ps --fleet``): its ``variant``, its ``estimate_basis`` (``gguf_header``
   or ``file_size``), ``stuck`` (``placement_timeout``, ``crash_loop``, ``load_failed``, or
-  ``null``), and the nodes deployments avoid after a stuck placement (``avoids``);
+  ``null``), the nodes deployments avoid after a stuck placement (``avoids``), and where
+  each artifact is cached (``artifacts``: ``{artifact_digest, size_bytes, nodes, fetching}``,
+  by digest);
 * ``GET /admin/fleet/controller`` -- the lease: holder, epoch, expiry;
 * ``GET /admin/fleet/events`` -- the newest fleet events (state moves, placements).
 
@@ -32,7 +34,6 @@ it lost the database).
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
@@ -42,12 +43,13 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath, QueryParameter
 
 from sbproxy.api.errors import admin_error
+from sbproxy.api.peer_auth import peer_refusal
 from sbproxy.errors import SbproxyError
-from sbproxy.fleet.admission import PeerCheck
-from sbproxy.fleet.agent import PEER_NODE, FleetAgent
+from sbproxy.fleet.agent import FleetAgent
 from sbproxy.fleet.control import stuck_placements
 from sbproxy.fleet.membership import replica_state
 from sbproxy.fleet.routing import replica_deployment_id
+from sbproxy.fleet.view import artifact_rows
 from sbproxy.store.admission import revoke_node
 from sbproxy.store.fleet import FleetSnapshot
 
@@ -242,6 +244,12 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
                 "desired_revision": snapshot.desired_revision,
                 "placements": rows,
                 "avoids": [avoid.to_dict() for avoid in snapshot.avoids],
+                "artifacts": [
+                    row.to_dict()
+                    for row in artifact_rows(
+                        (node.id, node.inventory) for node in snapshot.nodes if not node.left
+                    )
+                ],
             }
         )
 
@@ -278,32 +286,12 @@ def peer_handlers(
     if agent is None:
         return []
 
-    def admitted(request: Request[Any, Any, Any]) -> bool:
-        given = request.headers.get("authorization") or ""
-        scheme, _, token = given.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            return False
-        node = request.headers.get(PEER_NODE)
-        check = agent.check_peer(node, token) if node else PeerCheck.UNKNOWN
-        if check is not PeerCheck.UNKNOWN:
-            return check is PeerCheck.VALID
-        current = credential()
-        return bool(current) and hmac.compare_digest(given.encode(), f"Bearer {current}".encode())
-
     @get("/fleet/v1/lease", sync_to_thread=False, include_in_schema=False)
     def lease(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
         """This node's own view of its lease, for a peer deciding whether to fence."""
-        if not admitted(request):
-            return Response(
-                {
-                    "code": "peer_unauthorized",
-                    "error": "a fleet peer request needs the calling node's own node "
-                    "credential (Authorization: Bearer, X-Sbproxy-Peer-Node) or the shared "
-                    "fleet credential while it is accepted",
-                },
-                status_code=401,
-            )
+        refused = peer_refusal(request.headers, check=agent.check_peer, shared=credential())
+        if refused is not None:
+            return refused
         return Response(agent.lease_report())
 
     return [lease]

@@ -59,6 +59,7 @@ from sbproxy.api.gateway import Gateway, Routing, create_gateway_app
 from sbproxy.api.host import ServedHost, open_host
 from sbproxy.api.keys import KeyPlane
 from sbproxy.api.metrics import Disconnects, Rejections
+from sbproxy.api.peer_blobs import peer_blob_handlers
 from sbproxy.api.peers import LoneDirectory, PeerDispatch
 from sbproxy.api.shutdown import Shutdown
 from sbproxy.api.wake import ColdWake
@@ -68,6 +69,7 @@ from sbproxy.fleet.admission import PeerAdmission
 from sbproxy.fleet.cluster import fleet_credential, shared_credential
 from sbproxy.fleet.routing import FleetDirectory, FleetWaker
 from sbproxy.fleet.view import FleetStatus
+from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.lockfile import lock_guard
 from sbproxy.model_host.runtime.reload import reload_from_source
 from sbproxy.model_host.service import ModelHostService
@@ -443,12 +445,19 @@ def _first_error(group: BaseExceptionGroup[SbproxyError]) -> SbproxyError:
 
 
 def _peer_routes(host: ServedHost) -> list[HTTPRouteHandler]:
-    """The fleet's peer route on a cluster host's gateway (:mod:`sbproxy.api.fleet`), with
-    the credential the runtime serves now (a reload may rotate it)."""
+    """The fleet's peer routes on a cluster host's gateway (:mod:`sbproxy.api.fleet`, the
+    artifact blobs of :mod:`sbproxy.api.peer_blobs`), with the credential the runtime serves
+    now (a reload may rotate it)."""
+
     # One facade per read: a reload replaces the configuration it is taken from.
-    return peer_handlers(
-        host.fleet, lambda: shared_credential(ModelHostService.serving(host.manager).served)
-    )
+    def shared() -> str | None:
+        return shared_credential(ModelHostService.serving(host.manager).served)
+
+    routes = peer_handlers(host.fleet, shared)
+    if host.fleet is not None:
+        cache = ArtifactCache(host.layout)
+        routes += peer_blob_handlers(host.fleet.check_peer, shared, lambda: cache)
+    return routes
 
 
 async def _serve_host(

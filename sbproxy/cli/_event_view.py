@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
-from sbproxy.cli._job_text import progress_text
+from sbproxy.cli._job_text import progress_text, size_text
 from sbproxy.store import EventRecord
 
 if TYPE_CHECKING:
@@ -29,6 +29,23 @@ if TYPE_CHECKING:
     from rich.progress import TaskID
 
 __all__ = ["EventView", "LineView", "RichView", "open_view"]
+
+
+def _pull_line(kind: str, data: Mapping[str, Any]) -> str | None:
+    """A pull's ``source`` event (a file, and where its bytes came from: a fleet member or
+    the upstream) or ``peer_failed`` event in words; ``None`` for any other kind."""
+    path = data.get("path", "?")
+    if kind == "source":
+        resumed = int(data.get("resumed_from") or 0)
+        tail = f", resumed from byte {resumed}" if resumed else ""
+        size = size_text(int(data.get("bytes") or 0))
+        return f"{path}: {size} from {data.get('source', '?')}{tail}"
+    if kind == "peer_failed":
+        return (
+            f"{path}: peer {data.get('node', '?')} did not deliver it "
+            f"({data.get('code', '?')}: {data.get('error', '')}); next source"
+        )
+    return None
 
 
 def _error_text(data: Mapping[str, Any], *, code_only: bool = False) -> str:
@@ -100,6 +117,9 @@ class EventView(ABC):
                 f"{self.job_id}: discarded: its owner {data.get('owner', '?')} is gone; "
                 f"cancelled by the removal job {data.get('by_job', '?')}"
             )
+        pulled = _pull_line(event.type, data)
+        if pulled is not None:
+            return f"{self.job_id}: {pulled}"
         extra = " ".join(f"{key}={value}" for key, value in sorted(data.items()))
         return f"{self.job_id}: {event.type} {extra}".rstrip()
 

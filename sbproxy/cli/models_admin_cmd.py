@@ -182,7 +182,7 @@ def admin_call(
     "fleet",
     is_flag=True,
     help="Every replica of the fleet (cluster_authority): node, state, generation, port, "
-    "active/queued as each node last reported.",
+    "active/queued as each node last reported; then where each artifact is cached.",
 )
 @admin_options
 @format_option
@@ -243,7 +243,8 @@ def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
 
 
 def _fleet_ps(admin_url: str, username: str, password: str, output_format: str) -> None:
-    """``models ps --fleet``: every placement with its node's reported runtime."""
+    """``models ps --fleet``: every placement with its node's reported runtime, then where
+    each artifact is cached (``artifacts`` in the JSON form)."""
     body = admin_call(
         "models.ps",
         "GET",
@@ -289,6 +290,28 @@ def _fleet_ps(admin_url: str, username: str, password: str, output_format: str) 
         ),
         rows,
     )
+    artifacts = body.get("artifacts") or []
+    if artifacts:
+        click.echo("")
+        _print_table(
+            ("ARTIFACT", "SIZE", "CACHED ON", "PULLING"),
+            [
+                (
+                    f"sha256:{str(row['artifact_digest'])[:12]}",
+                    _gib(int(row.get("size_bytes") or 0)),
+                    ",".join(row.get("nodes") or []) or "-",
+                    ",".join(row.get("fetching") or []) or "-",
+                )
+                for row in artifacts
+            ],
+        )
+
+
+def _gib(size: int) -> str:
+    """``size`` bytes as ``1.00 GiB`` / ``12.5 MiB``."""
+    if size >= 1 << 30:
+        return f"{size / (1 << 30):.2f} GiB"
+    return f"{size / (1 << 20):.1f} MiB"
 
 
 def _lifecycle(

@@ -533,6 +533,13 @@ class FleetConfig(ConfigModel):
         "from peers beside each node's own credential. Set false once every member joined "
         'with its own node credential (docs/cluster.md, "Admitting nodes").',
     )
+    peer_artifacts: bool = Field(
+        default=True,
+        description="Whether this host's pulls ask the fleet's members that hold an artifact "
+        "for its files before the upstream (over the peer listener, verified like any pull). "
+        "false: every pull goes to the upstream, as on a single host. Other members still "
+        'fetch from this one (docs/cluster.md, "Artifacts from peers").',
+    )
     peer_cooldown_ms: int = Field(
         default=5_000,
         ge=1,

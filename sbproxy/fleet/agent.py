@@ -96,7 +96,15 @@ from sbproxy.fleet.scaling import (
     in_flight,
     scaled_counts,
 )
-from sbproxy.fleet.view import ControllerRow, FleetView, NodeRow, PlacementJobRow, ReplicaRow
+from sbproxy.fleet.view import (
+    ControllerRow,
+    FleetView,
+    NodeRow,
+    PlacementJobRow,
+    ReplicaRow,
+    artifact_rows,
+)
+from sbproxy.model_host.artifacts.peers import PEER_NODE_HEADER as PEER_NODE
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.reload import reload, with_deployments
 from sbproxy.model_host.runtime.state import DeploymentState
@@ -118,9 +126,8 @@ __all__ = ["FleetAgent", "NodeIdentity", "PeerAsker", "ask_peers_http", "fleet_v
 logger = logging.getLogger(__name__)
 
 PEER_LEASE_PATH = "/fleet/v1/lease"
-PEER_NODE = "X-Sbproxy-Peer-Node"
-"""The header naming the asking node on a fence ask (its credential is checked as that
-node's)."""
+# PEER_NODE: the header naming the asking node on a fence ask, a hop or a blob fetch (its
+# credential is checked as that node's).
 PEER_TIMEOUT_S = 2.0
 # A placed replica that is not serving is loaded again, and a failed reconcile is tried
 # again, at most this often.
@@ -229,7 +236,22 @@ class FleetAgent:
         admission: Its node credential file and join token (docs/cluster.md, "Admitting
             nodes"); ``None``: it joins without admission (a caller that predates it: tests
             of the agent alone).
+        inventory: ``{digest: {"bytes", "verified"}}`` of the artifacts in this node's cache
+            (:class:`~sbproxy.fleet.cluster.CacheInventory`); sent at join and with a
+            renewal only when it changed (none by default).
     """
+
+    # Private state with immutable starting values (each instance rebinds its own).
+    _facts_sent: frozenset[str] | None = None
+    _reconciling = False
+    _reload_failed_at = float("-inf")
+    _unreached = 0
+    _unspecified: frozenset[str] = frozenset()
+    _events_pruned_at = 0
+    _renewing_since: float | None = None
+    _failed_since: float | None = None
+    _failed_start: float | None = None
+    _lost_seen = False
 
     def __init__(
         self,
@@ -244,6 +266,7 @@ class FleetAgent:
         clock: Callable[[], float] = time.monotonic,
         artifact_facts: Callable[[], dict[str, dict[str, Any]]] = dict,
         admission: JoinAdmission | None = None,
+        inventory: Callable[[], dict[str, dict[str, Any]]] = dict,
     ) -> None:
         self.store = store
         self.admission = admission
@@ -259,6 +282,8 @@ class FleetAgent:
         self.ask_peers = ask_peers
         self.clock = clock
         self.artifact_facts = artifact_facts
+        self.inventory = inventory
+        self._inventory_sent: dict[str, dict[str, Any]] | None = None
         self.fenced = False
         self.instance = str(ULID())
         """This process's token for the node id (a twin with the same id is refused)."""
@@ -286,16 +311,6 @@ class FleetAgent:
         self._demanded: dict[str, float] = {}
         # {deployment: placement id} a failed reconcile could not load, and its code
         self._load_failure: tuple[dict[str, str], str] | None = None
-        self._facts_sent: frozenset[str] | None = None
-        self._reconciling = False
-        self._reload_failed_at = float("-inf")
-        self._unreached = 0
-        self._unspecified: frozenset[str] = frozenset()
-        self._events_pruned_at = 0
-        self._renewing_since: float | None = None
-        self._failed_since: float | None = None
-        self._failed_start: float | None = None
-        self._lost_seen = False
         self._changed = anyio.Event()
         self._reported: dict[str, dict[str, Any]] = {}
         self._loaded_at: dict[str, float] = {}
@@ -416,6 +431,7 @@ class FleetAgent:
         )
         token = admission.join_token() if admission is not None else None
         shared = admission.shared_admits() if admission is not None else True
+        inventory = await anyio.to_thread.run_sync(self.inventory)
 
         def send(take_over: int | None) -> int:
             return self.store.join(
@@ -426,6 +442,7 @@ class FleetAgent:
                 devices=devices,
                 artifacts=self.artifacts(),
                 artifact_facts=facts,
+                inventory=inventory,
                 instance=self.instance,
                 live_within_ms=self.timing.lost_after_ms,
                 take_over_renewed_at_ms=take_over,
@@ -450,6 +467,7 @@ class FleetAgent:
             # Refused again (NodeIdInUse) when the holder renewed meanwhile: it lives.
             now = await anyio.to_thread.run_sync(send, seen)
         self._facts_sent = frozenset(facts)
+        self._inventory_sent = inventory
         self.last_renewal = self.clock()
         self.renewed_at_ms = now
         self.streak_since_ms = now
@@ -656,6 +674,9 @@ class FleetAgent:
         facts = await anyio.to_thread.run_sync(self.artifact_facts)
         # The facts travel again only when the set of artifacts changed.
         changed = None if frozenset(facts) == self._facts_sent else facts
+        # So does the inventory: a renewal stays one small row update in steady state.
+        inventory = await anyio.to_thread.run_sync(self.inventory)
+        stocked = None if inventory == self._inventory_sent else inventory
         self._renewing_since = self.clock()
         try:
             renewed = await anyio.to_thread.run_sync(
@@ -664,6 +685,7 @@ class FleetAgent:
                     replicas=counts,
                     artifacts=self.artifacts(),
                     artifact_facts=changed,
+                    inventory=stocked,
                     instance=self.instance,
                 )
             )
@@ -684,6 +706,8 @@ class FleetAgent:
             return await self._not_renewed(renewed)
         if changed is not None:
             self._facts_sent = frozenset(changed)
+        if stocked is not None:
+            self._inventory_sent = stocked
         self._reported = counts
         self.last_renewal = self.clock()
         if self._failed_since is not None or self.streak_since_ms is None:
@@ -1063,7 +1087,7 @@ class FleetAgent:
                         self.stuck_replacements[decision.cause] += 1
                 logger.info(
                     "placed %s replica %d on %s (placement %s, job %s, variant %s, %s "
-                    "bytes from %s%s)",
+                    "bytes from %s%s): %s",
                     decision.deployment,
                     decision.replica,
                     decision.node,
@@ -1075,6 +1099,7 @@ class FleetAgent:
                     f", replacing {decision.replaces} of {decision.from_node}: {decision.cause}"
                     if isinstance(decision, ReplaceReplica)
                     else "",
+                    decision.reason,
                 )
             elif isinstance(decision, StopReplica):
                 fault_point("fleet.stop:before")
@@ -1293,6 +1318,7 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
         replicas=tuple(replicas),
         controller=controller,
         jobs=tuple(sorted(jobs, key=lambda j: -j.age_ms)),
+        artifacts=artifact_rows((node.id, node.inventory) for node in snapshot.nodes),
     )
 
 

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +27,19 @@ from sbproxy.fleet.membership import FleetTiming
 from sbproxy.fleet.placement import PlacementPolicy
 from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.artifacts.cache import CachedMetadata
+from sbproxy.model_host.artifacts.peers import PeerHolder, PeerSources
 from sbproxy.model_host.runtime.manager import RuntimeManager
 from sbproxy.model_host.runtime.memory import GgufError, read_gguf_header
 from sbproxy.model_host.runtime.reload import with_deployments
 from sbproxy.model_host.service import ModelHostService
-from sbproxy.store.fleet import FleetStore
+from sbproxy.store.fleet import FleetStore, NodeRow
 from sbproxy.store.node import ENV_NODE_ID, fleet_node_id
 
 __all__ = [
+    "MAX_INVENTORY",
+    "PEER_STATES",
+    "PULLING_WITHIN_S",
+    "CacheInventory",
     "CachedFacts",
     "advertise_url",
     "fleet_credential",
@@ -80,6 +88,102 @@ class CachedFacts:
             )
             return None
         return facts_of(header)
+
+
+# A node reports at most this many artifacts (the most recently used first): the row stays
+# small, and a cache with more is still served, only not advertised beyond them.
+MAX_INVENTORY = 256
+# A partial directory counts as a pull under way while something in it changed this
+# recently (a pull writes its manifest at its plan and its bytes as they come).
+PULLING_WITHIN_S = 60.0
+# Members a pull may ask for files: live ones (a cordoned or draining node still serves its
+# cache; a suspect one may be slow, it is tried and the next source follows if it fails).
+PEER_STATES = frozenset({"ready", "suspect", "cordoned", "draining"})
+
+
+class CacheInventory:
+    """What a node's cache holds, as it reports it (``fleet_nodes.artifact_inventory_json``):
+    ``{artifact digest: {"bytes": N, "verified": bool}}`` -- each published artifact
+    (verified against the catalog's SHA-256 when it was pulled: ``verified: true``, ``bytes``
+    its total size), then each pull under way -- a partial directory written to within
+    :data:`PULLING_WITHIN_S` -- (``verified: false``, ``bytes`` its partials' bytes so far),
+    at most :data:`MAX_INVENTORY` entries. Cheap: sizes and times only, nothing hashed."""
+
+    def __init__(self, cache: ArtifactCache) -> None:
+        self.cache = cache
+
+    def __call__(self) -> dict[str, dict[str, Any]]:
+        published = sorted(self.cache.published(), key=lambda m: -m.last_accessed_ms)
+        found: dict[str, dict[str, Any]] = {
+            meta.artifact_digest: {"bytes": meta.total_size_bytes, "verified": True}
+            for meta in published[:MAX_INVENTORY]
+        }
+        now = time.time()
+        for download in self.cache.partial_downloads():
+            if len(found) >= MAX_INVENTORY:
+                break
+            if download.digest in found or not _touched_since(
+                self.cache.layout.partials / download.digest, now - PULLING_WITHIN_S
+            ):
+                continue
+            done = sum(item.bytes for item in download.files)
+            found[download.digest] = {"bytes": done, "verified": False}
+        return found
+
+
+def _touched_since(directory: Path, since: float) -> bool:
+    """Whether a file of ``directory`` (a pull's partials and manifest) changed after
+    ``since`` (wall-clock seconds): a pull under way writes there; a failed one left long
+    ago does not."""
+    with contextlib.suppress(OSError):
+        for path in directory.rglob("*"):
+            with contextlib.suppress(OSError):
+                if path.stat().st_mtime >= since:
+                    return True
+    return False
+
+
+def peer_sources(agent: FleetAgent, credential: Callable[[], str | None]) -> PeerSources:
+    """The :class:`~sbproxy.model_host.artifacts.peers.PeerSources` of ``agent``'s node,
+    read from the fleet snapshot of its last heartbeat (no database call per lookup): the
+    live members (:data:`PEER_STATES`) with an advertised URL, other than this node, that
+    reported an artifact verified (by node id) or a pull of it under way."""
+
+    def live() -> list[NodeRow]:
+        snapshot = agent.snapshot
+        if snapshot is None:
+            return []
+        return [
+            node
+            for node in snapshot.nodes
+            if node.id != agent.identity.id
+            and not node.left
+            and node.state in PEER_STATES
+            and node.advertise_url
+        ]
+
+    def holders(digest: str) -> list[PeerHolder]:
+        return [
+            PeerHolder(node=node.id, base_url=str(node.advertise_url))
+            for node in live()
+            if node.holds(digest)
+        ]
+
+    def fetching(digest: str) -> dict[str, int]:
+        return {
+            node.id: int(entry.get("bytes", 0))
+            for node in live()
+            if (entry := node.inventory.get(digest)) is not None and not entry.get("verified")
+        }
+
+    return PeerSources(
+        node=agent.identity.id,
+        holders=holders,
+        credential=credential,
+        fetching=fetching,
+        members=lambda: len(live()),
+        settle_s=(2 * agent.timing.heartbeat_ms + 250) / 1000,
+    )
 
 
 def is_cluster(compiled: CompiledConfig) -> bool:
@@ -162,7 +266,8 @@ def open_agent(
     has joined with one."""
     host = compiled.model_host
     assert host is not None  # noqa: S101 - a cluster host has a model host
-    layout = ModelHostService.serving(manager).layout
+    service = ModelHostService.serving(manager)
+    layout = service.layout
     cache = ArtifactCache(layout)
 
     def served() -> CompiledConfig:
@@ -199,5 +304,15 @@ def open_agent(
             join_token=lambda: configured_join_token(served()),
             shared_admits=lambda: shared_admits(served()),
         ),
+        inventory=CacheInventory(cache),
     )
+
+    def fetch_secret() -> str | None:
+        # Pulls ask the members that hold an artifact first, unless the file says not to.
+        fleet = served().model_host
+        if fleet is not None and not fleet.fleet.peer_artifacts:
+            return None
+        return peer_secret()
+
+    service.engine.add_resource(peer_sources(agent, fetch_secret))
     return agent

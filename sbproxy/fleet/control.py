@@ -207,6 +207,12 @@ def observe(
     """
     views = []
     for node in nodes:
+        inventory = getattr(node, "inventory", None) or {}
+        verified = {
+            digest: int(entry.get("bytes", 0))
+            for digest, entry in inventory.items()
+            if entry.get("verified")
+        }
         last = node.renewed_at_ms
         unconfirmed = False
         gone = node.state in (NodeState.LOST.value, NodeState.LEFT.value)
@@ -237,7 +243,10 @@ def observe(
                 labels=dict(node.labels),
                 engines=frozenset(node.engines),
                 devices=tuple(DeviceCapacity.model_validate(d) for d in node.devices),
-                cached_artifacts=frozenset(node.artifacts),
+                # Locality: what it reported verified (the inventory, and the digest list
+                # of hosts that report no inventory yet).
+                cached_artifacts=frozenset(node.artifacts) | frozenset(verified),
+                cached_bytes=verified,
             )
         )
     return views

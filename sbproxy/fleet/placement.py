@@ -43,11 +43,25 @@ A replica no node passes gets ``unplaced`` with the reason of the first filter t
 no candidate: ``no_matching_node`` (state or labels), ``engine_unavailable`` (engine or
 hardware), ``insufficient_capacity`` (memory or devices).
 
-Score: ``spread`` (default) prefers fewer replicas of the deployment in the node's
-``spread_by`` label domains, then on the node, then nodes that hold the artifact already,
-then the most free memory left (as a share of the node's capacity); ``binpack`` prefers
-the least free memory left after the domains. Ties go to the smaller node id, and devices
-to the smaller index, so a plan is deterministic.
+Score, in this order (issue 33, "Artifact-aware placement"):
+
+1. **fit** -- only nodes that pass the four filters above are scored at all;
+2. **replica spreading** -- fewer replicas of the deployment in the node's ``spread_by``
+   label domains, and under ``spread`` fewer on the node itself: availability, which
+   locality never trades away (a node holding the artifact is, after a scale-up, the node
+   that already runs a replica; on a node with eight GPUs, locality first would stack every
+   replica there);
+3. **locality** -- a node that reported the choice's artifact verified in its cache
+   (``cached_artifacts``) before every node that would have to fetch it: the replica starts
+   sooner and nothing is downloaded for it;
+4. **strategy** -- ``spread`` (default) the most free memory left (as a share of the node's
+   capacity); ``binpack`` the least.
+
+Ties go to the smaller node id, and devices to the smaller index, so a plan is
+deterministic. Every start and replace decision carries a ``reason`` sentence naming why
+its node won: the artifact it holds (``node-b holds sha256:1f2e3d4c5b6a... (1.0 GiB)``),
+that a holder was passed over to spread the replicas, or that no fitting node holds it;
+then how many nodes fit and the strategy.
 
 Rollouts: a placement of an older revision, or on a draining node, is *retiring*. Rolling
 starts the new placement first and stops the retiring one only once the new one is
@@ -65,7 +79,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from fractions import Fraction
 from typing import Annotated, Literal
@@ -179,6 +193,8 @@ class NodeView(_Frozen):
         devices: Its devices with the bytes each offers to models in total (not the free
             bytes of a probe: the planner subtracts the placements itself).
         cached_artifacts: Artifact digests already verified in the node's cache.
+        cached_bytes: The size of each of them in bytes, where the node reported it (for
+            the decision's reason only).
         draining: The operator's drain flag, whatever the state shows: a draining node that
             misses a renewal is ``suspect``, and its replicas still move (a move started
             there first is not undone by a late heartbeat).
@@ -191,6 +207,7 @@ class NodeView(_Frozen):
     engines: frozenset[str] = frozenset()
     devices: tuple[DeviceCapacity, ...] = ()
     cached_artifacts: frozenset[str] = frozenset()
+    cached_bytes: dict[str, int] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _distinct_devices(self) -> NodeView:
@@ -408,6 +425,8 @@ class StartReplica(_Frozen):
     cause: StartCause
     variant: str | None = None
     estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE
+    reason: str = ""
+    """Why this node: locality (the artifact it holds), then the strategy."""
 
 
 class ReplaceReplica(_Frozen):
@@ -428,6 +447,8 @@ class ReplaceReplica(_Frozen):
     cause: ReplaceCause = "node_gone"
     variant: str | None = None
     estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE
+    reason: str = ""
+    """Why this node: locality (the artifact it holds), then the strategy."""
 
 
 class StopReplica(_Frozen):
@@ -545,6 +566,7 @@ class _Fit:
     devices: tuple[int, ...]
     engine: str
     choice: VariantChoice
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -805,6 +827,7 @@ class _Planner:
                 cause=cause,
                 variant=fit.choice.variant,
                 estimate_basis=fit.choice.estimate_basis,
+                reason=fit.reason,
             )
         )
 
@@ -846,6 +869,7 @@ class _Planner:
                 cause="node_gone" if stuck is None else stuck.value,
                 variant=found.choice.variant,
                 estimate_basis=found.choice.estimate_basis,
+                reason=found.reason,
             )
         )
         if stuck is not None:
@@ -932,7 +956,8 @@ class _Planner:
                     else ""
                 ),
             )
-        return min(fits.values(), key=lambda fit: self._score(spec, fit))
+        best = min(fits.values(), key=lambda fit: self._score(spec, fit))
+        return replace(best, reason=_why(best, fits.values(), self.policy.strategy))
 
     def _devices(
         self, spec: DeploymentSpec, replica: int, node: NodeView, choice: VariantChoice
@@ -964,10 +989,9 @@ class _Planner:
         total = _capacity(node)
         used = sum(self.ledger.used[(node.id, d.index)] for d in node.devices) + size
         left = Fraction(max(0, total - used), total) if total else Fraction(0)
-        digest = fit.choice.artifact_digest
-        cold = digest is not None and digest not in node.cached_artifacts
+        cold = not _holds(fit)
         if self.policy.strategy is PlacementStrategy.BINPACK:
-            return (domains, left, cold, node.id)
+            return (domains, cold, left, node.id)
         return (domains, self.ledger.per_node[(spec.id, node.id)], cold, -left, node.id)
 
     def _domain_count(self, spec: DeploymentSpec, key: str, node: NodeView) -> int:
@@ -981,6 +1005,43 @@ class _Planner:
             and node_id in self.nodes
             and self.nodes[node_id].labels.get(key) == value
         )
+
+
+def _holds(fit: _Fit) -> bool:
+    digest = fit.choice.artifact_digest
+    return digest is not None and digest in fit.node.cached_artifacts
+
+
+def _size(count: int) -> str:
+    """``count`` bytes in words: ``1.0 GiB``, ``512.0 MiB``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover - the loop returns at GiB
+
+
+def _why(best: _Fit, fits: Iterable[_Fit], strategy: PlacementStrategy) -> str:
+    """The sentence of a start or replace decision: locality first, then the strategy."""
+    digest = best.choice.artifact_digest
+    fits = list(fits)
+    fitting = f"{len(fits)} node(s) fit"
+    holders = sorted(fit.node.id for fit in fits if _holds(fit))
+    if digest is None:
+        where = "the artifact is resolved on the node"
+    elif _holds(best):
+        size = best.node.cached_bytes.get(digest)
+        held = f" ({_size(size)})" if size is not None else ""
+        where = f"{best.node.id} holds sha256:{digest[:12]}...{held}"
+    elif holders:
+        where = (
+            f"{', '.join(holders)} hold(s) sha256:{digest[:12]}... but run more replicas of "
+            f"it (spreading first); {best.node.id} fetches it"
+        )
+    else:
+        where = f"no fitting node holds sha256:{digest[:12]}..., it is fetched"
+    return f"{where}; {fitting}, then {strategy.value} picked {best.node.id}"
 
 
 def _has_labels(node: NodeView, required: Mapping[str, str]) -> bool:

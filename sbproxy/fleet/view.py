@@ -10,11 +10,20 @@ drift shows.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["ControllerRow", "FleetStatus", "FleetView", "NodeRow", "PlacementJobRow", "ReplicaRow"]
+__all__ = [
+    "ArtifactRow",
+    "ControllerRow",
+    "FleetStatus",
+    "FleetView",
+    "NodeRow",
+    "PlacementJobRow",
+    "ReplicaRow",
+    "artifact_rows",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +110,58 @@ class PlacementJobRow:
 
 
 @dataclass(frozen=True, slots=True)
+class ArtifactRow:
+    """Where one artifact is cached in the fleet.
+
+    Attributes:
+        artifact_digest: The artifact's digest (hex SHA-256 of its canonical description).
+        size_bytes: Its total size, as the members that hold it reported it.
+        nodes: The members that hold it verified, sorted.
+        fetching: The members pulling it now (reported unverified), sorted.
+    """
+
+    artifact_digest: str
+    size_bytes: int
+    nodes: tuple[str, ...]
+    fetching: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``/admin/fleet/placements``, ``sbproxy models ps --fleet``)."""
+        return {
+            "artifact_digest": self.artifact_digest,
+            "size_bytes": self.size_bytes,
+            "nodes": list(self.nodes),
+            "fetching": list(self.fetching),
+        }
+
+
+def artifact_rows(
+    inventories: Iterable[tuple[str, Mapping[str, Mapping[str, Any]]]],
+) -> tuple[ArtifactRow, ...]:
+    """Every artifact any member reported, by digest: ``inventories`` is ``(node id, its
+    artifact inventory)`` per member (``{digest: {"bytes", "verified"}}``)."""
+    held: dict[str, set[str]] = {}
+    pulling: dict[str, set[str]] = {}
+    sizes: dict[str, int] = {}
+    for node, inventory in inventories:
+        for digest, entry in inventory.items():
+            if entry.get("verified"):
+                held.setdefault(digest, set()).add(node)
+                sizes[digest] = int(entry.get("bytes", 0))
+            else:
+                pulling.setdefault(digest, set()).add(node)
+    return tuple(
+        ArtifactRow(
+            artifact_digest=digest,
+            size_bytes=sizes.get(digest, 0),
+            nodes=tuple(sorted(held.get(digest, ()))),
+            fetching=tuple(sorted(pulling.get(digest, ()))),
+        )
+        for digest in sorted(set(held) | set(pulling))
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class FleetView:
     """A snapshot of the fleet for the console.
 
@@ -111,6 +172,7 @@ class FleetView:
         replicas: Every placed replica, sorted by deployment then node.
         controller: The elected controller; ``None`` when none holds the lease.
         jobs: The placement jobs that have not ended, oldest first.
+        artifacts: Where each artifact is cached (:func:`artifact_rows`), by digest.
     """
 
     local_node_id: str
@@ -119,6 +181,7 @@ class FleetView:
     replicas: tuple[ReplicaRow, ...]
     controller: ControllerRow | None
     jobs: tuple[PlacementJobRow, ...] = ()
+    artifacts: tuple[ArtifactRow, ...] = ()
 
     def replicas_of(self, deployment: str) -> tuple[ReplicaRow, ...]:
         """The replicas of ``deployment``."""

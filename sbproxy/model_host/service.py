@@ -401,10 +401,13 @@ class ModelHostService:
         statuses: Sequence[JobStatus] = (),
         kind: str | None = None,
         limit: int = 100,
+        node: str | None = None,
     ) -> list[JobRecord]:
-        """Jobs in the journal, newest first, filtered by status and kind; at most ``limit``
-        (-1: all)."""
-        return await self.engine.store.list_jobs(statuses=statuses, kind=kind, limit=limit)
+        """Jobs in the journal, newest first, filtered by status, kind and the node that
+        submitted them; at most ``limit`` (-1: all)."""
+        return await self.engine.store.list_jobs(
+            statuses=statuses, kind=kind, limit=limit, node=node
+        )
 
     async def job(self, job_id: str) -> JobRecord:
         """The job ``job_id``.

@@ -1,4 +1,4 @@
-"""Fleet admission in the PostgreSQL journal (migration 12): join tokens, each member's node
+"""Fleet admission in the PostgreSQL journal (migration 13): join tokens, each member's node
 credential, and revocation (docs/cluster.md, "Admitting nodes").
 
 * A **join token** is ``<id>.<secret>`` (:func:`new_join_token`): ``id`` (8 characters of

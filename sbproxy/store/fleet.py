@@ -174,11 +174,19 @@ class NodeRow:
     """Why it was revoked, as the operator said."""
     credential_sha256: str | None = field(default=None, repr=False)
     """The SHA-256 of the node's own credential (peers check hops against it); never shown."""
+    inventory: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """``{artifact digest: {"bytes": total size, "verified": bool}}`` of the artifacts its
+    cache holds (migration 14): what placement locality and peer fetches read."""
 
     @property
     def revoked(self) -> bool:
         """An operator revoked the node: peers refuse it, it renews nothing."""
         return self.revoked_at_ms is not None
+
+    def holds(self, digest: str) -> bool:
+        """Whether this node reported ``digest`` verified in its cache."""
+        entry = self.inventory.get(digest)
+        return entry is not None and bool(entry.get("verified"))
 
     def to_dict(self, now_ms: int | None = None) -> dict[str, Any]:
         """The JSON form (``/admin/fleet/nodes``); with ``now_ms``, ``heartbeat_age_ms``."""
@@ -191,6 +199,7 @@ class NodeRow:
             "devices": self.devices,
             "cached_artifacts": self.artifacts,
             "artifact_facts": self.artifact_facts,
+            "artifact_inventory": self.inventory,
             "replicas": self.replicas,
             "cordoned": self.cordoned,
             "draining": self.draining,
@@ -368,6 +377,7 @@ def _node(row: Sequence[Any]) -> NodeRow:
         revoked_at_ms=None if row[16] is None else int(row[16]),
         revoked_reason=row[17],
         credential_sha256=row[18],
+        inventory=json.loads(row[19]),
     )
 
 
@@ -396,7 +406,7 @@ _NODE_COLUMNS = (
     "id, advertise_url, labels_json, engines_json, devices_json, artifacts_json,"
     " replicas_json, state, cordoned, draining, left_fleet, joined_at_ms, renewed_at_ms,"
     " artifact_facts_json, instance, leaving_at_ms, revoked_at_ms, revoked_reason,"
-    " credential_sha256"
+    " credential_sha256, artifact_inventory_json"
 )
 _PLACEMENT_COLUMNS = (
     "id, deployment, replica, revision, node, devices_json, engine, reserved_bytes, state,"
@@ -406,6 +416,12 @@ _PLACEMENT_COLUMNS = (
 
 def _facts_json(facts: Mapping[str, Mapping[str, Any]] | None) -> str:
     return json.dumps({k: dict(v) for k, v in (facts or {}).items()}, sort_keys=True)
+
+
+def _inventory_json(inventory: Mapping[str, Mapping[str, Any]] | None) -> str | None:
+    if inventory is None:
+        return None
+    return json.dumps({k: dict(v) for k, v in inventory.items()}, sort_keys=True)
 
 
 @dataclass
@@ -627,6 +643,7 @@ class FleetStore:
         devices: Sequence[Mapping[str, Any]],
         artifacts: Sequence[str],
         artifact_facts: Mapping[str, Mapping[str, Any]] | None = None,
+        inventory: Mapping[str, Mapping[str, Any]] | None = None,
         instance: str = "",
         live_within_ms: int | None = None,
         take_over_renewed_at_ms: int | None = None,
@@ -647,7 +664,8 @@ class FleetStore:
 
         ``devices``: ``[{index, capacity_bytes, accelerator, compute_capability?}]``, one per
         device (each GPU, or each share of the CPU);
-        ``artifact_facts``: ``{digest: GGUF facts}`` of its verified artifacts.
+        ``artifact_facts``: ``{digest: GGUF facts}`` of its verified artifacts;
+        ``inventory``: ``{digest: {"bytes", "verified"}}`` of the artifacts its cache holds.
 
         A known node keeps its operator flags (a restart does not uncordon it) and its
         recorded state; a graceful leave's mark is cleared.
@@ -673,6 +691,7 @@ class FleetStore:
             json.dumps([dict(d) for d in devices]),
             json.dumps(sorted(artifacts)),
             _facts_json(artifact_facts),
+            _inventory_json(inventory) or "{}",
         )
         with self._transaction(membership=True) as cursor:
             now = self._now(cursor)
@@ -726,13 +745,14 @@ class FleetStore:
                     )
             cursor.execute(
                 "INSERT INTO fleet_nodes (id, advertise_url, labels_json, engines_json,"
-                " devices_json, artifacts_json, artifact_facts_json, replicas_json, state,"
-                " joined_at_ms, renewed_at_ms, instance)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, '{}', 'ready', %s, %s, %s)"
+                " devices_json, artifacts_json, artifact_facts_json, artifact_inventory_json,"
+                " replicas_json, state, joined_at_ms, renewed_at_ms, instance)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, '{}', 'ready', %s, %s, %s)"
                 " ON CONFLICT (id) DO UPDATE SET advertise_url = EXCLUDED.advertise_url,"
                 " labels_json = EXCLUDED.labels_json, engines_json = EXCLUDED.engines_json,"
                 " devices_json = EXCLUDED.devices_json, artifacts_json = EXCLUDED.artifacts_json,"
                 " artifact_facts_json = EXCLUDED.artifact_facts_json,"
+                " artifact_inventory_json = EXCLUDED.artifact_inventory_json,"
                 " renewed_at_ms = EXCLUDED.renewed_at_ms, instance = EXCLUDED.instance,"
                 " leaving_at_ms = NULL",
                 (node_id, *info, now, now, instance),
@@ -803,10 +823,12 @@ class FleetStore:
         replicas: Mapping[str, Mapping[str, Any]],
         artifacts: Sequence[str] | None = None,
         artifact_facts: Mapping[str, Mapping[str, Any]] | None = None,
+        inventory: Mapping[str, Mapping[str, Any]] | None = None,
         instance: str = "",
     ) -> Renewal | None:
         """Renew ``node_id``'s membership on database time, with its replicas' counts (and,
-        when given, its cached artifacts with their GGUF facts), as process ``instance``.
+        when given, its cached artifacts with their GGUF facts, and its artifact
+        ``inventory`` -- ``None`` keeps the recorded one), as process ``instance``.
 
         A removed node is not renewed (``left``), nor a revoked one (``revoked``), nor one
         another instance holds now (``held_elsewhere``); the statement itself checks all
@@ -819,6 +841,7 @@ class FleetStore:
             "replicas": json.dumps(dict(replicas), sort_keys=True),
             "artifacts": None if artifacts is None else json.dumps(sorted(artifacts)),
             "facts": None if artifact_facts is None else _facts_json(artifact_facts),
+            "inventory": _inventory_json(inventory),
             "id": node_id,
             "instance": instance,
         }
@@ -827,6 +850,7 @@ class FleetStore:
                 f"UPDATE fleet_nodes SET renewed_at_ms = {_NOW}, replicas_json = %(replicas)s,"  # noqa: S608
                 " artifacts_json = COALESCE(%(artifacts)s, artifacts_json),"
                 " artifact_facts_json = COALESCE(%(facts)s, artifact_facts_json),"
+                " artifact_inventory_json = COALESCE(%(inventory)s, artifact_inventory_json),"
                 " leaving_at_ms = NULL"
                 " WHERE id = %(id)s AND left_fleet = 0 AND revoked_at_ms IS NULL"
                 " AND instance = %(instance)s"

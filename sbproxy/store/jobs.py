@@ -310,13 +310,17 @@ class JobStore:
         kind: str | None = None,
         subject: str | None = None,
         limit: int = 100,
+        node: str | None = None,
     ) -> list[JobRecord]:
-        """Jobs newest first, optionally filtered by status, kind and subject.
+        """Jobs newest first, optionally filtered by status, kind, subject and the node that
+        submitted them (``node``).
 
         ``limit`` caps the count; ``-1`` returns every match (SQLite reads a negative
         ``LIMIT`` as none).
         """
-        query, params = list_jobs_query(statuses=statuses, kind=kind, subject=subject, limit=limit)
+        query, params = list_jobs_query(
+            statuses=statuses, kind=kind, subject=subject, limit=limit, node=node
+        )
         if limit < 0 and self.database.dialect == "postgresql":
             params[-1] = None  # PostgreSQL reads LIMIT NULL as none (a negative one fails)
         rows = await self.database.read(lambda tx: tx.all(query, params))

@@ -96,6 +96,7 @@ class JobJournal(Protocol):
         kind: str | None = None,
         subject: str | None = None,
         limit: int = 100,
+        node: str | None = None,
     ) -> list[JobRecord]: ...
 
     async def steps(self, job_id: str) -> list[StepRecord]: ...

@@ -367,6 +367,17 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "ALTER TABLE fleet_nodes ADD COLUMN revoked_reason TEXT",
         ),
     ),
+    (
+        14,
+        "fleet: each member's artifact inventory (digest, size, verified) for locality and peers",
+        (
+            # ``{artifact digest: {"bytes": N, "verified": true}}`` of the artifacts a node's
+            # cache holds, bounded (the agent sends at most a few hundred entries), written
+            # with a renewal only when it changed: the controller scores locality from it and
+            # a pulling node asks the members that hold a digest for its files first.
+            "ALTER TABLE fleet_nodes ADD COLUMN artifact_inventory_json TEXT NOT NULL DEFAULT '{}'",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -43,9 +43,10 @@ def list_jobs_query(
     kind: str | None = None,
     subject: str | None = None,
     limit: int = 100,
+    node: str | None = None,
 ) -> tuple[str, list[object]]:
     """The one ``SELECT`` behind every job listing (the store's and the read-only reader's):
-    jobs newest first, filtered by status, kind and subject, ``limit`` of them (``-1``:
+    jobs newest first, filtered by status, kind, subject and node, ``limit`` of them (``-1``:
     every match; SQLite reads a negative ``LIMIT`` as none). ``(sql, positional params)``."""
     clauses = []
     params: list[object] = []
@@ -58,6 +59,9 @@ def list_jobs_query(
     if subject is not None:
         clauses.append("subject = ?")
         params.append(subject)
+    if node is not None:
+        clauses.append("node = ?")
+        params.append(node)
     where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
     query = f"SELECT * FROM jobs {where} ORDER BY created_at_ms DESC, id DESC LIMIT ?"  # noqa: S608 - clauses are fixed text
     return query, [*params, limit]

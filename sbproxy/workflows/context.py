@@ -143,6 +143,19 @@ class StepContext:
             code="missing_resource",
         )
 
+    def find_resource(self, kind: type[T]) -> T | None:
+        """The engine's resource of type ``kind``, or ``None`` when it has none (a resource
+        only some hosts give, such as a fleet's peers)."""
+        for candidate in self._state.resources:
+            if isinstance(candidate, kind):
+                return candidate
+        return None
+
+    async def record_event(self, kind: str, data: Mapping[str, Any]) -> None:
+        """Append a ``kind`` event with ``data`` to the job's events (a note for readers of
+        the job, e.g. where a file came from; never a decision, not fenced)."""
+        await self._store.record_event(self.job_id, kind=kind, data=data)
+
     @property
     def cancel_requested(self) -> bool:
         """Whether cancellation was seen (refreshed by the heartbeat)."""

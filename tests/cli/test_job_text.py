@@ -292,3 +292,23 @@ def test_a_fleet_scale_decision_shows_what_it_did_and_why_in_the_list() -> None:
     other = dataclasses.replace(running_job(None), status=JobStatus.SUCCEEDED)
     (_, plain) = job_table([other], now_ms=STARTED_MS + 1_000)
     assert "->" not in plain
+
+
+def test_a_pull_says_where_each_file_came_from_and_which_peer_failed() -> None:
+    out = io.StringIO()
+    view = LineView(JOB, live_from_ms=0, stream=out)
+    for record in (
+        event(1, 1, "peer_failed", path="m.gguf", node="node-a", code="digest_mismatch",
+              error="m.gguf: SHA-256 x does not match the catalog's y"),
+        event(2, 2, "source", path="m.gguf", source="upstream", bytes=2**30, resumed_from=0),
+        event(3, 3, "source", path="n.gguf", source="node-b", bytes=3 * 2**20,
+              resumed_from=1024),
+    ):  # fmt: skip
+        view.show(record)
+    view.close()
+    assert out.getvalue().splitlines() == [
+        f"{JOB}: m.gguf: peer node-a did not deliver it (digest_mismatch: m.gguf: SHA-256 x "
+        "does not match the catalog's y); next source",
+        f"{JOB}: m.gguf: 1.0 GiB from upstream",
+        f"{JOB}: n.gguf: 3.0 MiB from node-b, resumed from byte 1024",
+    ]

@@ -6,13 +6,15 @@ replicas, on its two devices."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from sbproxy.catalog import Accelerator, WorkerProfile
-from sbproxy.fleet.cluster import CachedFacts
+from sbproxy.fleet.cluster import PULLING_WITHIN_S, CachedFacts, CacheInventory
 from sbproxy.fleet.control import device_capacities, observe
 from sbproxy.fleet.membership import FleetTiming
 from sbproxy.fleet.placement import (
@@ -228,3 +230,34 @@ async def test_cached_facts_read_each_verified_gguf_header_once(tmp_path: Path) 
         snapshot.chmod(0o644)
         snapshot.write_bytes(b"gone")
         assert facts() == reported
+
+
+@pytest.mark.anyio
+async def test_the_inventory_reports_verified_artifacts_and_pulls_under_way(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "sources" / "one"
+    folder.mkdir(parents=True)
+    (folder / "model.gguf").write_bytes(b"w" * 100)
+    artifact = make_artifact({"model.gguf": b"w" * 100}, source=f"file:{folder}", model="one")
+    async with pull_engine(tmp_path / "cache") as (engine, cache):
+        submitted = await engine.submit(
+            pull_workflow, PullInput(artifact=artifact), idempotency_key=artifact.digest
+        )
+        await engine.join(submitted.job.id)
+        inventory = CacheInventory(cache)
+        assert inventory() == {artifact.digest: {"bytes": 100, "verified": True}}
+        # A pull under way: its partial bytes so far, unverified.
+        fresh = cache.layout.partials / ("f" * 64)
+        fresh.mkdir(parents=True)
+        (fresh / "model.gguf.part").write_bytes(b"x" * 40)
+        # A failed pull's leftovers, untouched for longer than PULLING_WITHIN_S: not a pull.
+        stale = cache.layout.partials / ("0" * 64)
+        stale.mkdir(parents=True)
+        (stale / "model.gguf.part").write_bytes(b"x" * 10)
+        old = time.time() - PULLING_WITHIN_S - 5
+        os.utime(stale / "model.gguf.part", (old, old))
+        assert inventory() == {
+            artifact.digest: {"bytes": 100, "verified": True},
+            "f" * 64: {"bytes": 40, "verified": False},
+        }

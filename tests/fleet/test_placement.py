@@ -347,6 +347,96 @@ def test_spread_prefers_a_node_with_the_artifact_cached() -> None:
     assert [d.node for d in result.of_kind("start")] == ["b"]  # type: ignore[union-attr]
 
 
+DIGEST = "1f2e3d4c5b6a" + "0" * 52
+
+
+@pytest.mark.parametrize(
+    ("nodes", "strategy", "winner", "reason"),
+    [
+        pytest.param(
+            [node("a"), node("b", cached=frozenset({DIGEST}))],
+            PlacementStrategy.SPREAD,
+            "b",
+            f"b holds sha256:{DIGEST[:12]}... (1.0 GiB); 2 node(s) fit, then spread picked b",
+            id="equal-nodes-the-holder-wins",
+        ),
+        pytest.param(
+            # Locality ranks before the strategy: binpack would pick the tighter node a.
+            [node("a", gib=(6,)), node("b", cached=frozenset({DIGEST}))],
+            PlacementStrategy.BINPACK,
+            "b",
+            f"b holds sha256:{DIGEST[:12]}... (1.0 GiB); 2 node(s) fit, then binpack picked b",
+            id="binpack-locality-before-tightness",
+        ),
+        pytest.param(
+            # Spread would prefer the emptier node c.
+            [node("b", gib=(8,), cached=frozenset({DIGEST})), node("c", gib=(64,))],
+            PlacementStrategy.SPREAD,
+            "b",
+            f"b holds sha256:{DIGEST[:12]}... (1.0 GiB); 2 node(s) fit, then spread picked b",
+            id="spread-locality-before-free-memory",
+        ),
+        pytest.param(
+            # Fit first: the holder has no room, so a node that must fetch it wins.
+            [node("a", gib=(2,), cached=frozenset({DIGEST})), node("c")],
+            PlacementStrategy.SPREAD,
+            "c",
+            f"no fitting node holds sha256:{DIGEST[:12]}..., it is fetched; 1 node(s) fit, "
+            "then spread picked c",
+            id="fit-before-locality",
+        ),
+        pytest.param(
+            [node("a"), node("b")],
+            PlacementStrategy.SPREAD,
+            "a",
+            f"no fitting node holds sha256:{DIGEST[:12]}..., it is fetched; 2 node(s) fit, "
+            "then spread picked a",
+            id="nobody-holds-it-strategy-decides",
+        ),
+    ],
+)
+def test_score_is_fit_then_locality_then_strategy(
+    nodes: list[NodeView], strategy: PlacementStrategy, winner: str, reason: str
+) -> None:
+    sized = [
+        n.model_copy(update={"cached_bytes": dict.fromkeys(n.cached_artifacts, GIB)}) for n in nodes
+    ]
+    result = plan(sized, [spec(digest=DIGEST)], [], policy=PlacementPolicy(strategy=strategy))
+    (start,) = result.of_kind("start")
+    assert isinstance(start, StartReplica)
+    assert (start.node, start.reason) == (winner, reason)
+
+
+def test_spreading_replicas_ranks_before_locality() -> None:
+    # Replica 0 runs on a (which holds the artifact, and has a second device); replica 1
+    # goes to the empty zone z2 that must fetch it, not beside replica 0.
+    nodes = [
+        node("a", gib=(16, 16), labels={"zone": "z1"}, cached=frozenset({DIGEST})),
+        node("b", labels={"zone": "z2"}),
+    ]
+    wanted = spec(replicas=2, spread_by=("zone",), digest=DIGEST)
+    result = plan(nodes, [wanted], [placed("p0", "a", replica=0)])
+    (start,) = result.of_kind("start")
+    assert isinstance(start, StartReplica)
+    assert (start.node, start.replica) == ("b", 1)
+    assert start.reason == (
+        f"a hold(s) sha256:{DIGEST[:12]}... but run more replicas of it (spreading first); "
+        "b fetches it; 2 node(s) fit, then spread picked b"
+    )
+    # Without spread_by, spread still puts the second replica on the other node.
+    result = plan(nodes, [spec(replicas=2, digest=DIGEST)], [placed("p0", "a", replica=0)])
+    assert [d.node for d in result.of_kind("start")] == ["b"]  # type: ignore[union-attr]
+
+
+def test_a_replacement_says_why_its_node_won() -> None:
+    nodes = [node("a", state=S.LOST), node("b"), node("c", cached=frozenset({DIGEST}))]
+    result = plan(nodes, [spec(digest=DIGEST)], [placed("p0", "a")])
+    (moved,) = result.of_kind("replace")
+    assert isinstance(moved, ReplaceReplica)
+    assert moved.node == "c"
+    assert moved.reason.startswith(f"c holds sha256:{DIGEST[:12]}...;")
+
+
 def test_the_plan_does_not_depend_on_input_order() -> None:
     nodes = [node("a", gib=(16, 16)), node("b"), node("c", state=S.LOST)]
     deployments = [spec("x", replicas=2), spec("y", replicas=2, gib=8)]
@@ -625,6 +715,8 @@ def test_decisions_have_a_stable_json_form() -> None:
                 "cause": "node_gone",
                 "variant": None,
                 "estimate_basis": "file_size",
+                "reason": "the artifact is resolved on the node; 1 node(s) fit, then spread "
+                "picked b",
             },
             {
                 "kind": "stop",

@@ -6,6 +6,8 @@ Two faults, each until :meth:`TcpRelay.heal`:
 
 * :meth:`TcpRelay.cut` -- a *refused* link: every open connection is closed and a new one is
   closed as soon as it is accepted (the client learns at once);
+* :attr:`TcpRelay.cut_after` -- a link that breaks *mid-answer*: each connection is closed
+  once this many bytes came from the server (a peer failing mid-transfer);
 * :meth:`TcpRelay.blackhole` -- a *silent* link, as a dropped route or a dead switch makes
   it: connections stay open and new ones are accepted, but every byte either way is read
   and dropped, so a client waits on an answer that never comes (its kernel sees its bytes
@@ -36,6 +38,11 @@ class TcpRelay:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
+        self.cut_after: int | None = None
+        """Close each connection once this many bytes came from the server (``None``: no
+        limit); read when a connection opens."""
+        self.cut_times: int | None = None
+        """With :attr:`cut_after`: cut only this many connections (``None``: every one)."""
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
@@ -129,9 +136,21 @@ class TcpRelay:
         """Called before bytes of ``client``'s connection are relayed (from the client when
         ``from_client``, else from the server): a subclass observes the traffic here."""
 
+    def _cut_limit(self) -> int | None:
+        """The server bytes a new connection may carry (:attr:`cut_after`, counting
+        :attr:`cut_times` down); ``None``: no limit."""
+        with self._lock:
+            if self.cut_after is None or self.cut_times is None:
+                return self.cut_after
+            if self.cut_times <= 0:
+                return None
+            self.cut_times -= 1
+            return self.cut_after
+
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
         selector = selectors.DefaultSelector()
         peers = {client: upstream, upstream: client}
+        left = self._cut_limit()
         try:
             for sock in peers:
                 sock.setblocking(True)
@@ -144,6 +163,11 @@ class TcpRelay:
                         return
                     if not self._hole.is_set():
                         self._passing(client, from_client=source is client)
+                        if left is not None and source is upstream:
+                            if len(data) >= left:
+                                client.sendall(data[:left])
+                                return
+                            left -= len(data)
                         peers[source].sendall(data)
         except (OSError, ValueError):
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -358,6 +359,46 @@ async def test_jobs_page_lists_the_jobs_and_filters_them_by_kind(
     drains = await console.host.host.engine.store.list_jobs(kind="drain", limit=-1)
     assert await listed() == {j.id for j in drains}
     assert drain in {j.id for j in drains} and console.load_job not in {j.id for j in drains}
+
+
+async def test_jobs_page_shows_each_jobs_node_and_filters_by_it(
+    console: Console, page: Page
+) -> None:
+    # On a fleet's shared journal the page lists every node's jobs: one of them is made
+    # another node's here (the column and the filter are what is under test).
+    drain = await console.command("stop", IDLE)
+    assert (await console.finished(drain)).status == JobStatus.SUCCEEDED
+    journal = console.host.host.layout.root / "jobs" / "journal.db"
+    with contextlib.closing(sqlite3.connect(journal, timeout=10)) as connection, connection:
+        connection.execute("UPDATE jobs SET node = 'node-b' WHERE id = ?", (drain,))
+    own = (await console.host.host.engine.get(console.load_job)).node
+    assert own and own != "node-b"
+
+    await page.goto(console.url("/jobs"))
+    assert await page.locator("#jobs thead th").nth(2).inner_text() == "Node"
+    theirs = page.locator(f"#jobs tr[data-job-id='{drain}']")
+    assert await theirs.get_attribute("data-node") == "node-b"
+    assert await theirs.locator("td.node").inner_text() == "node-b"
+    mine = page.locator(f"#jobs tr[data-job-id='{console.load_job}']")
+    assert await mine.locator("td.node").inner_text() == own
+    # The node's link filters the list by it, and the form keeps the filter.
+    await theirs.locator("td.node a").click()
+    await page.wait_for_url("**/jobs?node=node-b")
+    nodes = {
+        await r.get_attribute("data-node")
+        for r in await page.locator("#jobs tr[data-job-id]").all()
+    }
+    assert nodes == {"node-b"}
+    assert await page.locator("input[name=node]").input_value() == "node-b"
+    await page.goto(console.url(f"/jobs?node={own}"))
+    listed = {
+        await r.get_attribute("data-job-id")
+        for r in await page.locator("#jobs tr[data-job-id]").all()
+    }
+    assert console.load_job in listed and drain not in listed
+    await page.goto(console.url("/jobs?node=nowhere"))
+    assert await page.locator("#jobs tr[data-job-id]").count() == 0
+    assert "No jobs match." in await page.locator("#jobs").inner_text()
 
 
 # Bound on a jobs-list row: two lines of error text plus padding (a row without the clamp,

@@ -15,7 +15,14 @@ import pytest
 from sbproxy.api.peers import PeerDispatch
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.routing import PeerReplica
-from sbproxy.fleet.view import ControllerRow, FleetView, NodeRow, PlacementJobRow, ReplicaRow
+from sbproxy.fleet.view import (
+    ArtifactRow,
+    ControllerRow,
+    FleetView,
+    NodeRow,
+    PlacementJobRow,
+    ReplicaRow,
+)
 from tests.api.fleet_hosts import CREDENTIAL, StaticDirectory
 from tests.api.support import ADMIN, served
 from tests.ui.test_console import ARGS, CHROMIUM, TIMEOUT_MS, shot
@@ -44,6 +51,7 @@ VIEW = FleetView(
     ),
     controller=ControllerRow("a", epoch=7, lease_expires_in_ms=4_200),
     jobs=(PlacementJobRow(JOB, "replace", "tiny", "b", "running", 61_000),),
+    artifacts=(ArtifactRow("1f2e3d4c5b6a" + "0" * 52, 2**30, ("a", "c"), ("b",)),),
 )
 
 
@@ -130,6 +138,12 @@ async def test_the_fleet_page_shows_nodes_replicas_controller_and_jobs(
         assert await job.get_attribute("data-status") == "running"
         assert await job.locator("a").get_attribute("href") == f"/admin/ui/jobs/{JOB}"
         assert "1 min 1 s" in await job.inner_text()
+        # Where each artifact is cached, and who is pulling it now.
+        artifact = page.locator("#artifacts tr.artifact")
+        assert await artifact.count() == 1
+        assert await artifact.get_attribute("data-nodes") == "a c"
+        text = await artifact.inner_text()
+        assert "sha256:1f2e3d4c5b6a" in text and "1.0 GiB" in text and "b" in text
         await shot(page, "fleet")
 
 

@@ -223,12 +223,17 @@ def _job_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
     async def jobs(
         status: FromQuery[str | None] = None,
         kind: FromQuery[str | None] = None,
+        node: FromQuery[str | None] = None,
     ) -> Template:
-        """Jobs, newest first, filtered by status and kind."""
+        """Jobs, newest first, filtered by status, kind and node (``?node=``: the node that
+        submitted the job -- on a fleet's shared journal every node's jobs are listed)."""
         statuses = (JobStatus(status),) if status in set(JobStatus) else ()
         chosen_kind = kind.strip() if kind and kind.strip() else None
+        chosen_node = node.strip() if node and node.strip() else None
         service = ModelHostService.serving(manager)
-        listed = await service.jobs(statuses=statuses, kind=chosen_kind, limit=JOBS_SHOWN)
+        listed = await service.jobs(
+            statuses=statuses, kind=chosen_kind, limit=JOBS_SHOWN, node=chosen_node
+        )
         names = await anyio.to_thread.run_sync(_artifact_names, service, listed)
         return Template(
             "jobs.html",
@@ -238,6 +243,7 @@ def _job_routes(manager: RuntimeManager) -> list[HTTPRouteHandler]:
                 "statuses": [s.value for s in JobStatus],
                 "status": status if statuses else "",
                 "kind": chosen_kind or "",
+                "node": chosen_node or "",
                 "limit": JOBS_SHOWN,
             },
         )

@@ -58,7 +58,7 @@ import os
 import socket
 import ssl
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -320,11 +320,13 @@ class _Transfer:
         read_timeout: float,
         connect_timeout: float,
         proxies: ProxySettings,
+        origin_headers: Mapping[str, str] | None = None,
     ) -> None:
         self.remote = remote
         self.proxies = proxies
         self.part = part
         self.token = token
+        self.origin_headers = dict(origin_headers or {})
         self.durable = 0  # bytes of the partial on disk and in its resume state
         self.check_cancelled = check_cancelled
         self.read_timeout = read_timeout
@@ -424,8 +426,10 @@ class _Transfer:
         url = current = self.remote.url
         for _ in range(MAX_REDIRECTS + 1):
             request_headers = dict(headers)
-            if self.token and same_origin(current, url):
-                request_headers["Authorization"] = f"Bearer {self.token}"
+            if same_origin(current, url):
+                request_headers.update(self.origin_headers)
+                if self.token:
+                    request_headers["Authorization"] = f"Bearer {self.token}"
             parts = urlsplit(current)
             proxy = self._via = self.proxies.for_url(current)
             target = parts.path or "/"
@@ -624,6 +628,7 @@ async def download_file(
     read_timeout: float | None = None,
     connect_timeout: float = CONNECT_TIMEOUT_S,
     proxies: ProxySettings | None = None,
+    origin_headers: Mapping[str, str] | None = None,
 ) -> DownloadResult:
     """Download ``remote`` into ``part`` (resuming it when possible) and verify it.
 
@@ -642,6 +647,8 @@ async def download_file(
         connect_timeout: Seconds to connect.
         proxies: The forward proxies to use (default: read from the environment now,
             :func:`~sbproxy.model_host.artifacts.proxies.proxy_settings`).
+        origin_headers: Headers sent with the token, to the URL's own origin only (a fleet
+            peer's name beside its credential); never to a redirect's other host.
 
     Returns:
         The verified partial's digests (ready to promote into the blob store).
@@ -667,6 +674,7 @@ async def download_file(
         read_timeout=read_timeout_s() if read_timeout is None else read_timeout,
         connect_timeout=connect_timeout,
         proxies=proxy_settings() if proxies is None else proxies,
+        origin_headers=origin_headers,
     )
     finished = threading.Event()
 

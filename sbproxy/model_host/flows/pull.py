@@ -11,7 +11,11 @@ Steps (each journaled; a crash resumes after the last completed one):
 2. ``fetch:<path>`` per missing file -- the same space check for this file, then download
    (``hf:``, resumable from the partial's length, hashed while it streams) or copy
    (``file:`` and imports), verify size and SHA-256, scan pickles, promote the partial into
-   ``blobs/sha256``.
+   ``blobs/sha256``. On a fleet a download asks the members that hold the artifact first
+   (:mod:`~sbproxy.model_host.artifacts.peers`) and the upstream only when none delivers the
+   file whole and verified; the step's output names the source (``source``: a node id or
+   ``upstream``) and the job's ``source`` events say which source served how many bytes and
+   which peers failed, why.
 3. ``publish`` -- assemble the snapshot from blobs atomically and write the ready marker.
    A blob this job did not fetch itself (shared with another artifact, or left by an
    earlier run) is re-hashed first and must match its SHA-256 (``cache_corrupt``
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from functools import partial
 from pathlib import Path
@@ -39,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sbproxy.catalog import ArtifactFormat, ResolvedArtifact
 from sbproxy.model_host.artifacts.cache import ArtifactCache
 from sbproxy.model_host.artifacts.download import (
+    DownloadResult,
     RemoteFile,
     download_file,
     hash_file,
@@ -54,6 +59,7 @@ from sbproxy.model_host.artifacts.errors import (
     SizeMismatch,
     SourceError,
 )
+from sbproxy.model_host.artifacts.peers import PeerFailure, PeerSources, download_from_peers
 from sbproxy.model_host.artifacts.pickle_scan import scan_pickle_file
 from sbproxy.model_host.artifacts.sources import (
     FileSource,
@@ -141,6 +147,9 @@ class FetchResult(BaseModel):
     size_bytes: int
     resumed_from: int = 0
     transferred_bytes: int = 0
+    source: str = "upstream"
+    """Where the bytes came from: ``upstream`` (the catalog's source, or a local file), or
+    the node id of the fleet member that served them."""
 
 
 class PublishInput(BaseModel):
@@ -163,6 +172,8 @@ class PullOutput(BaseModel):
     verified_bytes: int
     cache_hit: bool
     transferred_bytes: int = 0
+    sources: dict[str, int] = Field(default_factory=dict)
+    """Bytes transferred by source (``upstream`` or a member's node id) for this job."""
 
 
 def _remediation(artifact: ResolvedArtifact) -> str:
@@ -408,11 +419,15 @@ def _copy_verified(
 
 @step("fetch", retry=FETCH_RETRY)
 async def fetch_file(ctx: StepContext, task: FileTask) -> FetchResult:
-    """Download or copy one file, verify it, scan it if it is a pickle, promote it.
+    """Download or copy one file, verify it, scan it if it is a pickle, promote it. On a
+    fleet a download asks the members that hold the artifact first (the engine's
+    :class:`~sbproxy.model_host.artifacts.peers.PeerSources`), the upstream last.
 
     Idempotency: a blob that is already stored (an earlier run got this far) is reused; a
-    partial download resumes from its length (the final SHA-256 decides); promotion is an
-    atomic rename under the blob lock.
+    partial download resumes from its length when its resume state names the same source
+    URL (another source's discards it; the final SHA-256 decides either way); promotion is
+    an atomic rename under the blob lock. A rerun may take the file from another source
+    than the first run: the bytes are the same, checked against the catalog's SHA-256.
 
     Raises:
         DiskFull: ``disk_full`` when the file system lacks room for the rest of this file
@@ -440,6 +455,7 @@ async def fetch_file(ctx: StepContext, task: FileTask) -> FetchResult:
         )
 
     resumed = transferred = 0
+    source = "upstream"
     if task.local_path is not None:
         sha, fingerprint, size = await anyio.to_thread.run_sync(
             _copy_verified, task, part, ctx.check_cancelled
@@ -453,16 +469,26 @@ async def fetch_file(ctx: StepContext, task: FileTask) -> FetchResult:
         await progress(size)
     else:
         assert task.url is not None  # noqa: S101 - plan gives every task a url or a path
-        remote = RemoteFile(url=task.url, path=task.path, sha256=task.sha256, size=task.size_bytes)
-        result = await download_file(
-            remote,
-            part=part,
-            token=hf_token(),
-            on_progress=progress,
-            check_cancelled=ctx.check_cancelled,
-        )
+        served = await _from_peers(ctx, task, part, progress)
+        if served is not None:
+            source, result = served
+        else:
+            remote = RemoteFile(
+                url=task.url, path=task.path, sha256=task.sha256, size=task.size_bytes
+            )
+            result = await download_file(
+                remote,
+                part=part,
+                token=hf_token(),
+                on_progress=progress,
+                check_cancelled=ctx.check_cancelled,
+            )
         fingerprint = result.blake3
         resumed, transferred = result.resumed_from, result.downloaded_bytes
+        await ctx.record_event(
+            "source",
+            {"path": task.path, "source": source, "bytes": transferred, "resumed_from": resumed},
+        )
     if task.pickle:
         try:
             await anyio.to_thread.run_sync(scan_pickle_file, part)
@@ -476,7 +502,45 @@ async def fetch_file(ctx: StepContext, task: FileTask) -> FetchResult:
         size_bytes=task.size_bytes,
         resumed_from=resumed,
         transferred_bytes=transferred,
+        source=source,
     )
+
+
+async def _from_peers(
+    ctx: StepContext,
+    task: FileTask,
+    part: Path,
+    progress: Callable[[int], Awaitable[None]],
+) -> tuple[str, DownloadResult] | None:
+    """``(node, verified partial)`` from the first fleet member that holds ``task``'s
+    artifact and delivers the file whole; ``None`` on a single host, when no member holds
+    it, or when every one failed (each failure is a ``peer_failed`` event)."""
+    sources = ctx.find_resource(PeerSources)
+    if sources is None:
+        return None
+
+    async def failed(failure: PeerFailure) -> None:
+        await ctx.record_event(
+            "peer_failed",
+            {"path": task.path, "node": failure.node, "code": failure.code,
+             "error": failure.message},
+        )  # fmt: skip
+
+    served = await download_from_peers(
+        sources,
+        artifact_digest=task.digest,
+        path=task.path,
+        sha256=task.sha256,
+        size=task.size_bytes,
+        part=part,
+        on_progress=progress,
+        check_cancelled=ctx.check_cancelled,
+        on_failure=failed,
+    )
+    if served is None:
+        return None
+    holder, result = served
+    return holder.node, result
 
 
 @step("publish")
@@ -518,10 +582,12 @@ async def pull_workflow(ctx: WorkflowContext, request: PullInput) -> PullOutput:
         )
     fingerprints: dict[str, str] = {}
     transferred = 0
+    sources: dict[str, int] = {}
     for task in plan.fetch:
         fetched = await ctx.step(fetch_file, task, name=f"fetch:{task.path}")
         fingerprints[task.path] = fetched.blake3
         transferred += fetched.transferred_bytes
+        sources[fetched.source] = sources.get(fetched.source, 0) + fetched.transferred_bytes
     published = await ctx.step(
         publish_snapshot,
         PublishInput(
@@ -530,4 +596,4 @@ async def pull_workflow(ctx: WorkflowContext, request: PullInput) -> PullOutput:
             fingerprints=fingerprints,
         ),
     )
-    return published.model_copy(update={"transferred_bytes": transferred})
+    return published.model_copy(update={"transferred_bytes": transferred, "sources": sources})
