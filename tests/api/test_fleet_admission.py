@@ -174,6 +174,7 @@ def test_only_a_valid_join_token_admits_a_host_and_an_admitted_host_rejoins_with
             timeout=10,
         )
         assert lease.status_code == 200 and lease.json()["node_id"] == "a"
+        assert "deprecated" not in a.output  # no shared credential here
         secrets = [t.partition(".")[2] for t in (first, single)]
         no_secret_anywhere(url, hosts, [*secrets, b_credential, node_credential(a)])
     finally:
