@@ -106,6 +106,10 @@ class PeerCredentials:
         """Nothing known yet (before the first snapshot)."""
         return cls(MappingProxyType({}), frozenset())
 
+    def knows(self, node: str) -> bool:
+        """Whether ``node`` is a member of the snapshot (refused, or with a credential)."""
+        return node in self.refused or node in self.hashes
+
     def check(self, node: str | None, secret: str) -> PeerCheck:
         """:class:`PeerCheck` of ``secret`` presented as member ``node``."""
         if node is None:

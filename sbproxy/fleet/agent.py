@@ -272,6 +272,7 @@ class FleetAgent:
         self.admission = admission
         self._secret: str | None = None
         self._peers = PeerCredentials.empty()
+        self._unknown_peer_at = float("-inf")
         # An operator revoked this node: it runs nothing and renews nothing.
         self.revoked = False
         self.manager = manager
@@ -330,8 +331,16 @@ class FleetAgent:
     def check_peer(self, node: str, secret: str) -> PeerCheck:
         """``secret`` presented as member ``node``, checked against the fleet as this host last
         read it -- at its last heartbeat or the last change announced (a revocation is
-        announced): :class:`~sbproxy.fleet.admission.PeerCheck`."""
-        return self._peers.check(node, secret)
+        announced): :class:`~sbproxy.fleet.admission.PeerCheck`. A node this host does not
+        know yet (it joined since the last read) makes it read the fleet again at once, at
+        most once a second."""
+        check = self._peers.check(node, secret)
+        if check is PeerCheck.UNKNOWN and not self._peers.knows(node):
+            now = self.clock()
+            if now - self._unknown_peer_at >= 1.0:
+                self._unknown_peer_at = now
+                self._changed.set()
+        return check
 
     def renewed_recently(self) -> bool:
         """This node renewed within ``fence_after_ms``."""

@@ -27,8 +27,10 @@ listing.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,7 @@ __all__ = [
     "JOIN_TOKEN_PATTERN",
     "JoinRefused",
     "JoinTokenRow",
+    "admit",
     "create_join_token",
     "credential_matches",
     "list_join_tokens",
@@ -58,6 +61,7 @@ __all__ = [
 ]
 
 _TOKEN = re.compile(JOIN_TOKEN_PATTERN)
+logger = logging.getLogger(__name__)
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
@@ -221,6 +225,62 @@ def redeem(
         code="join_token_used_up",
         remediation="Make a new one with `sbproxy nodes token create --uses N`.",
         details=details,
+    )
+
+
+def admit(
+    cursor: psycopg.Cursor[Any],
+    now: int,
+    *,
+    node_id: str,
+    row: Sequence[Any] | None,
+    credential_sha256: str,
+    join_token: tuple[str, str] | None,
+    shared_admits: bool,
+) -> None:
+    """Admit ``node_id`` to the fleet in the caller's join transaction (the rule of
+    :meth:`~sbproxy.store.fleet.FleetStore.join`), ``row`` its member row as locked there
+    (``instance, renewed_at_ms, left_fleet, revoked_at_ms, credential_sha256``; ``None`` for a
+    new node); or raise.
+
+    Raises:
+        JoinRefused: ``node_revoked``, ``join_token_required``, ``join_token_invalid``,
+            ``join_token_expired``, ``join_token_used_up``, ``node_credential_invalid``.
+    """
+    revoked = row is not None and row[3] is not None
+    stored = None if row is None else row[4]
+    if not revoked and credential_matches(stored, credential_sha256):
+        return
+    if join_token is not None:
+        token_id = redeem(cursor, now, node_id=node_id, token=join_token)
+        logger.info("node %s joins with join token %s", node_id, token_id)
+        return
+    if revoked:
+        raise JoinRefused(
+            f"node {node_id} was revoked and admitted again: it joins only with a fresh join token",
+            code="node_revoked",
+            remediation="Make one with `sbproxy nodes token create` and give it to this "
+            "host (proxy.model_host.fleet.join_token or $SBPROXY_JOIN_TOKEN).",
+            details={"node_id": node_id},
+        )
+    if shared_admits:
+        return
+    if stored is not None:
+        raise JoinRefused(
+            f"node {node_id}'s stored node credential is not the one the fleet recorded "
+            "for it (a copied or replaced cache, or another host under this id)",
+            code="node_credential_invalid",
+            remediation="Give this host a fresh join token (sbproxy nodes token create), "
+            "or its own node id.",
+            details={"node_id": node_id},
+        )
+    raise JoinRefused(
+        f"node {node_id} has no join token and no node credential the fleet knows: a new "
+        "node joins only with a join token",
+        code="join_token_required",
+        remediation="Make one on a member with `sbproxy nodes token create` and give it to "
+        "this host as proxy.model_host.fleet.join_token or $SBPROXY_JOIN_TOKEN.",
+        details={"node_id": node_id},
     )
 
 

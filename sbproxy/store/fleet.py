@@ -28,7 +28,6 @@ a statement that runs past :func:`server_timeout_ms` of it (the connection stays
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -39,7 +38,7 @@ import psycopg
 from ulid import ULID
 
 from sbproxy.errors import SbproxyError
-from sbproxy.store.admission import JoinRefused, credential_matches, redeem
+from sbproxy.store.admission import JoinRefused, admit
 from sbproxy.store.deadline import DeadlineConnection, transport_params
 from sbproxy.store.migrations import migrate_postgres
 from sbproxy.store.postgres import PgTarget
@@ -59,8 +58,6 @@ __all__ = [
     "Renewal",
     "ScaleRow",
 ]
-
-logger = logging.getLogger(__name__)
 
 _NOW = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT"
 _GONE = frozenset({"lost", "left"})
@@ -709,7 +706,7 @@ class FleetStore:
                     details={"node_id": node_id},
                 )
             if credential_sha256 is not None:
-                self._admit(
+                admit(
                     cursor,
                     now,
                     node_id=node_id,
@@ -766,55 +763,6 @@ class FleetStore:
                 )
             self._event(cursor, now, "node_joined", node_id, {"advertise_url": advertise_url})
         return now
-
-    @staticmethod
-    def _admit(
-        cursor: psycopg.Cursor[Any],
-        now: int,
-        *,
-        node_id: str,
-        row: Sequence[Any] | None,
-        credential_sha256: str,
-        join_token: tuple[str, str] | None,
-        shared_admits: bool,
-    ) -> None:
-        """Admit ``node_id`` (:meth:`join`'s rule) or raise :class:`JoinRefused`."""
-        revoked = row is not None and row[3] is not None
-        stored = None if row is None else row[4]
-        if not revoked and credential_matches(stored, credential_sha256):
-            return
-        if join_token is not None:
-            token_id = redeem(cursor, now, node_id=node_id, token=join_token)
-            logger.info("node %s joins with join token %s", node_id, token_id)
-            return
-        if revoked:
-            raise JoinRefused(
-                f"node {node_id} was revoked and admitted again: it joins only with a fresh "
-                "join token",
-                code="node_revoked",
-                remediation="Make one with `sbproxy nodes token create` and give it to this "
-                "host (proxy.model_host.fleet.join_token or $SBPROXY_JOIN_TOKEN).",
-                details={"node_id": node_id},
-            )
-        if shared_admits:
-            return
-        if stored is not None:
-            raise JoinRefused(
-                f"node {node_id}'s stored node credential is not the one the fleet recorded "
-                "for it (a copied or replaced cache, or another host under this id)",
-                code="node_credential_invalid",
-                remediation="Give this host a fresh join token (sbproxy nodes token create), "
-                "or its own node id.",
-                details={"node_id": node_id},
-            )
-        raise JoinRefused(
-            f"node {node_id} has no join token and no node credential the fleet knows: a new "
-            "node joins only with a join token",
-            code="join_token_required",
-            remediation="Make one on a member with `sbproxy nodes token create` and give it to "
-            "this host as proxy.model_host.fleet.join_token or $SBPROXY_JOIN_TOKEN.",
-            details={"node_id": node_id},
-        )
 
     def renew(
         self,

@@ -160,7 +160,7 @@ def test_only_a_valid_join_token_admits_a_host_and_an_admitted_host_rejoins_with
         start_with(b, None)
         # It runs its replica again (as tiny or tiny.r1: the replica it holds).
         poll(lambda: "ready" in b.deployments().values(), timeout_s=60, what="b serves")
-        assert members(a)["b"] == "ready"
+        poll(lambda: members(a).get("b") == "ready", timeout_s=30, what="b recorded ready")
         assert node_credential(b) == b_credential
         listed = cli(a, "nodes", "token", "list")
         assert listed.returncode == 0, listed.stderr
@@ -174,6 +174,7 @@ def test_only_a_valid_join_token_admits_a_host_and_an_admitted_host_rejoins_with
             timeout=10,
         )
         assert lease.status_code == 200 and lease.json()["node_id"] == "a"
+        assert "deprecated" not in a.output  # no shared credential here
         secrets = [t.partition(".")[2] for t in (first, single)]
         no_secret_anywhere(url, hosts, [*secrets, b_credential, node_credential(a)])
     finally:
@@ -225,6 +226,8 @@ def test_a_revoked_node_is_refused_by_its_peers_fences_and_its_replica_moves(
 
         poll(refused, timeout_s=5, what="the survivor refuses the victim's credential")
         refused_after_s = time.monotonic() - revoked_at
+        # Its last renewal as the revocation left it: no later one goes through.
+        renewed = query(url, "SELECT renewed_at_ms FROM fleet_nodes WHERE id = %s", victim.node)
         answer = httpx.post(chat_url, json=body, headers=hop, timeout=30)
         assert (answer.status_code, answer.json()["error"]["code"]) == (401, "peer_unauthorized")
         lease = httpx.get(lease_url, headers=as_victim, timeout=10)
@@ -235,10 +238,10 @@ def test_a_revoked_node_is_refused_by_its_peers_fences_and_its_replica_moves(
         poll(lambda: ready_nodes(a, "tiny") == [survivor.node], timeout_s=60, what="re-placed")
         replaced_after_s = time.monotonic() - revoked_at
         assert "was revoked" in victim.output
-        (renewed,) = query(url, "SELECT renewed_at_ms FROM fleet_nodes WHERE id = %s", victim.node)
-        poll(lambda: "fenced itself" in victim.output, timeout_s=10, what="fence logged")
-        (again,) = query(url, "SELECT renewed_at_ms FROM fleet_nodes WHERE id = %s", victim.node)
-        assert again == renewed  # many heartbeats later: no renewal went through
+        assert "fenced itself" in victim.output
+        # Many heartbeats later (the re-placed replica started meanwhile), its process alive.
+        again = query(url, "SELECT renewed_at_ms FROM fleet_nodes WHERE id = %s", victim.node)
+        assert again == renewed and victim.alive()
         assert members(a)[victim.node] == "left"
         job = query(url, "SELECT kind, input_json FROM jobs WHERE id = %s", job_id)
         assert job[0][0] == "fleet.node" and '"reason": "disk stolen"' in job[0][1]

@@ -167,6 +167,8 @@ def test_a_two_replica_deployment_lands_on_two_nodes_and_each_serves(
         assert sorted(n["state"] for n in listed["nodes"]) == ["ready"] * 3
         ps = json.loads(cli(empty, "models", "ps", "--fleet").stdout)
         assert sorted(p["runtime"]["state"] for p in ps["placements"]) == ["ready", "ready"]
+        # The shared credential still admits and is accepted, with a warning at start.
+        assert "the shared fleet credential is deprecated" in empty.output
         # The peer lease route answers the fleet credential only.
         lease_url = f"http://127.0.0.1:{empty.gateway}/fleet/v1/lease"
         refused = httpx.get(lease_url, headers={"Authorization": f"Bearer {PASSWORD}"})

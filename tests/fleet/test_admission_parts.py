@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import SecretStr, ValidationError
 
+from sbproxy.api.fleet_admission import _request as token_request
 from sbproxy.api.peers import PeerDispatch, PeerUnauthorized
 from sbproxy.cli.main import cli
 from sbproxy.config import FleetConfig
@@ -73,6 +74,9 @@ def test_a_hop_is_admitted_by_the_calling_nodes_own_credential_and_never_for_a_r
         with pytest.raises(PeerUnauthorized) as refused:
             dispatch.admit_hop(f"Bearer {token}", None, node="c")
         assert refused.value.code == "peer_unauthorized"
+    # What the snapshot knows: a member that joined since is not known (the agent then reads
+    # the fleet again).
+    assert fleet.known.knows("b") and fleet.known.knows("c") and not fleet.known.knows("x")
     # This host sends its own node credential, not the shared one.
     assert dispatch._authorization == "Bearer mine"
 
@@ -132,3 +136,28 @@ def test_token_create_refuses_a_bad_ttl_or_uses_with_exit_2(args: list[str], wha
     )
     assert result.exit_code == 2, result.output
     assert what in result.output
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b"[1]", "body"),
+        (b"not json", "body"),
+        (b'{"ttl_ms": 0}', "ttl_ms"),
+        (b'{"uses": true}', "uses"),
+        (b'{"uses": 1.5}', "uses"),
+        (b'{"secret": "x"}', "secret"),
+        (b'{"description": 7}', "description"),
+    ],
+)
+def test_a_bad_token_request_is_a_400_naming_its_field(body: bytes, field: str) -> None:
+    answer = token_request(body)
+    assert not isinstance(answer, tuple)
+    assert answer.status_code == 400
+    assert answer.content["code"] == "invalid_join_token_request"
+    assert answer.content["field"] == field
+
+
+def test_a_token_request_may_leave_everything_out() -> None:
+    assert token_request(b"") == (None, None, "")
+    assert token_request(b'{"ttl_ms": 60000, "uses": 2}') == (60_000, 2, "")
