@@ -116,7 +116,7 @@ def test_an_older_journal_is_listed_by_the_store_which_migrates_it(tmp_path: Pat
         # Back to schema 4: before the recovery count (5), the job's node (6), the
         # shared revision documents (7), idempotency keys per node (8), the fleet's
         # tables (9), its avoided nodes (10; its new columns go with their tables) and
-        # its join tokens (12).
+        # the autoscaler's (12) and join tokens (13).
         raw.execute("DELETE FROM schema_migrations WHERE version >= 5")
         for table in (
             "fleet_demand",
