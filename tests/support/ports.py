@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
+from collections import deque
 from pathlib import Path
 
 __all__ = ["free_port"]
+
+# The ports this process handed out last: not handed out again while their servers may not
+# have bound them yet (a fleet test picks a dozen before it starts any host).
+_handed_out: deque[int] = deque(maxlen=1024)
 
 
 def _ports_below_ephemeral() -> range:
@@ -19,19 +25,38 @@ def _ports_below_ephemeral() -> range:
     return range(10_000, max(10_001, low))
 
 
+def _this_workers_ports() -> range:
+    """This pytest-xdist worker's share of :func:`_ports_below_ephemeral` (the whole range
+    outside xdist): workers never pick each other's ports."""
+    ports = _ports_below_ephemeral()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or not worker[2:].isdigit() or count <= 1:
+        return ports
+    share = len(ports) // count
+    index = int(worker[2:]) % count
+    return range(ports.start + index * share, ports.start + (index + 1) * share)
+
+
 def free_port() -> int:
     """An unused loopback port, picked below the ephemeral range: a bind to port 0 hands out
     ephemeral ports, the ones client connections get too, so one could be taken by a test's
-    own client socket before the server it is for binds it (``port_in_use``)."""
-    ports = _ports_below_ephemeral()
-    for _ in range(100):
+    own client socket before the server it is for binds it (``port_in_use``). Each xdist
+    worker picks from its own share of the range, and one process does not hand out any of
+    its last 1,024 ports again, so two servers of one test (or of two workers) do not get
+    the same port."""
+    ports = _this_workers_ports()
+    for _ in range(200):
         port = secrets.choice(ports)
+        if port in _handed_out:
+            continue
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _handed_out.append(port)
+        return port
     with socket.socket() as probe:  # the low range is crowded: any free port
         probe.bind(("127.0.0.1", 0))
         found: int = probe.getsockname()[1]
