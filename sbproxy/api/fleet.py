@@ -47,9 +47,9 @@ from sbproxy.api.peer_auth import peer_refusal
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.agent import FleetAgent
 from sbproxy.fleet.control import stuck_placements
-from sbproxy.fleet.membership import replica_state
+from sbproxy.fleet.membership import LIVE_STATES, replica_state
 from sbproxy.fleet.routing import replica_deployment_id
-from sbproxy.fleet.view import artifact_rows
+from sbproxy.fleet.view import cached_artifacts
 from sbproxy.store.admission import revoke_node
 from sbproxy.store.fleet import FleetSnapshot
 
@@ -245,10 +245,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
                 "placements": rows,
                 "avoids": [avoid.to_dict() for avoid in snapshot.avoids],
                 "artifacts": [
-                    row.to_dict()
-                    for row in artifact_rows(
-                        (node.id, node.inventory) for node in snapshot.nodes if not node.left
-                    )
+                    row.to_dict() for row in cached_artifacts(snapshot.nodes, LIVE_STATES)
                 ],
             }
         )

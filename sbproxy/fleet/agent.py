@@ -71,6 +71,7 @@ from sbproxy.fleet.control import (
     stuck_placements,
 )
 from sbproxy.fleet.membership import (
+    LIVE_STATES,
     FenceVerdict,
     FleetTiming,
     PeerAnswer,
@@ -102,7 +103,7 @@ from sbproxy.fleet.view import (
     NodeRow,
     PlacementJobRow,
     ReplicaRow,
-    artifact_rows,
+    cached_artifacts,
 )
 from sbproxy.model_host.artifacts.peers import PEER_NODE_HEADER as PEER_NODE
 from sbproxy.model_host.runtime.manager import RuntimeManager
@@ -1327,7 +1328,7 @@ def fleet_view(snapshot: FleetSnapshot, local_node: str, timing: FleetTiming) ->
         replicas=tuple(replicas),
         controller=controller,
         jobs=tuple(sorted(jobs, key=lambda j: -j.age_ms)),
-        artifacts=artifact_rows((node.id, node.inventory) for node in snapshot.nodes),
+        artifacts=cached_artifacts(snapshot.nodes, LIVE_STATES),
     )
 
 

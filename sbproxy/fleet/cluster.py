@@ -23,7 +23,7 @@ from sbproxy.fleet.admission import (
 )
 from sbproxy.fleet.agent import FleetAgent, NodeIdentity, ask_peers_http
 from sbproxy.fleet.control import facts_of, local_deployments
-from sbproxy.fleet.membership import FleetTiming
+from sbproxy.fleet.membership import LIVE_STATES, FleetTiming
 from sbproxy.fleet.placement import PlacementPolicy
 from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.artifacts.cache import CachedMetadata
@@ -96,9 +96,9 @@ MAX_INVENTORY = 256
 # A partial directory counts as a pull under way while something in it changed this
 # recently (a pull writes its manifest at its plan and its bytes as they come).
 PULLING_WITHIN_S = 60.0
-# Members a pull may ask for files: live ones (a cordoned or draining node still serves its
-# cache; a suspect one may be slow, it is tried and the next source follows if it fails).
-PEER_STATES = frozenset({"ready", "suspect", "cordoned", "draining"})
+# Members a pull may ask for files: live ones (a suspect one may be slow: it is tried, and
+# the next source follows if it fails).
+PEER_STATES = LIVE_STATES
 
 
 class CacheInventory:

@@ -41,6 +41,7 @@ from sbproxy.errors import SbproxyError
 
 __all__ = [
     "IDLE",
+    "LIVE_STATES",
     "NODE_TRANSITIONS",
     "SUSPECT_AFTER_HEARTBEATS",
     "TERMINAL_NODE_STATES",
@@ -73,6 +74,9 @@ class NodeState(StrEnum):
 
 _S = NodeState
 TERMINAL_NODE_STATES: Final = frozenset({_S.LEFT})
+LIVE_STATES: Final = frozenset({_S.READY, _S.SUSPECT, _S.CORDONED, _S.DRAINING})
+"""Members that still serve their cache to peers (a cordoned or draining node keeps serving
+it; a suspect one may be slow): where an artifact counts as cached, and whom a pull asks."""
 """States no move leaves."""
 
 UNREACHABLE: Final = "unreachable"

@@ -135,6 +135,29 @@ class ArtifactRow:
         }
 
 
+class _Member(Protocol):
+    """What :func:`cached_artifacts` reads of a member's row (``store.fleet.NodeRow``)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def left(self) -> bool: ...
+    @property
+    def inventory(self) -> dict[str, dict[str, Any]]: ...
+
+
+def cached_artifacts(members: Iterable[_Member], live: frozenset[str]) -> tuple[ArtifactRow, ...]:
+    """:func:`artifact_rows` of the members whose state is in ``live`` (they serve their
+    cache to peers): a lost or departed node's last report is not a place a file is cached."""
+    return artifact_rows(
+        (member.id, member.inventory)
+        for member in members
+        if not member.left and member.state in live
+    )
+
+
 def artifact_rows(
     inventories: Iterable[tuple[str, Mapping[str, Mapping[str, Any]]]],
 ) -> tuple[ArtifactRow, ...]:

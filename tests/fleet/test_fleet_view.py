@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 from sbproxy.fleet.agent import fleet_view
-from sbproxy.fleet.membership import FleetTiming
-from sbproxy.store.fleet import FleetStore
+from sbproxy.fleet.membership import LIVE_STATES, FleetTiming
+from sbproxy.fleet.view import cached_artifacts
+from sbproxy.store.fleet import FleetStore, NodeRow
 from sbproxy.store.revisions import SharedRevisions
 from tests.support.postgres import PostgresServer
 
@@ -83,3 +84,33 @@ def test_the_view_of_a_snapshot(postgres_server: PostgresServer) -> None:
         ("a", "unreachable"),
         ("b", "unreachable"),
     ]
+
+
+def _member(
+    node: str, state: str, inventory: dict[str, dict[str, object]], *, left: bool = False
+) -> NodeRow:
+    return NodeRow(
+        id=node, advertise_url=None, labels={}, engines=[], devices=[], artifacts=[],
+        replicas={}, state=state, cordoned=False, draining=False, left=left, joined_at_ms=0,
+        renewed_at_ms=0, inventory=inventory,
+    )  # fmt: skip
+
+
+def test_an_artifact_is_cached_only_on_members_that_still_serve_their_cache() -> None:
+    """A node lost (killed) or gone keeps its last report in its row; it is not a place the
+    file can be had from, so neither `models ps --fleet` nor the console lists it."""
+    held = {"sha256:aa": {"bytes": 10, "verified": True}}
+    pulling = {"sha256:aa": {"bytes": 4, "verified": False}}
+    members = [
+        _member("a", "lost", held),
+        _member("b", "ready", held),
+        _member("c", "draining", held),
+        _member("d", "ready", held, left=True),
+        _member("e", "suspect", pulling),
+        _member("f", "left", pulling),
+    ]
+    (row,) = cached_artifacts(members, LIVE_STATES)
+    assert row.artifact_digest == "sha256:aa"
+    assert row.nodes == ("b", "c")
+    assert row.fetching == ("e",)
+    assert row.size_bytes == 10
