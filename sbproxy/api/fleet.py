@@ -53,7 +53,7 @@ from sbproxy.fleet.view import cached_artifacts
 from sbproxy.store.admission import revoke_node
 from sbproxy.store.fleet import FleetSnapshot
 
-__all__ = ["fleet_admin_handlers", "peer_handlers"]
+__all__ = ["fleet_admin_handlers", "fleet_disabled", "fleet_store_error", "peer_handlers"]
 
 _ACTIONS = {
     "cordon": {"cordoned": True},
@@ -65,7 +65,8 @@ _ACTIONS = {
 EVENTS = 100
 
 
-def _disabled() -> Response[dict[str, object]]:
+def fleet_disabled() -> Response[dict[str, object]]:
+    """409 ``fleet_disabled``: this host is not a fleet member."""
     return admin_error(
         status=409,
         code="fleet_disabled",
@@ -74,7 +75,8 @@ def _disabled() -> Response[dict[str, object]]:
     )
 
 
-def _error(exc: SbproxyError) -> Response[dict[str, object]]:
+def fleet_store_error(exc: SbproxyError) -> Response[dict[str, object]]:
+    """The answer to a fleet store error: 503 for ``journal_unavailable``, else 500."""
     status = 503 if exc.code == "journal_unavailable" else 500
     return admin_error(status=status, code=exc.code, message=exc.message, details=exc.details)
 
@@ -139,11 +141,11 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
     async def read(events: int = 0) -> FleetSnapshot | Response[dict[str, object]]:
         """The snapshot, or the answer to give instead (no fleet, no journal)."""
         if agent is None:
-            return _disabled()
+            return fleet_disabled()
         try:
             return await anyio.to_thread.run_sync(lambda: agent.store.snapshot(events=events))
         except SbproxyError as exc:
-            return _error(exc)
+            return fleet_store_error(exc)
 
     @get("/fleet/nodes")
     async def nodes(
@@ -153,7 +155,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
         recorded, with its heartbeat age on database time."""
         snapshot = await read()
         if isinstance(snapshot, Response) or agent is None:
-            return snapshot if isinstance(snapshot, Response) else _disabled()
+            return snapshot if isinstance(snapshot, Response) else fleet_disabled()
         return Response(
             {
                 "schema_version": 1,
@@ -169,7 +171,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
         """One member, and the placements on it."""
         snapshot = await read()
         if isinstance(snapshot, Response) or agent is None:
-            return snapshot if isinstance(snapshot, Response) else _disabled()
+            return snapshot if isinstance(snapshot, Response) else fleet_disabled()
         found = next((row for row in _nodes(agent, snapshot) if row["id"] == node), None)
         if found is None:
             return admin_error(
@@ -190,7 +192,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
         """Cordon, uncordon, drain, remove, admit or revoke a member (a ``fleet.node``
         job); ``reason`` is recorded with a revocation."""
         if agent is None:
-            return _disabled()
+            return fleet_disabled()
         flags = _ACTIONS.get(action)
         if flags is None and action != "revoke":
             return admin_error(
@@ -210,7 +212,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
                 )
             )
         except SbproxyError as exc:
-            return _error(exc)
+            return fleet_store_error(exc)
         if job_id is None:
             return admin_error(
                 status=404,
@@ -228,7 +230,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
         """Every placement, with its node's reported runtime of the replica."""
         snapshot = await read()
         if isinstance(snapshot, Response) or agent is None:
-            return snapshot if isinstance(snapshot, Response) else _disabled()
+            return snapshot if isinstance(snapshot, Response) else fleet_disabled()
         states = {row["id"]: row["state"] for row in _nodes(agent, snapshot)}
         reported = {node.id: node.replicas for node in snapshot.nodes}
         stuck = stuck_placements(
@@ -255,7 +257,7 @@ def fleet_admin_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
         """The controller lease."""
         snapshot = await read()
         if isinstance(snapshot, Response) or agent is None:
-            return snapshot if isinstance(snapshot, Response) else _disabled()
+            return snapshot if isinstance(snapshot, Response) else fleet_disabled()
         lease = snapshot.controller
         return Response({"schema_version": 1, "controller": lease.to_dict() if lease else None})
 

@@ -27,6 +27,7 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath
 
 from sbproxy.api.errors import admin_error
+from sbproxy.api.fleet import fleet_disabled, fleet_store_error
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.agent import FleetAgent
 from sbproxy.store.admission import (
@@ -39,20 +40,6 @@ from sbproxy.store.admission import (
 __all__ = ["admission_handlers"]
 
 MAX_DESCRIPTION_CHARS = 200
-
-
-def _disabled() -> Response[dict[str, object]]:
-    return admin_error(
-        status=409,
-        code="fleet_disabled",
-        message="this host is not a fleet member (authority is not cluster_authority)",
-        details={},
-    )
-
-
-def _error(exc: SbproxyError) -> Response[dict[str, object]]:
-    status = 503 if exc.code == "journal_unavailable" else 500
-    return admin_error(status=status, code=exc.code, message=exc.message, details=exc.details)
 
 
 def _bad(message: str, field: str) -> Response[dict[str, object]]:
@@ -93,7 +80,7 @@ def admission_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
     async def create(request: Request[Any, Any, Any]) -> Response[dict[str, object]]:
         """Make a join token; its secret is in this answer only."""
         if agent is None:
-            return _disabled()
+            return fleet_disabled()
         parsed = _request(await request.body())
         if isinstance(parsed, Response):
             return parsed
@@ -109,7 +96,7 @@ def admission_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
                 )
             )
         except SbproxyError as exc:
-            return _error(exc)
+            return fleet_store_error(exc)
         return Response(
             {
                 "schema_version": 1,
@@ -124,11 +111,11 @@ def admission_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
     async def tokens() -> Response[dict[str, object]]:
         """Every join token, without secrets."""
         if agent is None:
-            return _disabled()
+            return fleet_disabled()
         try:
             now, rows = await anyio.to_thread.run_sync(lambda: list_join_tokens(agent.store))
         except SbproxyError as exc:
-            return _error(exc)
+            return fleet_store_error(exc)
         return Response(
             {"schema_version": 1, "now_ms": now, "tokens": [r.to_dict(now) for r in rows]}
         )
@@ -137,13 +124,13 @@ def admission_handlers(agent: FleetAgent | None) -> list[HTTPRouteHandler]:
     async def revoke(token_id: FromPath[str]) -> Response[dict[str, object]]:
         """Revoke a join token: no join redeems it from now on."""
         if agent is None:
-            return _disabled()
+            return fleet_disabled()
         try:
             job_id = await anyio.to_thread.run_sync(
                 lambda: revoke_join_token(agent.store, token_id, by=agent.identity.id)
             )
         except SbproxyError as exc:
-            return _error(exc)
+            return fleet_store_error(exc)
         if job_id is None:
             return admin_error(
                 status=404,
