@@ -5,6 +5,7 @@ their states and heartbeat ages on database time, replicas as their nodes report
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from sbproxy.fleet.agent import fleet_view
 from sbproxy.fleet.membership import LIVE_STATES, FleetTiming
@@ -87,7 +88,7 @@ def test_the_view_of_a_snapshot(postgres_server: PostgresServer) -> None:
 
 
 def _member(
-    node: str, state: str, inventory: dict[str, dict[str, object]], *, left: bool = False
+    node: str, state: str, inventory: dict[str, dict[str, Any]], *, left: bool = False
 ) -> NodeRow:
     return NodeRow(
         id=node, advertise_url=None, labels={}, engines=[], devices=[], artifacts=[],
@@ -99,8 +100,8 @@ def _member(
 def test_an_artifact_is_cached_only_on_members_that_still_serve_their_cache() -> None:
     """A node lost (killed) or gone keeps its last report in its row; it is not a place the
     file can be had from, so neither `models ps --fleet` nor the console lists it."""
-    held = {"sha256:aa": {"bytes": 10, "verified": True}}
-    pulling = {"sha256:aa": {"bytes": 4, "verified": False}}
+    held: dict[str, dict[str, Any]] = {"sha256:aa": {"bytes": 10, "verified": True}}
+    pulling: dict[str, dict[str, Any]] = {"sha256:aa": {"bytes": 4, "verified": False}}
     members = [
         _member("a", "lost", held),
         _member("b", "ready", held),

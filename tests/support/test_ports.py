@@ -16,13 +16,13 @@ def test_ports_picked_together_are_distinct_and_below_the_ephemeral_range() -> N
 
 
 def test_each_xdist_worker_picks_from_its_own_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    shares = []
+    shares: list[set[int]] = []
     for worker in ("gw0", "gw1", "gw2", "gw3"):
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
         monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
-        share = ports._this_workers_ports()
+        share = set(ports._this_workers_ports())
         assert ports.free_port() in share
-        shares.append(set(share))
+        shares.append(share)
     for index, share in enumerate(shares):
         for other in shares[index + 1 :]:
             assert not share & other
