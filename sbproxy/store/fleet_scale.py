@@ -95,15 +95,18 @@ def record_scale(
 def record_demand(store: FleetStore, deployment: str, *, node: str) -> bool:
     """Record that a request on ``node``'s gateway wants ``deployment``, which has no
     replica; whether this call wrote the row (``False``: one was already waiting -- however
-    many requests wait, the controller sees one demand and makes one decision).
+    many requests wait, the controller sees one demand and makes one decision -- or the
+    fleet's count of it is above zero already: a gateway whose view was a heartbeat old
+    must not leave a demand behind that would wake the deployment at its next idle).
 
     Raises:
         JournalUnavailable: ``journal_unavailable``.
     """
     with store.transaction() as (cursor, now):
         written = cursor.execute(
-            "INSERT INTO fleet_demand (deployment, at_ms, node) VALUES (%s, %s, %s)"
-            " ON CONFLICT (deployment) DO NOTHING",
-            (deployment, now, node),
+            "INSERT INTO fleet_demand (deployment, at_ms, node) SELECT %s, %s, %s"
+            " WHERE NOT EXISTS (SELECT 1 FROM fleet_scale WHERE deployment = %s"
+            " AND replicas > 0) ON CONFLICT (deployment) DO NOTHING",
+            (deployment, now, node, deployment),
         ).rowcount
     return bool(written)

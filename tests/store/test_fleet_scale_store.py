@@ -95,3 +95,9 @@ def test_demand_is_one_row_and_the_decision_consumes_it(store: FleetStore) -> No
     assert lease is not None
     assert record_scale(store, lease, _decision(0, 1, "demand")) is not None
     assert store.snapshot().demands == ()
+    # A gateway that still saw zero replicas asks once more: the count is one already, so
+    # nothing is left behind to wake the deployment when it next goes idle.
+    assert record_demand(store, "chat", node="gw-2") is False
+    assert store.snapshot().demands == ()
+    assert record_scale(store, lease, _decision(1, 0, "idle")) is not None
+    assert record_demand(store, "chat", node="gw-2") is True
