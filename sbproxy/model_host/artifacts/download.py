@@ -452,10 +452,14 @@ class _Transfer:
                 self._close()
                 raise
             if proxy is not None and response.status == 407:
+                response.close()
                 self._close()
                 raise refused(proxy, current, response.status, response.reason)
             location = response.getheader("Location")
             if response.status in (301, 302, 303, 307, 308) and location:
+                # The answer holds the socket too (a ``Connection: close`` answer owns it
+                # alone): closing only the connection would leave its file descriptor open.
+                response.close()
                 self._close()
                 current = urljoin(current, location)
                 continue
