@@ -562,12 +562,13 @@ class Gateway:
         route = self.routing.route(host, head.model)
         deployment = route.deployment
         note, span = _annotate(scope, route, caller)
-        if hop is None:
-            # A client's request: its key's budget first, then, for a deployment autoscaling
-            # took to zero replicas, one asked for and waited for.
+        if fleet is None:
+            # A single host: its own deployment, no fleet to consult (the hot path).
             self.usage.check(caller.name)
-            await self.wake_if_cold(fleet, deployment)
-        here, prefer = self.place(fleet, route, hop, path, head)
+            here: Route | None = route
+            prefer = None
+        else:
+            here, prefer = await self.place(fleet, route, caller, hop, path, head)
         if here is None:
             assert fleet is not None  # noqa: S101 - only a fleet's route goes elsewhere
             return await self.forward_to_peer(
@@ -674,28 +675,33 @@ class Gateway:
 
         return fleet.serves_here(deployment, known=bool(here), running=running)
 
-    def place(
+    async def place(
         self,
-        fleet: PeerDispatch | None,
+        fleet: PeerDispatch,
         route: Route,
+        caller: Caller,
         hop: str | None,
         path: str,
         head: Head,
     ) -> tuple[Route | None, PeerReplica | None]:
-        """Where a request goes: ``route`` aimed at the replica of this host that takes it,
-        or ``None`` and the peer replica to try first (``None``: the least outstanding) when
-        a peer host serves it; a peer's hop is served here or refused (:meth:`hop_here`).
+        """Where a request to a host of a fleet goes: ``route`` aimed at the replica of this
+        host that takes it, or ``None`` and the peer replica to try first (``None``: the least
+        outstanding) when a peer host serves it. A client's request is checked against its
+        key's budget, then, for a deployment autoscaling took to zero replicas, waits for
+        one (:meth:`wake_if_cold`); a peer's hop is served here or refused
+        (:meth:`hop_here`).
 
         Raises:
+            TokenBudgetExceeded: ``token_budget_exceeded`` (429).
+            AdmissionRejected: ``queue_timeout`` -- no replica woke in time.
             NoReadyReplica: ``no_ready_replica`` for a hop this node does not serve.
         """
         if hop is not None:
             self.hop_here(fleet, route.deployment)
-            assert fleet is not None  # noqa: S101 - a hop is only read on a host of a fleet
             # The replica of this node that takes it (one of several).
             return self.local_route(fleet, route, path=path, head=head), None
-        if fleet is None:
-            return route, None
+        self.usage.check(caller.name)
+        await self.wake_if_cold(fleet, route.deployment)
         return self.fleet_route(fleet, route, path, head)
 
     def fleet_route(
