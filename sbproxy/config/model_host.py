@@ -126,6 +126,18 @@ class RoutingPolicy(StrEnum):
     PREFIX = "prefix"
 
 
+class SplitMode(StrEnum):
+    """Whether a fleet may split one replica over several nodes with llama.cpp's RPC
+    backend (docs/cluster.md, "One model over several hosts")."""
+
+    AUTO = "auto"
+    """Split only when no single node has room for the replica (the decision says so)."""
+    RPC = "rpc"
+    """Always split, over the fewest nodes (two or more) whose devices hold it."""
+    NONE = "none"
+    """Never split: a replica no single node holds stays unplaced."""
+
+
 class PlacementStrategy(StrEnum):
     """How the fleet planner scores nodes: ``spread`` (fewest replicas, most free memory
     first) or ``binpack`` (fill the fullest node that still fits first)."""
@@ -801,6 +813,13 @@ class DeploymentConfig(ConfigModel):
         "flight and queued) or prefix (the replica whose prompt cache most likely holds the "
         "request's prefix, by rendezvous hashing, bounded by load; docs/cluster.md).",
     )
+    split: SplitMode = Field(
+        default=SplitMode.AUTO,
+        description="Fleet only (cluster_authority), llama.cpp only: auto (a replica no "
+        "single node holds is split over several nodes' ggml-rpc-server workers, and the "
+        "placement says so), rpc (always split, over the fewest nodes that hold it) or none "
+        "(never; it stays unplaced). docs/cluster.md, \"One model over several hosts\".",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         max_length=64,
@@ -938,6 +957,22 @@ class DeploymentConfig(ConfigModel):
                     ("restart_backoff_initial_ms",),
                     f"restart_backoff_initial_ms {self.restart_backoff_initial_ms} exceeds "
                     f"restart_backoff_max_ms {self.restart_backoff_max_ms}",
+                )
+            )
+        if self.split == SplitMode.RPC and self.engine == EngineChoice.VLLM:
+            problems.append(
+                (
+                    ("split",),
+                    "split: rpc runs llama.cpp's RPC workers; vLLM has no such split here: "
+                    "use engine: llama_cpp (or auto) or drop split",
+                )
+            )
+        if self.split == SplitMode.RPC and (self.tensor_parallel or 1) > 1:
+            problems.append(
+                (
+                    ("split",),
+                    f"split: rpc puts one device of each node in the split; tensor_parallel "
+                    f"{self.tensor_parallel} asks for several on one node: drop one of the two",
                 )
             )
         if self.engine == EngineChoice.LLAMA_CPP:
@@ -1082,6 +1117,19 @@ class ModelHostConfig(ConfigModel):
                 "(proxy.model_host.journal.url); the SQLite journal serves one host only",
             )
         if self.authority != Authority.CLUSTER_AUTHORITY:
+            split = sorted(d for d, c in self.deployments.items() if c.split == SplitMode.RPC)
+            if split:
+                raise RuleViolation(
+                    [
+                        (
+                            ("deployments", d, "split"),
+                            "split: rpc spreads one replica over several hosts and needs "
+                            "authority: cluster_authority on the shared PostgreSQL journal; a "
+                            "single host runs the whole model: drop split",
+                        )
+                        for d in split
+                    ]
+                )
             ranged = sorted(d for d, c in self.deployments.items() if c.replica_range)
             if ranged:
                 raise RuleViolation(

@@ -86,7 +86,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sbproxy.config import DeploymentConfig, FleetConfig, PlacementStrategy, Rollout
+from sbproxy.config import DeploymentConfig, FleetConfig, PlacementStrategy, Rollout, SplitMode
 from sbproxy.fleet.membership import NodeState
 from sbproxy.model_host.runtime.memory import MemoryEstimate
 
@@ -104,6 +104,7 @@ __all__ = [
     "PlacementState",
     "PlacementView",
     "ReplaceReplica",
+    "SplitWorker",
     "StartReplica",
     "StopReplica",
     "StuckReason",
@@ -160,6 +161,9 @@ class StuckReason(StrEnum):
     """Its node reports the engine held in a crash loop."""
     LOAD_FAILED = "load_failed"
     """Its node reports that preparing it (pull, resolve, admit, launch) failed."""
+    WORKER_FAILED = "worker_failed"
+    """A split's RPC worker is gone: its node is lost or left, or its ``ggml-rpc-server``
+    exited or could not start (the whole split is placed again)."""
 
 
 class PlacementState(StrEnum):
@@ -278,6 +282,8 @@ class DeploymentSpec(_Frozen):
         avoid_nodes: Nodes none of its replicas is placed on now.
         accelerators: Device kinds ``variant`` runs on (any when empty: the node resolves).
         min_compute_capability: The lowest CUDA compute capability ``variant`` accepts.
+        split: Whether a replica may be split over several nodes' llama.cpp RPC workers
+            (:class:`~sbproxy.config.SplitMode`; ``none`` unless the definition says).
     """
 
     id: str = Field(min_length=1)
@@ -296,6 +302,7 @@ class DeploymentSpec(_Frozen):
     avoid_nodes: frozenset[str] = frozenset()
     accelerators: frozenset[str] = frozenset()
     min_compute_capability: tuple[int, int] | None = None
+    split: SplitMode = SplitMode.NONE
 
     def choices(self) -> tuple[VariantChoice, ...]:
         """The first choice (this spec's own variant, engines and estimate), then the
@@ -349,7 +356,19 @@ class DeploymentSpec(_Frozen):
             avoid_nodes=frozenset(avoid_nodes),
             accelerators=frozenset(accelerators),
             min_compute_capability=min_compute_capability,
+            split=config.split,
         )
+
+
+class SplitWorker(_Frozen):
+    """One node's part of a replica split over several nodes (llama.cpp RPC): the device
+    its ``ggml-rpc-server`` offers and the bytes it reserves there. The first worker of a
+    split is on the leader's node, and its reservation includes the leader's own compute
+    buffer."""
+
+    node: str = Field(min_length=1)
+    devices: tuple[int, ...]
+    reserved_bytes: int = Field(ge=0)
 
 
 class PlacementView(_Frozen):
@@ -368,6 +387,10 @@ class PlacementView(_Frozen):
             ``max_replacements_in_flight`` until ``ready``).
         stuck: Set by the caller on a placement to move elsewhere (a ``pending``/``starting``
             one, or a ``ready`` one whose engine is held in a crash loop).
+        workers: A split replica's RPC workers, the leader's node first (its ``node``,
+            ``devices`` and ``reserved_bytes`` are the first worker's); empty for a replica
+            on one node.
+        stuck_node: The node a stuck split failed on (a worker's); ``None``: ``node``.
     """
 
     id: str = Field(min_length=1)
@@ -380,6 +403,15 @@ class PlacementView(_Frozen):
     state: PlacementState
     replaces: str | None = None
     stuck: StuckReason | None = None
+    workers: tuple[SplitWorker, ...] = ()
+    stuck_node: str | None = None
+
+    def holdings(self) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+        """``(node, devices, bytes)`` of every reservation it holds: one, or one per worker
+        of a split."""
+        if self.workers:
+            return tuple((w.node, w.devices, w.reserved_bytes) for w in self.workers)
+        return ((self.node, self.devices, self.reserved_bytes),)
 
 
 class PlacementPolicy(_Frozen):
@@ -403,7 +435,9 @@ class PlacementPolicy(_Frozen):
 
 
 StartCause = Literal["missing", "rollout", "drain"]
-ReplaceCause = Literal["node_gone", "placement_timeout", "crash_loop", "load_failed"]
+ReplaceCause = Literal[
+    "node_gone", "placement_timeout", "crash_loop", "load_failed", "worker_failed"
+]
 StopCause = Literal["rollout", "drain", "make_room", "scale_down", "duplicate", "removed", "stuck"]
 
 
@@ -427,12 +461,15 @@ class StartReplica(_Frozen):
     estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE
     reason: str = ""
     """Why this node: locality (the artifact it holds), then the strategy."""
+    workers: tuple[SplitWorker, ...] = ()
+    """A split replica's RPC workers, the leader's node first; empty on one node."""
 
 
 class ReplaceReplica(_Frozen):
     """Start replica ``replica`` on ``node`` in place of ``replaces`` on ``from_node``:
     ``cause`` ``node_gone`` (lost or left), else the :class:`StuckReason` of a placement
-    that never became ready (the plan stops it too)."""
+    that never became ready (the plan stops it too). For a split whose worker failed,
+    ``from_node`` is that worker's node (the one the deployment then avoids)."""
 
     kind: Literal["replace"] = "replace"
     deployment: str
@@ -449,6 +486,8 @@ class ReplaceReplica(_Frozen):
     estimate_basis: EstimateBasis = EstimateBasis.FILE_SIZE
     reason: str = ""
     """Why this node: locality (the artifact it holds), then the strategy."""
+    workers: tuple[SplitWorker, ...] = ()
+    """A split replica's RPC workers, the leader's node first; empty on one node."""
 
 
 class StopReplica(_Frozen):
@@ -567,6 +606,27 @@ class _Fit:
     engine: str
     choice: VariantChoice
     reason: str = ""
+    workers: tuple[SplitWorker, ...] = ()
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What it reserves on each of its (leader's) devices."""
+        return self.workers[0].reserved_bytes if self.workers else self.choice.estimate.total_bytes
+
+    def holdings(self) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+        """``(node, devices, bytes)`` of every reservation it makes."""
+        if self.workers:
+            return tuple((w.node, w.devices, w.reserved_bytes) for w in self.workers)
+        return ((self.node.id, self.devices, self.choice.estimate.total_bytes),)
+
+
+@dataclass(frozen=True)
+class _SplitCandidate:
+    key: tuple[object, ...]
+    node: NodeView
+    device: int
+    free: int
+    holds: bool
 
 
 @dataclass(frozen=True)
@@ -606,15 +666,10 @@ class _Planner:
         self.policy = policy
         self.ledger = _Ledger()
         for placement in self.placements:
-            node = self.nodes.get(placement.node)
-            if node is not None and node.state not in _GONE_STATES:
-                self.ledger.add(
-                    placement.deployment,
-                    placement.node,
-                    placement.devices,
-                    placement.reserved_bytes,
-                    placement.replica,
-                )
+            for where, devices, size in placement.holdings():
+                node = self.nodes.get(where)
+                if node is not None and node.state not in _GONE_STATES:
+                    self.ledger.add(placement.deployment, where, devices, size, placement.replica)
         self.replacement_budget = policy.max_replacements_in_flight - sum(
             1
             for p in self.placements
@@ -631,6 +686,22 @@ class _Planner:
     def _gone(self, placement: PlacementView) -> bool:
         node = self.nodes.get(placement.node)
         return node is None or node.state in _GONE_STATES
+
+    def _stuck(self, placement: PlacementView) -> tuple[StuckReason, str] | None:
+        """Why ``placement`` must move, and the node it failed on: the caller's mark, or a
+        split one of whose workers' nodes is gone."""
+        if placement.stuck is not None:
+            return placement.stuck, placement.stuck_node or placement.node
+        for worker in placement.workers:
+            node = self.nodes.get(worker.node)
+            if node is None or node.state in _GONE_STATES:
+                return StuckReason.WORKER_FAILED, worker.node
+        return None
+
+    def _hold(self, placement: PlacementView, *, release: bool = False) -> None:
+        for where, devices, size in placement.holdings():
+            change = self.ledger.remove if release else self.ledger.add
+            change(placement.deployment, where, devices, size, placement.replica)
 
     def _stoppable(self, placement: PlacementView) -> bool:
         return not self._gone(placement) and placement.state is not PlacementState.STOPPING
@@ -661,10 +732,11 @@ class _Planner:
         pending_replacements.sort(key=lambda item: (self._serving(item[0]), item[0].id, item[1]))
         for spec, replica, lost in pending_replacements:
             if self.replacement_budget <= 0:
+                stuck = self._stuck(lost)
                 where = (
                     f"on gone node {lost.node}"
-                    if self._gone(lost)
-                    else f"stuck on {lost.node} ({lost.stuck})"
+                    if self._gone(lost) or stuck is None
+                    else f"stuck on {stuck[1]} ({stuck[0]})"
                 )
                 self.notes.append(
                     DeferredReplica(
@@ -730,7 +802,7 @@ class _Planner:
                 if keep.state is PlacementState.READY:
                     for placement in retiring:
                         self._stop(placement, "drain" if self._draining(placement) else "rollout")
-                if keep.stuck is not None:
+                if self._stuck(keep) is not None:
                     replacements.append((spec, replica, keep))
                 continue
             if not retiring and lost:
@@ -760,9 +832,9 @@ class _Planner:
             return
         for old in retiring:
             # Would the new one fit where the old one is, once it is gone?
-            self.ledger.remove(spec.id, old.node, old.devices, old.reserved_bytes, old.replica)
+            self._hold(old, release=True)
             fits = self._find(spec, replica)
-            self.ledger.add(spec.id, old.node, old.devices, old.reserved_bytes, old.replica)
+            self._hold(old)
             if isinstance(fits, _Fit):
                 self._make_room(spec, replica, old)
                 return
@@ -813,8 +885,8 @@ class _Planner:
     # -- effects on the working state ----------------------------------------------------
 
     def _start(self, spec: DeploymentSpec, replica: int, fit: _Fit, cause: StartCause) -> None:
-        size = fit.choice.estimate.total_bytes
-        self.ledger.add(spec.id, fit.node.id, fit.devices, size, replica)
+        for where, devices, size in fit.holdings():
+            self.ledger.add(spec.id, where, devices, size, replica)
         self.starts.append(
             StartReplica(
                 deployment=spec.id,
@@ -823,26 +895,37 @@ class _Planner:
                 node=fit.node.id,
                 devices=fit.devices,
                 engine=fit.engine,
-                reserved_bytes=size,
+                reserved_bytes=fit.reserved_bytes,
                 cause=cause,
                 variant=fit.choice.variant,
                 estimate_basis=fit.choice.estimate_basis,
                 reason=fit.reason,
+                workers=fit.workers,
             )
         )
 
     def _place(self, spec: DeploymentSpec, replica: int, *, replaces: PlacementView) -> bool:
         """Re-place ``replaces`` (on a gone node, or stuck) elsewhere; ``False`` if refused."""
-        stuck = None if self._gone(replaces) else replaces.stuck
-        exclude = frozenset() if stuck is None else frozenset({replaces.node})
+        marked = None if self._gone(replaces) else self._stuck(replaces)
+        stuck = None if marked is None else marked[0]
+        from_node = replaces.node if marked is None else marked[1]
+        exclude = frozenset() if stuck is None else frozenset({from_node})
         found = self._find(spec, replica, exclude)
         if not isinstance(found, _Fit):
             where = (
                 f"re-placing from gone node {replaces.node}"
                 if stuck is None
-                else f"placement {replaces.id} is stuck on {replaces.node} ({stuck}) and "
+                else f"placement {replaces.id} is stuck on {from_node} ({stuck}) and "
                 "stays there, no other node takes it"
             )
+            if stuck is StuckReason.WORKER_FAILED:
+                # A split without one of its workers cannot serve: it stops, and its memory
+                # is free for the next plan's split.
+                where = (
+                    f"placement {replaces.id} lost its RPC worker on {from_node} and stops; "
+                    "no split fits beside it"
+                )
+                self._stop(replaces, "stuck")
             self.notes.append(
                 UnplacedReplica(
                     deployment=spec.id,
@@ -853,8 +936,8 @@ class _Planner:
                 )
             )
             return False
-        size = found.choice.estimate.total_bytes
-        self.ledger.add(spec.id, found.node.id, found.devices, size, replica)
+        for where, devices, size in found.holdings():
+            self.ledger.add(spec.id, where, devices, size, replica)
         self.starts.append(
             ReplaceReplica(
                 deployment=spec.id,
@@ -863,13 +946,14 @@ class _Planner:
                 node=found.node.id,
                 devices=found.devices,
                 engine=found.engine,
-                reserved_bytes=size,
+                reserved_bytes=found.reserved_bytes,
                 replaces=replaces.id,
-                from_node=replaces.node,
+                from_node=from_node,
                 cause="node_gone" if stuck is None else stuck.value,
                 variant=found.choice.variant,
                 estimate_basis=found.choice.estimate_basis,
                 reason=found.reason,
+                workers=found.workers,
             )
         )
         if stuck is not None:
@@ -891,6 +975,128 @@ class _Planner:
     # -- filter and score ----------------------------------------------------------------
 
     def _find(
+        self, spec: DeploymentSpec, replica: int, exclude: frozenset[str] = frozenset()
+    ) -> _Fit | _Refusal:
+        if spec.split is SplitMode.RPC:
+            return self._find_split(spec, replica, exclude, why="split: rpc")
+        found = self._find_whole(spec, replica, exclude)
+        if (
+            spec.split is SplitMode.AUTO
+            and spec.tensor_parallel == 1
+            and isinstance(found, _Refusal)
+            and found.reason is PlacementReason.INSUFFICIENT_CAPACITY
+        ):
+            split = self._find_split(spec, replica, exclude, why=f"{found.message}; split: auto")
+            if isinstance(split, _Fit):
+                return split
+            return _Refusal(found.reason, f"{found.message}; no split either: {split.message}")
+        return found
+
+    def _find_split(
+        self, spec: DeploymentSpec, replica: int, exclude: frozenset[str], *, why: str
+    ) -> _Fit | _Refusal:
+        """The fewest nodes (two or more) whose devices hold one replica split with
+        llama.cpp's RPC backend: each worker reserves its share of the weights, KV cache and
+        margin plus a compute buffer; the leader (the node holding the artifact, when one
+        does) a second compute buffer for its own ``llama-server``."""
+        choice = next((c for c in spec.choices() if SPLIT_ENGINE in c.engines), None)
+        if choice is None:
+            return _Refusal(
+                PlacementReason.ENGINE_UNAVAILABLE,
+                f"{spec.id} cannot be split: only llama.cpp splits a model over nodes (RPC)",
+            )
+        avoided = spec.avoid_nodes | exclude
+        nodes = [
+            n
+            for n in self.nodes.values()
+            if n.id not in avoided
+            and n.state is NodeState.READY
+            and _has_labels(n, spec.required_labels)
+            and SPLIT_ENGINE in n.engines
+        ]
+        if len(nodes) < 2:
+            return _Refusal(
+                PlacementReason.INSUFFICIENT_CAPACITY,
+                f"a split of {spec.id} needs two or more ready nodes with llama.cpp"
+                f"{' and its labels' if spec.required_labels else ''}; {len(nodes)} found",
+            )
+        estimate = choice.estimate
+        overhead = estimate.runtime_overhead_bytes
+        for count in range(2, len(nodes) + 1):
+            share = split_share(estimate, count)
+            fits: list[_SplitCandidate] = []
+            for node in nodes:
+                device = self._split_device(spec, node, choice, share)
+                if device is not None:
+                    index, free = device
+                    order = -free if self.policy.strategy is PlacementStrategy.SPREAD else free
+                    holds = choice.artifact_digest in node.cached_artifacts
+                    fits.append(
+                        _SplitCandidate(
+                            (self.ledger.per_node[(spec.id, node.id)], not holds, order, node.id),
+                            node,
+                            index,
+                            free,
+                            holds,
+                        )
+                    )
+            if len(fits) < count:
+                continue
+            fits.sort(key=lambda item: item.key)
+            chosen = fits[:count]
+            # The leader reads the GGUF and sends the weights: a node holding it, if any.
+            leaders = sorted(
+                (item for item in chosen if item.free >= share + overhead),
+                key=lambda item: (not item.holds, item.key),
+            )
+            if not leaders:
+                continue
+            leader = leaders[0]
+            ordered = [leader, *(item for item in chosen if item is not leader)]
+            workers = tuple(
+                SplitWorker(
+                    node=item.node.id,
+                    devices=(item.device,),
+                    reserved_bytes=share + (overhead if item is leader else 0),
+                )
+                for item in ordered
+            )
+            names = ", ".join(w.node for w in workers[1:])
+            reason = (
+                f"{why}: split over {count} nodes with llama.cpp RPC, leader {leader.node.id}"
+                f"{' (holds the artifact)' if leader.holds else ''} and {names}, "
+                f"{_size(share)} each"
+            )
+            return _Fit(
+                leader.node, (leader.device,), SPLIT_ENGINE, choice, reason=reason, workers=workers
+            )
+        return _Refusal(
+            PlacementReason.INSUFFICIENT_CAPACITY,
+            f"{spec.id} does not fit split over all {len(nodes)} ready node(s) with llama.cpp "
+            f"either ({_size(split_share(estimate, len(nodes)))} each)",
+        )
+
+    def _split_device(
+        self, spec: DeploymentSpec, node: NodeView, choice: VariantChoice, size: int
+    ) -> tuple[int, int] | None:
+        """``(device, bytes free)`` of ``node``'s device with the most room (``binpack``:
+        the least) for ``size``, not held by another replica of ``spec``."""
+        held = self.ledger.holders[(spec.id, node.id)]
+        free = [
+            (device.capacity_bytes - self.ledger.used[(node.id, device.index)], device.index)
+            for device in node.devices
+            if device.index not in held and choice.runs_on(device)
+        ]
+        room = [(left, index) for left, index in free if left >= size]
+        if not room:
+            return None
+        if self.policy.strategy is PlacementStrategy.BINPACK:
+            left, index = min(room)
+        else:
+            left, index = min(room, key=lambda item: (-item[0], item[1]))
+        return index, left
+
+    def _find_whole(
         self, spec: DeploymentSpec, replica: int, exclude: frozenset[str] = frozenset()
     ) -> _Fit | _Refusal:
         avoided = spec.avoid_nodes | exclude
@@ -1005,6 +1211,18 @@ class _Planner:
             and node_id in self.nodes
             and self.nodes[node_id].labels.get(key) == value
         )
+
+
+SPLIT_ENGINE = "llama_cpp"
+"""The engine that splits one model over several nodes (its RPC backend)."""
+
+
+def split_share(estimate: MemoryEstimate, count: int) -> int:
+    """Bytes each of ``count`` workers of a split reserves: an even share of the weights,
+    KV cache and safety margin, plus its own compute buffer (llama.cpp splits the layers
+    over the RPC devices in proportion to their free memory; on equal devices, evenly)."""
+    spread = estimate.weight_bytes + estimate.kv_bytes + estimate.safety_margin_bytes
+    return -(-spread // count) + estimate.runtime_overhead_bytes
 
 
 def _holds(fit: _Fit) -> bool:

@@ -717,6 +717,7 @@ def test_decisions_have_a_stable_json_form() -> None:
                 "estimate_basis": "file_size",
                 "reason": "the artifact is resolved on the node; 1 node(s) fit, then spread "
                 "picked b",
+                "workers": [],
             },
             {
                 "kind": "stop",
