@@ -231,6 +231,10 @@ async def _stop_serving(
         with anyio.CancelScope(shield=True):
             await agent.leave()
     await _shutdown_runtime(manager, budget_s=stop.engine_budget_s() if stop else None)
+    if agent is not None:
+        # The RPC workers of splits last: a split this host leads drained above.
+        with anyio.CancelScope(shield=True):
+            await agent.close_splits()
 
 
 async def _shutdown_runtime(manager: RuntimeManager, *, budget_s: float | None) -> None:

@@ -818,7 +818,7 @@ class DeploymentConfig(ConfigModel):
         description="Fleet only (cluster_authority), llama.cpp only: auto (a replica no "
         "single node holds is split over several nodes' ggml-rpc-server workers, and the "
         "placement says so), rpc (always split, over the fewest nodes that hold it) or none "
-        "(never; it stays unplaced). docs/cluster.md, \"One model over several hosts\".",
+        '(never; it stays unplaced). docs/cluster.md, "One model over several hosts".',
     )
     extra_args: list[str] = Field(
         default_factory=list,
@@ -919,6 +919,27 @@ class DeploymentConfig(ConfigModel):
             raise ValueError(f"device indexes must be distinct (duplicate device in {value})")
         return value
 
+    def _split_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
+        if self.split != SplitMode.RPC:
+            return []
+        if self.engine == EngineChoice.VLLM:
+            return [
+                (
+                    ("split",),
+                    "split: rpc runs llama.cpp's RPC workers; vLLM has no such split here: "
+                    "use engine: llama_cpp (or auto) or drop split",
+                )
+            ]
+        if (self.tensor_parallel or 1) > 1:
+            return [
+                (
+                    ("split",),
+                    f"split: rpc puts one device of each node in the split; tensor_parallel "
+                    f"{self.tensor_parallel} asks for several on one node: drop one of the two",
+                )
+            ]
+        return []
+
     @model_validator(mode="after")
     def _cross_field(self) -> DeploymentConfig:
         problems: list[tuple[tuple[str | int, ...], str]] = []
@@ -959,22 +980,7 @@ class DeploymentConfig(ConfigModel):
                     f"restart_backoff_max_ms {self.restart_backoff_max_ms}",
                 )
             )
-        if self.split == SplitMode.RPC and self.engine == EngineChoice.VLLM:
-            problems.append(
-                (
-                    ("split",),
-                    "split: rpc runs llama.cpp's RPC workers; vLLM has no such split here: "
-                    "use engine: llama_cpp (or auto) or drop split",
-                )
-            )
-        if self.split == SplitMode.RPC and (self.tensor_parallel or 1) > 1:
-            problems.append(
-                (
-                    ("split",),
-                    f"split: rpc puts one device of each node in the split; tensor_parallel "
-                    f"{self.tensor_parallel} asks for several on one node: drop one of the two",
-                )
-            )
+        problems.extend(self._split_problems())
         if self.engine == EngineChoice.LLAMA_CPP:
             problems.extend(
                 ((name,), f"{name} is a vLLM setting; remove it or use engine: vllm")

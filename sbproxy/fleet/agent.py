@@ -59,6 +59,7 @@ from sbproxy.fleet.control import (
     definition_digest,
     deployment_spec,
     device_capacities,
+    failed_workers,
     forgettable,
     judge_own_lease,
     local_deployments,
@@ -97,6 +98,7 @@ from sbproxy.fleet.scaling import (
     in_flight,
     scaled_counts,
 )
+from sbproxy.fleet.split import SplitNode
 from sbproxy.fleet.view import (
     ControllerRow,
     FleetView,
@@ -240,7 +242,13 @@ class FleetAgent:
         inventory: ``{digest: {"bytes", "verified"}}`` of the artifacts in this node's cache
             (:class:`~sbproxy.fleet.cluster.CacheInventory`); sent at join and with a
             renewal only when it changed (none by default).
+
+    Attributes:
+        split: This node's part in split replicas (:class:`~sbproxy.fleet.split.SplitNode`;
+            ``None``: it takes none -- the agent alone in tests).
     """
+
+    split: SplitNode | None = None
 
     # Private state with immutable starting values (each instance rebinds its own).
     _facts_sent: frozenset[str] | None = None
@@ -328,6 +336,11 @@ class FleetAgent:
         """This node's own credential (presented to peers); ``None`` before it joined with
         one (:class:`~sbproxy.fleet.admission.PeerAdmission`)."""
         return self._secret
+
+    def credential_hash(self, node: str) -> str | None:
+        """The credential hash member ``node`` proves to this node's RPC gates, as this host
+        last read the fleet; ``None`` for a revoked, removed or unknown node (refused)."""
+        return self._peers.hashes.get(node)
 
     def check_peer(self, node: str, secret: str) -> PeerCheck:
         """``secret`` presented as member ``node``, checked against the fleet as this host last
@@ -657,6 +670,8 @@ class FleetAgent:
             if row.state is DeploymentState.FAILED and row.reason_code == _NO_ROOM:
                 counts[row.deployment]["failure"] = StuckReason.LOAD_FAILED.value
                 counts[row.deployment]["error"] = row.reason_code
+        if self.split is not None:
+            counts.update(self.split.report())
         if self._load_failure is not None:
             failed, code = self._load_failure
             for deployment, placement in sorted(failed.items()):
@@ -844,11 +859,14 @@ class FleetAgent:
             self.fence()
 
     def fence(self) -> list[int]:
-        """Stop taking traffic and kill every engine of this host now; the pids killed."""
+        """Stop taking traffic and kill every engine of this host now (split workers too);
+        the pids killed."""
         self.fenced = True
         self.holding = None
         self._refresh_routing(self.snapshot)
         killed = self.manager.kill_engines()
+        if self.split is not None:
+            killed += self.split.kill_all()
         logger.warning(
             "node %s fenced itself: %d engine(s) killed, no traffic until it renews",
             self.identity.id,
@@ -925,7 +943,8 @@ class FleetAgent:
             for d, spec in specs.items()
             for choice in spec.choices()
         }
-        placed = placement_views(snapshot.placements, current, stuck, sizes)
+        failed_on = failed_workers(snapshot.placements, snapshot.nodes)
+        placed = placement_views(snapshot.placements, current, stuck, sizes, failed_on)
         decided = plan(views, list(specs.values()), placed, policy=self.policy, frozen=frozen)
         self._note_staying(stuck, placed, decided.decisions)
         await self._carry_out(lease, decided.decisions, definitions)
@@ -1122,11 +1141,20 @@ class FleetAgent:
 
     # -- this node's placements --------------------------------------------------------
 
+    async def close_splits(self) -> None:
+        """Stop this node's split workers and tunnels (the host is stopping)."""
+        if self.split is not None:
+            await self.split.aclose()
+
     async def _reconcile(self, snapshot: FleetSnapshot, group: anyio.abc.TaskGroup) -> None:
         if self.fenced:
             return
         me = next((n for n in snapshot.nodes if n.id == self.identity.id), None)
         wanted = {} if me is None or me.left else local_deployments(snapshot.placements, me.id)
+        if self.split is not None:
+            await self._reconcile_splits(
+                snapshot, wanted, group, member=me is not None and not me.left
+            )
         running = {
             d: c.model_dump(mode="json", exclude_unset=True)
             for d, c in ModelHostService.serving(self.manager).served.deployments.items()
@@ -1161,6 +1189,28 @@ class FleetAgent:
                     partial(self.store.placement_ready, self.identity.id, placement.id)
                 )
         self._restart_idle(wanted, status)
+
+    async def _reconcile_splits(
+        self,
+        snapshot: FleetSnapshot,
+        wanted: dict[str, Any],
+        group: anyio.abc.TaskGroup,
+        *,
+        member: bool,
+    ) -> None:
+        """Run this node's split workers; take out of ``wanted`` the splits it leads whose
+        workers are not all ready (a running one drains and stops), and tell the runtime how
+        the others launch (their tunnels)."""
+        assert self.split is not None  # noqa: S101 - the caller checked
+        live = frozenset(v.id for v in self.views if v.state.value not in ("lost", "left"))
+        await self.split.sync(snapshot.placements if member else (), live, group)
+        nodes = {node.id: node for node in snapshot.nodes}
+        leading, waiting = await self.split.lead(
+            snapshot.placements if member else (), nodes, group
+        )
+        for local in waiting:
+            wanted.pop(local, None)
+        self.manager.lead_splits(leading)
 
     def _restart_idle(self, wanted: dict[str, Any], status: dict[str, Any]) -> None:
         """Load a placed replica that is not running (after a fence or an engine exit)."""

@@ -25,6 +25,7 @@ from sbproxy.fleet.agent import FleetAgent, NodeIdentity, ask_peers_http
 from sbproxy.fleet.control import facts_of, local_deployments
 from sbproxy.fleet.membership import LIVE_STATES, FleetTiming
 from sbproxy.fleet.placement import PlacementPolicy
+from sbproxy.fleet.split import SplitNode, worker_threads
 from sbproxy.model_host.artifacts import ArtifactCache
 from sbproxy.model_host.artifacts.cache import CachedMetadata
 from sbproxy.model_host.artifacts.peers import PeerHolder, PeerSources
@@ -315,4 +316,13 @@ def open_agent(
         return peer_secret()
 
     service.engine.add_resource(peer_sources(agent, fetch_secret))
+    agent.split = SplitNode(
+        node_id=node,
+        advertise_url=agent.identity.advertise_url,
+        layout=layout,
+        executable=manager.provision_engine,
+        credentials=agent.credential_hash,
+        own_credential=agent.node_secret,
+        threads=worker_threads(len(manager.devices.devices)),
+    )
     return agent

@@ -63,6 +63,7 @@ from sbproxy.fleet.placement import (
     NodeView,
     PlacementState,
     PlacementView,
+    SplitWorker,
     StuckReason,
     VariantChoice,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "deployment_spec",
     "device_capacities",
     "facts_of",
+    "failed_workers",
     "forgettable",
     "judge_own_lease",
     "local_deployments",
@@ -89,6 +91,7 @@ __all__ = [
     "partition_peers",
     "placement_views",
     "reported_facts",
+    "rpc_report_key",
     "stuck_placements",
 ]
 
@@ -274,6 +277,7 @@ def placement_views(
     current: Mapping[str, tuple[int, str]],
     stuck: Mapping[str, StuckReason] | None = None,
     sizes: Mapping[tuple[str, str | None], int] | None = None,
+    failed_on: Mapping[str, str] | None = None,
 ) -> list[PlacementView]:
     """Recorded placements for :func:`~sbproxy.fleet.placement.plan`.
 
@@ -285,10 +289,14 @@ def placement_views(
         sizes: ``{(deployment, variant): bytes per device}`` of the desired state's choices
             now; a placement of the current definition holds that many bytes in the plan
             rather than what it was placed with (so a replica placed on file sizes before
-            any node reported the GGUF header is sized from the header once one has).
+            any node reported the GGUF header is sized from the header once one has); a
+            split keeps the shares it was placed with.
+        failed_on: ``{placement id: node}`` of the splits whose worker failed on that node
+            (:func:`failed_workers`).
     """
     stuck = stuck or {}
     sizes = sizes or {}
+    failed_on = failed_on or {}
     views = []
     for placement in placements:
         revision = placement.revision
@@ -296,7 +304,8 @@ def placement_views(
         wanted = current.get(placement.deployment)
         if wanted is not None and definition_digest(placement.definition) == wanted[1]:
             revision = wanted[0]
-            reserved = sizes.get((placement.deployment, placement.variant), reserved)
+            if not placement.workers:
+                reserved = sizes.get((placement.deployment, placement.variant), reserved)
         views.append(
             PlacementView(
                 id=placement.id,
@@ -309,9 +318,34 @@ def placement_views(
                 state=PlacementState(placement.state),
                 replaces=placement.replaces,
                 stuck=stuck.get(placement.id),
+                workers=tuple(SplitWorker.model_validate(w) for w in placement.workers),
+                stuck_node=failed_on.get(placement.id),
             )
         )
     return views
+
+
+def rpc_report_key(placement_id: str) -> str:
+    """The key of a split's worker in its node's report (beside the local replicas'
+    ids, which never hold a colon)."""
+    return f"rpc:{placement_id}"
+
+
+def failed_workers(placements: Sequence[Any], nodes: Sequence[Any]) -> dict[str, str]:
+    """``{placement id: node}`` of the splits one of whose workers reports its
+    ``ggml-rpc-server`` failed (exited, or could not start), with the first such node.
+    A worker on a node that is gone is the planner's to see (its node's state)."""
+    reports = {node.id: node.replicas for node in nodes if not node.left}
+    found: dict[str, str] = {}
+    for placement in placements:
+        if placement.state == PlacementState.STOPPING.value:
+            continue
+        for worker in placement.workers:
+            report = (reports.get(worker["node"]) or {}).get(rpc_report_key(placement.id))
+            if report and report.get("state") == "failed":
+                found[placement.id] = worker["node"]
+                break
+    return found
 
 
 def forgettable(
@@ -388,8 +422,9 @@ def stuck_placements(
 
     A ``pending``/``starting`` placement is stuck when its node reports, for it (the report
     names the placement), ``failure: load_failed`` (preparing it failed) or ``crash_looped``
-    (its engine is held in a crash loop) -- at once; else when it was last moved more than
-    ``timeout_ms`` ago on database time (``placement_timeout``). A ``ready`` placement is
+    (its engine is held in a crash loop) -- at once; so is a split whose RPC worker failed
+    on its node (``worker_failed``, :func:`failed_workers`); else when it was last moved
+    more than ``timeout_ms`` ago on database time (``placement_timeout``). A ``ready`` placement is
     stuck only when its node reports its engine held in a crash loop, or its load failed
     there (it served once, and no longer can: a device it holds is gone after a restart,
     its devices are full). Placements on nodes that are not members are left to the
@@ -402,8 +437,12 @@ def stuck_placements(
         timeout_ms: ``placement_timeout_ms``.
     """
     reports = {node.id: node.replicas for node in nodes if not node.left}
-    found: dict[str, StuckReason] = {}
+    found: dict[str, StuckReason] = dict.fromkeys(
+        failed_workers(placements, nodes), StuckReason.WORKER_FAILED
+    )
     for placement in placements:
+        if placement.id in found:
+            continue
         ready = placement.state == PlacementState.READY.value
         if not ready and placement.state not in (
             PlacementState.PENDING.value,

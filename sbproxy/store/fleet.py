@@ -234,6 +234,9 @@ class PlacementRow:
     """The catalog variant it runs; ``None``: its node resolves one."""
     estimate_basis: str | None = None
     """What ``reserved_bytes`` was sized from: ``gguf_header`` or ``file_size``."""
+    workers: tuple[dict[str, Any], ...] = ()
+    """A split replica's RPC workers (``{"node", "devices", "reserved_bytes"}``), the
+    leader's node first; empty for a replica on one node."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``/admin/fleet/placements``)."""
@@ -254,6 +257,7 @@ class PlacementRow:
             "updated_at_ms": self.updated_at_ms,
             "variant": self.variant,
             "estimate_basis": self.estimate_basis,
+            "workers": [dict(worker) for worker in self.workers],
         }
 
 
@@ -396,6 +400,7 @@ def _placement(row: Sequence[Any]) -> PlacementRow:
         updated_at_ms=int(row[13]),
         variant=row[14],
         estimate_basis=row[15],
+        workers=tuple(json.loads(row[16]) if row[16] else ()),
     )
 
 
@@ -407,8 +412,24 @@ _NODE_COLUMNS = (
 )
 _PLACEMENT_COLUMNS = (
     "id, deployment, replica, revision, node, devices_json, engine, reserved_bytes, state,"
-    " replaces, definition_json, epoch, job_id, updated_at_ms, variant, estimate_basis"
+    " replaces, definition_json, epoch, job_id, updated_at_ms, variant, estimate_basis,"
+    " workers_json"
 )
+
+
+def _workers_json(workers: Sequence[Mapping[str, Any]] | None) -> str | None:
+    if not workers:
+        return None
+    return json.dumps(
+        [
+            {
+                "node": str(w["node"]),
+                "devices": [int(d) for d in w["devices"]],
+                "reserved_bytes": int(w["reserved_bytes"]),
+            }
+            for w in workers
+        ]
+    )
 
 
 def _facts_json(facts: Mapping[str, Mapping[str, Any]] | None) -> str:
@@ -1098,7 +1119,8 @@ class FleetStore:
             )
             cursor.execute(
                 f"INSERT INTO fleet_placements ({_PLACEMENT_COLUMNS}, created_at_ms)"  # noqa: S608
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s,"
+                " %s)",
                 (
                     placement_id,
                     decision["deployment"],
@@ -1116,6 +1138,7 @@ class FleetStore:
                     now,
                     decision.get("variant"),
                     decision.get("estimate_basis"),
+                    _workers_json(decision.get("workers")),
                     now,
                 ),
             )

@@ -378,6 +378,15 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "ALTER TABLE fleet_nodes ADD COLUMN artifact_inventory_json TEXT NOT NULL DEFAULT '{}'",
         ),
     ),
+    (
+        15,
+        "fleet: a replica split over several nodes' llama.cpp RPC workers",
+        (
+            # ``[{"node", "devices", "reserved_bytes"}, ...]`` of a split replica's workers,
+            # the leader's node first; NULL for a replica on one node.
+            "ALTER TABLE fleet_placements ADD COLUMN workers_json TEXT",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -41,7 +41,7 @@ from sbproxy.store.records import (
 
 __all__ = ["SCHEMA_VERSION", "JournalReader", "ReaderDeclined"]
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 """The journal schema these queries read: ``migrations.SCHEMA_VERSION`` (a test holds them
 equal; a new migration makes this reader decline until its queries are checked again)."""
 

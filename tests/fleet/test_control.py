@@ -72,6 +72,7 @@ class Placement:
     reserved_bytes: int = 10
     replaces: str | None = None
     variant: str | None = None
+    workers: tuple[dict[str, Any], ...] = ()
 
 
 @pytest.mark.parametrize(
@@ -316,6 +317,7 @@ class Pending:
     deployment: str = "chat"
     updated_at_ms: int = NOW
     replica: int = 0
+    workers: tuple[dict[str, Any], ...] = ()
 
 
 TIMEOUT = 60_000

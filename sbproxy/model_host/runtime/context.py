@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import anyio
 
@@ -40,6 +41,16 @@ __all__ = ["RuntimeContext"]
 logger = logging.getLogger(__name__)
 
 S = DeploymentState
+
+
+@dataclass(frozen=True)
+class SplitLaunch:
+    """How a deployment this host leads as a split launches: ``--rpc`` through these
+    loopback tunnel ``endpoints``, reserving ``reserved_bytes`` here (its share, not the
+    whole model's estimate; docs/cluster.md, "One model over several hosts")."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    reserved_bytes: int
 
 
 class RuntimeContext:
@@ -97,6 +108,9 @@ class RuntimeContext:
         self.staging = Staging()
         self.outbox = Outbox()
         self.tasks = HostTasks()
+        self.splits: dict[str, SplitLaunch] = {}
+        """``{deployment: split}`` of the deployments this host leads as a split over
+        several hosts' RPC workers (the fleet sets it before it loads one)."""
         self.revision: int | None = None
         self._tick = 0
         self._capacity = anyio.Event()

@@ -60,7 +60,12 @@ class Launches:
         self, found: Deployment, metadata: CachedMetadata, *, tensor_parallel: int = 1
     ) -> MemoryEstimate:
         """Memory estimate of one generation from the artifact's GGUF header, per device
-        when split across ``tensor_parallel`` devices."""
+        when split across ``tensor_parallel`` devices; for a split this host leads over
+        several hosts' RPC workers, the share its placement reserved here."""
+        split = self._context.splits.get(found.deployment)
+        if split is not None:
+            # Led here, run on the RPC workers: this host holds its share only.
+            return MemoryEstimate.from_total(split.reserved_bytes)
         snapshot = self._context.cache.snapshot(metadata.artifact_digest)
         ggufs = [f for f in metadata.files if f.path.endswith(".gguf")]
         facts = read_gguf_header(snapshot / ggufs[0].path) if ggufs else None

@@ -42,7 +42,7 @@ from sbproxy.model_host.artifacts import CacheLayout
 from sbproxy.model_host.runtime.clock import Clock, MonotonicClock
 from sbproxy.model_host.runtime.command_runner import ADOPT_POLL_S, RUNTIME_JOB_KINDS, CommandRunner
 from sbproxy.model_host.runtime.commands import CommandQueue
-from sbproxy.model_host.runtime.context import RuntimeContext
+from sbproxy.model_host.runtime.context import RuntimeContext, SplitLaunch
 from sbproxy.model_host.runtime.definitions import (
     artifact_request,
     deployment_digest,
@@ -247,6 +247,12 @@ class RuntimeManager:
     def revision(self) -> int | None:
         """The committed desired-state revision (``None`` before :meth:`start`)."""
         return self._context.revision
+
+    def lead_splits(self, splits: dict[str, SplitLaunch]) -> None:
+        """The deployments this host leads as splits over other hosts' RPC workers, from
+        their next launch on (``{deployment: split}``; the fleet agent's, before it loads
+        one). A deployment not listed launches on this host alone."""
+        self._context.splits = dict(splits)
 
     @property
     def safety_margin(self) -> float:

@@ -61,6 +61,7 @@ class Spawner:
         self, found: Deployment, metadata: CachedMetadata, executable: Path, timeout_s: float
     ) -> LaunchSpec:
         config = found.config
+        split = self._context.splits.get(found.deployment)
         request = LaunchRequest(
             deployment=found.deployment,
             generation=found.generation,
@@ -72,6 +73,7 @@ class Spawner:
             kv_quant=str(config.kv_quant),
             extra_args=tuple(config.extra_args),
             chat_template=_pinned_template(found),
+            rpc_servers=split.endpoints if split is not None else (),
             **self._device_request(found),
         )
         return LaunchSpec(
