@@ -1206,7 +1206,7 @@ class FleetAgent:
         await self.split.sync(snapshot.placements if member else (), live, group)
         nodes = {node.id: node for node in snapshot.nodes}
         leading, waiting = await self.split.lead(
-            snapshot.placements if member else (), nodes, group
+            snapshot.placements if member else (), nodes, live, group
         )
         for local in waiting:
             wanted.pop(local, None)

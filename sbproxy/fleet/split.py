@@ -256,15 +256,18 @@ class SplitNode:
         self,
         placements: Sequence[Any],
         nodes: Mapping[str, Any],
+        live: frozenset[str],
         group: anyio.abc.TaskGroup,
     ) -> tuple[dict[str, SplitLaunch], frozenset[str]]:
         """The splits this node leads: ``({local id: launch}, {local ids waiting})`` --
-        a split is launchable once every worker's node reports it ``ready`` (its tunnels are
-        opened then), and waits otherwise (its local deployment is not run meanwhile).
+        a split is launchable once every worker's node is a live member that reports it
+        ``ready`` (its tunnels are opened then), and waits otherwise (its local deployment
+        is not run meanwhile: a running generation drains and stops).
 
         Args:
             placements: Every placement (``PlacementRow``-shaped).
             nodes: ``{node id: NodeRow}`` of the members (their reports and addresses).
+            live: The members not ``lost`` or ``left``.
             group: Where the tunnels serve.
         """
         ready: dict[str, SplitLaunch] = {}
@@ -273,7 +276,7 @@ class SplitNode:
         for local, row in mine.items():
             if not row.workers:
                 continue
-            gates = self._gates(row, nodes)
+            gates = self._gates(row, {n: nodes[n] for n in nodes if n in live})
             if gates is None:
                 waiting.add(local)
                 continue

@@ -101,11 +101,7 @@ def rpc_servers_everywhere() -> list[int]:
     return found
 
 
-def test_a_split_over_two_hosts_answers_and_moves_whole_when_a_worker_dies(
-    tmp_path: Path, postgres_server: PostgresServer, llama_server: Path, real_inputs: RealInputs
-) -> None:
-    before = set(rpc_servers_everywhere())
-    url = postgres_server.create_database()
+def three_hosts(tmp_path: Path, url: str, llama_server: Path, smol: Path) -> list[RealHost]:
     hosts = [
         RealHost(
             name,
@@ -117,24 +113,52 @@ def test_a_split_over_two_hosts_answers_and_moves_whole_when_a_worker_dies(
         )
         for name in ("node-a", "node-b", "node-c")
     ]
-    a, b, c = hosts
-    imported(real_inputs.smol, model=MODEL, variant="q4_1", cache=a.cache)
+    imported(smol, model=MODEL, variant="q4_1", cache=hosts[0].cache)
     for host in hosts:
         host.write({})
-    try:
-        start_all(hosts)
-        apply(a, {"tiny": SPLIT})
-        poll(lambda: ready_split(a) is not None, timeout_s=240, what="the split ready")
-        first = ready_split(a)
-        assert first is not None
-        # The leader is the node holding the GGUF; one more node takes the other half.
-        assert first["node"] == "node-a"
-        nodes = [w["node"] for w in first["workers"]]
-        assert nodes[0] == "node-a" and len(nodes) == 2, first
-        other = {"node-b": b, "node-c": c}[nodes[1]]
-        third = c if other is b else b
-        assert len(a.workers()) == 1 and len(other.workers()) == 1 and not third.workers()
+    return hosts
 
+
+def first_split(hosts: list[RealHost]) -> tuple[dict[str, Any], RealHost, RealHost]:
+    """Apply the split and wait for it: ``(placement, the other worker's host, the third)``."""
+    a, b, c = hosts
+    start_all(hosts)
+    apply(a, {"tiny": SPLIT})
+    poll(lambda: ready_split(a) is not None, timeout_s=240, what="the split ready")
+    first = ready_split(a)
+    assert first is not None
+    # The leader is the node holding the GGUF; one more node takes the other half.
+    assert first["node"] == "node-a"
+    nodes = [w["node"] for w in first["workers"]]
+    assert nodes[0] == "node-a" and len(nodes) == 2, first
+    other = {"node-b": b, "node-c": c}[nodes[1]]
+    third = c if other is b else b
+    assert len(a.workers()) == 1 and len(other.workers()) == 1 and not third.workers()
+    return first, other, third
+
+
+def moved_from(host: RealHost, first: dict[str, Any]) -> dict[str, Any]:
+    """Wait until ``first`` was placed again and the new split is ready; the new one."""
+
+    def moved() -> bool:
+        now = ready_split(host)
+        return now is not None and now["id"] != first["id"]
+
+    poll(moved, timeout_s=240, what="the split placed again and ready")
+    second = ready_split(host)
+    assert second is not None
+    assert second["replaces"] == first["id"]
+    return second
+
+
+def test_a_split_over_two_hosts_answers_and_moves_whole_when_a_worker_dies(
+    tmp_path: Path, postgres_server: PostgresServer, llama_server: Path, real_inputs: RealInputs
+) -> None:
+    before = set(rpc_servers_everywhere())
+    hosts = three_hosts(tmp_path, postgres_server.create_database(), llama_server, real_inputs.smol)
+    a, _, c = hosts
+    try:
+        first, other, third = first_split(hosts)
         for host in hosts:  # every gateway answers, the leader's or through it
             answer = ask(host)
             assert answer.status_code == 200, answer.text
@@ -147,15 +171,7 @@ def test_a_split_over_two_hosts_answers_and_moves_whole_when_a_worker_dies(
         # The other worker's rpc-server dies: the whole split moves, avoiding that node.
         (victim,) = other.workers()
         os.kill(victim.pid, signal.SIGKILL)
-
-        def moved() -> bool:
-            now = ready_split(a)
-            return now is not None and now["id"] != first["id"]
-
-        poll(moved, timeout_s=240, what="the split placed again and ready")
-        second = ready_split(a)
-        assert second is not None
-        assert second["replaces"] == first["id"]
+        second = moved_from(a, first)
         assert [w["node"] for w in second["workers"]] == ["node-a", third.node]
         avoids = a.fleet("placements")["avoids"]
         assert [(x["deployment"], x["node"]) for x in avoids] == [("tiny", other.node)]
@@ -173,3 +189,38 @@ def test_a_split_over_two_hosts_answers_and_moves_whole_when_a_worker_dies(
     assert not left, f"ggml-rpc-server left running: {sorted(left)}"
     for host in hosts:
         assert "Traceback" not in host.output, host.output[-4000:]
+
+
+def test_a_split_whose_worker_host_is_killed_moves_whole_to_the_live_nodes(
+    tmp_path: Path, postgres_server: PostgresServer, llama_server: Path, real_inputs: RealInputs
+) -> None:
+    before = set(rpc_servers_everywhere())
+    hosts = three_hosts(tmp_path, postgres_server.create_database(), llama_server, real_inputs.smol)
+    a = hosts[0]
+    try:
+        first, other, third = first_split(hosts)
+        (orphan,) = other.workers()
+        # The worker's whole host dies; its rpc-server dies with it (a child of the host).
+        other.kill()
+        poll(lambda: not psutil.pid_exists(orphan.pid) or _zombie(orphan), timeout_s=10,
+             what="the dead host's rpc-server gone with it")  # fmt: skip
+        second = moved_from(a, first)
+        assert [w["node"] for w in second["workers"]] == ["node-a", third.node]
+        answer = ask(third)
+        assert answer.status_code == 200, answer.text
+        poll(
+            lambda: len(a.workers()) == 1 and len(third.workers()) == 1,
+            timeout_s=60,
+            what="only the new split's workers running",
+        )
+    finally:
+        stop_all(hosts)
+    left = set(rpc_servers_everywhere()) - before
+    assert not left, f"ggml-rpc-server left running: {sorted(left)}"
+
+
+def _zombie(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
