@@ -46,7 +46,7 @@ from sbproxy.api.errors import admin_error
 from sbproxy.api.peer_auth import peer_refusal
 from sbproxy.errors import SbproxyError
 from sbproxy.fleet.agent import FleetAgent
-from sbproxy.fleet.control import stuck_placements
+from sbproxy.fleet.control import rpc_report_key, stuck_placements
 from sbproxy.fleet.membership import LIVE_STATES, replica_state
 from sbproxy.fleet.routing import replica_deployment_id
 from sbproxy.fleet.view import cached_artifacts
@@ -124,7 +124,8 @@ def _placement_row(
 ) -> dict[str, Any]:
     """One placement as ``GET /admin/fleet/placements`` shows it: its row without the
     definition, whether it is stuck, its node's state, the id its node runs it under and
-    that node's report of it."""
+    that node's report of it; a split's workers each with their node's report (``state``:
+    ``starting``, ``ready`` or ``failed``, ``error``) and node state."""
     row: dict[str, Any] = placement.to_dict()
     row.pop("definition")
     row["stuck"] = stuck.get(placement.id)
@@ -132,6 +133,13 @@ def _placement_row(
     local = replica_deployment_id(placement.deployment, placement.replica)
     row["local_id"] = local
     row["runtime"] = _shown_runtime(row["node_state"], reported.get(placement.node, {}).get(local))
+    for worker in row["workers"]:
+        # A split's worker as its node reports it: starting, ready (with its gate) or failed.
+        report = reported.get(worker["node"], {}).get(rpc_report_key(placement.id)) or {}
+        worker["state"] = report.get("state")
+        worker["node_state"] = states.get(worker["node"])
+        if report.get("error"):
+            worker["error"] = report["error"]
     return row
 
 

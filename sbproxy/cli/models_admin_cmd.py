@@ -262,7 +262,13 @@ def _fleet_ps(admin_url: str, username: str, password: str, output_format: str) 
             (
                 str(placement["deployment"]),
                 str(placement["replica"]),
-                str(placement["node"]),
+                # A split: its leader's node, then every other worker's.
+                "+".join(
+                    [
+                        str(placement["node"]),
+                        *(str(w["node"]) for w in (placement.get("workers") or [])[1:]),
+                    ]
+                ),
                 f"{placement['state']}/{placement.get('node_state') or '?'}"
                 + (f" stuck:{placement['stuck']}" if placement.get("stuck") else ""),
                 str(placement.get("variant") or "-"),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import pytest
 
 from sbproxy.model_host.engines.llama_build import RPC_SERVER
 from tests.api.cluster_hosts import FleetHost, placements
-from tests.api.pg_hosts import poll
+from tests.api.pg_hosts import PASSWORD, poll
 from tests.api.test_fleet_hosts import apply, start_all, stop_all
 from tests.e2e.conftest import E2E_TIMEOUT_S, imported
 from tests.support.postgres import PostgresServer
@@ -134,6 +136,14 @@ def first_split(hosts: list[RealHost]) -> tuple[dict[str, Any], RealHost, RealHo
     other = {"node-b": b, "node-c": c}[nodes[1]]
     third = c if other is b else b
     assert len(a.workers()) == 1 and len(other.workers()) == 1 and not third.workers()
+    assert [w["state"] for w in first["workers"]] == ["ready", "ready"]
+    # `models ps --fleet` names the split's nodes, the leader first.
+    shown = subprocess.run(
+        [sys.executable, "-m", "sbproxy.cli", "models", "ps", "--fleet", "--admin-url",
+         f"http://127.0.0.1:{a.admin}", "--password", PASSWORD],
+        env=a.env, capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert f"node-a+{other.node}" in shown, shown
     return first, other, third
 
 
