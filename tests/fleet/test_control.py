@@ -18,6 +18,7 @@ from sbproxy.fleet.control import (
     definition_digest,
     deployment_spec,
     facts_of,
+    failed_workers,
     forgettable,
     judge_own_lease,
     local_deployments,
@@ -27,6 +28,7 @@ from sbproxy.fleet.control import (
     partition_peers,
     placement_views,
     reported_facts,
+    rpc_report_key,
     stuck_placements,
 )
 from sbproxy.fleet.membership import FenceVerdict, FleetTiming, NodeState, PeerAnswer
@@ -416,6 +418,58 @@ def test_placement_views_carry_the_stuck_reason() -> None:
         {"p1": StuckReason.CRASH_LOOP},
     )
     assert [(v.id, v.stuck) for v in views] == [("p1", StuckReason.CRASH_LOOP), ("p2", None)]
+
+
+SPLIT_WORKERS = (
+    {"node": "a", "devices": [0], "reserved_bytes": 60},
+    {"node": "b", "devices": [1], "reserved_bytes": 50},
+)
+
+
+@pytest.mark.parametrize(
+    ("b_reports", "state", "expected"),
+    [
+        ({"state": "ready", "gate_port": 4000}, "ready", {}),
+        ({"state": "starting"}, "pending", {}),
+        ({"state": "failed", "error": "rpc_worker_exited"}, "ready", {"p1": "b"}),
+        ({"state": "failed", "error": "engine_provision_failed"}, "pending", {"p1": "b"}),
+        # A split being stopped is not moved again.
+        ({"state": "failed"}, "stopping", {}),
+    ],
+)
+def test_a_split_whose_worker_reports_failed_is_stuck_on_that_worker(
+    b_reports: dict[str, Any], state: str, expected: dict[str, str]
+) -> None:
+    split = Pending("p1", "a", state=state, workers=SPLIT_WORKERS)
+    nodes = [
+        Reported("a", replicas={rpc_report_key("p1"): {"state": "ready", "gate_port": 1}}),
+        Reported("b", replicas={rpc_report_key("p1"): b_reports}),
+    ]
+    assert failed_workers([split], nodes) == expected
+    stuck = stuck_placements([split], nodes, now_ms=NOW, timeout_ms=TIMEOUT)
+    assert stuck == dict.fromkeys(expected, StuckReason.WORKER_FAILED)
+    # Another placement's report is not this one's.
+    other = [Reported("b", replicas={rpc_report_key("p0"): {"state": "failed"}})]
+    assert failed_workers([split], other) == {}
+
+
+def test_placement_views_carry_a_split_and_keep_its_shares() -> None:
+    split = Placement("p1", "a", reserved_bytes=60, workers=SPLIT_WORKERS)
+    views = placement_views(
+        [split],
+        {"chat": (1, definition_digest(split.definition))},
+        {"p1": StuckReason.WORKER_FAILED},
+        sizes={("chat", None): 500},
+        failed_on={"p1": "b"},
+    )
+    (view,) = views
+    assert [(w.node, w.devices, w.reserved_bytes) for w in view.workers] == [
+        ("a", (0,), 60),
+        ("b", (1,), 50),
+    ]
+    # The whole model's size now is not the leader's share.
+    assert view.reserved_bytes == 60
+    assert (view.stuck, view.stuck_node) == (StuckReason.WORKER_FAILED, "b")
 
 
 @dataclass

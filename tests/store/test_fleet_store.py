@@ -206,6 +206,26 @@ def test_a_stuck_placement_s_move_stops_it_in_the_same_transaction(url: str) -> 
     assert states == {stuck: "stopping", moved: "pending"}
 
 
+def test_a_split_placement_keeps_its_workers_and_a_whole_one_has_none(url: str) -> None:
+    store = _open(url)
+    _join(store, "n1")
+    _join(store, "n2")
+    lease = store.hold_controller("ctl", lease_ms=LEASE_MS)
+    assert lease is not None
+    workers = [
+        {"node": "n1", "devices": [0], "reserved_bytes": 70},
+        {"node": "n2", "devices": [1], "reserved_bytes": 60},
+    ]
+    split, _ = store.place(
+        lease, {**_decision("n1"), "workers": workers}, definition={"model": "m"}
+    )
+    whole, _ = store.place(lease, _decision("n2", replica=1), definition={"model": "m"})
+    rows = {p.id: p for p in store.snapshot().placements}
+    assert list(rows[split].workers) == workers
+    assert rows[split].to_dict()["workers"] == workers
+    assert rows[whole].workers == ()
+
+
 def test_one_controller_at_a_time_and_the_epoch_grows_with_each_holder(url: str) -> None:
     a, b = _open(url), _open(url)
     first = a.hold_controller("a", lease_ms=LEASE_MS)
