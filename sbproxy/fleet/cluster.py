@@ -324,5 +324,6 @@ def open_agent(
         credentials=agent.credential_hash,
         own_credential=agent.node_secret,
         threads=worker_threads(len(manager.devices.devices)),
+        accelerator=manager.devices.accelerator.value,
     )
     return agent

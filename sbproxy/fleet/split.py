@@ -101,6 +101,8 @@ class SplitNode:
         own_credential: What this node proves to other nodes' gates (``None`` before it
             joined with one).
         threads: CPU threads per worker (``None``: the server's default).
+        accelerator: This node's device kind (``cpu``, ``cuda``): a CUDA worker sees only
+            the device its placement names (``CUDA_VISIBLE_DEVICES``).
     """
 
     def __init__(
@@ -113,8 +115,10 @@ class SplitNode:
         credentials: Callable[[str], str | None],
         own_credential: Callable[[], str | None],
         threads: int | None = None,
+        accelerator: str = "cpu",
     ) -> None:
         self.node_id = node_id
+        self.accelerator = accelerator
         self.host = gate_host(advertise_url)
         self.layout = layout
         self.executable = executable
@@ -176,9 +180,13 @@ class SplitNode:
                 executable = (await self.executable()).parent / RPC_SERVER
                 port = free_port()
                 plan = plan_rpc_worker(executable, port=port, threads=self.threads)
+                env = dict(plan.env)
+                if self.accelerator == "cuda":
+                    devices = [w["devices"] for w in row.workers if w["node"] == self.node_id]
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices[0])
                 worker.process = await spawn_engine(
                     plan.argv,
-                    env=plan.env,
+                    env=env,
                     log_path=self.layout.logs / f"rpc-{worker.deployment}-{worker.placement}.log",
                     owned_dir=self.layout.owned_engines,
                     label=f"rpc/{worker.deployment}/{worker.placement}",

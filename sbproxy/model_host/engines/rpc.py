@@ -12,8 +12,11 @@ allocate its memory, read and write its tensors and run graphs on it. So a worke
 ``rpc-server`` never listens beyond loopback (:func:`plan_rpc_worker` binds ``127.0.0.1``),
 and the only way in from another host is the worker node's **gate** (:class:`RpcGate`): a TCP
 listener on the node's peer address that lets a connection through to the ``rpc-server``
-only after the caller proved, by a challenge-response, that it holds a fleet credential --
-the same secret peer hops present (``api/peers.py``), never sent over the wire:
+only after the caller proved, by a challenge-response, that it holds a fleet credential,
+never sent over the wire. In a fleet (``fleet/split.py``) the key is the SHA-256 of the
+caller's own node credential, which the caller derives from its secret and the gate reads
+from the caller's member row (where only that hash is kept; a revoked or removed member has
+none there):
 
 1. the gate sends ``SBRPC/1 <nonce>\\n`` (32 random bytes, hex);
 2. the caller answers ``<node id> <mac>\\n``, ``mac`` = HMAC-SHA256(credential,
@@ -31,8 +34,8 @@ The relay's cost on loopback is measured by ``benchmarks/rpc_split.py``.
 
 Estimates: a split places ``1 / n`` of the weights and of the KV cache on each of ``n``
 devices (llama.cpp splits layers in proportion to what each device reports free; on equal
-nodes, evenly), plus each device's compute buffer; :func:`split_estimates` gives the figure
-per node.
+nodes, evenly), plus each device's compute buffer; the fleet's planner reserves that on each
+node of a split (:func:`sbproxy.fleet.placement.split_share`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -66,7 +69,6 @@ __all__ = [
     "plan_rpc_worker",
     "rpc_argv",
     "rpc_mac",
-    "split_estimates",
     "wait_listening",
 ]
 
@@ -424,27 +426,3 @@ class RpcTunnel:
                 return
             async with gate:
                 await _relay(leader, leader, gate, gate_buffered, (self.bytes_out, self.bytes_in))
-
-
-def split_estimates(
-    *,
-    weights_bytes: int,
-    kv_bytes: int,
-    compute_bytes: int,
-    nodes: Sequence[str],
-    shares: Mapping[str, float] | None = None,
-) -> dict[str, int]:
-    """The memory each node of a split needs, in bytes: its share of the weights and of the
-    KV cache (even shares unless ``shares`` gives each node's fraction, which must sum to 1),
-    plus one compute buffer each.
-
-    Raises:
-        ValueError: no nodes, or shares that are not a partition of 1 over ``nodes``.
-    """
-    if not nodes:
-        raise ValueError("a split needs at least one node")
-    if shares is None:
-        shares = {node: 1 / len(nodes) for node in nodes}
-    if set(shares) != set(nodes) or abs(sum(shares.values()) - 1.0) > 1e-6:
-        raise ValueError("shares must give every node of the split a fraction, summing to 1")
-    return {node: int((weights_bytes + kv_bytes) * shares[node]) + compute_bytes for node in nodes}

@@ -20,7 +20,7 @@ import pytest
 from sbproxy.config.engine_args import check_engine_args
 from sbproxy.model_host.engines import rpc
 from sbproxy.model_host.engines.errors import EngineError
-from sbproxy.model_host.engines.rpc import RpcGate, RpcTunnel, rpc_argv, split_estimates
+from sbproxy.model_host.engines.rpc import RpcGate, RpcTunnel, rpc_argv
 
 pytestmark = pytest.mark.anyio
 
@@ -231,19 +231,3 @@ def test_the_leader_points_rpc_at_its_tunnels_and_an_operator_may_not() -> None:
     assert rpc_argv([]) == ()
     problems = check_engine_args("llama_cpp", ["--rpc", "10.0.0.5:50052"])
     assert problems and "--rpc" in problems[0][1]
-
-
-def test_split_estimates_share_weights_and_cache_and_add_a_compute_buffer_each() -> None:
-    even = split_estimates(
-        weights_bytes=1000, kv_bytes=200, compute_bytes=50, nodes=["a", "b", "c"]
-    )
-    assert even == {"a": 450, "b": 450, "c": 450}
-    uneven = split_estimates(
-        weights_bytes=1000, kv_bytes=0, compute_bytes=0, nodes=["a", "b"],
-        shares={"a": 0.75, "b": 0.25},
-    )  # fmt: skip
-    assert uneven == {"a": 750, "b": 250}
-    with pytest.raises(ValueError, match="summing to 1"):
-        split_estimates(
-            weights_bytes=1, kv_bytes=0, compute_bytes=0, nodes=["a"], shares={"a": 0.5}
-        )
