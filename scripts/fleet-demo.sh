@@ -18,7 +18,9 @@
 #     peer that has one: peer dispatch, with the fleet credential);
 #  7. SIGKILLs one replica host, keeps asking the other replica, and times SIGKILL -> the
 #     replacement ready on the third node;
-#  8. restarts a replica host (SIGTERM, start again) and times restart -> serving.
+#  8. restarts a replica host (SIGTERM, start again) and times restart -> serving;
+#  9. turns the deployment into one replica split over two hosts (`split: rpc`: llama.cpp's
+#     RPC workers behind each node's gate) and asks it through every gateway.
 #
 # Everything is removed at the end (the hosts, PostgreSQL, the temporary directory).
 # FLEET_DEMO_KEEP=1 keeps the directory (logs: <dir>/node-*/serve.log); FLEET_DEMO_ENGINE=path
@@ -226,4 +228,16 @@ wait_for 120 "any(n['id'] == '$victim' and n['state'] == 'ready' for n in body['
   sbproxy nodes list $(admin_of node-c) --format json
 sbproxy nodes list $(admin_of "$survivor")
 
-echo "=== timings: SIGKILL -> ready replacement: $replaced_s s; restart -> serving: $restart_s s"
+echo "--- one model over two hosts: chat becomes one replica split with llama.cpp RPC (split: rpc)"
+write_config node-a z1 "{chat: {model: $model, variant: q4_1, split: rpc}}"
+sbproxy apply -f "$work/node-a/sb.yml" $(admin_of node-a) --format json >/dev/null
+split_started="$(now)"
+# shellcheck disable=SC2046
+wait_for 300 'len(body["placements"]) == 1 and body["placements"][0]["workers"] and body["placements"][0]["state"] == "ready"' \
+  sbproxy models ps --fleet $(admin_of node-a) --format json
+split_s="$(since "$split_started")"
+echo "split ready in $split_s s (its workers: one ggml-rpc-server per node, behind the node's RPC gate)"
+sbproxy models ps --fleet $(admin_of node-a)
+for node in node-a node-b node-c; do echo "$node: $(ask "$node")"; done
+
+echo "=== timings: SIGKILL -> ready replacement: $replaced_s s; restart -> serving: $restart_s s; split ready: $split_s s"
