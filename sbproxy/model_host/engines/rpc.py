@@ -45,6 +45,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -163,6 +164,16 @@ async def wait_listening(process: EngineProcess, port: int, *, timeout_s: float)
                 retryable=True,
             )
         await anyio.sleep(0.05)
+
+
+async def _connect(host: str, port: int) -> anyio.abc.SocketStream:
+    """A TCP connection with Nagle's algorithm off, as anyio sets it on accepted ones: RPC
+    sends many small commands per token, each waiting for its answer, and a relay that
+    held a small write back for an ACK would stall every one of them."""
+    stream = await anyio.connect_tcp(host, port)
+    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)  # noqa: S610 - anyio's
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return stream
 
 
 async def _read_line(stream: BufferedByteReceiveStream) -> bytes:
@@ -312,7 +323,7 @@ class RpcGate:
                     await client.send(b"NO " + reason.encode() + b"\n")
                 return
             try:
-                worker = await anyio.connect_tcp("127.0.0.1", self.target_port)
+                worker = await _connect("127.0.0.1", self.target_port)
             except OSError:
                 self._count_refusal("rpc_worker_unavailable")
                 with contextlib.suppress(OSError, anyio.BrokenResourceError):
@@ -375,7 +386,7 @@ class RpcTunnel:
         host, port = self.gate
         try:
             with anyio.fail_after(HANDSHAKE_TIMEOUT_S):
-                stream = await anyio.connect_tcp(host, port)
+                stream = await _connect(host, port)
         except (OSError, TimeoutError) as exc:
             raise EngineError(
                 f"the RPC gate {host}:{port} cannot be reached: {exc}",
