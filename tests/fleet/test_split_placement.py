@@ -148,21 +148,7 @@ def test_a_split_needs_two_ready_llama_cpp_nodes() -> None:
 
 
 def test_a_split_reserves_on_every_worker_node() -> None:
-    share = split_share(ESTIMATE, 2)
-    existing = PlacementView(
-        id="p1",
-        deployment="big",
-        replica=0,
-        revision=1,
-        node="a",
-        devices=(0,),
-        reserved_bytes=share + GIB // 2,
-        state=PlacementState.READY,
-        workers=(
-            _worker("a", share + GIB // 2),
-            _worker("b", share),
-        ),
-    )
+    existing = split_of_a_and_b()
     small = DeploymentSpec(
         id="small",
         revision=1,
@@ -178,18 +164,7 @@ def test_a_split_reserves_on_every_worker_node() -> None:
 
 
 def test_a_gone_worker_places_the_whole_split_again_and_stops_the_old_one() -> None:
-    share = split_share(ESTIMATE, 2)
-    existing = PlacementView(
-        id="p1",
-        deployment="big",
-        replica=0,
-        revision=1,
-        node="a",
-        devices=(0,),
-        reserved_bytes=share + GIB // 2,
-        state=PlacementState.READY,
-        workers=(_worker("a", share + GIB // 2), _worker("b", share)),
-    )
+    existing = split_of_a_and_b()
     nodes = [node("a"), node("b", state=NodeState.LOST), node("c"), node("d")]
     result = plan(nodes, [spec(SplitMode.AUTO)], [existing])
     (replace,) = [d for d in result.decisions if isinstance(d, ReplaceReplica)]
@@ -203,18 +178,7 @@ def test_a_gone_worker_places_the_whole_split_again_and_stops_the_old_one() -> N
 
 
 def test_a_split_whose_worker_is_gone_stops_even_when_no_new_split_fits_yet() -> None:
-    share = split_share(ESTIMATE, 2)
-    existing = PlacementView(
-        id="p1",
-        deployment="big",
-        replica=0,
-        revision=1,
-        node="a",
-        devices=(0,),
-        reserved_bytes=share + GIB // 2,
-        state=PlacementState.READY,
-        workers=(_worker("a", share + GIB // 2), _worker("b", share)),
-    )
+    existing = split_of_a_and_b()
     nodes = [node("a"), node("b", state=NodeState.LOST), node("c")]
     result = plan(nodes, [spec(SplitMode.AUTO)], [existing])
     assert not [d for d in result.decisions if isinstance(d, ReplaceReplica)]
@@ -225,20 +189,7 @@ def test_a_split_whose_worker_is_gone_stops_even_when_no_new_split_fits_yet() ->
 
 
 def test_a_worker_the_caller_marks_failed_is_avoided_by_the_new_split() -> None:
-    share = split_share(ESTIMATE, 2)
-    existing = PlacementView(
-        id="p1",
-        deployment="big",
-        replica=0,
-        revision=1,
-        node="a",
-        devices=(0,),
-        reserved_bytes=share + GIB // 2,
-        state=PlacementState.READY,
-        workers=(_worker("a", share + GIB // 2), _worker("b", share)),
-        stuck=StuckReason.WORKER_FAILED,
-        stuck_node="b",
-    )
+    existing = split_of_a_and_b(stuck=StuckReason.WORKER_FAILED, stuck_node="b")
     nodes = [node(name, 12) for name in "abcd"]
     result = plan(nodes, [spec(SplitMode.RPC)], [existing])
     (replace,) = [d for d in result.decisions if isinstance(d, ReplaceReplica)]
@@ -272,5 +223,23 @@ def test_a_spec_takes_its_split_from_the_definition() -> None:
     assert DeploymentConfig.model_validate({"model": "m"}).split is SplitMode.AUTO
 
 
-def _worker(node_id: str, size: int) -> SplitWorker:
-    return SplitWorker(node=node_id, devices=(0,), reserved_bytes=size)
+def split_of_a_and_b(**fields: object) -> PlacementView:
+    """A ready split of ``big`` over a (leading) and b, as the planner placed it."""
+    share = split_share(ESTIMATE, 2)
+    return PlacementView.model_validate(
+        {
+            "id": "p1",
+            "deployment": "big",
+            "replica": 0,
+            "revision": 1,
+            "node": "a",
+            "devices": (0,),
+            "reserved_bytes": share + GIB // 2,
+            "state": PlacementState.READY,
+            "workers": (
+                SplitWorker(node="a", devices=(0,), reserved_bytes=share + GIB // 2),
+                SplitWorker(node="b", devices=(0,), reserved_bytes=share),
+            ),
+            **fields,
+        }
+    )
