@@ -237,14 +237,17 @@ class SplitNode:
         )
 
     def kill_all(self) -> list[int]:
-        """Kill every worker and close every gate and tunnel now (a fence); the pids."""
+        """Kill every worker and close every gate and tunnel now (a fence); the pids. The
+        workers stay listed as failed until their placements end."""
         killed = []
         for worker in self.workers.values():
             worker.scope.cancel()
             if worker.process is not None and worker.process.alive():
                 worker.process.kill()
                 killed.append(worker.process.pid)
-        self.workers.clear()
+            # Not started again in place: reported failed once this node renews, so the
+            # whole split moves (its leader lost what this worker held).
+            self._fail(worker, "rpc_worker_exited", "killed by this node's fence")
         for led in self.led.values():
             led.scope.cancel()
         self.led.clear()
