@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ def apply(host: FleetHost, deployments: dict[str, dict[str, Any]]) -> dict[str, 
     return dict(json.loads(done.stdout))
 
 
-def start_all(hosts: list[FleetHost], *, fault: str | None = None) -> None:
+def start_all(hosts: Sequence[FleetHost], *, fault: str | None = None) -> None:
     """Start ``hosts`` (``fault`` armed on the first) and wait until each joined; a host that
     exits fails at once with its stderr."""
     for host in hosts:
@@ -72,7 +73,7 @@ def start_all(hosts: list[FleetHost], *, fault: str | None = None) -> None:
     poll(joined, timeout_s=90, what="every host joined")
 
 
-def stop_all(hosts: list[FleetHost]) -> None:
+def stop_all(hosts: Sequence[FleetHost]) -> None:
     for host in hosts:
         host.stop()
 
