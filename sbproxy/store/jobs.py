@@ -376,24 +376,33 @@ class JobStore:
         """
         trace = json.dumps(dict(trace_context)) if trace_context else None
 
-        def work(tx: Transaction) -> SubmitOutcome:
-            if idempotency_key is not None:
-                existing = tx.one(_ACTIVE_BY_KEY, {"key": idempotency_key, "node": self.node})
-                if existing is not None:
-                    return SubmitOutcome(job=_job(existing), created=False)
-            now = self.clock()
-            job_id = str(ULID())
-            params = {
-                "id": job_id,
+        def parameters() -> dict[str, Any]:
+            return {
+                "id": str(ULID()),
                 "kind": kind,
                 "version": workflow_version,
                 "subject": subject,
                 "input": input_json,
                 "key": idempotency_key,
                 "trace": trace,
-                "now": now,
+                "now": self.clock(),
                 "node": self.node,
             }
+
+        if idempotency_key is None and self.database.dialect == "postgresql":
+            # Nothing to look up first: the job and its event in one statement (the
+            # statement lane when free).
+            params = {**parameters(), "event": _QUEUED_EVENT}
+            [created] = await self.database.write_statement(_SUBMIT_PG, params)
+            return SubmitOutcome(job=_job(created), created=True)
+
+        def work(tx: Transaction) -> SubmitOutcome:
+            if idempotency_key is not None:
+                existing = tx.one(_ACTIVE_BY_KEY, {"key": idempotency_key, "node": self.node})
+                if existing is not None:
+                    return SubmitOutcome(job=_job(existing), created=False)
+            params = parameters()
+            job_id, now = params["id"], params["now"]
             if tx.dialect == "postgresql":
                 # The job and its event in one statement, sent with the COMMIT.
                 [created] = tx.last(_SUBMIT_PG, {**params, "event": _QUEUED_EVENT})
@@ -681,10 +690,10 @@ class JobStore:
             data["error"] = {"code": error.code, "message": error.message}
         prune = keep_finished is not None and status in TERMINAL_JOB_STATUSES
 
-        def work(tx: Transaction) -> tuple[sqlite3.Row, int] | None:
+        def parameters() -> dict[str, Any]:
             now = self.clock()
             ended = now if status in TERMINAL_JOB_STATUSES else None
-            params = {
+            return {
                 "status": status.value,
                 "output": output_json,
                 "code": error.code if error else None,
@@ -695,15 +704,26 @@ class JobStore:
                 "owner": owner,
                 "attempt": attempt,
             }
+
+        if self.database.dialect == "postgresql" and (not prune or keep_finished):
+            # The outcome, its event (and the pruning) in one statement, one round trip (the
+            # statement lane when free).
+            params = parameters()
+            params.update(event=_event_json(data), node=self.node)
+            params["keep_others"] = int(keep_finished or 1) - 1
+            statement = _FINISH_AND_PRUNE_PG if prune else _FINISH_PG
+            rows = await self.database.write_statement(statement, params)
+            if not rows:
+                return None
+            self._count_outcome(rows[0], status, params["now"])
+            return _job(rows[0])
+
+        def work(tx: Transaction) -> tuple[sqlite3.Row, int] | None:
+            params = parameters()
+            now = params["now"]
             if tx.dialect == "postgresql":
-                # The outcome, its event (and the pruning) in one statement, one round trip.
+                # Every job beyond the newest none is pruned: after the outcome's statement.
                 params["event"] = _event_json(data)
-                if not prune or keep_finished:
-                    statement = _FINISH_AND_PRUNE_PG if prune else _FINISH_PG
-                    params["keep_others"] = int(keep_finished or 1) - 1
-                    params["node"] = self.node
-                    rows = tx.last(statement, params)
-                    return (rows[0], now) if rows else None
                 row = tx.one(_FINISH_PG, params)
                 if row is None:
                     return None
@@ -888,18 +908,24 @@ class JobStore:
         event = _step_event(seq, name, StepStatus.RUNNING)
         ended = _Ending.success(job_id, owner, attempt, ending) if ending else None
 
-        def work(tx: Transaction) -> StepRecord | StepRefusal:
-            now = self.clock()
-            params = {
+        def parameters() -> dict[str, Any]:
+            return {
                 "id": job_id,
                 "seq": seq,
                 "name": name,
-                "now": now,
+                "now": self.clock(),
                 "owner": owner,
                 "attempt": attempt,
             }
-            if tx.dialect == "postgresql":
-                return _begin_step_pg(tx, {**params, "event": event}, ended)
+
+        if self.database.dialect == "postgresql":
+            # One statement (the statement lane when free: ``lane.py``).
+            sql, values = _begin_step_pg({**parameters(), "event": event}, ended)
+            return _began_pg(await self.database.write_statement(sql, values), ended)
+
+        def work(tx: Transaction) -> StepRecord | StepRefusal:
+            params = parameters()
+            now = params["now"]
             if ended is not None and not ended.write(tx, now, last=False):
                 return StepRefusal.LEASE_LOST
             row = tx.one(_BEGIN_STEP, params)
@@ -932,6 +958,10 @@ class JobStore:
             ``False``, having written nothing, when the claim no longer holds the job.
         """
         ending = _Ending(job_id, owner, attempt, seq, name, output_json, error)
+        if self.database.dialect == "postgresql":
+            # One statement: the outcome, the recovery reset and the event.
+            params = ending.pg_params(self.clock())
+            return bool((await self.database.write_statement(_END_STEP_PG, params))[0][0])
         return await self.database.write(lambda tx: ending.write(tx, self.clock(), last=True))
 
     # -- retention -------------------------------------------------------------------------
@@ -995,14 +1025,11 @@ class _Ending:
         return cls(job_id, owner, attempt, ended.seq, ended.name, ended.output_json, None)
 
     def write(self, tx: Transaction, now: int, *, last: bool) -> bool:
-        """Record it in ``tx`` (``last``: nothing follows in the transaction); whether the
-        claim held (``False``: nothing was written)."""
+        """Record it in ``tx`` on SQLite (``last``: nothing follows in the transaction);
+        whether the claim held (``False``: nothing was written). PostgreSQL records it in
+        one statement (``_END_STEP_PG``, or with the next step's start)."""
         params = {**self.params, "now": now}
         succeeded = params["status"] == StepStatus.SUCCEEDED.value
-        if tx.dialect == "postgresql":
-            # One statement: the outcome, the recovery reset and the event.
-            run = tx.last if last else tx.all
-            return bool(run(_END_STEP_PG, self.pg_params(now))[0][0])
         if tx.execute(_END_STEP, params).rowcount != 1:
             return False
         if succeeded:
@@ -1250,18 +1277,21 @@ def _claim_on_server_clock(
     return None if answer["id"] is None else _job(answer)
 
 
-def _begin_step_pg(
-    tx: Transaction, params: dict[str, Any], ended: _Ending | None
-) -> StepRecord | StepRefusal:
+def _begin_step_pg(params: dict[str, Any], ended: _Ending | None) -> tuple[str, dict[str, Any]]:
     """:meth:`JobStore.begin_step` on PostgreSQL: one statement, one round trip (the start,
     after the end of the step before it when there is one, their events and the fence's
-    answer)."""
+    answer); the statement and its parameters."""
     if ended is None:
-        answer = tx.last(_BEGIN_STEP_PG, params)[0]
-    else:
-        answer = tx.last(_END_AND_BEGIN_STEP_PG, {**ended.pg_params(params["now"]), **params})[0]
-        if not answer["ended_count"]:
-            return StepRefusal.LEASE_LOST  # nothing was written
+        return _BEGIN_STEP_PG, params
+    return _END_AND_BEGIN_STEP_PG, {**ended.pg_params(params["now"]), **params}
+
+
+def _began_pg(rows: list[sqlite3.Row], ended: _Ending | None) -> StepRecord | StepRefusal:
+    """What :func:`_begin_step_pg`'s statement answered, as :meth:`JobStore.begin_step`
+    returns it."""
+    answer = rows[0]
+    if ended is not None and not answer["ended_count"]:
+        return StepRefusal.LEASE_LOST  # nothing was written
     if answer["job_id"] is None:
         return StepRefusal.CANCELLED if answer["held"] else StepRefusal.LEASE_LOST
     return _step(answer)

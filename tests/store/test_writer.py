@@ -29,6 +29,7 @@ from sbproxy.store import (
     StepStatus,
     StoreError,
     Transaction,
+    lane,
     postgres,
 )
 from tests.support.postgres import PostgresServer
@@ -321,9 +322,22 @@ class SentQueries:
             self.queries.append(text)
             return real_alone(connection, text, params, prepared=prepared)
 
+        real_lane, real_lane_first = lane._send_alone, lane._first_prepared
+
+        async def spy_lane(connection: Any, text: str, values: Any, *, prepared: bool) -> Any:
+            # The statement lane (a write of one statement, from the event loop): alone too.
+            self.queries.append(text)
+            return await real_lane(connection, text, values, prepared=prepared)
+
+        async def spy_lane_first(connection: Any, text: str, values: Any) -> Any:
+            self.queries.append(text)
+            return await real_lane_first(connection, text, values)
+
         monkeypatch.setattr(postgres, "_run", spy)
         monkeypatch.setattr(postgres, "_run_prepared", spy_prepared)
         monkeypatch.setattr(postgres, "_run_alone", spy_alone)
+        monkeypatch.setattr(lane, "_send_alone", spy_lane)
+        monkeypatch.setattr(lane, "_first_prepared", spy_lane_first)
 
     def take(self) -> list[str]:
         taken, self.queries = self.queries, []
