@@ -463,7 +463,7 @@ class Database:
             raise _closed_error(self.location) from exc
         except Exception as exc:
             mapped = self._driver_error(exc)
-            if isinstance(mapped, JournalUnavailable):
+            if isinstance(mapped or exc, JournalUnavailable):
                 self._distrust_writers()
             if mapped is not None:
                 raise mapped from exc
@@ -498,7 +498,7 @@ class Database:
                     remediation="Another process holds a long write transaction; retry.",
                 ) from exc
             mapped = self._driver_error(exc)
-            if isinstance(mapped, JournalUnavailable):
+            if isinstance(mapped or exc, JournalUnavailable):
                 self._distrust_writers()
             if mapped is not None:
                 raise mapped from exc
@@ -536,7 +536,7 @@ class Database:
             except Exception as exc:
                 if not is_locked(exc):
                     mapped = self._driver_error(exc)
-                    if isinstance(mapped, JournalUnavailable):
+                    if isinstance(mapped or exc, JournalUnavailable):
                         self._distrust_writers()
                     if mapped is not None:
                         raise mapped from exc
