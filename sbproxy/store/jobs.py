@@ -454,6 +454,16 @@ class JobStore:
         # PostgreSQL: hosts claim side by side; each takes the oldest row no other claim
         # holds locked (SQLite serialises writers, so the plain read is enough there).
         oldest_pg = f"{oldest} FOR UPDATE SKIP LOCKED"
+        clock = self.lease_clock
+        if job_id is not None and isinstance(clock, DatabaseLeaseTime):
+            # A named job on the server's clock: one statement (the statement lane when
+            # free), as ``_claim_on_server_clock`` sends it.
+            params = _claim_params(
+                owner=owner, lease_ms=lease_ms, now=self.clock(), target=job_id, node=self.node
+            )
+            [answer] = await self.database.write_statement(_CLAIM_ON_SERVER_CLOCK_PG, params)
+            clock.observe(int(answer["lease_now_ms"]))
+            return None if answer["id"] is None else _job(answer)
 
         def work(tx: Transaction) -> JobRecord | None:
             now = self.clock()
@@ -1262,7 +1272,15 @@ def _claim_on_server_clock(
 ) -> JobRecord | None:
     """:meth:`JobStore.claim` of ``target`` on PostgreSQL with the server's lease clock: one
     statement, sent with the COMMIT; the clock it read is remembered (``clock.observe``)."""
-    params = {
+    params = _claim_params(owner=owner, lease_ms=lease_ms, now=now, target=target, node=node)
+    [answer] = tx.last(_CLAIM_ON_SERVER_CLOCK_PG, params)
+    clock.observe(int(answer["lease_now_ms"]))
+    return None if answer["id"] is None else _job(answer)
+
+
+def _claim_params(*, owner: str, lease_ms: int, now: int, target: str, node: str) -> dict[str, Any]:
+    """The parameters of ``_CLAIM_ON_SERVER_CLOCK_PG``."""
+    return {
         "lock": LEASE_LOCK_KEY,
         "owner": owner,
         "clock": DB_CLOCK,
@@ -1272,9 +1290,6 @@ def _claim_on_server_clock(
         "node": node,
         "event": _RUNNING_EVENT,
     }
-    [answer] = tx.last(_CLAIM_ON_SERVER_CLOCK_PG, params)
-    clock.observe(int(answer["lease_now_ms"]))
-    return None if answer["id"] is None else _job(answer)
 
 
 def _begin_step_pg(params: dict[str, Any], ended: _Ending | None) -> tuple[str, dict[str, Any]]:
