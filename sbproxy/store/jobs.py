@@ -989,7 +989,7 @@ class _Ending:
     """One step's outcome, as :meth:`JobStore.end_step` records it (also inside
     :meth:`JobStore.begin_step`'s transaction)."""
 
-    __slots__ = ("event", "params")
+    __slots__ = ("event", "params", "reset")
 
     def __init__(
         self,
@@ -1000,8 +1000,13 @@ class _Ending:
         name: str,
         output_json: str | None,
         error: ErrorInfo | None,
+        *,
+        reset: bool = True,
     ) -> None:
         status = StepStatus.FAILED if error else StepStatus.SUCCEEDED
+        # A success resets the job's recovery count, unless the runner knows it is 0
+        # (``EndedStep.reset_recoveries``).
+        self.reset = reset and not error
         if error:
             data: dict[str, Any] = {"seq": seq, "name": name, "status": status.value}
             data["error"] = {"code": error.code, "message": error.message}
@@ -1027,22 +1032,30 @@ class _Ending:
             "now": now,
             "end_seq": self.params["seq"],
             "end_event": self.event,
-            "reset": params["status"] == StepStatus.SUCCEEDED.value,
+            "reset": self.reset,
         }
 
     @classmethod
     def success(cls, job_id: str, owner: str, attempt: int, ended: EndedStep) -> _Ending:
-        return cls(job_id, owner, attempt, ended.seq, ended.name, ended.output_json, None)
+        return cls(
+            job_id,
+            owner,
+            attempt,
+            ended.seq,
+            ended.name,
+            ended.output_json,
+            None,
+            reset=ended.reset_recoveries,
+        )
 
     def write(self, tx: Transaction, now: int, *, last: bool) -> bool:
         """Record it in ``tx`` on SQLite (``last``: nothing follows in the transaction);
         whether the claim held (``False``: nothing was written). PostgreSQL records it in
         one statement (``_END_STEP_PG``, or with the next step's start)."""
         params = {**self.params, "now": now}
-        succeeded = params["status"] == StepStatus.SUCCEEDED.value
         if tx.execute(_END_STEP, params).rowcount != 1:
             return False
-        if succeeded:
+        if self.reset:
             tx.execute(_RESET_RECOVERIES, params)
         tx.execute(_INSERT_EVENT, (params["id"], now, "step", self.event))
         return True
@@ -1176,11 +1189,16 @@ _END_STEP = (
 # as one statement each (data-modifying WITH clauses, which SQLite lacks): the same writes,
 # fences and events as the texts above. The end's clauses (``:end_seq``), its event
 # written by the statement holding them:
-_ENDED_PG = (
+_ENDED_KEPT_PG = (
     "ended AS (UPDATE steps SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
     " error_code = :code, error_message = :message, ended_at_ms = :now"
     " WHERE job_id = :id AND seq = :end_seq AND status = 'running'"
-    f" AND {_STEP_FENCE} RETURNING job_id),"
+    f" AND {_STEP_FENCE} RETURNING job_id)"
+)
+# ... with the recovery count's reset (``_KEPT``: without it, for a run whose claim found the
+# count at 0 or that reset it already -- nothing else changes it while the claim holds).
+_ENDED_PG = (
+    f"{_ENDED_KEPT_PG},"  # noqa: S608 - fixed text
     " reset AS (UPDATE jobs SET recoveries = 0"
     f" WHERE id = :id AND :reset AND {_FENCE} AND recoveries != 0"
     " AND EXISTS (SELECT 1 FROM ended))"
@@ -1198,20 +1216,28 @@ _END_STEP_PG = (
     " SELECT job_id, :now, 'step', :end_event FROM ended)"
     " SELECT count(*) FROM ended"
 )
-# One step's end and the next one's start: the start only if the end was recorded, the
-# end's event before the start's (one INSERT, in that order, so ``seq`` follows it).
-_END_AND_BEGIN_STEP_PG = (
-    f"WITH {_ENDED_PG},"  # noqa: S608 - fixed text
-    f" started AS ({_begin_step_sql(' AND EXISTS (SELECT 1 FROM ended)')}),"
-    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
-    " SELECT job_id, :now, 'step', data FROM ("
-    "SELECT 1 AS k, job_id, CAST(:end_event AS TEXT) AS data FROM ended"
-    " UNION ALL SELECT 2, job_id, CAST(:event AS TEXT) FROM started) AS both_events"
-    " ORDER BY k)"
-    f" SELECT started.*, EXISTS ({_HELD}) AS held,"
-    " (SELECT count(*) FROM ended) AS ended_count"
-    " FROM (SELECT 1) AS one LEFT JOIN started ON TRUE"
-)
+
+
+def _end_and_begin_step_pg(ended: str) -> str:
+    """One step's end (``ended``: its clauses) and the next one's start: the start only if
+    the end was recorded, the end's event before the start's (one INSERT, in that order, so
+    ``seq`` follows it)."""
+    return (
+        f"WITH {ended},"  # noqa: S608 - fixed text
+        f" started AS ({_begin_step_sql(' AND EXISTS (SELECT 1 FROM ended)')}),"
+        " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+        " SELECT job_id, :now, 'step', data FROM ("
+        "SELECT 1 AS k, job_id, CAST(:end_event AS TEXT) AS data FROM ended"
+        " UNION ALL SELECT 2, job_id, CAST(:event AS TEXT) FROM started) AS both_events"
+        " ORDER BY k)"
+        f" SELECT started.*, EXISTS ({_HELD}) AS held,"
+        " (SELECT count(*) FROM ended) AS ended_count"
+        " FROM (SELECT 1) AS one LEFT JOIN started ON TRUE"
+    )
+
+
+_END_AND_BEGIN_STEP_PG = _end_and_begin_step_pg(_ENDED_PG)
+_END_AND_BEGIN_STEP_KEPT_PG = _end_and_begin_step_pg(_ENDED_KEPT_PG)
 _RESET_RECOVERIES = (
     f"UPDATE jobs SET recoveries = 0 WHERE id = :id AND {_FENCE} AND recoveries != 0"  # noqa: S608 - fixed text
 )
@@ -1246,6 +1272,7 @@ prepare_on_server(
     _BEGIN_STEP_PG,
     _END_STEP_PG,
     _END_AND_BEGIN_STEP_PG,
+    _END_AND_BEGIN_STEP_KEPT_PG,
     _FINISH_AND_PRUNE_PG,
     _SUBMIT_PG,
     _CLAIM_PG,
@@ -1298,7 +1325,8 @@ def _begin_step_pg(params: dict[str, Any], ended: _Ending | None) -> tuple[str, 
     answer); the statement and its parameters."""
     if ended is None:
         return _BEGIN_STEP_PG, params
-    return _END_AND_BEGIN_STEP_PG, {**ended.pg_params(params["now"]), **params}
+    statement = _END_AND_BEGIN_STEP_PG if ended.reset else _END_AND_BEGIN_STEP_KEPT_PG
+    return statement, {**ended.pg_params(params["now"]), **params}
 
 
 def _began_pg(rows: list[sqlite3.Row], ended: _Ending | None) -> StepRecord | StepRefusal:
