@@ -732,7 +732,7 @@ class JobStore:
             params = parameters()
             now = params["now"]
             if tx.dialect == "postgresql":
-                # Every job beyond the newest none is pruned: after the outcome's statement.
+                # keep_finished=0 prunes every finished job: the outcome, then the pruning.
                 params["event"] = _event_json(data)
                 row = tx.one(_FINISH_PG, params)
                 if row is None:
@@ -936,7 +936,7 @@ class JobStore:
         def work(tx: Transaction) -> StepRecord | StepRefusal:
             params = parameters()
             now = params["now"]
-            if ended is not None and not ended.write(tx, now, last=False):
+            if ended is not None and not ended.write(tx, now):
                 return StepRefusal.LEASE_LOST
             row = tx.one(_BEGIN_STEP, params)
             if row is None:
@@ -972,7 +972,7 @@ class JobStore:
             # One statement: the outcome, the recovery reset and the event.
             params = ending.pg_params(self.clock())
             return bool((await self.database.write_statement(_END_STEP_PG, params))[0][0])
-        return await self.database.write(lambda tx: ending.write(tx, self.clock(), last=True))
+        return await self.database.write(lambda tx: ending.write(tx, self.clock()))
 
     # -- retention -------------------------------------------------------------------------
 
@@ -1048,10 +1048,10 @@ class _Ending:
             reset=ended.reset_recoveries,
         )
 
-    def write(self, tx: Transaction, now: int, *, last: bool) -> bool:
-        """Record it in ``tx`` on SQLite (``last``: nothing follows in the transaction);
-        whether the claim held (``False``: nothing was written). PostgreSQL records it in
-        one statement (``_END_STEP_PG``, or with the next step's start)."""
+    def write(self, tx: Transaction, now: int) -> bool:
+        """Record it in ``tx`` on SQLite; whether the claim held (``False``: nothing was
+        written). PostgreSQL records it in one statement (``_END_STEP_PG``, or with the next
+        step's start)."""
         params = {**self.params, "now": now}
         if tx.execute(_END_STEP, params).rowcount != 1:
             return False
