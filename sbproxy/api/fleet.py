@@ -125,7 +125,7 @@ def _placement_row(
     """One placement as ``GET /admin/fleet/placements`` shows it: its row without the
     definition, whether it is stuck, its node's state, the id its node runs it under and
     that node's report of it; a split's workers each with their node's report (``state``:
-    ``starting``, ``ready`` or ``failed``, ``error``) and node state."""
+    ``starting``, ``ready`` or ``failed``, ``gate_port``, ``error``) and node state."""
     row: dict[str, Any] = placement.to_dict()
     row.pop("definition")
     row["stuck"] = stuck.get(placement.id)
@@ -137,6 +137,7 @@ def _placement_row(
         # A split's worker as its node reports it: starting, ready (with its gate) or failed.
         report = reported.get(worker["node"], {}).get(rpc_report_key(placement.id)) or {}
         worker["state"] = report.get("state")
+        worker["gate_port"] = report.get("gate_port")
         worker["node_state"] = states.get(worker["node"])
         if report.get("error"):
             worker["error"] = report["error"]

@@ -41,6 +41,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -256,6 +257,7 @@ class FleetAgent:
     _reload_failed_at = float("-inf")
     _unreached = 0
     _unspecified: frozenset[str] = frozenset()
+    _unplaced: Mapping[tuple[str, int], str] = MappingProxyType({})
     _events_pruned_at = 0
     _renewing_since: float | None = None
     _failed_since: float | None = None
@@ -947,6 +949,7 @@ class FleetAgent:
         placed = placement_views(snapshot.placements, current, stuck, sizes, failed_on)
         decided = plan(views, list(specs.values()), placed, policy=self.policy, frozen=frozen)
         self._note_staying(stuck, placed, decided.decisions)
+        self._note_unplaced(decided.decisions)
         await self._carry_out(lease, decided.decisions, definitions)
         if snapshot.now_ms - self._events_pruned_at >= EVENTS_PRUNE_EVERY_MS:
             self._events_pruned_at = snapshot.now_ms
@@ -1006,6 +1009,18 @@ class FleetAgent:
         if written:
             logger.info("a request wants %s, scaled to zero: demand recorded", deployment)
         return written
+
+    def _note_unplaced(self, decisions: Sequence[Any]) -> None:
+        """Log each replica no node takes (once, and again when its reason changes)."""
+        unplaced = {
+            (d.deployment, d.replica): f"[{d.reason.value}] {d.message}"
+            for d in decisions
+            if isinstance(d, UnplacedReplica)
+        }
+        for (deployment, replica), why in sorted(unplaced.items()):
+            if self._unplaced.get((deployment, replica)) != why:
+                logger.warning("replica %d of %s is not placed: %s", replica, deployment, why)
+        self._unplaced = unplaced
 
     def _note_staying(
         self, stuck: dict[str, StuckReason], placed: Sequence[Any], decisions: Sequence[Any]
@@ -1205,8 +1220,10 @@ class FleetAgent:
         live = frozenset(v.id for v in self.views if v.state.value not in ("lost", "left"))
         await self.split.sync(snapshot.placements if member else (), live, group)
         nodes = {node.id: node for node in snapshot.nodes}
+        # A worker whose node is leaving stops with it: the split is not run meanwhile.
+        serving = frozenset(v.id for v in self.views if v.state in LIVE_STATES)
         leading, waiting = await self.split.lead(
-            snapshot.placements if member else (), nodes, live, group
+            snapshot.placements if member else (), nodes, serving, group
         )
         for local in waiting:
             wanted.pop(local, None)

@@ -666,6 +666,10 @@ class _Planner:
         self.policy = policy
         self.ledger = _Ledger()
         for placement in self.placements:
+            if placement.workers and self._gone(placement):
+                # A split whose leader is gone holds nothing: its workers stop as soon as
+                # their nodes see the leader gone (fleet/split.py).
+                continue
             for where, devices, size in placement.holdings():
                 node = self.nodes.get(where)
                 if node is not None and node.state not in _GONE_STATES:
@@ -689,13 +693,18 @@ class _Planner:
 
     def _stuck(self, placement: PlacementView) -> tuple[StuckReason, str] | None:
         """Why ``placement`` must move, and the node it failed on: the caller's mark, or a
-        split one of whose workers' nodes is gone."""
-        if placement.stuck is not None:
-            return placement.stuck, placement.stuck_node or placement.node
+        split one of whose workers' nodes is gone or leaving (a worker that stops loses the
+        weights it held: the split cannot wait for it to come back)."""
+        # A gone worker comes first: the leader's engine fails for want of it (a crash loop
+        # there is its consequence, and moving the split off the leader would not help).
         for worker in placement.workers:
             node = self.nodes.get(worker.node)
             if node is None or node.state in _GONE_STATES:
                 return StuckReason.WORKER_FAILED, worker.node
+            if node.state is NodeState.LEAVING and worker.node != placement.node:
+                return StuckReason.WORKER_FAILED, worker.node
+        if placement.stuck is not None:
+            return placement.stuck, placement.stuck_node or placement.node
         return None
 
     def _hold(self, placement: PlacementView, *, release: bool = False) -> None:
@@ -910,6 +919,10 @@ class _Planner:
         stuck = None if marked is None else marked[0]
         from_node = replaces.node if marked is None else marked[1]
         exclude = frozenset() if stuck is None else frozenset({from_node})
+        if stuck is StuckReason.WORKER_FAILED:
+            # A split without one of its workers serves nothing (its leader drops it): its
+            # memory is the new split's, which stops it in the same transaction.
+            self._hold(replaces, release=True)
         found = self._find(spec, replica, exclude)
         if not isinstance(found, _Fit):
             where = (
@@ -919,11 +932,10 @@ class _Planner:
                 "stays there, no other node takes it"
             )
             if stuck is StuckReason.WORKER_FAILED:
-                # A split without one of its workers cannot serve: it stops, and its memory
-                # is free for the next plan's split.
+                # A split without one of its workers cannot serve: it stops all the same.
                 where = (
                     f"placement {replaces.id} lost its RPC worker on {from_node} and stops; "
-                    "no split fits beside it"
+                    "no other split fits"
                 )
                 self._stop(replaces, "stuck")
             self.notes.append(

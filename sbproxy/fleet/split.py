@@ -5,15 +5,17 @@ A split placement (:class:`~sbproxy.fleet.placement.SplitWorker`) names its work
 leader's node first. On every node it names, :class:`SplitNode` runs one
 ``ggml-rpc-server`` for it -- a supervised child with an ownership record like every engine
 (``engines/process.py``), on loopback only -- and an :class:`~sbproxy.model_host.engines.
-rpc.RpcGate` on the node's peer address in front of it, and reports the worker in its
-renewals under ``rpc:<placement>``: ``starting``, ``ready`` with the gate's port, or
-``failed`` with a reason code. A worker runs while its placement is not ``stopping`` and
-its leader's node is a live member; it is stopped (and its gate closed) the moment either
-ends, and when this node fences itself. A worker whose ``ggml-rpc-server`` exits is not
-restarted: it reports ``failed``, the controller moves the whole split
-(``worker_failed``), and the leader stops its generation meanwhile.
+rpc.RpcGate` in front of it on the node's peer address, which lets the split's leader
+through and no other member. The node reports the worker in its renewals under
+``rpc:<placement>``: ``starting``, ``ready`` with the gate's port, or ``failed`` with a
+reason code. A worker runs while its placement is not ``stopping`` and its leader's node is
+a live member; it is stopped (and its gate closed) the moment either ends, and killed when
+this node fences itself. A worker whose ``ggml-rpc-server`` exits is not restarted: it
+reports ``failed``, the controller moves the whole split (``worker_failed``), and the
+leader stops its generation meanwhile.
 
-On the leader's node, a split is loaded only once every worker reports ``ready``: one
+On the leader's node, a split is loaded only once every worker's node is serving (not
+leaving, lost or left) and reports it ``ready``: one
 :class:`~sbproxy.model_host.engines.rpc.RpcTunnel` per worker on loopback, and the runtime
 launches ``llama-server --rpc`` over them with the placement's share as its reservation
 (:class:`~sbproxy.model_host.runtime.context.SplitLaunch`). While any worker is not ready
@@ -26,6 +28,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -193,7 +196,13 @@ class SplitNode:
                     identity=self.identity,
                 )
                 await wait_listening(worker.process, port, timeout_s=LISTEN_TIMEOUT_S)
-                gate = RpcGate(target_port=port, credentials=self.credentials, host=self.host)
+                leader = str(row.node)
+                gate = RpcGate(
+                    target_port=port,
+                    # Only the split's own leader passes (any other member is refused).
+                    credentials=lambda node: self.credentials(node) if node == leader else None,
+                    host=self.host,
+                )
                 async with anyio.create_task_group() as gates:
                     await gates.start(gate.serve)
                     worker.gate = gate
@@ -210,6 +219,10 @@ class SplitNode:
                 self._fail(worker, exc.code, str(exc))
             except OSError as exc:
                 self._fail(worker, "rpc_worker_unavailable", f"gate on {self.host}: {exc}")
+            except Exception as exc:
+                # Never the host's end: the worker fails, and its split moves.
+                logger.exception("split %s: RPC worker broke", worker.deployment)
+                self._fail(worker, "rpc_worker_unavailable", f"{type(exc).__name__}: {exc}")
         if worker.process is not None and worker.state != WorkerState.READY:
             await worker.process.shutdown(grace_s=STOP_GRACE_S)
 
@@ -271,14 +284,15 @@ class SplitNode:
         group: anyio.abc.TaskGroup,
     ) -> tuple[dict[str, SplitLaunch], frozenset[str]]:
         """The splits this node leads: ``({local id: launch}, {local ids waiting})`` --
-        a split is launchable once every worker's node is a live member that reports it
+        a split is launchable once every worker's node is a serving member (``ready``,
+        ``suspect``, ``cordoned``, ``draining``: not leaving, lost or left) that reports it
         ``ready`` (its tunnels are opened then), and waits otherwise (its local deployment
         is not run meanwhile: a running generation drains and stops).
 
         Args:
             placements: Every placement (``PlacementRow``-shaped).
             nodes: ``{node id: NodeRow}`` of the members (their reports and addresses).
-            live: The members not ``lost`` or ``left``.
+            live: The serving members (:data:`~sbproxy.fleet.membership.LIVE_STATES`).
             group: Where the tunnels serve.
         """
         ready: dict[str, SplitLaunch] = {}
@@ -300,10 +314,15 @@ class SplitNode:
                 if led is None:
                     waiting.add(local)
                     continue
+                if len(led.tunnels) != len(gates):  # some could not listen: never a part
+                    led.scope.cancel()
+                    waiting.add(local)
+                    continue
                 self.led[row.id] = led
             ready[local] = SplitLaunch(
                 endpoints=tuple(t.endpoint for t in led.tunnels),
                 reserved_bytes=int(row.reserved_bytes),
+                probe=partial(_probe, tuple(led.tunnels)),
             )
         leading = {row.id for row in mine.values() if row.workers}
         for placement in [p for p in self.led if p not in leading]:
@@ -336,17 +355,36 @@ class SplitNode:
         led = _Led(gates=gates, tunnels=[])
 
         async def serve(*, task_status: anyio.abc.TaskStatus[None]) -> None:
-            with led.scope:
-                async with anyio.create_task_group() as tunnels:
-                    for gate in gates:
-                        tunnel = RpcTunnel(gate=gate, node=self.node_id, credential=credential)
-                        await tunnels.start(tunnel.serve)
-                        led.tunnels.append(tunnel)
-                    task_status.started()
-            # A cancelled scope before start: nothing was offered.
+            started = False
+            try:
+                with led.scope:
+                    async with anyio.create_task_group() as tunnels:
+                        for gate in gates:
+                            tunnel = RpcTunnel(gate=gate, node=self.node_id, credential=credential)
+                            await tunnels.start(tunnel.serve)
+                            led.tunnels.append(tunnel)
+                        task_status.started()
+                        started = True
+            except Exception:
+                # Never the host's end: the split's launch then fails its probe.
+                logger.exception("split placement %s: its tunnels broke", placement)
+            if not started:
+                task_status.started()
 
         await group.start(serve)
         return led
+
+
+async def _probe(tunnels: Sequence[RpcTunnel]) -> None:
+    """Pass every worker's gate handshake once (then hang up), before the leader launches.
+
+    Raises:
+        EngineError: ``rpc_worker_unavailable``, ``peer_unauthorized``,
+            ``rpc_handshake_invalid`` (:meth:`RpcTunnel.open`).
+    """
+    for tunnel in tunnels:
+        stream, _ = await tunnel.open()
+        await stream.aclose()
 
 
 def worker_threads(devices: int) -> int | None:

@@ -103,19 +103,39 @@ def rpc_servers_everywhere() -> list[int]:
     return found
 
 
-def three_hosts(tmp_path: Path, url: str, llama_server: Path, smol: Path) -> list[RealHost]:
+def nothing_left(before: set[int], hosts: list[RealHost]) -> None:
+    """No ggml-rpc-server that was not running ``before`` is left, and no host logged a
+    traceback."""
+    left = set(rpc_servers_everywhere()) - before
+    assert not left, f"ggml-rpc-server left running: {sorted(left)}"
+    for host in hosts:
+        assert "Traceback" not in host.output, host.output[-4000:]
+
+
+def three_hosts(
+    tmp_path: Path,
+    url: str,
+    llama_server: Path,
+    smol: Path,
+    *,
+    cpu_devices: int = 2,
+    seeded: int = 1,
+) -> list[RealHost]:
+    """node-a, node-b, node-c with ``cpu_devices`` devices each; the first ``seeded`` hold
+    the GGUF (nothing is pulled: there is no upstream)."""
     hosts = [
         RealHost(
             name,
             tmp_path / name,
             url,
-            "http://127.0.0.1:9",  # nothing is pulled: node-a holds the GGUF
-            settings={"cpu_devices": 2},
+            "http://127.0.0.1:9",
+            settings={"cpu_devices": cpu_devices},
             real_server=llama_server,
         )
         for name in ("node-a", "node-b", "node-c")
     ]
-    imported(smol, model=MODEL, variant="q4_1", cache=hosts[0].cache)
+    for host in hosts[:seeded]:
+        imported(smol, model=MODEL, variant="q4_1", cache=host.cache)
     for host in hosts:
         host.write({})
     return hosts
@@ -147,8 +167,10 @@ def first_split(hosts: list[RealHost]) -> tuple[dict[str, Any], RealHost, RealHo
     return first, other, third
 
 
-def moved_from(host: RealHost, first: dict[str, Any]) -> dict[str, Any]:
-    """Wait until ``first`` was placed again and the new split is ready; the new one."""
+def moved_from(host: RealHost, first: dict[str, Any], *, replaced: bool = True) -> dict[str, Any]:
+    """Wait until ``first`` was placed again and the new split is ready; the new one
+    (``replaced``: a ``replace`` of it; a split whose leader was declared lost may be
+    started afresh instead, its old placement ended with the node)."""
 
     def moved() -> bool:
         now = ready_split(host)
@@ -157,7 +179,8 @@ def moved_from(host: RealHost, first: dict[str, Any]) -> dict[str, Any]:
     poll(moved, timeout_s=240, what="the split placed again and ready")
     second = ready_split(host)
     assert second is not None
-    assert second["replaces"] == first["id"]
+    if replaced:
+        assert second["replaces"] == first["id"]
     return second
 
 
@@ -195,10 +218,7 @@ def test_a_split_over_two_hosts_answers_and_moves_whole_when_a_worker_dies(
         assert answer.status_code == 200, answer.text
     finally:
         stop_all(hosts)
-    left = set(rpc_servers_everywhere()) - before
-    assert not left, f"ggml-rpc-server left running: {sorted(left)}"
-    for host in hosts:
-        assert "Traceback" not in host.output, host.output[-4000:]
+    nothing_left(before, hosts)
 
 
 def test_a_split_whose_worker_host_is_killed_moves_whole_to_the_live_nodes(
@@ -225,8 +245,7 @@ def test_a_split_whose_worker_host_is_killed_moves_whole_to_the_live_nodes(
         )
     finally:
         stop_all(hosts)
-    left = set(rpc_servers_everywhere()) - before
-    assert not left, f"ggml-rpc-server left running: {sorted(left)}"
+    nothing_left(before, hosts)
 
 
 def _zombie(process: psutil.Process) -> bool:
@@ -234,3 +253,56 @@ def _zombie(process: psutil.Process) -> bool:
         return process.status() == psutil.STATUS_ZOMBIE
     except psutil.Error:
         return True
+
+
+def test_with_one_device_a_node_a_split_whose_leader_host_is_killed_moves_to_the_others(
+    tmp_path: Path, postgres_server: PostgresServer, llama_server: Path, real_inputs: RealInputs
+) -> None:
+    # One device per node: the new split can only go where the old one's worker still is,
+    # which it gives up as soon as its node sees the leader gone.
+    before = set(rpc_servers_everywhere())
+    hosts = three_hosts(
+        tmp_path,
+        postgres_server.create_database(),
+        llama_server,
+        real_inputs.smol,
+        cpu_devices=1,
+        seeded=3,
+    )
+    a, b, c = hosts
+    try:
+        first, other, third = first_split(hosts)
+        a.kill()
+        second = moved_from(other, first, replaced=False)
+        assert sorted(w["node"] for w in second["workers"]) == ["node-b", "node-c"]
+        answer = ask(third)
+        assert answer.status_code == 200, answer.text
+        poll(
+            lambda: len(b.workers()) == 1 and len(c.workers()) == 1,
+            timeout_s=60,
+            what="only the new split's workers running",
+        )
+    finally:
+        stop_all(hosts)
+    nothing_left(before, hosts)
+
+
+def test_a_split_whose_worker_host_stops_gracefully_moves_at_once_without_a_relaunch(
+    tmp_path: Path, postgres_server: PostgresServer, llama_server: Path, real_inputs: RealInputs
+) -> None:
+    before = set(rpc_servers_everywhere())
+    hosts = three_hosts(tmp_path, postgres_server.create_database(), llama_server, real_inputs.smol)
+    a = hosts[0]
+    try:
+        first, other, third = first_split(hosts)
+        assert other.stop() == 0
+        second = moved_from(a, first)
+        assert [w["node"] for w in second["workers"]] == ["node-a", third.node]
+        assert ask(a).status_code == 200
+        # The leader dropped the split when its worker's node left, before that worker's
+        # ggml-rpc-server stopped: its engine was never relaunched without it.
+        assert "relaunch in" not in a.output, a.output[-4000:]
+        assert "engine_health_failed" not in a.output, a.output[-4000:]
+    finally:
+        stop_all(hosts)
+    nothing_left(before, hosts)

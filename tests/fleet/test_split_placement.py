@@ -171,21 +171,51 @@ def test_a_gone_worker_places_the_whole_split_again_and_stops_the_old_one() -> N
     assert replace.cause == "worker_failed"
     assert replace.from_node == "b"
     assert replace.replaces == "p1"
-    # The old split still holds a's device while it stops: the new one goes to c and d.
-    assert sorted(w.node for w in replace.workers) == ["c", "d"]
+    # The old split serves nothing without b: its devices are the new split's (a again).
+    assert [w.node for w in replace.workers] == ["a", "c"]
     (stop,) = [d for d in result.decisions if isinstance(d, StopReplica)]
     assert (stop.placement, stop.cause) == ("p1", "stuck")
 
 
 def test_a_split_whose_worker_is_gone_stops_even_when_no_new_split_fits_yet() -> None:
     existing = split_of_a_and_b()
-    nodes = [node("a"), node("b", state=NodeState.LOST), node("c")]
+    nodes = [node("a"), node("b", state=NodeState.LOST)]
     result = plan(nodes, [spec(SplitMode.AUTO)], [existing])
     assert not [d for d in result.decisions if isinstance(d, ReplaceReplica)]
     (stop,) = [d for d in result.decisions if isinstance(d, StopReplica)]
     assert (stop.placement, stop.cause) == ("p1", "stuck")
     (note,) = [d for d in result.decisions if isinstance(d, UnplacedReplica)]
-    assert "lost its RPC worker on b and stops" in note.message
+    assert "lost its RPC worker on b and stops; no other split fits" in note.message
+
+
+def test_a_split_whose_leader_is_gone_holds_nothing_on_its_workers() -> None:
+    # Its workers stop when they see their leader gone: b's only device takes the new split.
+    nodes = [node("a", state=NodeState.LOST), node("b"), node("c")]
+    result = plan(nodes, [spec(SplitMode.AUTO)], [split_of_a_and_b()])
+    (replace,) = [d for d in result.decisions if isinstance(d, ReplaceReplica)]
+    assert (replace.cause, replace.replaces) == ("node_gone", "p1")
+    assert sorted(w.node for w in replace.workers) == ["b", "c"]
+
+
+def test_a_gone_worker_outranks_the_leader_s_crash_loop() -> None:
+    # The leader's engine crash-looped for want of b: the split moves off b, not off a.
+    crashed = split_of_a_and_b(stuck=StuckReason.CRASH_LOOP)
+    nodes = [node("a"), node("b", state=NodeState.LOST), node("c")]
+    result = plan(nodes, [spec(SplitMode.AUTO)], [crashed])
+    (replace,) = [d for d in result.decisions if isinstance(d, ReplaceReplica)]
+    assert (replace.cause, replace.from_node) == ("worker_failed", "b")
+    assert [w.node for w in replace.workers] == ["a", "c"]
+
+
+def test_a_split_with_a_leaving_worker_moves_at_once() -> None:
+    nodes = [node("a"), node("b", state=NodeState.LEAVING), node("c")]
+    result = plan(nodes, [spec(SplitMode.AUTO)], [split_of_a_and_b()])
+    (replace,) = [d for d in result.decisions if isinstance(d, ReplaceReplica)]
+    assert (replace.cause, replace.from_node) == ("worker_failed", "b")
+    assert [w.node for w in replace.workers] == ["a", "c"]
+    # A leaving leader is another matter: it may be back within its grace.
+    leader_leaving = [node("a", state=NodeState.LEAVING), node("b"), node("c")]
+    assert not plan(leader_leaving, [spec(SplitMode.AUTO)], [split_of_a_and_b()]).decisions
 
 
 def test_a_worker_the_caller_marks_failed_is_avoided_by_the_new_split() -> None:
@@ -194,8 +224,8 @@ def test_a_worker_the_caller_marks_failed_is_avoided_by_the_new_split() -> None:
     result = plan(nodes, [spec(SplitMode.RPC)], [existing])
     (replace,) = [d for d in result.decisions if isinstance(d, ReplaceReplica)]
     assert (replace.cause, replace.from_node) == ("worker_failed", "b")
-    # Not b (it failed there), not a (the old split holds its only device while it stops).
-    assert sorted(w.node for w in replace.workers) == ["c", "d"]
+    # Not b (it failed there); a's device is free again (the old split serves nothing).
+    assert [w.node for w in replace.workers] == ["a", "c"]
 
 
 @pytest.mark.parametrize(

@@ -203,7 +203,10 @@ async def _pump(
                 break
             counter[0] += len(chunk)
     finally:
-        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+        # RuntimeError: uvloop's answer for a transport the other direction already closed.
+        with contextlib.suppress(
+            anyio.ClosedResourceError, anyio.BrokenResourceError, OSError, RuntimeError
+        ):
             await sink.send_eof()
 
 
@@ -218,7 +221,11 @@ async def _serve(
 
     async def handle(stream: anyio.abc.SocketStream) -> None:
         waiting.discard(stream)
-        await handler(stream)
+        try:
+            await handler(stream)
+        except Exception:
+            # One connection's error never ends the listener (nor the host that runs it).
+            logger.warning("RPC relay: a connection ended with an error", exc_info=True)
 
     async def accept(one: anyio.abc.SocketListener, group: anyio.abc.TaskGroup) -> None:
         while True:

@@ -12,7 +12,7 @@ deployments, the desired state and the catalog.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -51,6 +51,10 @@ class SplitLaunch:
 
     endpoints: tuple[tuple[str, int], ...]
     reserved_bytes: int
+    probe: Callable[[], Awaitable[None]] | None = None
+    """Checks, before each launch, that every worker answers through its tunnel (raises
+    ``EngineError`` ``rpc_worker_unavailable`` and the like): llama.cpp would otherwise
+    load the whole model onto the workers it reaches."""
 
 
 class RuntimeContext:

@@ -176,6 +176,9 @@ class Launches:
             raise
         found.reserved(estimate)
         try:
+            split = context.splits.get(found.deployment)
+            if split is not None and split.probe is not None:
+                await split.probe()
             process, port = await self._spawner.spawn_until_ready(found, metadata, executable)
         except BaseException:
             with anyio.CancelScope(shield=True):
