@@ -98,10 +98,7 @@ __all__ = [
     "PgConnection",
     "PgTarget",
     "is_postgres_url",
-    "is_prepared",
     "prepare_on_server",
-    "row_factory",
-    "translate",
 ]
 
 # The name of the server's clock in ``jobs.lease_clock``: one clock for every host.
@@ -305,19 +302,10 @@ def _row_factory(cursor: Any) -> Any:
     return make
 
 
-row_factory = _row_factory
-"""psycopg's row factory for the journal's connections: rows as :class:`PgRow`."""
-
 _translated: dict[str, str] = {}
 _translate_lock = threading.Lock()
 # Translated texts bound and prepared on the server (see the module docstring).
 _prepared: set[str] = set()
-
-
-def is_prepared(text: str) -> bool:
-    """Whether ``text`` (a translated statement) is one the server prepares
-    (:func:`prepare_on_server`)."""
-    return text in _prepared
 
 
 def prepare_on_server(*statements: str) -> None:
@@ -406,7 +394,6 @@ class PgConnection:
         self._lost: BaseException | None = None
         self._queued_at: float | None = None
         self._connect_error: BaseException | None = None
-        self._distrusted = False
         self._connect_now()
 
     def note_request(self, queued_at: float) -> None:
@@ -437,16 +424,9 @@ class PgConnection:
         # The hot statements this connection's server session has prepared (none yet).
         self._prepared_here: set[str] = set()
 
-    def distrust(self) -> None:
-        """Another connection of this process found the server gone: reopen this one at the
-        next transaction rather than find it lost (it sat idle meanwhile) by a write that
-        then fails. Called from any thread."""
-        self._distrusted = True
-
     def _live(self) -> DeadlineConnection:
         connection = self._connection
-        distrusted, self._distrusted = self._distrusted, False
-        if connection is not None and not (connection.closed or connection.broken or distrusted):
+        if connection is not None and not connection.closed and not connection.broken:
             return connection
         if connection is not None:
             connection.close()
