@@ -131,8 +131,6 @@ class SplitNode:
         self.identity = WorkerIdentity.current()
         self.workers: dict[str, _Worker] = {}
         self.led: dict[str, _Led] = {}
-        self.failures = 0
-        """Workers that failed here (exited, or could not start)."""
 
     # -- what the renewal reports -----------------------------------------------------------
 
@@ -231,7 +229,6 @@ class SplitNode:
             return
         worker.state = WorkerState.FAILED
         worker.error = code
-        self.failures += 1
         logger.warning(
             "split %s (placement %s): RPC worker failed [%s] %s; the split is placed again",
             worker.deployment,
