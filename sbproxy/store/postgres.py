@@ -57,8 +57,10 @@ Choices (the issue's note):
   ``BEGIN`` reopens it. A call that finds its connection lost spends at most
   :data:`RECONNECT_WINDOW_S` + :data:`CONNECT_TIMEOUT_S` reconnecting, then at most the
   deadline on its statement: :data:`UNAVAILABLE_WITHIN_S` in all. Requests that queued for
-  the connection's thread while it found the server silent or unreachable (a deadline, a
-  failed reconnect) fail at once (one outage, one wait), not one wait each. A migration
+  the connection's thread while it found the server silent or unreachable fail at once
+  (one outage, one wait), not one wait each -- after a failed reconnect at once, after a
+  statement's deadline once the first of them has tried one reconnect (the link may have
+  come back while the statement waited; it then runs, and those after it). A migration
   (the transaction that takes the migration lock) waits up to :data:`MIGRATION_DEADLINE_S`
   per round trip instead: DDL over a large journal, or another host's migration, may take
   long.
@@ -393,6 +395,8 @@ class PgConnection:
         self._lost_at: float | None = None
         self._lost: BaseException | None = None
         self._queued_at: float | None = None
+        # Whether the server was tried (a reconnect) when this connection last gave up.
+        self._probed = False
         self._connect_error: BaseException | None = None
         self._connect_now()
 
@@ -433,9 +437,19 @@ class PgConnection:
         self._connection = None
         lost_at, queued_at = self._lost_at, self._queued_at
         if lost_at is not None and queued_at is not None and queued_at < lost_at:
-            # This request waited in the queue while the server was found gone: it is
-            # refused now, as the one that found it was, not after a reconnect of its own.
-            raise self.target.unavailable(self._lost)
+            # This request waited in the queue while the server was found gone. When that
+            # was a statement's silence, nobody has tried the server since (the link may
+            # be back by now): the first such request tries once, and fails (the rest with
+            # it) or runs. After a failed reconnect it is refused at once, as the one that
+            # found it was, not after a reconnect of its own.
+            if self._probed:
+                raise self.target.unavailable(self._lost)
+            try:
+                self._connect_now()
+            except JournalUnavailable:
+                self._gave_up(self._connect_error, probed=True)
+                raise
+            return self._opened()
         try:
             Retrying(
                 retry=retry_if_exception_type(JournalUnavailable),
@@ -445,15 +459,16 @@ class PgConnection:
                 reraise=True,
             )(self._connect_now)
         except JournalUnavailable:
-            self._gave_up(self._connect_error)
+            self._gave_up(self._connect_error, probed=True)
             raise
         return self._opened()
 
-    def _gave_up(self, exc: BaseException | None) -> None:
-        """Remember that the server was found unreachable now -- a reconnect failed, or a
-        round trip got no answer (see :meth:`note_request`)."""
+    def _gave_up(self, exc: BaseException | None, *, probed: bool) -> None:
+        """Remember that the server was found unreachable now -- a reconnect failed
+        (``probed``), or a round trip got no answer (see :meth:`note_request`)."""
         self._lost_at = time.perf_counter()
         self._lost = exc
+        self._probed = probed
 
     def _opened(self) -> DeadlineConnection:
         connection = self._connection
@@ -582,7 +597,7 @@ class PgConnection:
                 if isinstance(exc, DeadlineExceeded):
                     # Silent, not gone (a server that closed the connection may well be
                     # back at the next attempt): what queued meanwhile is refused at once.
-                    self._gave_up(exc)
+                    self._gave_up(exc, probed=False)
                 raise self.target.unavailable(exc) from exc
             raise
         return result

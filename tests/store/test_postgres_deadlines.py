@@ -342,3 +342,42 @@ def _caught(call: Callable[[], object]) -> object:
         return call()
     except Exception as exc:  # noqa: BLE001 - handed to the test
         return exc
+
+
+@pytest.mark.anyio
+async def test_a_write_queued_behind_a_lost_statement_runs_once_the_link_is_back(
+    postgres_server: PostgresServer,
+) -> None:
+    # A write that waits on the writer thread behind a statement lost in a silent link is
+    # not refused for that statement's outage when the link came back meanwhile: it tries
+    # the server once (a reconnect) before it is refused, and here runs.
+    url = postgres_server.create_database()
+    with TcpRelay(postgres_server.port) as relay:
+        database = await Database.open(_through(url, postgres_server, relay))
+        store = JobStore(database)
+        try:
+            await store.submit(kind="demo", workflow_version=1, input_json="{}")
+            relay.blackhole()
+            lost = asyncio.ensure_future(
+                database.write(lambda tx: tx.execute("UPDATE jobs SET updated_at_ms = 1"))
+            )
+            await _until_async(lambda: relay.dropped > 0, what="the statement is in the hole")
+            relay.heal()
+            queued = asyncio.ensure_future(
+                store.submit(kind="demo", workflow_version=1, input_json="{}")
+            )
+            outcome, _ = await _awaited_within(UNAVAILABLE_WITHIN_S + SLACK_S, lost)
+            _unavailable(outcome, relay.port)  # its answer never comes: the deadline
+            answer, _ = await _awaited_within(UNAVAILABLE_WITHIN_S + SLACK_S, queued)
+            assert not isinstance(answer, BaseException), answer
+            assert (await store.get(answer.job.id)) is not None
+        finally:
+            relay.close()
+            await database.close()
+
+
+async def _until_async(predicate: Callable[[], bool], *, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        await asyncio.sleep(0.01)

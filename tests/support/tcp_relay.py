@@ -43,6 +43,9 @@ class TcpRelay:
         limit); read when a connection opens."""
         self.cut_times: int | None = None
         """With :attr:`cut_after`: cut only this many connections (``None``: every one)."""
+        self.dropped = 0
+        """Bytes read and dropped while blackholed, either way (a test waits for a client's
+        statement to be lost in the hole before it heals the link)."""
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
@@ -122,8 +125,10 @@ class TcpRelay:
             client.settimeout(0.2)
             while self._hole.is_set() and not self._closed.is_set():
                 try:
-                    if not client.recv(65536):
+                    data = client.recv(65536)
+                    if not data:
                         return
+                    self._drop(data)
                 except TimeoutError:
                     continue
         except OSError:
@@ -131,6 +136,10 @@ class TcpRelay:
         finally:
             with contextlib.suppress(OSError):
                 client.close()
+
+    def _drop(self, data: bytes) -> None:
+        with self._lock:
+            self.dropped += len(data)
 
     def _passing(self, client: socket.socket, *, from_client: bool) -> None:
         """Called before bytes of ``client``'s connection are relayed (from the client when
@@ -161,7 +170,9 @@ class TcpRelay:
                     data = source.recv(65536)
                     if not data:
                         return
-                    if not self._hole.is_set():
+                    if self._hole.is_set():
+                        self._drop(data)
+                    else:
                         self._passing(client, from_client=source is client)
                         if left is not None and source is upstream:
                             if len(data) >= left:
