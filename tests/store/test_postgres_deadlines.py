@@ -13,10 +13,10 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import psycopg
 import pytest
@@ -66,9 +66,7 @@ def _within(seconds: float, call: Callable[[], T]) -> tuple[T | BaseException, f
     return outcome[0], elapsed
 
 
-async def _awaited_within(
-    seconds: float, call: Coroutine[Any, Any, T]
-) -> tuple[T | BaseException, float]:
+async def _awaited_within(seconds: float, call: Awaitable[T]) -> tuple[T | BaseException, float]:
     """As :func:`_within` for a store coroutine (whose wait is shielded from cancellation)."""
     task = asyncio.ensure_future(call)
     started = time.monotonic()
