@@ -34,7 +34,7 @@ from sbproxy.fleet.agent import FleetAgent
 from sbproxy.fleet.cluster import fleet_store, is_cluster, open_agent, start_node, starting_state
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout, resolve_cache_root
 from sbproxy.model_host.artifacts.locks import HostLock
-from sbproxy.model_host.engines import kill_owned, reap_orphans
+from sbproxy.model_host.engines import reap_orphans
 from sbproxy.model_host.engines.guard import EngineGuard
 from sbproxy.model_host.flows import registry
 from sbproxy.model_host.runtime import HostDevices, probe_host
@@ -248,10 +248,9 @@ async def _shutdown_runtime(manager: RuntimeManager, *, budget_s: float | None) 
 
 def _kill_engines(manager: RuntimeManager) -> None:
     """SIGKILL every engine this host started (a second stop signal): the ones the manager
-    holds, and -- from the ownership records -- any still starting. The manager's shutdown
-    then sees them exit instead of waiting out their SIGTERM grace."""
-    killed = set(manager.kill_engines())
-    killed.update(kill_owned(manager.owned_dir, owner=manager.identity.owner))
+    holds, and -- from the ownership records -- any still starting or stopping. The
+    manager's shutdown then sees them exit instead of waiting out their SIGTERM grace."""
+    killed = manager.kill_every_engine()
     if killed:
         logger.warning("killed engine process groups %s", sorted(killed))
 

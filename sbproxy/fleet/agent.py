@@ -306,6 +306,10 @@ class FleetAgent:
         success after a failure)."""
         self.removed = False
         """The fleet removed this node: it runs nothing until an operator admits it."""
+        self.left_at: float | None = None
+        """When (this node's clock) the graceful stop that marked it leaving began; ``None``
+        while it runs. From then on it renews, joins and controls nothing (the mark released
+        its id), and its engines stop once ``leaving_grace_ms`` has passed since."""
         self.holding: ControllerLease | None = None
         self.snapshot: FleetSnapshot | None = None
         self.views: list[NodeView] = []
@@ -537,7 +541,13 @@ class FleetAgent:
         """A graceful stop (SIGTERM): mark this node leaving on database time -- out of every
         gateway's rotation at once; its replicas are re-placed after ``rejoin_grace_ms``
         unless it is back -- and release the node id for the restart. Best effort: a
-        journal that does not answer leaves the fleet to notice the silence."""
+        journal that does not answer leaves the fleet to notice the silence.
+
+        Once marked, the beats stop (a renewal would find the id released, and this node
+        must not take it back from its own restart), and :meth:`check_lease` stops the
+        engines when the grace ends, as the controller may start their replacements then:
+        a drain gets at most the grace."""
+        began = self.clock()
         try:
             with anyio.fail_after(min(self.timing.fence_after_ms / 1000, self.store.deadline_s)):
                 left = await anyio.to_thread.run_sync(
@@ -548,6 +558,7 @@ class FleetAgent:
             logger.warning("node %s could not mark itself leaving: %s", self.identity.id, exc)
             return
         if left:
+            self.left_at = began
             logger.info(
                 "node %s marked itself leaving (replicas re-placed after %d ms unless it is back)",
                 self.identity.id,
@@ -598,7 +609,7 @@ class FleetAgent:
     async def refresh(self, group: anyio.abc.TaskGroup) -> None:
         """Re-read the fleet, rebuild the routing table and reconcile this node's own
         placements (no renewal, no controller pass): what a change notification asks."""
-        if self.fenced or self.removed:
+        if self.fenced or self.removed or self.left_at is not None:
             return
         snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
         self.snapshot = snapshot
@@ -632,12 +643,23 @@ class FleetAgent:
         calls it, one look at a time; a successful renewal sets the verdict back."""
         if self.fenced or self.removed or self.last_renewal is None:
             return
+        if self.left_at is not None:
+            # Leaving: no renewals come; the grace, not the lease, bounds the engines.
+            if (self.clock() - self.left_at) * 1000 >= self.timing.leaving_grace_ms:
+                logger.warning(
+                    "node %s: its leaving grace (%d ms) is over, its replicas may start "
+                    "elsewhere now: the engines still draining stop",
+                    self.identity.id,
+                    self.timing.leaving_grace_ms,
+                )
+                self.fence()
+            return
         if (self.clock() - self.last_renewal) * 1000 >= self.timing.fence_after_ms:
             await self._judge_own_lease()
 
     async def beat(self, group: anyio.abc.TaskGroup) -> None:
-        """One heartbeat (module docstring)."""
-        if not await self._renew():
+        """One heartbeat (module docstring); none once this node marked itself leaving."""
+        if self.left_at is not None or not await self._renew():
             return
         await self._control()
         snapshot = await anyio.to_thread.run_sync(self.store.snapshot)
@@ -866,9 +888,9 @@ class FleetAgent:
         self.fenced = True
         self.holding = None
         self._refresh_routing(self.snapshot)
-        killed = self.manager.kill_engines()
+        killed = self.manager.kill_every_engine()
         if self.split is not None:
-            killed += self.split.kill_all()
+            killed += [pid for pid in self.split.kill_all() if pid not in killed]
         logger.warning(
             "node %s fenced itself: %d engine(s) killed, no traffic until it renews",
             self.identity.id,

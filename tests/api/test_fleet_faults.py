@@ -30,6 +30,7 @@ from tests.api.cluster_hosts import (
 )
 from tests.api.pg_hosts import poll, query
 from tests.api.test_fleet_hosts import TINY, apply, cli, start_all, stop_all
+from tests.model_host.engines.support import fake_llama_server
 from tests.support.hf_server import HfMirror
 from tests.support.postgres import PostgresServer, postgres_bin_dir
 
@@ -139,23 +140,31 @@ def test_a_graceful_stop_is_re_placed_after_the_rejoin_grace_not_lost_after(
     tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
 ) -> None:
     """Item 5: SIGTERM of the host with the replica marks it leaving (out of rotation at
-    once); the replica is re-placed after rejoin_grace_ms, well before lost_after_ms."""
+    once); the replica is re-placed after rejoin_grace_ms, well before lost_after_ms. Its
+    engine ignores SIGTERM, so the stop lasts many heartbeats: the stopping host neither
+    renews nor joins again meanwhile (its id is released; a join would undo the leave), and
+    its engine is stopped when the grace ends, when the replacement may start."""
     url = postgres_server.create_database()
-    grace_ms = 600
+    grace_ms = 3_000
     timing = {
         "heartbeat_ms": HEARTBEAT_MS,
         "fence_after_ms": FENCE_AFTER_MS,
         "lost_after_ms": LOST_AFTER_MS * 3,  # 9 s: far from the grace
         "rejoin_grace_ms": grace_ms,
     }
-    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url, timing=timing)
+    # A stop of node-a may wait 8 s for its engine, which only SIGKILL ends.
+    slow_stop = {"shutdown_deadline_ms": 8_000}
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url, timing=timing, settings=slow_stop)
+    fake_llama_server(a.root / "bin", mode="ignore_sigterm")
     b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, timing=timing)
     hosts = [a, b]
     try:
         start_all(hosts)
         apply(b, {"tiny": TINY})
         poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+        stopping = time.monotonic()
         a.stop()
+        stopped_s = time.monotonic() - stopping
         rows = query(url, "SELECT at_ms FROM fleet_events WHERE type = 'node_leaving'")
         assert len(rows) == 1, rows
         leaving_at = int(rows[0][0])
@@ -166,13 +175,19 @@ def test_a_graceful_stop_is_re_placed_after_the_rejoin_grace_not_lost_after(
             ' AND data_json LIKE \'%"to": "lost"%\'',
         )
         waited_ms = int(lost_at[0]) - leaving_at
-        assert grace_ms <= waited_ms < LOST_AFTER_MS * 3 - 1_000, waited_ms
+        assert grace_ms <= waited_ms < LOST_AFTER_MS * 3 - 1_000, (waited_ms, a.output)
         states = query(
             url,
             "SELECT data_json FROM fleet_events WHERE type = 'node_state' AND subject = 'node-a'",
         )
         assert any('"to": "leaving"' in str(r[0]) for r in states), states
-        print(f"SIGTERM -> re-placed (node-a lost) after {waited_ms} ms (grace {grace_ms} ms)")
+        assert "held by another sbproxy process" not in a.output, a.output
+        assert "leaving grace (3000 ms) is over" in a.output, a.output
+        assert stopped_s < 8.0, stopped_s  # the engine stopped at the grace's end
+        print(
+            f"SIGTERM -> re-placed (node-a lost) after {waited_ms} ms (grace {grace_ms} ms);"
+            f" node-a stopped in {stopped_s:.1f} s"
+        )
     finally:
         stop_all(hosts)
 

@@ -189,6 +189,7 @@ class RuntimeManager:
         self.load, self.stop, self.reset = commands.load, commands.stop, commands.reset
         self.tick, self.shutdown = supervision.tick, supervision.shutdown
         self.kill_engines = supervision.kill_engines
+        self.kill_every_engine = supervision.kill_every_engine
         self.stage, self.recreate_stop = reloads.stage, reloads.recreate_stop
         self.roll_back, self.apply = reloads.roll_back, reloads.apply
         self.enforce_resident_limit = reloads.enforce_resident_limit

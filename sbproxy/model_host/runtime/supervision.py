@@ -12,7 +12,7 @@ import anyio
 import anyio.to_thread
 
 from sbproxy.errors import SbproxyError
-from sbproxy.model_host.engines import reap_orphans
+from sbproxy.model_host.engines import kill_owned, reap_orphans
 from sbproxy.model_host.runtime.command_runner import ADOPT_POLL_S, RUNTIME_JOB_KINDS, CommandRunner
 from sbproxy.model_host.runtime.context import RuntimeContext
 from sbproxy.model_host.runtime.definitions import deployment_digest, desired_digest, desired_of
@@ -259,12 +259,23 @@ class Supervision:
 
     def kill_engines(self) -> list[int]:
         """SIGKILL every engine the runtime holds (current and staged) at once, without
-        grace: a second stop signal. A running shutdown then sees them exit. The pids
-        signalled."""
+        grace. A running shutdown then sees them exit. The pids signalled."""
         killed = []
         context = self._context
         for process in context.engines():
             if process.alive():
                 context.launcher.kill(process)
                 killed.append(process.pid)
+        return killed
+
+    def kill_every_engine(self) -> list[int]:
+        """SIGKILL every child this host started, at once (a second stop signal, a fence):
+        the engines the runtime holds and, from the ownership records, any it holds no
+        more or not yet -- one in the middle of its graceful stop, one still starting, a
+        split's RPC worker. The pids (process groups) signalled."""
+        killed = self.kill_engines()
+        context = self._context
+        for pid in kill_owned(context.layout.owned_engines, owner=context.identity.owner):
+            if pid not in killed:
+                killed.append(pid)
         return killed
