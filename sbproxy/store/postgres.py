@@ -57,10 +57,10 @@ Choices (the issue's note):
   ``BEGIN`` reopens it. A call that finds its connection lost spends at most
   :data:`RECONNECT_WINDOW_S` + :data:`CONNECT_TIMEOUT_S` reconnecting, then at most the
   deadline on its statement: :data:`UNAVAILABLE_WITHIN_S` in all. Requests that queued for
-  the connection's thread while it found the server silent or unreachable fail at once
-  (one outage, one wait), not one wait each -- after a failed reconnect at once, after a
-  statement's deadline once the first of them has tried one reconnect (the link may have
-  come back while the statement waited; it then runs, and those after it). A migration
+  the connection's thread while it found the server silent or unreachable (a deadline, a
+  failed reconnect) fail at once once the first of them has tried the server once more and
+  failed (one outage, one more wait), not one wait each; the link may have come back while
+  they waited, and then that try succeeds and they all run. A migration
   (the transaction that takes the migration lock) waits up to :data:`MIGRATION_DEADLINE_S`
   per round trip instead: DDL over a large journal, or another host's migration, may take
   long.
@@ -395,7 +395,7 @@ class PgConnection:
         self._lost_at: float | None = None
         self._lost: BaseException | None = None
         self._queued_at: float | None = None
-        # Whether the server was tried (a reconnect) when this connection last gave up.
+        # Whether this connection last gave up on the one try of a request that waited.
         self._probed = False
         self._connect_error: BaseException | None = None
         self._connect_now()
@@ -437,11 +437,11 @@ class PgConnection:
         self._connection = None
         lost_at, queued_at = self._lost_at, self._queued_at
         if lost_at is not None and queued_at is not None and queued_at < lost_at:
-            # This request waited in the queue while the server was found gone. When that
-            # was a statement's silence, nobody has tried the server since (the link may
-            # be back by now): the first such request tries once, and fails (the rest with
-            # it) or runs. After a failed reconnect it is refused at once, as the one that
-            # found it was, not after a reconnect of its own.
+            # This request waited in the queue while the server was found gone (a
+            # statement's silence, a failed reconnect). The link may be back by now: the
+            # first such request tries the server once, and runs or fails; once that try
+            # failed, the rest that waited through it are refused at once (one outage, not
+            # one reconnect each).
             if self._probed:
                 raise self.target.unavailable(self._lost)
             try:
@@ -459,13 +459,14 @@ class PgConnection:
                 reraise=True,
             )(self._connect_now)
         except JournalUnavailable:
-            self._gave_up(self._connect_error, probed=True)
+            self._gave_up(self._connect_error, probed=False)
             raise
         return self._opened()
 
     def _gave_up(self, exc: BaseException | None, *, probed: bool) -> None:
-        """Remember that the server was found unreachable now -- a reconnect failed
-        (``probed``), or a round trip got no answer (see :meth:`note_request`)."""
+        """Remember that the server was found unreachable now -- a reconnect failed, or a
+        round trip got no answer (see :meth:`note_request`); ``probed``: by the one try of
+        a request that waited through an earlier such finding."""
         self._lost_at = time.perf_counter()
         self._lost = exc
         self._probed = probed
