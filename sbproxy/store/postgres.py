@@ -445,7 +445,14 @@ class PgConnection:
             if self._probed:
                 raise self.target.unavailable(self._lost)
             try:
-                self._connect_now()
+                try:
+                    self._connect_now()
+                except JournalUnavailable:
+                    if isinstance(self._connect_error, psycopg.errors.ConnectionTimeout):
+                        raise
+                    # Refused or closed, not silent: at once again (a handshake the link
+                    # dropped while it came back is closed then, not answered).
+                    self._connect_now()
             except JournalUnavailable:
                 self._gave_up(self._connect_error, probed=True)
                 raise
