@@ -450,7 +450,6 @@ class PgStepStatements:
 
         self.job_id, self.attempt = anyio.run(_claimed_job, url)
         self.connection = psycopg.connect(url, autocommit=True)
-        self.statement = translate(jobs._END_AND_BEGIN_STEP_PG)
         self.seq = 0
         self.timings: list[float] = []
 
@@ -459,22 +458,31 @@ class PgStepStatements:
 
         for _ in range(commits):
             self.seq += 1
-            ended = EndedStep(seq=self.seq - 1, name=f"s{self.seq - 1}", output_json="1")
-            now = int(time.time() * 1000)
+            # What the engine records for a job claimed with no recoveries: the count's
+            # reset is skipped (EndedStep.reset_recoveries).
+            ended = EndedStep(
+                seq=self.seq - 1,
+                name=f"s{self.seq - 1}",
+                output_json="1",
+                reset_recoveries=False,
+            )
             ending = jobs._Ending.success(self.job_id, "bench", self.attempt, ended)
-            params = {
-                **ending.pg_params(now),
-                "id": self.job_id,
-                "seq": self.seq,
-                "name": f"s{self.seq}",
-                "now": now,
-                "owner": "bench",
-                "attempt": self.attempt,
-                "event": jobs._step_event(self.seq, f"s{self.seq}", StepStatus.RUNNING),
-            }
+            statement, params = jobs._begin_step_pg(
+                {
+                    "id": self.job_id,
+                    "seq": self.seq,
+                    "name": f"s{self.seq}",
+                    "now": int(time.time() * 1000),
+                    "owner": "bench",
+                    "attempt": self.attempt,
+                    "event": jobs._step_event(self.seq, f"s{self.seq}", StepStatus.RUNNING),
+                },
+                ending,
+            )
+            text = translate(statement)
             started = time.perf_counter()
             cursor = psycopg.Cursor(self.connection)
-            cursor.execute(self.statement, params, prepare=True)
+            cursor.execute(text, params, prepare=True)
             assert cursor.fetchone() is not None
             self.timings.append(time.perf_counter() - started)
 

@@ -244,6 +244,9 @@ class ConnectionThread:
         # was queued: one that waited while the connection found its server unreachable is
         # refused at once instead of waiting out a reconnect of its own.
         self._note: Callable[[float], None] | None = None
+        # The connection's ``distrust`` (PostgreSQL's): another connection of this process
+        # found the server gone, so this one is reopened at its next transaction.
+        self.distrust: Callable[[], None] = _nothing
 
     async def open(self) -> None:
         """Start the thread and wait until its connection is open.
@@ -297,6 +300,7 @@ class ConnectionThread:
             ready.settle(None, exc)
             return
         self._note = getattr(connection, "note_request", None)
+        self.distrust = getattr(connection, "distrust", _nothing)
         ready.settle(None, None)
         self._serve(connection)
 
@@ -310,6 +314,10 @@ class ConnectionThread:
             connection.close()
         finally:
             request.settle(None, None)
+
+
+def _nothing() -> None:
+    return None
 
 
 async def _shielded(future: asyncio.Future[T]) -> T:

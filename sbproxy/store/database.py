@@ -48,12 +48,14 @@ from sbproxy.errors import SbproxyError
 from sbproxy.store.connection import (
     LOCK_RETRY_ATTEMPTS,
     ConnectionClosed,
+    Params,
     ReaderThread,
     StatementHook,
     Transaction,
     WriterThread,
     is_locked,
 )
+from sbproxy.store.lane import StatementLane
 from sbproxy.store.leaseclock import LeaseClock, system_lease_time
 from sbproxy.store.outcomes import WriteTallies
 from sbproxy.store.postgres import (
@@ -271,6 +273,12 @@ class Database:
         self._writer = writer
         self._readers = readers
         self._hooks = hooks
+        # PostgreSQL: writes of one statement sent from the event loop (``lane.py``).
+        self._lane = (
+            None
+            if postgres is None
+            else StatementLane(postgres, hooks=hooks, tallies=writer.tallies)
+        )
 
     @property
     def lease_clock(self) -> LeaseClock:
@@ -388,6 +396,8 @@ class Database:
                 )
                 await reader.open()
                 database._readers.append(reader)
+            if database._lane is not None:
+                await database._lane.open()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await database.close()
@@ -411,6 +421,8 @@ class Database:
 
         Using the database afterwards raises ``StoreError`` (``store_failed``).
         """
+        if self._lane is not None:
+            await self._lane.close()
         await self._writer.close()
         for reader in self._readers:
             await reader.close()
@@ -420,7 +432,8 @@ class Database:
         """``(writes, commits)`` committed so far by this process: the writes that
         succeeded, and the ``COMMIT`` statements (one fsync each under ``FULL``) they took;
         fewer commits than writes means group commits formed."""
-        return self._writer.writes, self._writer.commits
+        lane = 0 if self._lane is None else self._lane.writes
+        return self._writer.writes + lane, self._writer.commits + lane
 
     @property
     def write_tallies(self) -> WriteTallies:
@@ -450,6 +463,8 @@ class Database:
             raise _closed_error(self.location) from exc
         except Exception as exc:
             mapped = self._driver_error(exc)
+            if isinstance(mapped or exc, JournalUnavailable):
+                self._distrust_writers()
             if mapped is not None:
                 raise mapped from exc
             raise
@@ -472,7 +487,7 @@ class Database:
             sqlite3.IntegrityError: a constraint ``work`` broke (the caller's answer).
         """
         try:
-            return await self._writer.run(work)
+            value = await self._writer.run(work)
         except ConnectionClosed as exc:
             raise _closed_error(self.location) from exc
         except Exception as exc:
@@ -483,9 +498,51 @@ class Database:
                     remediation="Another process holds a long write transaction; retry.",
                 ) from exc
             mapped = self._driver_error(exc)
+            if isinstance(mapped or exc, JournalUnavailable):
+                self._distrust_writers()
             if mapped is not None:
                 raise mapped from exc
             raise
+        if self._lane is not None:
+            self._lane.reopen()  # the server answers: a lane shut by a failure may reconnect
+        return value
+
+    def _distrust_writers(self) -> None:
+        """The server was found gone (``journal_unavailable``): the writing connections,
+        idle meanwhile, are reopened at their next use rather than found lost by a write
+        that then fails -- after an outage the next write goes through."""
+        self._writer.distrust()
+        if self._lane is not None:
+            self._lane.distrust()
+
+    async def write_statement(self, sql: str, params: Params = ()) -> list[sqlite3.Row]:
+        """Run the one statement ``sql`` as a write transaction of its own; its rows (as
+        :meth:`Transaction.last`) once it committed.
+
+        On PostgreSQL it is sent from the event loop when the statement lane is free
+        (``lane.py``: no hand-over to the writer thread), else, and on SQLite, it runs as
+        :meth:`write` runs a closure. Durable, fenced and mapped the same either way.
+
+        Raises:
+            StoreError | JournalUnavailable: as :meth:`write`.
+            sqlite3.IntegrityError: a constraint the statement broke.
+        """
+        lane = self._lane
+        if lane is not None and lane.free():
+            try:
+                return await lane.run(sql, params)
+            except sqlite3.IntegrityError:
+                raise
+            except Exception as exc:
+                if not is_locked(exc):
+                    mapped = self._driver_error(exc)
+                    if isinstance(mapped or exc, JournalUnavailable):
+                        self._distrust_writers()
+                    if mapped is not None:
+                        raise mapped from exc
+                    raise
+                # Lost a race (rolled back): the writer thread runs it again, and retries.
+        return await self.write(lambda tx: tx.last(sql, params))
 
 
 def _closed_error(location: str) -> StoreError:

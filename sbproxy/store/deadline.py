@@ -13,6 +13,8 @@ polls the socket in steps, so the deadline adds no round trip and no thread), an
 the connection is closed at once (it was mid-exchange: nothing else could be sent on it) and
 :class:`DeadlineExceeded` is raised, a ``psycopg.OperationalError`` on a broken connection,
 which the callers already map to ``journal_unavailable`` and reopen at the next call.
+:class:`AsyncDeadlineConnection` is the same for psycopg's asyncio connection (the journal's
+statement lane, ``lane.py``).
 
 :func:`transport_params` adds the kernel-level bounds to every connection (keepalives on an
 idle connection, ``tcp_user_timeout`` on unacknowledged data): they end the cases the kernel
@@ -28,7 +30,12 @@ from psycopg import errors
 from psycopg.abc import RV, PQGen
 from psycopg.conninfo import conninfo_to_dict
 
-__all__ = ["DeadlineConnection", "DeadlineExceeded", "transport_params"]
+__all__ = [
+    "AsyncDeadlineConnection",
+    "DeadlineConnection",
+    "DeadlineExceeded",
+    "transport_params",
+]
 
 # libpq's TCP settings for every connection (the URL's own values win): probe an idle
 # connection after 10 s, every 3 s, give up after 3 unanswered probes; drop a connection
@@ -91,12 +98,48 @@ class DeadlineConnection(psycopg.Connection[Any]):
         try:
             return super().wait(gen, interval, bound)
         except _WAIT_TIMEOUT:
-            if timeout is not None:
+            if timeout is not None or bound is None:
                 raise  # the caller's own timeout (psycopg's cancel, notifies): its to handle
-            # The exchange stopped half-way: the connection cannot be used again. Closing
-            # the libpq side leaves it ``broken`` (not closed by the caller), as a lost one.
-            self.pgconn.finish()
-            raise DeadlineExceeded(
-                f"no answer from the server within the client-side deadline of "
-                f"{bound:g} s; the connection was dropped"
-            ) from None
+            # The exchange stopped half-way: the connection cannot be used again.
+            raise _expired(self, bound) from None
+
+
+def _expired(
+    connection: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], bound: float
+) -> DeadlineExceeded:
+    """Drop ``connection`` (its exchange stopped half-way) and say why."""
+    # Closing the libpq side leaves it ``broken`` (not closed by the caller), as a lost one.
+    connection.pgconn.finish()
+    return DeadlineExceeded(
+        f"no answer from the server within the client-side deadline of {bound:g} s; "
+        "the connection was dropped"
+    )
+
+
+class AsyncDeadlineConnection(psycopg.AsyncConnection[Any]):
+    """psycopg's asyncio connection whose every wait on the server ends after
+    :attr:`deadline_s` (as :class:`DeadlineConnection`).
+
+    Attributes:
+        deadline_s: Seconds one round trip may wait for the server's answer; ``None``: no
+            deadline.
+    """
+
+    deadline_s: float | None = None
+
+    async def wait(
+        self, gen: PQGen[RV], interval: float = _WAIT_INTERVAL_S, timeout: float | None = None
+    ) -> RV:
+        """psycopg's wait on ``gen`` with :attr:`deadline_s` as its timeout when the caller
+        gives none.
+
+        Raises:
+            DeadlineExceeded: no answer within the deadline; the connection is closed.
+        """
+        bound = self.deadline_s if timeout is None else timeout
+        try:
+            return await super().wait(gen, interval, bound)
+        except _WAIT_TIMEOUT:
+            if timeout is not None or bound is None:
+                raise
+            raise _expired(self, bound) from None

@@ -376,24 +376,33 @@ class JobStore:
         """
         trace = json.dumps(dict(trace_context)) if trace_context else None
 
-        def work(tx: Transaction) -> SubmitOutcome:
-            if idempotency_key is not None:
-                existing = tx.one(_ACTIVE_BY_KEY, {"key": idempotency_key, "node": self.node})
-                if existing is not None:
-                    return SubmitOutcome(job=_job(existing), created=False)
-            now = self.clock()
-            job_id = str(ULID())
-            params = {
-                "id": job_id,
+        def parameters() -> dict[str, Any]:
+            return {
+                "id": str(ULID()),
                 "kind": kind,
                 "version": workflow_version,
                 "subject": subject,
                 "input": input_json,
                 "key": idempotency_key,
                 "trace": trace,
-                "now": now,
+                "now": self.clock(),
                 "node": self.node,
             }
+
+        if idempotency_key is None and self.database.dialect == "postgresql":
+            # Nothing to look up first: the job and its event in one statement (the
+            # statement lane when free).
+            params = {**parameters(), "event": _QUEUED_EVENT}
+            [created] = await self.database.write_statement(_SUBMIT_PG, params)
+            return SubmitOutcome(job=_job(created), created=True)
+
+        def work(tx: Transaction) -> SubmitOutcome:
+            if idempotency_key is not None:
+                existing = tx.one(_ACTIVE_BY_KEY, {"key": idempotency_key, "node": self.node})
+                if existing is not None:
+                    return SubmitOutcome(job=_job(existing), created=False)
+            params = parameters()
+            job_id, now = params["id"], params["now"]
             if tx.dialect == "postgresql":
                 # The job and its event in one statement, sent with the COMMIT.
                 [created] = tx.last(_SUBMIT_PG, {**params, "event": _QUEUED_EVENT})
@@ -445,6 +454,16 @@ class JobStore:
         # PostgreSQL: hosts claim side by side; each takes the oldest row no other claim
         # holds locked (SQLite serialises writers, so the plain read is enough there).
         oldest_pg = f"{oldest} FOR UPDATE SKIP LOCKED"
+        clock = self.lease_clock
+        if job_id is not None and isinstance(clock, DatabaseLeaseTime):
+            # A named job on the server's clock: one statement (the statement lane when
+            # free), as ``_claim_on_server_clock`` sends it.
+            params = _claim_params(
+                owner=owner, lease_ms=lease_ms, now=self.clock(), target=job_id, node=self.node
+            )
+            [answer] = await self.database.write_statement(_CLAIM_ON_SERVER_CLOCK_PG, params)
+            clock.observe(int(answer["lease_now_ms"]))
+            return None if answer["id"] is None else _job(answer)
 
         def work(tx: Transaction) -> JobRecord | None:
             now = self.clock()
@@ -681,10 +700,10 @@ class JobStore:
             data["error"] = {"code": error.code, "message": error.message}
         prune = keep_finished is not None and status in TERMINAL_JOB_STATUSES
 
-        def work(tx: Transaction) -> tuple[sqlite3.Row, int] | None:
+        def parameters() -> dict[str, Any]:
             now = self.clock()
             ended = now if status in TERMINAL_JOB_STATUSES else None
-            params = {
+            return {
                 "status": status.value,
                 "output": output_json,
                 "code": error.code if error else None,
@@ -695,15 +714,26 @@ class JobStore:
                 "owner": owner,
                 "attempt": attempt,
             }
+
+        if self.database.dialect == "postgresql" and (not prune or keep_finished):
+            # The outcome, its event (and the pruning) in one statement, one round trip (the
+            # statement lane when free).
+            params = parameters()
+            params.update(event=_event_json(data), node=self.node)
+            params["keep_others"] = int(keep_finished or 1) - 1
+            statement = _FINISH_AND_PRUNE_PG if prune else _FINISH_PG
+            rows = await self.database.write_statement(statement, params)
+            if not rows:
+                return None
+            self._count_outcome(rows[0], status, params["now"])
+            return _job(rows[0])
+
+        def work(tx: Transaction) -> tuple[sqlite3.Row, int] | None:
+            params = parameters()
+            now = params["now"]
             if tx.dialect == "postgresql":
-                # The outcome, its event (and the pruning) in one statement, one round trip.
+                # keep_finished=0 prunes every finished job: the outcome, then the pruning.
                 params["event"] = _event_json(data)
-                if not prune or keep_finished:
-                    statement = _FINISH_AND_PRUNE_PG if prune else _FINISH_PG
-                    params["keep_others"] = int(keep_finished or 1) - 1
-                    params["node"] = self.node
-                    rows = tx.last(statement, params)
-                    return (rows[0], now) if rows else None
                 row = tx.one(_FINISH_PG, params)
                 if row is None:
                     return None
@@ -888,19 +918,25 @@ class JobStore:
         event = _step_event(seq, name, StepStatus.RUNNING)
         ended = _Ending.success(job_id, owner, attempt, ending) if ending else None
 
-        def work(tx: Transaction) -> StepRecord | StepRefusal:
-            now = self.clock()
-            params = {
+        def parameters() -> dict[str, Any]:
+            return {
                 "id": job_id,
                 "seq": seq,
                 "name": name,
-                "now": now,
+                "now": self.clock(),
                 "owner": owner,
                 "attempt": attempt,
             }
-            if tx.dialect == "postgresql":
-                return _begin_step_pg(tx, {**params, "event": event}, ended)
-            if ended is not None and not ended.write(tx, now, last=False):
+
+        if self.database.dialect == "postgresql":
+            # One statement (the statement lane when free: ``lane.py``).
+            sql, values = _begin_step_pg({**parameters(), "event": event}, ended)
+            return _began_pg(await self.database.write_statement(sql, values), ended)
+
+        def work(tx: Transaction) -> StepRecord | StepRefusal:
+            params = parameters()
+            now = params["now"]
+            if ended is not None and not ended.write(tx, now):
                 return StepRefusal.LEASE_LOST
             row = tx.one(_BEGIN_STEP, params)
             if row is None:
@@ -932,7 +968,11 @@ class JobStore:
             ``False``, having written nothing, when the claim no longer holds the job.
         """
         ending = _Ending(job_id, owner, attempt, seq, name, output_json, error)
-        return await self.database.write(lambda tx: ending.write(tx, self.clock(), last=True))
+        if self.database.dialect == "postgresql":
+            # One statement: the outcome, the recovery reset and the event.
+            params = ending.pg_params(self.clock())
+            return bool((await self.database.write_statement(_END_STEP_PG, params))[0][0])
+        return await self.database.write(lambda tx: ending.write(tx, self.clock()))
 
     # -- retention -------------------------------------------------------------------------
 
@@ -949,7 +989,7 @@ class _Ending:
     """One step's outcome, as :meth:`JobStore.end_step` records it (also inside
     :meth:`JobStore.begin_step`'s transaction)."""
 
-    __slots__ = ("event", "params")
+    __slots__ = ("event", "params", "reset")
 
     def __init__(
         self,
@@ -960,8 +1000,13 @@ class _Ending:
         name: str,
         output_json: str | None,
         error: ErrorInfo | None,
+        *,
+        reset: bool = True,
     ) -> None:
         status = StepStatus.FAILED if error else StepStatus.SUCCEEDED
+        # A success resets the job's recovery count, unless the runner knows it is 0
+        # (``EndedStep.reset_recoveries``).
+        self.reset = reset and not error
         if error:
             data: dict[str, Any] = {"seq": seq, "name": name, "status": status.value}
             data["error"] = {"code": error.code, "message": error.message}
@@ -987,25 +1032,30 @@ class _Ending:
             "now": now,
             "end_seq": self.params["seq"],
             "end_event": self.event,
-            "reset": params["status"] == StepStatus.SUCCEEDED.value,
+            "reset": self.reset,
         }
 
     @classmethod
     def success(cls, job_id: str, owner: str, attempt: int, ended: EndedStep) -> _Ending:
-        return cls(job_id, owner, attempt, ended.seq, ended.name, ended.output_json, None)
+        return cls(
+            job_id,
+            owner,
+            attempt,
+            ended.seq,
+            ended.name,
+            ended.output_json,
+            None,
+            reset=ended.reset_recoveries,
+        )
 
-    def write(self, tx: Transaction, now: int, *, last: bool) -> bool:
-        """Record it in ``tx`` (``last``: nothing follows in the transaction); whether the
-        claim held (``False``: nothing was written)."""
+    def write(self, tx: Transaction, now: int) -> bool:
+        """Record it in ``tx`` on SQLite; whether the claim held (``False``: nothing was
+        written). PostgreSQL records it in one statement (``_END_STEP_PG``, or with the next
+        step's start)."""
         params = {**self.params, "now": now}
-        succeeded = params["status"] == StepStatus.SUCCEEDED.value
-        if tx.dialect == "postgresql":
-            # One statement: the outcome, the recovery reset and the event.
-            run = tx.last if last else tx.all
-            return bool(run(_END_STEP_PG, self.pg_params(now))[0][0])
         if tx.execute(_END_STEP, params).rowcount != 1:
             return False
-        if succeeded:
+        if self.reset:
             tx.execute(_RESET_RECOVERIES, params)
         tx.execute(_INSERT_EVENT, (params["id"], now, "step", self.event))
         return True
@@ -1139,11 +1189,16 @@ _END_STEP = (
 # as one statement each (data-modifying WITH clauses, which SQLite lacks): the same writes,
 # fences and events as the texts above. The end's clauses (``:end_seq``), its event
 # written by the statement holding them:
-_ENDED_PG = (
+_ENDED_KEPT_PG = (
     "ended AS (UPDATE steps SET status = :status, output_json = :output,"  # noqa: S608 - fixed text
     " error_code = :code, error_message = :message, ended_at_ms = :now"
     " WHERE job_id = :id AND seq = :end_seq AND status = 'running'"
-    f" AND {_STEP_FENCE} RETURNING job_id),"
+    f" AND {_STEP_FENCE} RETURNING job_id)"
+)
+# ... with the recovery count's reset (``_KEPT``: without it, for a run whose claim found the
+# count at 0 or that reset it already -- nothing else changes it while the claim holds).
+_ENDED_PG = (
+    f"{_ENDED_KEPT_PG},"  # noqa: S608 - fixed text
     " reset AS (UPDATE jobs SET recoveries = 0"
     f" WHERE id = :id AND :reset AND {_FENCE} AND recoveries != 0"
     " AND EXISTS (SELECT 1 FROM ended))"
@@ -1161,20 +1216,28 @@ _END_STEP_PG = (
     " SELECT job_id, :now, 'step', :end_event FROM ended)"
     " SELECT count(*) FROM ended"
 )
-# One step's end and the next one's start: the start only if the end was recorded, the
-# end's event before the start's (one INSERT, in that order, so ``seq`` follows it).
-_END_AND_BEGIN_STEP_PG = (
-    f"WITH {_ENDED_PG},"  # noqa: S608 - fixed text
-    f" started AS ({_begin_step_sql(' AND EXISTS (SELECT 1 FROM ended)')}),"
-    " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
-    " SELECT job_id, :now, 'step', data FROM ("
-    "SELECT 1 AS k, job_id, CAST(:end_event AS TEXT) AS data FROM ended"
-    " UNION ALL SELECT 2, job_id, CAST(:event AS TEXT) FROM started) AS both_events"
-    " ORDER BY k)"
-    f" SELECT started.*, EXISTS ({_HELD}) AS held,"
-    " (SELECT count(*) FROM ended) AS ended_count"
-    " FROM (SELECT 1) AS one LEFT JOIN started ON TRUE"
-)
+
+
+def _end_and_begin_step_pg(ended: str) -> str:
+    """One step's end (``ended``: its clauses) and the next one's start: the start only if
+    the end was recorded, the end's event before the start's (one INSERT, in that order, so
+    ``seq`` follows it)."""
+    return (
+        f"WITH {ended},"  # noqa: S608 - fixed text
+        f" started AS ({_begin_step_sql(' AND EXISTS (SELECT 1 FROM ended)')}),"
+        " announced AS (INSERT INTO job_events (job_id, at_ms, type, data_json)"
+        " SELECT job_id, :now, 'step', data FROM ("
+        "SELECT 1 AS k, job_id, CAST(:end_event AS TEXT) AS data FROM ended"
+        " UNION ALL SELECT 2, job_id, CAST(:event AS TEXT) FROM started) AS both_events"
+        " ORDER BY k)"
+        f" SELECT started.*, EXISTS ({_HELD}) AS held,"
+        " (SELECT count(*) FROM ended) AS ended_count"
+        " FROM (SELECT 1) AS one LEFT JOIN started ON TRUE"
+    )
+
+
+_END_AND_BEGIN_STEP_PG = _end_and_begin_step_pg(_ENDED_PG)
+_END_AND_BEGIN_STEP_KEPT_PG = _end_and_begin_step_pg(_ENDED_KEPT_PG)
 _RESET_RECOVERIES = (
     f"UPDATE jobs SET recoveries = 0 WHERE id = :id AND {_FENCE} AND recoveries != 0"  # noqa: S608 - fixed text
 )
@@ -1209,6 +1272,7 @@ prepare_on_server(
     _BEGIN_STEP_PG,
     _END_STEP_PG,
     _END_AND_BEGIN_STEP_PG,
+    _END_AND_BEGIN_STEP_KEPT_PG,
     _FINISH_AND_PRUNE_PG,
     _SUBMIT_PG,
     _CLAIM_PG,
@@ -1235,7 +1299,15 @@ def _claim_on_server_clock(
 ) -> JobRecord | None:
     """:meth:`JobStore.claim` of ``target`` on PostgreSQL with the server's lease clock: one
     statement, sent with the COMMIT; the clock it read is remembered (``clock.observe``)."""
-    params = {
+    params = _claim_params(owner=owner, lease_ms=lease_ms, now=now, target=target, node=node)
+    [answer] = tx.last(_CLAIM_ON_SERVER_CLOCK_PG, params)
+    clock.observe(int(answer["lease_now_ms"]))
+    return None if answer["id"] is None else _job(answer)
+
+
+def _claim_params(*, owner: str, lease_ms: int, now: int, target: str, node: str) -> dict[str, Any]:
+    """The parameters of ``_CLAIM_ON_SERVER_CLOCK_PG``."""
+    return {
         "lock": LEASE_LOCK_KEY,
         "owner": owner,
         "clock": DB_CLOCK,
@@ -1245,23 +1317,24 @@ def _claim_on_server_clock(
         "node": node,
         "event": _RUNNING_EVENT,
     }
-    [answer] = tx.last(_CLAIM_ON_SERVER_CLOCK_PG, params)
-    clock.observe(int(answer["lease_now_ms"]))
-    return None if answer["id"] is None else _job(answer)
 
 
-def _begin_step_pg(
-    tx: Transaction, params: dict[str, Any], ended: _Ending | None
-) -> StepRecord | StepRefusal:
+def _begin_step_pg(params: dict[str, Any], ended: _Ending | None) -> tuple[str, dict[str, Any]]:
     """:meth:`JobStore.begin_step` on PostgreSQL: one statement, one round trip (the start,
     after the end of the step before it when there is one, their events and the fence's
-    answer)."""
+    answer); the statement and its parameters."""
     if ended is None:
-        answer = tx.last(_BEGIN_STEP_PG, params)[0]
-    else:
-        answer = tx.last(_END_AND_BEGIN_STEP_PG, {**ended.pg_params(params["now"]), **params})[0]
-        if not answer["ended_count"]:
-            return StepRefusal.LEASE_LOST  # nothing was written
+        return _BEGIN_STEP_PG, params
+    statement = _END_AND_BEGIN_STEP_PG if ended.reset else _END_AND_BEGIN_STEP_KEPT_PG
+    return statement, {**ended.pg_params(params["now"]), **params}
+
+
+def _began_pg(rows: list[sqlite3.Row], ended: _Ending | None) -> StepRecord | StepRefusal:
+    """What :func:`_begin_step_pg`'s statement answered, as :meth:`JobStore.begin_step`
+    returns it."""
+    answer = rows[0]
+    if ended is not None and not answer["ended_count"]:
+        return StepRefusal.LEASE_LOST  # nothing was written
     if answer["job_id"] is None:
         return StepRefusal.CANCELLED if answer["held"] else StepRefusal.LEASE_LOST
     return _step(answer)

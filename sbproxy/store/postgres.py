@@ -100,7 +100,10 @@ __all__ = [
     "PgConnection",
     "PgTarget",
     "is_postgres_url",
+    "is_prepared",
     "prepare_on_server",
+    "row_factory",
+    "translate",
 ]
 
 # The name of the server's clock in ``jobs.lease_clock``: one clock for every host.
@@ -304,10 +307,19 @@ def _row_factory(cursor: Any) -> Any:
     return make
 
 
+row_factory = _row_factory
+"""psycopg's row factory for the journal's connections: rows as :class:`PgRow`."""
+
 _translated: dict[str, str] = {}
 _translate_lock = threading.Lock()
 # Translated texts bound and prepared on the server (see the module docstring).
 _prepared: set[str] = set()
+
+
+def is_prepared(text: str) -> bool:
+    """Whether ``text`` (a translated statement) is one the server prepares
+    (:func:`prepare_on_server`)."""
+    return text in _prepared
 
 
 def prepare_on_server(*statements: str) -> None:
@@ -398,6 +410,7 @@ class PgConnection:
         # Whether this connection last gave up on the one try of a request that waited.
         self._probed = False
         self._connect_error: BaseException | None = None
+        self._distrusted = False
         self._connect_now()
 
     def note_request(self, queued_at: float) -> None:
@@ -428,9 +441,16 @@ class PgConnection:
         # The hot statements this connection's server session has prepared (none yet).
         self._prepared_here: set[str] = set()
 
+    def distrust(self) -> None:
+        """Another connection of this process found the server gone: reopen this one at the
+        next transaction rather than find it lost (it sat idle meanwhile) by a write that
+        then fails. Called from any thread."""
+        self._distrusted = True
+
     def _live(self) -> DeadlineConnection:
         connection = self._connection
-        if connection is not None and not connection.closed and not connection.broken:
+        distrusted, self._distrusted = self._distrusted, False
+        if connection is not None and not (connection.closed or connection.broken or distrusted):
             return connection
         if connection is not None:
             connection.close()

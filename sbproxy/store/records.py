@@ -207,11 +207,17 @@ class EndedStep:
         seq: The step's position in the journal.
         name: Its journal name.
         output_json: Its result, encoded.
+        reset_recoveries: Whether recording it must also reset the job's recovery count (a
+            completed step ends a run of recoveries). ``False`` when the runner knows the
+            count is 0 already -- its claim found it so, or an earlier step of the run reset
+            it; nothing else changes the count while the claim holds -- and the write then
+            skips the reset (one table less to write on PostgreSQL).
     """
 
     seq: int
     name: str
     output_json: str
+    reset_recoveries: bool = True
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,10 @@ class WorkflowContext:
         # The last step that succeeded here, its result not journaled yet: it is recorded
         # with the next step's start, or by settle() before the job's outcome.
         self._ended: EndedStep | None = None
+        # Whether the job's recovery count may still need its reset by a completed step:
+        # only while it was not 0 at the claim and no step of this run has reset it (nothing
+        # else changes it while the claim holds).
+        self._reset_pending = state.job.recoveries != 0
         self.job_id = state.job.id
         self.attempt = state.job.attempt
 
@@ -300,6 +304,7 @@ class WorkflowContext:
             raise self._state.lose_lease(f"{what}start of step {step_name}")
         if ended is not None:
             # Its result is durable: a crash from here on replays it, never reruns it.
+            self._reset_pending = False
             fault_point(f"step:{ended.name}:committed")
         if started == StepRefusal.CANCELLED:
             self._state.cancel_requested = True
@@ -342,7 +347,9 @@ class WorkflowContext:
             fault_point(f"step:{step_name}:after")
         # The result is journaled with the next step's start (or by settle()): one commit
         # per step. Until then a crash runs this step again, as a crash before its end did.
-        self._ended = EndedStep(seq=seq, name=step_name, output_json=encoded)
+        self._ended = EndedStep(
+            seq=seq, name=step_name, output_json=encoded, reset_recoveries=self._reset_pending
+        )
         # Return what a replay would return, so a resumed run sees identical values.
         return definition.decode(encoded)
 

@@ -205,6 +205,29 @@ async def test_recovery_is_counted_and_bounded_and_a_completed_step_resets_it(
     assert retried is not None and (retried.status, retried.recoveries) == (JobStatus.QUEUED, 0)
 
 
+async def test_a_step_ended_with_the_next_start_resets_the_count_only_when_asked(
+    store: JobStore, clock: Clock
+) -> None:
+    # A runner that knows the count is 0 (its claim found it so, or it reset it already)
+    # asks for no reset; one that does not know asks, and the count starts over.
+    job_id = (await store.submit(kind="demo", workflow_version=1, input_json="{}")).job.id
+    await claim_and_die_in(store, clock, job_id, 1)
+    assert (await store.recover_lapsed(max_recoveries=2)).requeued == (job_id,)
+    claimed = await store.claim(owner="w", lease_ms=LEASE_MS, job_id=job_id)
+    assert claimed is not None and claimed.recoveries == 1
+    await store.begin_step(job_id, owner="w", attempt=2, seq=0, name="a")
+    for seq, reset, recoveries in ((1, False, 1), (2, True, 0)):
+        ending = EndedStep(seq=seq - 1, name="a", output_json="1", reset_recoveries=reset)
+        started = await store.begin_step(
+            job_id, owner="w", attempt=2, seq=seq, name="a", ending=ending
+        )
+        assert isinstance(started, StepRecord) and started.seq == seq
+        job = await store.get(job_id)
+        assert job is not None and job.recoveries == recoveries, (seq, reset)
+    steps = [(step.seq, step.status) for step in await store.steps(job_id)]
+    assert steps == [(0, "succeeded"), (1, "succeeded"), (2, "running")]
+
+
 async def test_a_dead_owners_job_out_of_recoveries_fails_naming_the_step_and_its_error(
     store: JobStore, clock: Clock
 ) -> None:

@@ -29,6 +29,7 @@ from sbproxy.store import (
     StepStatus,
     StoreError,
     Transaction,
+    lane,
     postgres,
 )
 from tests.support.postgres import PostgresServer
@@ -321,9 +322,22 @@ class SentQueries:
             self.queries.append(text)
             return real_alone(connection, text, params, prepared=prepared)
 
+        real_lane, real_lane_first = lane._send_alone, lane._first_prepared
+
+        async def spy_lane(connection: Any, text: str, values: Any, *, prepared: bool) -> Any:
+            # The statement lane (a write of one statement, from the event loop): alone too.
+            self.queries.append(text)
+            return await real_lane(connection, text, values, prepared=prepared)
+
+        async def spy_lane_first(connection: Any, text: str, values: Any) -> Any:
+            self.queries.append(text)
+            return await real_lane_first(connection, text, values)
+
         monkeypatch.setattr(postgres, "_run", spy)
         monkeypatch.setattr(postgres, "_run_prepared", spy_prepared)
         monkeypatch.setattr(postgres, "_run_alone", spy_alone)
+        monkeypatch.setattr(lane, "_send_alone", spy_lane)
+        monkeypatch.setattr(lane, "_first_prepared", spy_lane_first)
 
     def take(self) -> list[str]:
         taken, self.queries = self.queries, []
@@ -469,9 +483,10 @@ async def test_prepare_threshold_is_read_from_the_url_and_kept_from_libpq() -> N
     assert "prepare_threshold='often'" in str(bad.value) and "secret" not in str(bad.value)
 
 
-async def prepared_on_the_writer(location: str) -> int:
+async def prepared_on_the_writers(location: str) -> int:
     """Run a job's hot statements on a fresh journal at ``location``; how many statements
-    the writer's server session holds prepared afterwards."""
+    the writing server sessions (the writer thread's and the statement lane's) hold
+    prepared afterwards."""
     database = await Database.open(location)
     try:
         store = JobStore(database)
@@ -492,11 +507,10 @@ async def prepared_on_the_writer(location: str) -> int:
         )
         assert done is not None and done.status == JobStatus.SUCCEEDED
         assert [s.output_json for s in await store.steps(job.id)] == ["1", "2"]
-        return int(
-            await database.write(
-                lambda tx: tx.scalar("SELECT count(*) FROM pg_prepared_statements")
-            )
-        )
+        count = "SELECT count(*) FROM pg_prepared_statements"
+        on_the_writer = await database.write(lambda tx: tx.scalar(count))
+        [on_the_lane] = await database.write_statement(count)
+        return int(on_the_writer) + int(on_the_lane[0])
     finally:
         await database.close()
 
@@ -507,9 +521,9 @@ async def test_prepare_threshold_none_prepares_nothing_on_the_server(
     # PgBouncer's transaction pooling hands each transaction a server session of its own
     # choosing: a statement prepared on one is unknown on the next. With
     # prepare_threshold=none the journal prepares nothing and works the same.
-    assert await prepared_on_the_writer(postgres_server.create_database()) > 0
+    assert await prepared_on_the_writers(postgres_server.create_database()) > 0
     url = postgres_server.create_database() + "?prepare_threshold=none"
-    assert await prepared_on_the_writer(url) == 0
+    assert await prepared_on_the_writers(url) == 0
 
 
 @on_postgresql
