@@ -55,7 +55,7 @@ from sbproxy.store.connection import (
     WriterThread,
     is_locked,
 )
-from sbproxy.store.lane import StatementLane
+from sbproxy.store.lane import LaneUnopened, StatementLane
 from sbproxy.store.leaseclock import LeaseClock, system_lease_time
 from sbproxy.store.outcomes import WriteTallies
 from sbproxy.store.postgres import (
@@ -533,6 +533,8 @@ class Database:
                 return await lane.run(sql, params)
             except sqlite3.IntegrityError:
                 raise
+            except LaneUnopened:
+                pass  # nothing was sent: the writer thread runs it (below)
             except Exception as exc:
                 if not is_locked(exc):
                     mapped = self._driver_error(exc)

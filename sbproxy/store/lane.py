@@ -59,7 +59,12 @@ from sbproxy.store.postgres import (
     translate,
 )
 
-__all__ = ["StatementLane"]
+__all__ = ["LaneUnopened", "StatementLane"]
+
+
+class LaneUnopened(Exception):
+    """The lane could not connect, quickly (refused, closed): nothing was sent, the writer
+    thread runs the statement instead."""
 
 
 class StatementLane:
@@ -130,7 +135,15 @@ class StatementLane:
             hook(sql)
         connection = self._connection
         if connection is None or connection.closed or connection.broken or self._distrusted:
-            connection = await self._connect()
+            try:
+                connection = await self._connect()
+            except psycopg.errors.ConnectionTimeout:
+                raise  # a silent server: the caller waited its connect timeout already
+            except psycopg.OperationalError as exc:
+                # Refused or closed at once -- or a link that came back while the handshake
+                # waited: nothing was sent; the writer thread, which reconnects within its
+                # window, takes the statement.
+                raise LaneUnopened(str(exc)) from exc
         text = translate(sql)
         prepared = self.target.prepared_statements and is_prepared(text)
         values = params if isinstance(params, Mapping) else list(params)
