@@ -534,7 +534,9 @@ class Database:
             except sqlite3.IntegrityError:
                 raise
             except LaneUnopened:
-                pass  # nothing was sent: the writer thread runs it (below)
+                # Nothing was sent: the writer thread runs it (below), on a fresh connection
+                # (the server refused the lane's, so the writer's idle one is suspect too).
+                self._writer.distrust()
             except Exception as exc:
                 if not is_locked(exc):
                     mapped = self._driver_error(exc)

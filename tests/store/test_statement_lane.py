@@ -131,3 +131,39 @@ async def test_a_server_restarted_under_an_idle_lane_is_met_by_a_fresh_connectio
         assert _writes(database) == (lane_before + 1, writer_before)
     finally:
         await database.close()
+
+
+async def test_a_lane_that_cannot_connect_hands_its_step_to_the_writer_which_reconnects(
+    postgres_server: PostgresServer,
+) -> None:
+    # A connect refused or closed at once sent nothing: the step goes to the writer thread,
+    # whose reconnect window spans a link that comes back meanwhile (the lane alone would
+    # have failed it at once).
+    url = postgres_server.create_database()
+    with TcpRelay(postgres_server.port) as relay:
+        through = url.replace(f":{postgres_server.port}/", f":{relay.port}/", 1)
+        database = await Database.open(through)
+        store = JobStore(database)
+        try:
+            job_id, attempt = await _claimed(store)
+            relay.cut()  # every connection closed; new ones closed as accepted
+            # A read meets the outage: the idle writing connections are reopened at their
+            # next use.
+            with pytest.raises(SbproxyError):
+                await store.get(job_id)
+            refused = relay.refused
+            lane_before, writer_before = _writes(database)
+            step = asyncio.ensure_future(
+                store.begin_step(job_id, owner="w", attempt=attempt, seq=0, name="a")
+            )
+            # The lane's connect, then the writer's first reconnect, both refused.
+            while relay.refused < refused + 2:
+                assert not step.done(), step
+                await asyncio.sleep(0.01)
+            relay.heal()
+            started = await asyncio.wait_for(step, 30)
+            assert isinstance(started, StepRecord)
+            assert _writes(database) == (lane_before, writer_before + 1)
+        finally:
+            relay.close()
+            await database.close()

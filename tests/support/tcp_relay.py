@@ -43,6 +43,8 @@ class TcpRelay:
         limit); read when a connection opens."""
         self.cut_times: int | None = None
         """With :attr:`cut_after`: cut only this many connections (``None``: every one)."""
+        self.refused = 0
+        """Connections closed at once because the link was cut."""
         self.dropped = 0
         """Bytes read and dropped while blackholed, either way (a test waits for a client's
         statement to be lost in the hole before it heals the link)."""
@@ -101,6 +103,8 @@ class TcpRelay:
                 return
             if self._cut.is_set():
                 client.close()
+                with self._lock:
+                    self.refused += 1
                 continue
             if self._hole.is_set():
                 # Accepted and held open, never answered: the client's connect succeeds and
