@@ -462,12 +462,10 @@ class Database:
         except ConnectionClosed as exc:
             raise _closed_error(self.location) from exc
         except Exception as exc:
-            mapped = self._driver_error(exc)
-            if isinstance(mapped or exc, JournalUnavailable):
-                self._distrust_writers()
-            if mapped is not None:
-                raise mapped from exc
-            raise
+            failure = self._failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
 
     async def write(self, work: Callable[[Transaction], T]) -> T:
         """Run ``work`` in one ``BEGIN IMMEDIATE`` transaction, commit it, return its result.
@@ -497,15 +495,22 @@ class Database:
                     "attempts",
                     remediation="Another process holds a long write transaction; retry.",
                 ) from exc
-            mapped = self._driver_error(exc)
-            if isinstance(mapped or exc, JournalUnavailable):
-                self._distrust_writers()
-            if mapped is not None:
-                raise mapped from exc
-            raise
+            failure = self._failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
         if self._lane is not None:
             self._lane.reopen()  # the server answers: a lane shut by a failure may reconnect
         return value
+
+    def _failure(self, exc: Exception) -> Exception:
+        """What a call's driver error ``exc`` leaves as (:meth:`_driver_error`; ``exc`` itself
+        when that maps it to nothing); an outage (``journal_unavailable``) also has the idle
+        writing connections reopened at their next use."""
+        mapped = self._driver_error(exc)
+        if isinstance(mapped or exc, JournalUnavailable):
+            self._distrust_writers()
+        return exc if mapped is None else mapped
 
     def _distrust_writers(self) -> None:
         """The server was found gone (``journal_unavailable``): the writing connections,
@@ -539,12 +544,10 @@ class Database:
                 self._writer.distrust()
             except Exception as exc:
                 if not is_locked(exc):
-                    mapped = self._driver_error(exc)
-                    if isinstance(mapped or exc, JournalUnavailable):
-                        self._distrust_writers()
-                    if mapped is not None:
-                        raise mapped from exc
-                    raise
+                    failure = self._failure(exc)
+                    if failure is exc:
+                        raise
+                    raise failure from exc
                 # Lost a race (rolled back): the writer thread runs it again, and retries.
         return await self.write(lambda tx: tx.last(sql, params))
 
