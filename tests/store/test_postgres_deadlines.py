@@ -32,6 +32,7 @@ from sbproxy.store.postgres import (
     PgTarget,
 )
 from tests.support.postgres import PostgresServer
+from tests.support.relayed_journal import relayed_journal
 from tests.support.tcp_relay import TcpRelay
 
 T = TypeVar("T")
@@ -187,59 +188,41 @@ def _poll(predicate: Callable[[], bool], *, what: str, timeout_s: float = 30.0) 
 async def test_a_journal_write_through_a_blackholed_link_is_journal_unavailable_in_time(
     postgres_server: PostgresServer,
 ) -> None:
-    url = postgres_server.create_database()
-    with TcpRelay(postgres_server.port) as relay:
-        database = await Database.open(_through(url, postgres_server, relay))
-        store = JobStore(database)
-        try:
-            await store.submit(kind="demo", workflow_version=1, input_json="{}")
-            relay.blackhole()
-            for _ in range(2):  # on the kept connection, then on a reconnect
-                outcome, took = await _awaited_within(
-                    UNAVAILABLE_WITHIN_S + SLACK_S,
-                    store.submit(kind="demo", workflow_version=1, input_json="{}"),
-                )
-                _unavailable(outcome, relay.port)
-                assert took < UNAVAILABLE_WITHIN_S + SLACK_S
-            read, took = await _awaited_within(
-                UNAVAILABLE_WITHIN_S + SLACK_S, store.list_jobs(limit=5)
+    async with relayed_journal(postgres_server) as (relay, _database, store):
+        await store.submit(kind="demo", workflow_version=1, input_json="{}")
+        relay.blackhole()
+        for _ in range(2):  # on the kept connection, then on a reconnect
+            outcome, took = await _awaited_within(
+                UNAVAILABLE_WITHIN_S + SLACK_S,
+                store.submit(kind="demo", workflow_version=1, input_json="{}"),
             )
-            _unavailable(read, relay.port)  # a read, on a reader connection
+            _unavailable(outcome, relay.port)
             assert took < UNAVAILABLE_WITHIN_S + SLACK_S
-            relay.heal()
-            again = await store.submit(kind="demo", workflow_version=1, input_json="{}")
-            assert (await store.get(again.job.id)) is not None
-        finally:
-            relay.close()
-            await database.close()
+        read, took = await _awaited_within(UNAVAILABLE_WITHIN_S + SLACK_S, store.list_jobs(limit=5))
+        _unavailable(read, relay.port)  # a read, on a reader connection
+        assert took < UNAVAILABLE_WITHIN_S + SLACK_S
+        relay.heal()
+        again = await store.submit(kind="demo", workflow_version=1, input_json="{}")
+        assert (await store.get(again.job.id)) is not None
 
 
 @pytest.mark.anyio
 async def test_queued_writes_meet_one_outage_not_one_wait_each(
     postgres_server: PostgresServer,
 ) -> None:
-    url = postgres_server.create_database()
-    with TcpRelay(postgres_server.port) as relay:
-        database = await Database.open(_through(url, postgres_server, relay))
-        store = JobStore(database)
-        try:
-            await store.submit(kind="demo", workflow_version=1, input_json="{}")
-            relay.blackhole()
-            writes = [
-                store.submit(kind="demo", workflow_version=1, input_json="{}") for _ in range(6)
-            ]
-            started = time.monotonic()
-            outcomes = await asyncio.wait_for(
-                asyncio.gather(*writes, return_exceptions=True), 2 * UNAVAILABLE_WITHIN_S + 30
-            )
-            took = time.monotonic() - started
-            for outcome in outcomes:
-                _unavailable(outcome, relay.port)
-            # All of them within about one bound, not six deadlines or reconnects in a row.
-            assert took < UNAVAILABLE_WITHIN_S + SLACK_S, took
-        finally:
-            relay.close()
-            await database.close()
+    async with relayed_journal(postgres_server) as (relay, _database, store):
+        await store.submit(kind="demo", workflow_version=1, input_json="{}")
+        relay.blackhole()
+        writes = [store.submit(kind="demo", workflow_version=1, input_json="{}") for _ in range(6)]
+        started = time.monotonic()
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*writes, return_exceptions=True), 2 * UNAVAILABLE_WITHIN_S + 30
+        )
+        took = time.monotonic() - started
+        for outcome in outcomes:
+            _unavailable(outcome, relay.port)
+        # All of them within about one bound, not six deadlines or reconnects in a row.
+        assert took < UNAVAILABLE_WITHIN_S + SLACK_S, took
 
 
 def _cluster_pids(server: PostgresServer) -> list[int]:
@@ -349,29 +332,22 @@ async def test_a_write_queued_behind_a_lost_statement_runs_once_the_link_is_back
     # A write that waits on the writer thread behind a statement lost in a silent link is
     # not refused for that statement's outage when the link came back meanwhile: it tries
     # the server once (a reconnect) before it is refused, and here runs.
-    url = postgres_server.create_database()
-    with TcpRelay(postgres_server.port) as relay:
-        database = await Database.open(_through(url, postgres_server, relay))
-        store = JobStore(database)
-        try:
-            await store.submit(kind="demo", workflow_version=1, input_json="{}")
-            relay.blackhole()
-            lost = asyncio.ensure_future(
-                database.write(lambda tx: tx.execute("UPDATE jobs SET updated_at_ms = 1"))
-            )
-            await _until_async(lambda: relay.dropped > 0, what="the statement is in the hole")
-            relay.heal()
-            queued = asyncio.ensure_future(
-                store.submit(kind="demo", workflow_version=1, input_json="{}")
-            )
-            outcome, _ = await _awaited_within(UNAVAILABLE_WITHIN_S + SLACK_S, lost)
-            _unavailable(outcome, relay.port)  # its answer never comes: the deadline
-            answer, _ = await _awaited_within(UNAVAILABLE_WITHIN_S + SLACK_S, queued)
-            assert not isinstance(answer, BaseException), answer
-            assert (await store.get(answer.job.id)) is not None
-        finally:
-            relay.close()
-            await database.close()
+    async with relayed_journal(postgres_server) as (relay, database, store):
+        await store.submit(kind="demo", workflow_version=1, input_json="{}")
+        relay.blackhole()
+        lost = asyncio.ensure_future(
+            database.write(lambda tx: tx.execute("UPDATE jobs SET updated_at_ms = 1"))
+        )
+        await _until_async(lambda: relay.dropped > 0, what="the statement is in the hole")
+        relay.heal()
+        queued = asyncio.ensure_future(
+            store.submit(kind="demo", workflow_version=1, input_json="{}")
+        )
+        outcome, _ = await _awaited_within(UNAVAILABLE_WITHIN_S + SLACK_S, lost)
+        _unavailable(outcome, relay.port)  # its answer never comes: the deadline
+        answer, _ = await _awaited_within(UNAVAILABLE_WITHIN_S + SLACK_S, queued)
+        assert not isinstance(answer, BaseException), answer
+        assert (await store.get(answer.job.id)) is not None
 
 
 async def _until_async(predicate: Callable[[], bool], *, what: str, timeout_s: float = 30) -> None:

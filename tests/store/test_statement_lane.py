@@ -15,7 +15,7 @@ from sbproxy.errors import SbproxyError
 from sbproxy.store import Database, EndedStep, JobStore, StepRecord, StepStatus
 from sbproxy.store.postgres import STATEMENT_DEADLINE_S
 from tests.support.postgres import PostgresServer
-from tests.support.tcp_relay import TcpRelay
+from tests.support.relayed_journal import relayed_journal
 
 pytestmark = pytest.mark.anyio
 
@@ -75,40 +75,32 @@ async def test_steps_take_the_lane_and_one_that_finds_it_busy_takes_the_writer(
 async def test_a_step_through_a_silent_link_is_unavailable_in_time_then_runs_again(
     postgres_server: PostgresServer,
 ) -> None:
-    url = postgres_server.create_database()
-    with TcpRelay(postgres_server.port) as relay:
-        through = url.replace(f":{postgres_server.port}/", f":{relay.port}/", 1)
-        database = await Database.open(through)
-        store = JobStore(database)
-        try:
-            job_id, attempt = await _claimed(store)
-            relay.blackhole()
-            began = time.monotonic()
-            with pytest.raises(SbproxyError) as refused:
-                await asyncio.wait_for(
-                    store.begin_step(job_id, owner="w", attempt=attempt, seq=0, name="a"),
-                    STATEMENT_DEADLINE_S + SLACK_S,
-                )
-            took = time.monotonic() - began
-            assert refused.value.code == "journal_unavailable"
-            assert f"127.0.0.1:{relay.port}" in str(refused.value)
-            assert STATEMENT_DEADLINE_S <= took < STATEMENT_DEADLINE_S + SLACK_S
-            relay.heal()
-            lane_before, writer_before = _writes(database)
-            # The lane is shut after its failure: the writer runs the next write, on a fresh
-            # connection; the lane reopens for the one after.
-            again = await store.begin_step(job_id, owner="w", attempt=attempt, seq=0, name="a")
-            assert isinstance(again, StepRecord)
-            assert _writes(database) == (lane_before, writer_before + 1)
-            assert await store.end_step(
-                job_id, owner="w", attempt=attempt, seq=0, name="a", output_json="1"
+    async with relayed_journal(postgres_server) as (relay, database, store):
+        job_id, attempt = await _claimed(store)
+        relay.blackhole()
+        began = time.monotonic()
+        with pytest.raises(SbproxyError) as refused:
+            await asyncio.wait_for(
+                store.begin_step(job_id, owner="w", attempt=attempt, seq=0, name="a"),
+                STATEMENT_DEADLINE_S + SLACK_S,
             )
-            assert _writes(database) == (lane_before + 1, writer_before + 1)
-            [step] = await store.steps(job_id)
-            assert (step.status, step.output_json) == (StepStatus.SUCCEEDED, "1")
-        finally:
-            relay.close()
-            await database.close()
+        took = time.monotonic() - began
+        assert refused.value.code == "journal_unavailable"
+        assert f"127.0.0.1:{relay.port}" in str(refused.value)
+        assert STATEMENT_DEADLINE_S <= took < STATEMENT_DEADLINE_S + SLACK_S
+        relay.heal()
+        lane_before, writer_before = _writes(database)
+        # The lane is shut after its failure: the writer runs the next write, on a fresh
+        # connection; the lane reopens for the one after.
+        again = await store.begin_step(job_id, owner="w", attempt=attempt, seq=0, name="a")
+        assert isinstance(again, StepRecord)
+        assert _writes(database) == (lane_before, writer_before + 1)
+        assert await store.end_step(
+            job_id, owner="w", attempt=attempt, seq=0, name="a", output_json="1"
+        )
+        assert _writes(database) == (lane_before + 1, writer_before + 1)
+        [step] = await store.steps(job_id)
+        assert (step.status, step.output_json) == (StepStatus.SUCCEEDED, "1")
 
 
 async def test_a_server_restarted_under_an_idle_lane_is_met_by_a_fresh_connection(
@@ -139,31 +131,23 @@ async def test_a_lane_that_cannot_connect_hands_its_step_to_the_writer_which_rec
     # A connect refused or closed at once sent nothing: the step goes to the writer thread,
     # whose reconnect window spans a link that comes back meanwhile (the lane alone would
     # have failed it at once).
-    url = postgres_server.create_database()
-    with TcpRelay(postgres_server.port) as relay:
-        through = url.replace(f":{postgres_server.port}/", f":{relay.port}/", 1)
-        database = await Database.open(through)
-        store = JobStore(database)
-        try:
-            job_id, attempt = await _claimed(store)
-            relay.cut()  # every connection closed; new ones closed as accepted
-            # A read meets the outage: the idle writing connections are reopened at their
-            # next use.
-            with pytest.raises(SbproxyError):
-                await store.get(job_id)
-            refused = relay.refused
-            lane_before, writer_before = _writes(database)
-            step = asyncio.ensure_future(
-                store.begin_step(job_id, owner="w", attempt=attempt, seq=0, name="a")
-            )
-            # The lane's connect, then the writer's first reconnect, both refused.
-            while relay.refused < refused + 2:
-                assert not step.done(), step
-                await asyncio.sleep(0.01)
-            relay.heal()
-            started = await asyncio.wait_for(step, 30)
-            assert isinstance(started, StepRecord)
-            assert _writes(database) == (lane_before, writer_before + 1)
-        finally:
-            relay.close()
-            await database.close()
+    async with relayed_journal(postgres_server) as (relay, database, store):
+        job_id, attempt = await _claimed(store)
+        relay.cut()  # every connection closed; new ones closed as accepted
+        # A read meets the outage: the idle writing connections are reopened at their
+        # next use.
+        with pytest.raises(SbproxyError):
+            await store.get(job_id)
+        refused = relay.refused
+        lane_before, writer_before = _writes(database)
+        step = asyncio.ensure_future(
+            store.begin_step(job_id, owner="w", attempt=attempt, seq=0, name="a")
+        )
+        # The lane's connect, then the writer's first reconnect, both refused.
+        while relay.refused < refused + 2:
+            assert not step.done(), step
+            await asyncio.sleep(0.01)
+        relay.heal()
+        started = await asyncio.wait_for(step, 30)
+        assert isinstance(started, StepRecord)
+        assert _writes(database) == (lane_before, writer_before + 1)
