@@ -20,7 +20,8 @@ request") is a client that went away before its answer ended; a stream whose hea
 went out is logged with 499 too, although 200 went out on the wire -- unless the stream's
 end (``[DONE]``, or its usage event) had gone out: a client that closes then completed its
 request. A stream cut by the gateway (``engine_timeout``, ``upstream_unavailable``) keeps
-the status it was sent with and names the reason.
+the status it was sent with and names the reason; so does a request the host ended at its
+drain deadline (``shutting_down``: 503, or the status of an answer that had started).
 
 Levels: a request that did not end in a plain answer (an outcome, a status >= 400 -- 499
 included) is logged at INFO, so a server logs every refusal, timeout and disconnect; a
@@ -53,8 +54,17 @@ from litestar.enums import ScopeType
 from litestar.types import ASGIApp, HTTPScope, Message, Receive, Scope, Send
 
 from sbproxy.api.activity import Activity, RequestRecord
+from sbproxy.api.errors import code_status
 
-__all__ = ["CLIENT_CLOSED", "CLIENT_DISCONNECTED", "AccessNote", "access_log", "access_note"]
+__all__ = [
+    "CLIENT_CLOSED",
+    "CLIENT_DISCONNECTED",
+    "SHUTTING_DOWN",
+    "AccessNote",
+    "access_log",
+    "access_note",
+    "note_shutting_down",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +72,8 @@ logger = logging.getLogger(__name__)
 CLIENT_CLOSED: Final = 499
 # The outcome of such a request (the access log's reason code).
 CLIENT_DISCONNECTED: Final = "client_disconnected"
+# The outcome of a request the host ended at its drain deadline (or a second stop signal).
+SHUTTING_DOWN: Final = "shutting_down"
 
 _KEY: Final = "sbproxy.access"
 
@@ -84,6 +96,7 @@ class AccessNote:
             peer (``queue_full``, ``upstream_unavailable``, ...).
         sent: The status that went out (set by the middleware; 500 until an answer starts:
             an exception that escapes every handler ends as uvicorn's 500).
+        answered: Whether an answer started (its status line went out).
     """
 
     deployment: str | None = None
@@ -96,6 +109,7 @@ class AccessNote:
     peer: str | None = None
     spilled: str | None = None
     sent: int = 500
+    answered: bool = False
 
 
 def access_note(scope: Scope) -> AccessNote | None:
@@ -105,6 +119,18 @@ def access_note(scope: Scope) -> AccessNote | None:
         return None
     note: AccessNote | None = state.get(_KEY)
     return note
+
+
+def note_shutting_down(scope: Scope) -> None:
+    """The host is ending the request of ``scope`` (its drain deadline passed, or a second
+    stop signal came): logged with the reason code ``shutting_down`` and the status its
+    client gets -- the 503 the shutdown answers with, or the status of an answer that
+    already started (a stream then ends with an error event) -- not as a client that went
+    away (``499 client_disconnected``)."""
+    note = access_note(scope)
+    if note is not None:
+        note.outcome = SHUTTING_DOWN
+        note.status = None if note.answered else code_status(SHUTTING_DOWN)
 
 
 def _record(
@@ -148,6 +174,7 @@ def access_log(activity: Activity | None = None) -> Callable[[ASGIApp], ASGIApp]
             async def observed(message: Message) -> None:
                 if message["type"] == "http.response.start":
                     note.sent = message["status"]
+                    note.answered = True
                 await send(message)
 
             try:

@@ -56,6 +56,7 @@ __all__ = [
     "error_payload",
     "gateway_error",
     "gateway_exception_handlers",
+    "code_status",
     "status_for",
     "stream_error_event",
 ]
@@ -183,7 +184,12 @@ _HTTP_CODES: Final[dict[int, str]] = {
 
 def status_for(error: SbproxyError) -> int:
     """The HTTP status of ``error``: by its code, else 502 for an upstream-side failure."""
-    return _STATUS.get(error.code, 502)
+    return code_status(error.code)
+
+
+def code_status(code: str) -> int:
+    """The HTTP status of the stable reason code ``code`` (502 for one not listed)."""
+    return _STATUS.get(code, 502)
 
 
 ENGINE_REACHED: Final = "engine_reached"

@@ -86,6 +86,7 @@ from sbproxy.api import engine_client
 from sbproxy.api.access import (
     CLIENT_CLOSED,
     CLIENT_DISCONNECTED,
+    SHUTTING_DOWN,
     AccessNote,
     access_log,
     access_note,
@@ -626,6 +627,10 @@ class Gateway:
     ) -> None:
         """Count and note how a relayed stream ended (``outcome`` as
         :class:`StreamRelay` reports it: ``None``, or why it ended early)."""
+        if note is not None and note.outcome == SHUTTING_DOWN:
+            # The host ended it (its drain deadline), not the client: noted already.
+            note.first_token_at = relay.first_event_at
+            return
         if outcome == CLIENT_DISCONNECTED:
             self.disconnects.record(deployment)
             if note is not None:

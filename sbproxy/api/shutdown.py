@@ -41,6 +41,7 @@ import uvicorn
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from sbproxy.api.access import note_shutting_down
 from sbproxy.api.errors import ShuttingDown, Surface, error_event, error_payload
 
 if TYPE_CHECKING:
@@ -84,7 +85,8 @@ class Shutdown:
         self._deadline_s = deadline_s
         self._manager: RuntimeManager | None = None
         self._listeners: list[uvicorn.Server] = []
-        self._in_flight: set[asyncio.Task[Any]] = set()
+        # Each request in flight: its task and its scope.
+        self._in_flight: dict[asyncio.Task[Any], Scope] = {}
         self._requested = anyio.Event()
         self._hurried = anyio.Event()
         self._hurry_actions: list[Callable[[], object]] = []
@@ -168,7 +170,9 @@ class Shutdown:
                 "stopping now" if self.forced else "drain deadline",
                 len(self._in_flight),
             )
-        for task in list(self._in_flight):
+        for task, scope in list(self._in_flight.items()):
+            # Logged as ended here (shutting_down), not as a client that went away.
+            note_shutting_down(scope)
             task.cancel()
         if self.forced:
             # After the cancellations, so an ended request answers shutting_down rather
@@ -184,20 +188,20 @@ class Shutdown:
         for action in self._hurry_actions:
             action()
 
-    def track(self, task: asyncio.Task[Any]) -> None:
-        """Count ``task`` as a request in flight until :meth:`untrack`: at the drain deadline
-        it is cancelled (a native cancellation, which its guard recognises by
-        :attr:`requested`).
+    def track(self, task: asyncio.Task[Any], scope: Scope) -> None:
+        """Count ``task`` (serving the request of ``scope``) as in flight until
+        :meth:`untrack`: at the drain deadline it is cancelled (a native cancellation, which
+        its guard recognises by :attr:`requested`).
 
         The task itself, not a cancel scope around the request: this runs for every request,
         and an anyio cancel scope (or an ``asyncio.timeout``) costs several times as much
         (``benchmarks/proxy.py``).
         """
-        self._in_flight.add(task)
+        self._in_flight[task] = scope
 
     def untrack(self, task: asyncio.Task[Any]) -> None:
         """The request of ``task`` ended (idempotent)."""
-        self._in_flight.discard(task)
+        self._in_flight.pop(task, None)
 
     def engine_budget_s(self) -> float | None:
         """Seconds the runtime manager may still spend settling loads, draining and stopping
@@ -274,7 +278,7 @@ class _Guard:
         task = asyncio.current_task()
         assert task is not None  # noqa: S101 - an ASGI app runs in a task
         in_flight = shutdown._in_flight  # track() and untrack(), inlined: every request
-        in_flight.add(task)
+        in_flight[task] = scope
         try:
             await self.app(scope, receive, tracked)
             ended = False
@@ -287,7 +291,7 @@ class _Guard:
             task.uncancel()
             ended = True
         finally:
-            in_flight.discard(task)
+            in_flight.pop(task, None)
         if ended and not progress.complete:
             await self._end(send, progress)
 

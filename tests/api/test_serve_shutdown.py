@@ -204,6 +204,9 @@ def test_a_signal_ends_a_hung_request_with_shutting_down_within_the_deadline(
     assert f"received {signum.name}: draining" in log
     assert "have 1.5 s" in log
     assert "ending 1 request(s) still in flight" in log
+    # The access log says the host ended it, with what the client got.
+    [access] = [line for line in log.splitlines() if "POST /v1/chat/completions" in line]
+    assert " 503 deployment=tiny " in access and access.endswith(" shutting_down"), access
 
 
 def test_a_stalled_stream_ends_with_an_error_event(serve: Callable[..., Served]) -> None:
@@ -237,6 +240,9 @@ def test_a_stalled_stream_ends_with_an_error_event(serve: Callable[..., Served])
     assert events[0]["choices"][0]["delta"]["content"] == "fake"
     assert events[-1]["error"]["code"] == "shutting_down"
     assert_stopped_cleanly(served, pid)
+    # Logged as ended by the host (the 200 that went out), not as a client that went away.
+    [access] = [line for line in served.log().splitlines() if "POST /v1/chat/completions" in line]
+    assert " 200 deployment=tiny " in access and access.endswith(" shutting_down"), access
 
 
 def test_a_second_sigint_stops_at_once_and_kills_the_engine(
