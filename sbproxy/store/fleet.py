@@ -839,9 +839,11 @@ class FleetStore:
 
     def leave(self, node_id: str, *, instance: str) -> bool:
         """A graceful stop: mark ``node_id`` leaving on database time (out of rotation at
-        once; its replicas are re-placed after ``rejoin_grace_ms`` unless it is back) and
-        release the id (a restart takes it at once); ``False`` when another instance holds
-        it or there is no row."""
+        once; its replicas are re-placed after ``rejoin_grace_ms`` unless it is back),
+        release the id (a restart takes it at once) and, when this instance holds the
+        controller lease, end it now (another member takes it at its next beat, rather
+        than after ``fence_after_ms``, and counts the grace from then); ``False`` when
+        another instance holds the id or there is no row."""
         # The mark is taken under the row's lock, never before the node's last renewal: a
         # renewal that committed between a clock read and this update would otherwise sit
         # after the mark, and the node would count as running until lost_after_ms.
@@ -855,6 +857,15 @@ class FleetStore:
             ).fetchone()
             if row is not None:
                 self._event(cursor, int(row[0]), "node_leaving", node_id, {})
+                released = cursor.execute(
+                    f"UPDATE fleet_controller SET expires_at_ms = {_NOW}"  # noqa: S608
+                    " WHERE id = 1 AND holder = %s AND holder_instance = %s"
+                    f" AND expires_at_ms > {_NOW} RETURNING epoch, expires_at_ms",
+                    (node_id, instance),
+                ).fetchone()
+                if released is not None:
+                    epoch, at = int(released[0]), int(released[1])
+                    self._event(cursor, at, "controller_released", node_id, {"epoch": epoch})
         return row is not None
 
     def snapshot(self, *, events: int = 0) -> FleetSnapshot:

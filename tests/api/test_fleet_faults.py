@@ -159,7 +159,11 @@ def test_a_graceful_stop_is_re_placed_after_the_rejoin_grace_not_lost_after(
     b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, timing=timing)
     hosts = [a, b]
     try:
-        start_all(hosts)
+        # node-a is the controller too: its leave ends the lease for node-b to take at once.
+        start_all([a])
+        poll(lambda: _controller(url) == "node-a", timeout_s=30, what="node-a controls")
+        b.start()
+        poll(lambda: len(a.fleet("nodes")["nodes"]) == 2, timeout_s=90, what="node-b joined")
         apply(b, {"tiny": TINY})
         poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
         stopping = time.monotonic()
@@ -182,6 +186,16 @@ def test_a_graceful_stop_is_re_placed_after_the_rejoin_grace_not_lost_after(
         )
         assert any('"to": "leaving"' in str(r[0]) for r in states), states
         assert "held by another sbproxy process" not in a.output, a.output
+        (released,) = query(
+            url, "SELECT at_ms FROM fleet_events WHERE type = 'controller_released'"
+        )
+        elected = query(
+            url,
+            "SELECT at_ms FROM fleet_events WHERE type = 'controller_elected'"
+            " AND subject = 'node-b'",
+        )
+        # Taken at node-b's next beats, not after fence_after_ms.
+        assert elected and int(elected[0][0]) - int(released[0]) < FENCE_AFTER_MS - 500, elected
         assert "leaving grace (3000 ms) is over" in a.output, a.output
         assert stopped_s < 8.0, stopped_s  # the engine stopped at the grace's end
         print(
@@ -190,6 +204,11 @@ def test_a_graceful_stop_is_re_placed_after_the_rejoin_grace_not_lost_after(
         )
     finally:
         stop_all(hosts)
+
+
+def _controller(url: str) -> str | None:
+    rows = query(url, "SELECT holder FROM fleet_controller WHERE id = 1")
+    return str(rows[0][0]) if rows else None
 
 
 def test_a_cordoned_node_that_dies_shows_its_replica_unreachable_at_once(

@@ -176,6 +176,31 @@ def test_a_leave_is_marked_after_a_renewal_that_committed_while_it_waited(url: s
     assert node.leaving_at_ms >= node.renewed_at_ms
 
 
+def test_a_leaving_controller_ends_its_lease_so_another_member_takes_it_at_once(
+    url: str,
+) -> None:
+    """A graceful stop of the controller ends its lease in the leave's transaction: another
+    member takes it at its next beat, not after fence_after_ms (seen from outside: the
+    stopped controller's replica re-placed after fence_after_ms + rejoin_grace_ms)."""
+    store = _open(url)
+    _join(store, "n1", instance="a")
+    _join(store, "n2", instance="b")
+    lease = store.hold_controller("n1", lease_ms=600_000, instance="a")
+    assert lease is not None
+    assert store.hold_controller("n2", lease_ms=600_000, instance="b") is None  # held
+    assert store.leave("n1", instance="a")
+    taken = store.hold_controller("n2", lease_ms=600_000, instance="b")
+    assert taken is not None and taken.fresh and taken.epoch == lease.epoch + 1
+    with pytest.raises(Deposed):
+        store.move_node(lease, "n2", from_state="ready", to="suspect")
+    kinds = [event["type"] for event in store.snapshot(events=10).events]
+    assert "controller_released" in kinds, kinds
+    # A member that leaves without holding the lease ends nobody's.
+    _join(store, "n3", instance="c")
+    assert store.leave("n3", instance="c")
+    assert store.move_node(taken, "n3", from_state="ready", to="suspect")  # still n2's
+
+
 def test_a_node_declared_lost_loses_its_placements_with_the_move(url: str) -> None:
     """Issue 30, item 3: lost means over -- the placements end in the move's transaction."""
     store = _open(url)
