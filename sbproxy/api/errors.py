@@ -52,11 +52,11 @@ __all__ = [
     "UnknownModel",
     "UnknownOrigin",
     "admin_exception_handlers",
+    "code_status",
     "error_event",
     "error_payload",
     "gateway_error",
     "gateway_exception_handlers",
-    "code_status",
     "status_for",
     "stream_error_event",
 ]

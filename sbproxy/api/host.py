@@ -151,6 +151,8 @@ async def open_host(
             group.start_soon(_worker, engine)
             if agent is not None:
                 group.start_soon(agent.run, group)
+                if stop is not None:
+                    group.start_soon(_leave_on_stop, agent, stop)
             try:
                 yield ServedHost(
                     manager=manager,
@@ -221,13 +223,23 @@ async def _join_fleet(
     return agent, guard
 
 
+async def _leave_on_stop(agent: FleetAgent, stop: Shutdown) -> None:
+    """Mark this fleet member leaving the moment its stop is requested: out of every
+    gateway's rotation while its requests in flight drain, not once they have (issue 30,
+    item 5); its replicas are re-placed ``rejoin_grace_ms`` after the mark."""
+    await stop.wait_requested()
+    with anyio.CancelScope(shield=True):
+        await agent.leave()
+
+
 async def _stop_serving(
     agent: FleetAgent | None, manager: RuntimeManager, stop: Shutdown | None
 ) -> None:
-    """A graceful stop: a fleet member marks itself leaving first -- out of every gateway's
-    rotation before its engines stop, re-placed after ``rejoin_grace_ms`` rather than
-    ``lost_after_ms`` (issue 30, item 5) -- then the runtime shuts down."""
-    if agent is not None:
+    """A graceful stop: a fleet member marks itself leaving first, if the stop's request
+    has not (:func:`_leave_on_stop`) -- out of every gateway's rotation before its engines
+    stop, re-placed after ``rejoin_grace_ms`` rather than ``lost_after_ms`` (issue 30, item
+    5) -- then the runtime shuts down."""
+    if agent is not None and agent.left_at is None:
         with anyio.CancelScope(shield=True):
             await agent.leave()
     await _shutdown_runtime(manager, budget_s=stop.engine_budget_s() if stop else None)

@@ -96,6 +96,10 @@ class Shutdown:
         """Whether a stop was requested."""
         return self.signal is not None
 
+    async def wait_requested(self) -> None:
+        """Return once a stop is requested (a signal, or :meth:`stop_self`)."""
+        await self._requested.wait()
+
     def follow(self, manager: RuntimeManager) -> None:
         """Take the drain deadline from ``manager`` when the stop comes."""
         self._manager = manager

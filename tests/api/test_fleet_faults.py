@@ -10,6 +10,7 @@ printed."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -202,6 +203,48 @@ def test_a_graceful_stop_is_re_placed_after_the_rejoin_grace_not_lost_after(
             f"SIGTERM -> re-placed (node-a lost) after {waited_ms} ms (grace {grace_ms} ms);"
             f" node-a stopped in {stopped_s:.1f} s"
         )
+    finally:
+        stop_all(hosts)
+
+
+def test_a_graceful_stop_leaves_the_rotation_at_once_while_its_requests_drain(
+    tmp_path: Path, postgres_server: PostgresServer, mirror: HfMirror
+) -> None:
+    """Item 5: the leaving mark comes with the signal, not after the drain: node-a is out of
+    every gateway's rotation while a request in flight still runs there, and that request
+    completes."""
+    url = postgres_server.create_database()
+    timing = {
+        "heartbeat_ms": HEARTBEAT_MS,
+        "fence_after_ms": FENCE_AFTER_MS,
+        "lost_after_ms": LOST_AFTER_MS * 3,
+        "rejoin_grace_ms": LOST_AFTER_MS * 2,  # 6 s: longer than the 3 s request
+    }
+    drain = {"shutdown_deadline_ms": 8_000}  # time for the request to end
+    a = FleetHost("node-a", tmp_path / "node-a", url, mirror.url, timing=timing, settings=drain)
+    requests = tmp_path / "node-a-requests.jsonl"
+    fake_llama_server(a.root / "bin", mode=f"reply_delay_s=3,requests_log={requests}")
+    b = FleetHost("node-b", tmp_path / "node-b", url, mirror.url, timing=timing)
+    hosts = [a, b]
+    try:
+        start_all(hosts)
+        apply(b, {"tiny": TINY})
+        poll(lambda: ready_nodes(b, "tiny") == ["node-a"], timeout_s=60, what="on node-a")
+        answers: list[int] = []
+        inflight = threading.Thread(target=lambda: answers.append(a.chat().status_code))
+        inflight.start()
+        poll(requests.exists, timeout_s=30, what="node-a's engine has the request")
+        assert a.process is not None
+        a.process.send_signal(signal.SIGTERM)
+        poll(
+            lambda: bool(query(url, "SELECT 1 FROM fleet_events WHERE type = 'node_leaving'")),
+            timeout_s=10,
+            what="node-a marked leaving",
+        )
+        assert inflight.is_alive() and not answers  # marked while the request drains
+        inflight.join(30)
+        assert answers == [200], answers
+        assert a.stop() == 0, a.output
     finally:
         stop_all(hosts)
 
