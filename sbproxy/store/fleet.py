@@ -772,7 +772,9 @@ class FleetStore:
                 " artifact_facts_json = EXCLUDED.artifact_facts_json,"
                 " artifact_inventory_json = EXCLUDED.artifact_inventory_json,"
                 " renewed_at_ms = EXCLUDED.renewed_at_ms, instance = EXCLUDED.instance,"
-                " leaving_at_ms = NULL",
+                # A new process runs no replica yet: what the last one reported (ready
+                # engines, now gone) must not route requests to it before it renews.
+                " replicas_json = '{}', leaving_at_ms = NULL",
                 (node_id, *info, now, now, instance),
             )
             if credential_sha256 is not None:

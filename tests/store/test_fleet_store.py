@@ -137,6 +137,22 @@ def test_a_second_live_instance_of_one_node_id_is_refused_and_holds_nothing(url:
     _join(first, "n1", instance="again", live_within_ms=60_000)
 
 
+def test_a_restarted_node_reports_no_replica_until_it_renews(url: str) -> None:
+    """A process that joins under a known id (a restart within the grace) runs nothing yet:
+    its predecessor's replica report (ready engines, gone with it) is cleared, so no gateway
+    routes to it before its own renewal says what runs (seen from outside: a 502 from a
+    peer that routed to the restarting host's closed port)."""
+    store = _open(url)
+    _join(store, "n1", instance="first")
+    assert store.renew("n1", replicas={"chat": {"state": "ready", "port": 1}}, instance="first")
+    (before,) = store.snapshot().nodes
+    assert before.replicas == {"chat": {"state": "ready", "port": 1}}
+    assert store.leave("n1", instance="first")
+    _join(store, "n1", instance="second", live_within_ms=60_000)
+    (after,) = store.snapshot().nodes
+    assert after.replicas == {}
+
+
 def _wait_for_a_lock_wait(url: str, timeout_s: float = 10) -> None:
     """Return once some session of the database waits on a lock."""
     with psycopg.connect(url, autocommit=True) as watcher:
