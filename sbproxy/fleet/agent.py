@@ -888,6 +888,9 @@ class FleetAgent:
         self.fenced = True
         self.holding = None
         self._refresh_routing(self.snapshot)
+        # Nothing it held starts again (a restart after an engine's death) before the
+        # reconcile after it renews has seen what the fleet still places here.
+        self.manager.hold_launches()
         killed = self.manager.kill_every_engine()
         if self.split is not None:
             killed += [pid for pid in self.split.kill_all() if pid not in killed]
@@ -1188,6 +1191,8 @@ class FleetAgent:
             return
         me = next((n for n in snapshot.nodes if n.id == self.identity.id), None)
         wanted = {} if me is None or me.left else local_deployments(snapshot.placements, me.id)
+        # What a fence held and the fleet still places here may launch again.
+        self.manager.release_launches(wanted)
         if self.split is not None:
             await self._reconcile_splits(
                 snapshot, wanted, group, member=me is not None and not me.left

@@ -12,7 +12,7 @@ deployments, the desired state and the catalog.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import anyio
@@ -55,6 +55,51 @@ class SplitLaunch:
     """Checks, before each launch, that every worker answers through its tunnel (raises
     ``EngineError`` ``rpc_worker_unavailable`` and the like): llama.cpp would otherwise
     load the whole model onto the workers it reaches."""
+
+
+class LaunchHold:
+    """Deployments whose launches wait: a fleet node that fenced itself launches nothing it
+    held then -- a restart after its engine's death included -- until its agent has seen
+    which of them the fleet still places here (:meth:`release`); the others are stopped by
+    the reload that follows, which cancels their waiting launch."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, anyio.Event] = {}
+        self.waiting: set[str] = set()
+        """Deployments whose launch waits on the hold now."""
+
+    @property
+    def held(self) -> frozenset[str]:
+        """The deployments held now."""
+        return frozenset(self._held)
+
+    def hold(self, deployments: Iterable[str]) -> None:
+        """Hold the launches of ``deployments`` (those already held stay so)."""
+        for name in deployments:
+            self._held.setdefault(name, anyio.Event())
+
+    def release(self, deployments: Iterable[str]) -> None:
+        """Let the launches of ``deployments`` go on (a waiting one proceeds)."""
+        for name in deployments:
+            event = self._held.pop(name, None)
+            if event is not None:
+                event.set()
+
+    async def wait(self, deployment: str) -> None:
+        """Return once ``deployment`` is not held (at once when it is not)."""
+        event = self._held.get(deployment)
+        if event is None:
+            return
+        logger.warning(
+            "%s: launch held: this node fenced itself, and waits to see whether its fleet "
+            "still places the deployment here",
+            deployment,
+        )
+        self.waiting.add(deployment)
+        try:
+            await event.wait()
+        finally:
+            self.waiting.discard(deployment)
 
 
 class RuntimeContext:
@@ -112,6 +157,7 @@ class RuntimeContext:
         self.staging = Staging()
         self.outbox = Outbox()
         self.tasks = HostTasks()
+        self.launch_hold = LaunchHold()
         self.splits: dict[str, SplitLaunch] = {}
         """``{deployment: split}`` of the deployments this host leads as a split over
         several hosts' RPC workers (the fleet sets it before it loads one)."""

@@ -165,6 +165,7 @@ class Launches:
         if wait_s > 0:
             logger.info("%s: relaunch in %.2f s (restart backoff)", found.deployment, wait_s)
             await context.clock.sleep(wait_s)
+        await context.launch_hold.wait(found.deployment)
         found.numbered(generation or await context.runtime_store.next_generation(found.deployment))
         try:
             devices = self._select_devices(found)

@@ -30,7 +30,7 @@ Every state change is a compare-and-set against
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from pathlib import Path
 
 import anyio
@@ -274,6 +274,19 @@ class RuntimeManager:
     def engine(self) -> WorkflowEngine:
         """The workflow engine the runtime's jobs are journaled in."""
         return self._context.engine
+
+    def hold_launches(self) -> None:
+        """Hold every launch of the deployments this host has now (a fenced fleet node:
+        :class:`~sbproxy.model_host.runtime.context.LaunchHold`) until
+        :meth:`release_launches`."""
+        self._context.launch_hold.hold(self._context.live)
+
+    def release_launches(self, wanted: Collection[str]) -> None:
+        """Let the held launches of ``wanted`` (deployment ids this host is to run) go on,
+        and drop the holds of deployments it no longer has; the others stay held."""
+        hold = self._context.launch_hold
+        live = self._context.live
+        hold.release([name for name in hold.held if name in wanted or name not in live])
 
     @property
     def owned_dir(self) -> Path:

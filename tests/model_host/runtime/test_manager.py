@@ -277,3 +277,43 @@ async def test_prepares_across_deployments_run_concurrently_up_to_the_limit(
             group.cancel_scope.cancel()
         assert most == 2
         assert all(s.state == DeploymentState.READY for s in manager.deployments.values())
+
+
+async def test_a_held_launch_waits_for_its_release_and_a_stop_ends_it(tmp_path: Path) -> None:
+    # A fenced fleet node: what it held does not start again -- a restart after its engine
+    # died included -- until its agent releases it; a stop of a held one ends its launch.
+    deployments = {"tiny": TINY, "other": TINY}
+    async with runtime_host(tmp_path, deployments=deployments) as host:
+        for name in deployments:
+            (await host.manager.acquire(name, priority=PriorityClass.STANDARD)).release()
+            await until(lambda name=name: not host.manager.queue(name).pending)
+        host.manager.hold_launches()
+        assert host.manager.kill_every_engine()
+        for name in deployments:
+            slot = host.manager.deployment(name)
+            await until(lambda slot=slot: slot.state == DeploymentState.FAILED)
+        answers: dict[str, object] = {}
+
+        async def request(name: str) -> None:
+            try:
+                upstream = await host.manager.acquire(name, priority=PriorityClass.STANDARD)
+            except SbproxyError as exc:
+                answers[name] = exc.code
+            else:
+                answers[name] = upstream.generation
+                upstream.release()
+
+        hold = host.manager._context.launch_hold
+        async with anyio.create_task_group() as group:
+            for name in deployments:
+                group.start_soon(request, name)
+            await until(lambda: hold.waiting == {"tiny", "other"})
+            assert host.manager.deployment("tiny").process is None  # nothing launched
+            host.manager.release_launches(["tiny"])  # the fleet still places tiny here
+            await until(lambda: "tiny" in answers)
+            assert answers["tiny"] == 2
+            assert hold.waiting == {"other"}
+            await host.manager.stop("other")  # the reload that stops what it no longer has
+        assert host.manager.deployment("other").state == DeploymentState.STOPPED
+        assert "other" in answers and answers["other"] != 2, answers
+        assert host.manager.deployment("other").process is None
