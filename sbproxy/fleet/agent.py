@@ -306,6 +306,8 @@ class FleetAgent:
         success after a failure)."""
         self.removed = False
         """The fleet removed this node: it runs nothing until an operator admits it."""
+        self.leaving = False
+        """A graceful stop is marking (or marked) this node leaving."""
         self.left_at: float | None = None
         """When (this node's clock) the graceful stop that marked it leaving began; ``None``
         while it runs. From then on it renews, joins and controls nothing (the mark released
@@ -548,6 +550,8 @@ class FleetAgent:
         engines when the grace ends, as the controller may start their replacements then:
         a drain gets at most the grace."""
         began = self.clock()
+        # From now on a beat already under way may find the id released: not a twin.
+        self.leaving = True
         try:
             with anyio.fail_after(min(self.timing.fence_after_ms / 1000, self.store.deadline_s)):
                 left = await anyio.to_thread.run_sync(
@@ -555,8 +559,10 @@ class FleetAgent:
                     abandon_on_cancel=True,
                 )
         except (SbproxyError, TimeoutError) as exc:
+            self.leaving = False
             logger.warning("node %s could not mark itself leaving: %s", self.identity.id, exc)
             return
+        self.leaving = left
         if left:
             self.left_at = began
             logger.info(
@@ -748,7 +754,9 @@ class FleetAgent:
             return False
         finally:
             self._renewing_since = None
-        if renewed is None:  # our row is gone (never happens but by hand): join again
+        if renewed is None:  # our row is gone (by hand): join again, unless leaving
+            if self.leaving:
+                return False
             await self.join()
             return True
         if not renewed.renewed:
@@ -786,7 +794,10 @@ class FleetAgent:
 
     async def _not_renewed(self, renewal: Renewal) -> bool:
         """The database answered but refused the renewal: removed from the fleet, or the
-        node id is held by another process now. Either way this node runs nothing."""
+        node id is held by another process now. Either way this node runs nothing -- unless
+        it is leaving: its own leave released the id under a renewal already under way."""
+        if self.leaving:
+            return False
         if renewal.revoked:
             if not self.revoked:
                 logger.warning(
@@ -1187,7 +1198,7 @@ class FleetAgent:
             await self.split.aclose()
 
     async def _reconcile(self, snapshot: FleetSnapshot, group: anyio.abc.TaskGroup) -> None:
-        if self.fenced:
+        if self.fenced or self.leaving:
             return
         me = next((n for n in snapshot.nodes if n.id == self.identity.id), None)
         wanted = {} if me is None or me.left else local_deployments(snapshot.placements, me.id)
@@ -1226,6 +1237,9 @@ class FleetAgent:
                 # Ready once the fleet has this node's report of it routable too: every
                 # gateway then routes it the moment it sees the placement ready.
                 and (self._reported.get(local) or {}).get("routable")
+                # A split's engine runs with its own placement's workers, not the last one's
+                # (still up for a moment after the split moved, its workers gone).
+                and (not placement.workers or self.manager.split_placement(local) == placement.id)
             ):
                 await anyio.to_thread.run_sync(
                     partial(self.store.placement_ready, self.identity.id, placement.id)

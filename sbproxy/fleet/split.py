@@ -320,6 +320,7 @@ class SplitNode:
                 endpoints=tuple(t.endpoint for t in led.tunnels),
                 reserved_bytes=int(row.reserved_bytes),
                 probe=partial(_probe, tuple(led.tunnels)),
+                placement=row.id,
             )
         leading = {row.id for row in mine.values() if row.workers}
         for placement in [p for p in self.led if p not in leading]:

@@ -55,6 +55,9 @@ class SplitLaunch:
     """Checks, before each launch, that every worker answers through its tunnel (raises
     ``EngineError`` ``rpc_worker_unavailable`` and the like): llama.cpp would otherwise
     load the whole model onto the workers it reaches."""
+    placement: str | None = None
+    """The fleet placement of the split (its engine serves that placement, and no later
+    one of the same deployment: those have other workers)."""
 
 
 class LaunchHold:
@@ -158,6 +161,9 @@ class RuntimeContext:
         self.outbox = Outbox()
         self.tasks = HostTasks()
         self.launch_hold = LaunchHold()
+        self.split_launched: dict[str, str | None] = {}
+        """``{deployment: split placement}`` its running generation was launched for
+        (``None``: not as a split)."""
         self.splits: dict[str, SplitLaunch] = {}
         """``{deployment: split}`` of the deployments this host leads as a split over
         several hosts' RPC workers (the fleet sets it before it loads one)."""

@@ -189,6 +189,7 @@ class Launches:
                 await context.publish()
             raise
         found.launched(process, port, context.cache.lease(metadata.artifact_digest))
+        context.split_launched[found.deployment] = split.placement if split else None
         # Requests that find this engine gone later need a new load, not this one.
         context.lanes.queue(found.deployment).close_joins()
         await context.publish()

@@ -275,6 +275,11 @@ class RuntimeManager:
         """The workflow engine the runtime's jobs are journaled in."""
         return self._context.engine
 
+    def split_placement(self, deployment: str) -> str | None:
+        """The split placement ``deployment``'s engine was last launched for (``None``: it
+        was not launched as a split, or not at all)."""
+        return self._context.split_launched.get(deployment)
+
     def hold_launches(self) -> None:
         """Hold every launch of the deployments this host has now (a fenced fleet node:
         :class:`~sbproxy.model_host.runtime.context.LaunchHold`) until
