@@ -128,6 +128,11 @@ def test_a_silent_journal_answers_a_load_503_in_time_and_status_goes_on(
                 assert f"127.0.0.1:{relay.port}" in refused.text, refused.text
                 assert int(refused.headers["Retry-After"]) >= 1
                 assert took < HTTP_BOUND_S, took
+                # An outage its caller was told of is logged as a warning, not an error.
+                refusal = "load command of tiny failed"
+                _until(lambda: refusal in log.read_text(), what="the refusal logged")
+                [line] = [x for x in log.read_text().splitlines() if refusal in x]
+                assert " WARNING " in line and "[journal_unavailable]" in line, line
                 status = admin.get(f"{admin_url}/admin/model-host/status", timeout=HTTP_BOUND_S)
                 assert status.status_code == 200, status.text  # status answers on
 

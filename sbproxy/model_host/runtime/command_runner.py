@@ -252,7 +252,10 @@ class CommandRunner:
         except SbproxyError as exc:  # the journal refused (a full disk): no traceback
             if command.job_id is None:
                 command.refused = exc  # the caller gets this error (journal_unavailable: 503)
-            logger.error(
+            # An outage the caller was told of (journal_unavailable, retryable: 503) is a
+            # warning; a refusal that will not pass by itself (disk_full) an error.
+            logger.log(
+                logging.WARNING if exc.retryable else logging.ERROR,
                 "%s command of %s failed: %s [%s]",
                 command.kind.value,
                 queue.deployment,
