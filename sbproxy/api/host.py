@@ -235,11 +235,11 @@ async def _leave_on_stop(agent: FleetAgent, stop: Shutdown) -> None:
 async def _stop_serving(
     agent: FleetAgent | None, manager: RuntimeManager, stop: Shutdown | None
 ) -> None:
-    """A graceful stop: a fleet member marks itself leaving first, if the stop's request
-    has not (:func:`_leave_on_stop`) -- out of every gateway's rotation before its engines
-    stop, re-placed after ``rejoin_grace_ms`` rather than ``lost_after_ms`` (issue 30, item
-    5) -- then the runtime shuts down."""
-    if agent is not None and agent.left_at is None:
+    """A graceful stop: a fleet member is marked leaving first -- by the stop's request
+    (:func:`_leave_on_stop`; waited for here), else now -- out of every gateway's rotation
+    before its engines stop, re-placed after ``rejoin_grace_ms`` rather than
+    ``lost_after_ms`` (issue 30, item 5); then the runtime shuts down."""
+    if agent is not None:
         with anyio.CancelScope(shield=True):
             await agent.leave()
     await _shutdown_runtime(manager, budget_s=stop.engine_budget_s() if stop else None)

@@ -308,6 +308,7 @@ class FleetAgent:
         """The fleet removed this node: it runs nothing until an operator admits it."""
         self.leaving = False
         """A graceful stop is marking (or marked) this node leaving."""
+        self._leave_lock = anyio.Lock()
         self.left_at: float | None = None
         """When (this node's clock) the graceful stop that marked it leaving began; ``None``
         while it runs. From then on it renews, joins and controls nothing (the mark released
@@ -549,6 +550,11 @@ class FleetAgent:
         must not take it back from its own restart), and :meth:`check_lease` stops the
         engines when the grace ends, as the controller may start their replacements then:
         a drain gets at most the grace."""
+        async with self._leave_lock:  # the signal's leave and the stop's: one mark
+            if self.left_at is None:
+                await self._leave()
+
+    async def _leave(self) -> None:
         began = self.clock()
         # From now on a beat already under way may find the id released: not a twin.
         self.leaving = True
