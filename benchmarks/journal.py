@@ -37,7 +37,12 @@ that a noisy neighbour hits all of them alike. It prints ONE JSON object on stdo
 * ``postgresql`` (with ``--postgres``): the floors there, measured the same way -- a
   one-row committed ``INSERT`` (``raw_commit_ms``) and the statement the journal sends for a
   step, executed straight through psycopg (``step_statement_ms``: what the server does for
-  a step) -- and sbproxy's step p50 over each, its steps/s over DBOS's;
+  a step) -- and sbproxy's step p50 over each, its steps/s over DBOS's; ``smaller_records``:
+  what smaller step records cost there (the end and the start as two fenced row writes
+  without their events; one fenced row alone), each over the one-row commit, and
+  ``one_row_plus_client_share_over_raw_commit_p50``: the smallest record plus sbproxy's own
+  share of a step (its step p50 less the statement's), the ratio a journal writing one row
+  per step would reach;
 * ``claims``: claims per second with 4 processes competing for one journal's queue of
   ``--claim-jobs`` jobs (each process opens the journal, they start together at a barrier
   and claim until none is left), on SQLite and, with ``--postgres``, on PostgreSQL;
@@ -490,6 +495,81 @@ class PgStepStatements:
         self.connection.close()
 
 
+# Smaller step records than the journal's, for what each part of its statement costs: the
+# end of the step before and the start of the next as two fenced row writes without their
+# events (the journal's steps table, its foreign key kept), and one fenced row alone (a
+# table of its own, no foreign key, no event: what a journal that wrote one row per step and
+# derived the rest would send).
+_SHAPE_FENCE = "status = 'running' AND lease_owner = %(owner)s AND attempt = %(attempt)s"
+_SHAPES = {
+    "end_and_start_rows": (
+        "WITH ended AS (UPDATE steps SET status = 'succeeded', output_json = '1',"  # noqa: S608 - fixed text
+        " ended_at_ms = %(now)s WHERE job_id = %(id)s AND seq = %(end_seq)s"
+        " AND status = 'running'"
+        f" AND EXISTS (SELECT 1 FROM jobs WHERE id = %(id)s AND {_SHAPE_FENCE})"
+        " RETURNING job_id)"
+        " INSERT INTO steps (job_id, seq, name, status, attempts, started_at_ms)"
+        " SELECT id, %(seq)s, %(name)s, 'running', 1, %(now)s FROM jobs"
+        f" WHERE id = %(id)s AND {_SHAPE_FENCE} AND cancel_requested = 0"
+        " AND EXISTS (SELECT 1 FROM ended) RETURNING seq"
+    ),
+    "one_row": (
+        "INSERT INTO bench_step_log (job_id, seq, name, output_json, at_ms)"  # noqa: S608 - fixed text
+        " SELECT id, %(seq)s, %(name)s, '1', %(now)s FROM jobs"
+        f" WHERE id = %(id)s AND {_SHAPE_FENCE} AND cancel_requested = 0 RETURNING seq"
+    ),
+}
+
+
+class PgRecordShapes:
+    """What smaller step records cost on the same server (:data:`_SHAPES`), each on a job
+    of its own, prepared straight through psycopg like :class:`PgStepStatements`, measured
+    in every round beside it: how far below the journal's statement a step could go, and
+    which of its writes the difference is."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        self.connection = psycopg.connect(url, autocommit=True)
+        self.connection.execute(
+            "CREATE TABLE bench_step_log (job_id TEXT NOT NULL, seq BIGINT NOT NULL,"
+            " name TEXT NOT NULL, output_json TEXT, at_ms BIGINT NOT NULL,"
+            " PRIMARY KEY (job_id, seq))"
+        )
+        # Per shape: its job's id and claim attempt, and the last step position written.
+        self.jobs: dict[str, tuple[str, int]] = {
+            shape: anyio.run(_claimed_job, url) for shape in _SHAPES
+        }
+        self.seq = dict.fromkeys(_SHAPES, 0)
+        self.timings: dict[str, list[float]] = {shape: [] for shape in _SHAPES}
+
+    def run(self, commits: int) -> None:
+        import psycopg
+
+        for shape, statement in _SHAPES.items():
+            job_id, attempt = self.jobs[shape]
+            for _ in range(commits):
+                self.seq[shape] += 1
+                seq = self.seq[shape]
+                params = {
+                    "id": job_id,
+                    "attempt": attempt,
+                    "owner": "bench",
+                    "seq": seq,
+                    "end_seq": seq - 1,
+                    "name": f"s{seq}",
+                    "now": int(time.time() * 1000),
+                }
+                started = time.perf_counter()
+                cursor = psycopg.Cursor(self.connection)
+                cursor.execute(statement, params, prepare=True)
+                assert cursor.fetchone() is not None, shape  # the fence held, it wrote
+                self.timings[shape].append(time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.connection.close()
+
+
 async def _claimed_job(url: str) -> tuple[str, int]:
     """A job claimed by owner ``bench`` on the journal at ``url`` (created here), its first
     step begun: ``(job id, attempt)``."""
@@ -712,9 +792,27 @@ def _postgres_summary(reports: dict[str, Any], floors: list[Any]) -> dict[str, A
     over_dbos = (
         _ratio(sb_pg["durable_steps_per_s"], dbos_pg["durable_steps_per_s"]) if dbos_pg else None
     )
+    shapes = {
+        shape: {
+            "p50_ms": summary["p50"],
+            "over_raw_commit_p50": _ratio(summary["p50"], floor_pg["p50"] if floor_pg else None),
+        }
+        for shape, timings in floors[4].timings.items()
+        if (summary := _summary_ms(timings)) is not None
+    }
+    # sbproxy's own share of a step (its step p50 less the statement's), added to the
+    # smallest record: the step p50 a one-row journal would reach.
+    client_ms = p50 - statement["p50"] if statement else None
+    one_row = shapes.get("one_row")
     return {
         "raw_commit_ms": floor_pg,
         "step_statement_ms": statement,
+        "smaller_records": shapes,
+        "sbproxy_client_share_ms": round(client_ms, 3) if client_ms is not None else None,
+        "one_row_plus_client_share_over_raw_commit_p50": _ratio(
+            one_row["p50_ms"] + client_ms if one_row and client_ms is not None else None,
+            floor_pg["p50"] if floor_pg else None,
+        ),
         "sbproxy_step_p50_over_raw_commit_p50": over_floor,
         "step_statement_p50_over_raw_commit_p50": _ratio(
             statement["p50"] if statement else None, floor_pg["p50"] if floor_pg else None
@@ -811,6 +909,7 @@ def main() -> None:
         if postgres is not None:
             floors.append(RawPgCommits(postgres.create()))
             floors.append(PgStepStatements(postgres.create()))
+            floors.append(PgRecordShapes(postgres.create()))
         claims: dict[str, Any] | None = None
         try:
             anyio.run(_measure_all, contenders, floors, args.jobs, args.warmup, args.rounds)
