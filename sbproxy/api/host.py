@@ -262,7 +262,7 @@ def _kill_engines(manager: RuntimeManager) -> None:
     """SIGKILL every engine this host started (a second stop signal): the ones the manager
     holds, and -- from the ownership records -- any still starting or stopping. The
     manager's shutdown then sees them exit instead of waiting out their SIGTERM grace."""
-    killed = manager.kill_every_engine()
+    killed = manager.kill_every_engine(stopping=True)
     if killed:
         logger.warning("killed engine process groups %s", sorted(killed))
 

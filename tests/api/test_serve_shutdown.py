@@ -260,6 +260,12 @@ def test_a_second_sigint_stops_at_once_and_kills_the_engine(
     assert "received SIGINT again: ending every request now" in served.log()
     assert_shutting_down(outcome)
     assert_stopped_cleanly(served, pid)
+    # The engine the stop killed did not fail (no failure, no restart backoff): the
+    # shutdown settled its deployment stopped.
+    log = served.log()
+    assert "engine_health_failed" not in log, log
+    assert "deployment tiny: its engine ended with the host's stop" in log, log
+    assert log.rstrip().count("deployment tiny: draining -> stopped") == 1, log
 
 
 def test_a_second_signal_while_the_engine_ignores_sigterm_kills_it_at_once(

@@ -3,6 +3,8 @@ and frees what a generation held (its engine, reservation, artifact lease and po
 
 from __future__ import annotations
 
+import logging
+
 import anyio
 
 from sbproxy.model_host.runtime.context import RuntimeContext
@@ -12,6 +14,8 @@ from sbproxy.model_host.runtime.policy import restart_delay
 from sbproxy.model_host.runtime.state import DeploymentState
 
 __all__ = ["Retirement"]
+
+logger = logging.getLogger(__name__)
 
 S = DeploymentState
 
@@ -90,6 +94,14 @@ class Retirement:
 
         async def watch() -> None:
             status = await process.wait_exit()
+            if self._context.tasks.stopping_now:
+                # Killed by the host's stop (a second signal): the shutdown settles it.
+                logger.info(
+                    "deployment %s: its engine ended with the host's stop (status %s)",
+                    found.deployment,
+                    status,
+                )
+                return
             if found.process is process and found.generation == generation:
                 await self.engine_lost(
                     found,

@@ -268,13 +268,20 @@ class Supervision:
                 killed.append(process.pid)
         return killed
 
-    def kill_every_engine(self) -> list[int]:
+    def kill_every_engine(self, *, stopping: bool = False) -> list[int]:
         """SIGKILL every child this host started, at once (a second stop signal, a fence):
         the engines the runtime holds and, from the ownership records, any it holds no
         more or not yet -- one in the middle of its graceful stop, one still starting, a
-        split's RPC worker. The pids (process groups) signalled."""
-        killed = self.kill_engines()
+        split's RPC worker. The pids (process groups) signalled.
+
+        ``stopping``: the host is stopping now (a second stop signal): an engine's exit
+        from here on is the stop's -- its deployment is not failed, gets no restart
+        backoff, and the shutdown settles it ``stopped``. A fence passes ``False``: its
+        engines' deployments fail, and restart once the host may serve again."""
         context = self._context
+        if stopping:
+            context.tasks.stopping_now = True
+        killed = self.kill_engines()
         for pid in kill_owned(context.layout.owned_engines, owner=context.identity.owner):
             if pid not in killed:
                 killed.append(pid)

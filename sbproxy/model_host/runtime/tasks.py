@@ -36,12 +36,15 @@ async def contained(work: Callable[[], Awaitable[object]], *, what: str) -> None
 
 class HostTasks:
     """The host's task group (set at start), the count of counted background tasks a
-    shutdown waits for, and the shutdown's deadline once it began (``anyio`` time)."""
+    shutdown waits for, the shutdown's deadline once it began (``anyio`` time), and whether
+    the host is stopping at once (a second stop signal killed its engines: their exits are
+    the stop's, not failures)."""
 
     def __init__(self) -> None:
         self.group: anyio.abc.TaskGroup | None = None
         self.running = 0
         self.closing_at: float | None = None
+        self.stopping_now = False
 
     @property
     def started(self) -> bool:
