@@ -953,6 +953,8 @@ class FleetAgent:
             now_ms=snapshot.now_ms,
             timing=self.timing,
             watching_since_ms=lease.acquired_at_ms if young else None,
+            # A pass runs only after this beat's renewal succeeded (beat()).
+            renewed_here=self.identity.id,
         )
         for change in node_moves(snapshot.nodes, views):
             moved = await anyio.to_thread.run_sync(

@@ -194,6 +194,7 @@ def observe(
     now_ms: int,
     timing: FleetTiming,
     watching_since_ms: int | None = None,
+    renewed_here: str | None = None,
 ) -> list[NodeView]:
     """Every member as the planner sees it, its state derived on database time.
 
@@ -207,6 +208,9 @@ def observe(
             renewal since it is ``suspect``, never ``ready``: it takes no new replica until
             this controller has seen it renew (issue 30, item 4). A member already recorded
             ``lost`` or ``left`` gets no such grace: it stays gone until it renews (item 21).
+        renewed_here: The controller's own node, whose renewal it made itself in the
+            same beat, before this pass: seen, so never ``unconfirmed`` (a new controller
+            is not ``suspect`` to itself).
     """
     views = []
     for node in nodes:
@@ -219,7 +223,8 @@ def observe(
         last = node.renewed_at_ms
         unconfirmed = False
         gone = node.state in (NodeState.LOST.value, NodeState.LEFT.value)
-        if watching_since_ms is not None and not gone and last < watching_since_ms:
+        seen = node.id == renewed_here
+        if watching_since_ms is not None and not gone and not seen and last < watching_since_ms:
             last, unconfirmed = watching_since_ms, True
         leaving = getattr(node, "leaving_at_ms", None)
         if leaving is not None and node.renewed_at_ms <= leaving:

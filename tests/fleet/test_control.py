@@ -111,6 +111,19 @@ def test_observe_derives_states_on_database_time(
     assert view.draining is bool(flags.get("draining"))
 
 
+def test_a_new_controller_is_not_suspect_to_itself() -> None:
+    # It renewed in the beat that took the lease, just before the take-over: the same
+    # renewal time leaves a peer unconfirmed, but not the controller's own node.
+    own, peer = Node("own", renewed_at_ms=NOW - 300), Node("peer", renewed_at_ms=NOW - 300)
+    views = observe(
+        [own, peer], now_ms=NOW, timing=TIMING, watching_since_ms=NOW - 200, renewed_here="own"
+    )
+    assert [(view.id, view.state) for view in views] == [
+        ("own", NodeState.READY),
+        ("peer", NodeState.SUSPECT),
+    ]
+
+
 def test_node_moves_are_checked_and_a_forbidden_one_is_skipped() -> None:
     nodes = [Node("a"), Node("b", state="left"), Node("c", state="suspect")]
     views = [
