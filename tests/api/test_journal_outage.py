@@ -147,3 +147,40 @@ def test_a_silent_journal_answers_a_load_503_in_time_and_status_goes_on(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def test_a_stop_while_the_journal_is_cut_logs_its_unrecorded_transitions_as_one_warning(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    # The stop's deployment transitions (ready -> draining -> stopped) go on the load job
+    # that started the engine; with the journal away they cannot be recorded: a warning
+    # with the reason code per batch, no ERROR and no traceback, and the process exits 0.
+    url = postgres_server.create_database()
+    with TcpRelay(postgres_server.port) as relay:
+        through = url.replace(f":{postgres_server.port}/", f":{relay.port}/", 1)
+        process, admin_url, log = _serve(tmp_path, through)
+        try:
+            with httpx.Client(auth=("admin", PASSWORD), timeout=60) as admin:
+                _until(lambda: answers(admin, admin_url), what="the admin route answers")
+                load = admin.post(f"{admin_url}/admin/model-host/load", json={"deployment": "tiny"})
+                assert load.status_code == 202, load.text
+                job_id = load.json()["job_id"]
+                job_url = f"{admin_url}/admin/model-host/jobs/{job_id}"
+                _until(
+                    lambda: admin.get(job_url).json()["job"]["status"] == "succeeded",
+                    what="the load job done",
+                )
+            relay.cut()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0, log.read_text()
+        finally:
+            relay.close()
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    text = log.read_text()
+    assert "draining -> stopped" in text, text
+    assert "Traceback" not in text and " ERROR " not in text, text
+    unrecorded = [line for line in text.splitlines() if "deployment transition(s)" in line]
+    assert unrecorded, text
+    assert all(" WARNING " in x and "[journal_unavailable]" in x for x in unrecorded), unrecorded

@@ -19,6 +19,7 @@ import anyio
 
 from sbproxy.catalog import Catalog, ResolvedArtifact, WorkerProfile, resolve_artifact
 from sbproxy.config import CompiledConfig, DeploymentConfig
+from sbproxy.errors import SbproxyError
 from sbproxy.model_host.artifacts import ArtifactCache, CacheLayout
 from sbproxy.model_host.runtime.admission import AdmissionGate
 from sbproxy.model_host.runtime.clock import Clock
@@ -33,7 +34,7 @@ from sbproxy.model_host.runtime.staging import Staging
 from sbproxy.model_host.runtime.state import DeploymentState, LaunchBackoff
 from sbproxy.model_host.runtime.tasks import HostTasks
 from sbproxy.model_host.runtime.upstream import RuntimeTallies
-from sbproxy.store import RuntimeStore
+from sbproxy.store import RuntimeStore, journal_fault
 from sbproxy.workflows import WorkerIdentity, WorkflowEngine
 
 __all__ = ["RuntimeContext"]
@@ -260,17 +261,26 @@ class RuntimeContext:
 
     async def publish(self) -> None:
         """Journal the queued transitions, oldest first (a journal write never wedges the
-        runtime: a failed one is logged)."""
+        runtime: a failed one is logged). The journal away (``journal_unavailable``,
+        ``disk_full``, ``store_failed``) is one warning line, and the rest of the batch is
+        not tried: each would wait out the same outage (a stop would wait for all of them)."""
         with anyio.CancelScope(shield=True):
-            for transition in self.outbox.take():
-                if transition.job_id is None:
-                    continue
+            transitions = [(t.job_id, t) for t in self.outbox.take() if t.job_id is not None]
+            for index, (job_id, transition) in enumerate(transitions):
                 try:
                     await self.engine.store.record_event(
-                        transition.job_id, kind="deployment", data=transition.event_data()
+                        job_id, kind="deployment", data=transition.event_data()
                     )
-                except Exception:
-                    logger.exception("could not record the transition on %s", transition.job_id)
+                except Exception as exc:
+                    if isinstance(exc, SbproxyError) and journal_fault(exc):
+                        logger.warning(
+                            "could not record %d deployment transition(s) on their jobs: [%s] %s",
+                            len(transitions) - index,
+                            exc.code,
+                            exc,
+                        )
+                        return
+                    logger.exception("could not record the transition on %s", job_id)
 
     @property
     def capacity(self) -> anyio.Event:

@@ -80,8 +80,13 @@ class Retirement:
 
     async def engine_lost(self, found: Deployment, generation: int, message: str) -> None:
         """A ready generation died or stopped answering: fail it, free what it held, and
-        set the restart backoff (the next request relaunches it after that)."""
+        set the restart backoff (the next request relaunches it after that) -- unless the
+        host is stopping now (a second stop signal killed it): then the shutdown settles it
+        ``stopped``, whoever noticed the exit (its exit watcher, a health probe)."""
         context = self._context
+        if context.tasks.stopping_now:
+            logger.info("deployment %s: its engine ended with the host's stop", found.deployment)
+            return
         delay = restart_delay(context.backoff(found), found.failures + 1, context.jitter())
         if not found.lost(generation, message, not_before=context.clock.now() + delay):
             return
@@ -94,14 +99,6 @@ class Retirement:
 
         async def watch() -> None:
             status = await process.wait_exit()
-            if self._context.tasks.stopping_now:
-                # Killed by the host's stop (a second signal): the shutdown settles it.
-                logger.info(
-                    "deployment %s: its engine ended with the host's stop (status %s)",
-                    found.deployment,
-                    status,
-                )
-                return
             if found.process is process and found.generation == generation:
                 await self.engine_lost(
                     found,

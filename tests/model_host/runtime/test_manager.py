@@ -279,6 +279,30 @@ async def test_prepares_across_deployments_run_concurrently_up_to_the_limit(
         assert all(s.state == DeploymentState.READY for s in manager.deployments.values())
 
 
+async def test_engines_killed_by_the_host_s_stop_do_not_fail_whoever_notices(
+    tmp_path: Path,
+) -> None:
+    # A second stop signal kills every engine: the exit watcher and a maintenance probe
+    # both see the exit; neither fails the deployment (no failure, no restart backoff),
+    # and the shutdown after it settles it stopped.
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+        (await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)).release()
+        (status,) = host.manager.status()
+        assert status.job_id is not None
+        await host.engine.join(status.job_id)  # the load job settled
+        slot = host.manager.deployment("tiny")
+        process = slot.process
+        assert process is not None
+        assert host.manager.kill_every_engine(stopping=True) == [process.pid]
+        await until(lambda: not process.alive())
+        await host.manager.tick()  # a maintenance pass: its probe finds the engine stopped
+        assert slot.state == DeploymentState.READY
+        assert slot.failures == 0
+        await host.manager.shutdown(deadline_s=5)
+        (after,) = host.manager.status()
+        assert after.state == DeploymentState.STOPPED
+
+
 async def test_a_held_launch_waits_for_its_release_and_a_stop_ends_it(tmp_path: Path) -> None:
     # A fenced fleet node: what it held does not start again -- a restart after its engine
     # died included -- until its agent releases it; a stop of a held one ends its launch.
