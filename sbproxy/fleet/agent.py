@@ -956,7 +956,8 @@ class FleetAgent:
             # A pass runs only after this beat's renewal succeeded (beat()).
             renewed_here=self.identity.id,
         )
-        for change in node_moves(snapshot.nodes, views):
+        moves = node_moves(snapshot.nodes, views, now_ms=snapshot.now_ms, timing=self.timing)
+        for change in moves:
             moved = await anyio.to_thread.run_sync(
                 partial(
                     self.store.move_node,
@@ -970,11 +971,17 @@ class FleetAgent:
                 self.node_transitions[
                     (change.transition.from_state.value, change.transition.to_state.value)
                 ] += 1
-                # A node back to ready is routine; one going quiet or away is not.
-                level = (
-                    logging.INFO if change.transition.to_state.value == "ready" else logging.WARNING
+                # A node back to ready, leaving gracefully, or not yet seen renewing by a
+                # new controller is routine; one going quiet or away is not.
+                logger.log(
+                    logging.INFO if change.routine else logging.WARNING,
+                    "node %s: %s%s",
+                    change.node,
+                    change.transition.to_dict(),
+                    " (its renewal is recent: not seen renewing since this controller took over)"
+                    if change.routine and change.transition.to_state.value == "suspect"
+                    else "",
                 )
-                logger.log(level, "node %s: %s", change.node, change.transition.to_dict())
         counts = await self._autoscale(lease, snapshot, views)
         specs, definitions, frozen = self._specs(snapshot, counts)
         current = {d: (s.revision, definition_digest(definitions[d])) for d, s in specs.items()}

@@ -167,10 +167,16 @@ def partition_peers(
 
 @dataclass(frozen=True)
 class NodeMove:
-    """A member's recorded state that must change: ``node`` and the checked transition."""
+    """A member's recorded state that must change: ``node`` and the checked transition.
+
+    ``routine``: nothing is wrong -- back to ``ready``, a graceful stop (``leaving``), or
+    ``suspect`` only because a controller that just took over has not seen the node renew
+    yet while its last renewal is recent (:func:`observe`); logged as information, the
+    rest as warnings."""
 
     node: str
     transition: NodeTransition
+    routine: bool = False
 
 
 PLACEMENT_FIELDS = frozenset(
@@ -260,9 +266,17 @@ def observe(
     return views
 
 
-def node_moves(nodes: Sequence[Any], views: Sequence[NodeView]) -> list[NodeMove]:
+def node_moves(
+    nodes: Sequence[Any],
+    views: Sequence[NodeView],
+    *,
+    now_ms: int | None = None,
+    timing: FleetTiming | None = None,
+) -> list[NodeMove]:
     """The recorded states that differ from the observed ones, each a checked move; a move
-    the table forbids is logged and skipped (a stale read: the next pass sees it again)."""
+    the table forbids is logged and skipped (a stale read: the next pass sees it again).
+    With ``now_ms`` (database time) and ``timing``, a move to ``suspect`` of a node whose
+    last renewal is not late is told apart as routine (:attr:`NodeMove.routine`)."""
     observed = {view.id: view.state for view in views}
     moves = []
     for node in nodes:
@@ -271,9 +285,18 @@ def node_moves(nodes: Sequence[Any], views: Sequence[NodeView]) -> list[NodeMove
         if now is None or now == recorded:
             continue
         try:
-            moves.append(NodeMove(node.id, move(recorded, now)))
+            transition = move(recorded, now)
         except IllegalNodeTransition as exc:
             logger.warning("node %s: %s", node.id, exc)
+            continue
+        unconfirmed = (
+            now is NodeState.SUSPECT
+            and now_ms is not None
+            and timing is not None
+            and now_ms - node.renewed_at_ms <= timing.suspect_after_ms
+        )
+        routine = now in (NodeState.READY, NodeState.LEAVING) or unconfirmed
+        moves.append(NodeMove(node.id, transition, routine=routine))
     return moves
 
 

@@ -197,6 +197,14 @@ def test_a_graceful_stop_is_re_placed_after_the_rejoin_grace_not_lost_after(
         )
         # Taken at node-b's next beats, not after fence_after_ms.
         assert elected and int(elected[0][0]) - int(released[0]) < FENCE_AFTER_MS - 500, elected
+        # A clean hand-over worries nobody: the new controller warns of no node going
+        # suspect (itself included) and of no graceful leave.
+        warned = [
+            line
+            for line in b.output.splitlines()
+            if " WARNING " in line and ("'to': 'suspect'" in line or "'to': 'leaving'" in line)
+        ]
+        assert not warned, warned
         assert "leaving grace (3000 ms) is over" in a.output, a.output
         assert stopped_s < 8.0, stopped_s  # the engine stopped at the grace's end
         print(

@@ -137,6 +137,33 @@ def test_node_moves_are_checked_and_a_forbidden_one_is_skipped() -> None:
     ]
 
 
+def test_node_moves_tell_routine_moves_from_worrying_ones() -> None:
+    # A new controller sees "fresh" (renewed 300 ms ago) as suspect only because it has
+    # not seen it renew yet: routine. "late" missed its renewals, "gone" is lost: not.
+    nodes = [
+        Node("fresh", renewed_at_ms=NOW - 300),
+        Node("late", renewed_at_ms=NOW - 1_600),
+        Node("gone", renewed_at_ms=NOW - 10_000),
+        Node("back", state="suspect", renewed_at_ms=NOW),
+        Node("stopping", renewed_at_ms=NOW - 100),
+    ]
+    views = [
+        NodeView(id="fresh", state=NodeState.SUSPECT),
+        NodeView(id="late", state=NodeState.SUSPECT),
+        NodeView(id="gone", state=NodeState.LOST),
+        NodeView(id="back", state=NodeState.READY),
+        NodeView(id="stopping", state=NodeState.LEAVING),
+    ]
+    moves = node_moves(nodes, views, now_ms=NOW, timing=TIMING)
+    assert {m.node: m.routine for m in moves} == {
+        "fresh": True,
+        "late": False,
+        "gone": False,
+        "back": True,
+        "stopping": True,
+    }
+
+
 def test_a_placement_with_the_current_definition_counts_at_the_current_revision() -> None:
     same = Placement("p1", "a", revision=1, definition={"model": "m"})
     changed = Placement("p2", "b", revision=1, definition={"model": "old"})
