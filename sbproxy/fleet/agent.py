@@ -263,6 +263,8 @@ class FleetAgent:
     _failed_since: float | None = None
     _failed_start: float | None = None
     _lost_seen = False
+    # Whether this process renewed since its last join (a join may find the node lost).
+    _renewed_since_join = False
 
     def __init__(
         self,
@@ -500,6 +502,7 @@ class FleetAgent:
             now = await anyio.to_thread.run_sync(send, seen)
         self._facts_sent = frozenset(facts)
         self._inventory_sent = inventory
+        self._renewed_since_join = False
         self.last_renewal = self.clock()
         self.renewed_at_ms = now
         self.streak_since_ms = now
@@ -783,20 +786,35 @@ class FleetAgent:
             logger.info("node %s was admitted again", self.identity.id)
             self.removed = False
         lost = renewed.state == "lost"
-        if lost and not self._lost_seen and not self.fenced:
-            # Lost means over: the fleet gave up on this node and ended its placements; stop
-            # every engine it held before anything runs here again (once: until the
-            # controller records it back, its new placements run).
-            logger.warning(
-                "node %s was declared lost: stopping every engine it held", self.identity.id
-            )
-            self.fence()
+        if lost and not self._lost_seen:
+            self._declared_lost()
         self._lost_seen = lost
+        self._renewed_since_join = True
         if self.fenced:
             logger.warning("node %s renewed again after fencing: rejoining", self.identity.id)
             self.fenced = False
         self.verdict = FenceVerdict.SERVE
         return True
+
+    def _declared_lost(self) -> None:
+        """A renewal found this node recorded ``lost``: lost means over -- the fleet gave
+        up on it and ended its placements -- so it stops every engine it held before
+        anything runs here again (once: until the controller records it back, its new
+        placements run). A process that just joined after the loss (stopped past its grace,
+        say) and runs no engine has nothing to stop: it only holds its launches until the
+        reconcile sees what the fleet places here."""
+        if not self._renewed_since_join and not self.manager.holds_engines():
+            logger.info(
+                "node %s was declared lost while it was away: its old placements ended; it "
+                "runs what the fleet places here from now on",
+                self.identity.id,
+            )
+            self.manager.hold_launches()
+        elif not self.fenced:
+            logger.warning(
+                "node %s was declared lost: stopping every engine it held", self.identity.id
+            )
+            self.fence()
 
     async def _not_renewed(self, renewal: Renewal) -> bool:
         """The database answered but refused the renewal: removed from the fleet, or the

@@ -3,12 +3,14 @@ a real PostgreSQL server until the other side has moved: no timing decides the o
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
+import psycopg
 import pytest
 
 from sbproxy.config import PriorityClass
@@ -49,6 +51,72 @@ class HeldRenewals:
 
 async def _no_peers(peers: Sequence[tuple[str, str]]) -> list[PeerAnswer]:
     return []
+
+
+def _agent(store: Any, manager: Any) -> FleetAgent:
+    return FleetAgent(
+        store=store,
+        manager=manager,
+        identity=NodeIdentity(id="node-a", labels={}, advertise_url="http://127.0.0.1:9/node-a"),
+        timing=TIMING,
+        policy=PlacementPolicy(),
+        artifacts=list,
+        ask_peers=_no_peers,
+    )
+
+
+async def test_a_restart_after_the_node_was_declared_lost_starts_clean_without_a_fence(
+    tmp_path: Path, postgres_server: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Stopped past its grace, the node was declared lost meanwhile; its new process joins,
+    # runs no engine, and its first renewal finds the node lost: nothing to stop, so no
+    # fence and no warnings -- its launches are held until the reconcile sees what the
+    # fleet places here, as after a fence.
+    url = postgres_server.create_database()
+    store = FleetStore(url)
+    try:
+        async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+            await _agent(store, host.manager).join()
+            with psycopg.connect(url, autocommit=True) as connection:
+                connection.execute("UPDATE fleet_nodes SET state = 'lost' WHERE id = 'node-a'")
+            restarted = _agent(store, host.manager)
+            await restarted.join()
+            caplog.set_level(logging.INFO, logger="sbproxy.fleet.agent")
+            assert await restarted._renew()  # its first renewal, alone
+            assert not restarted.fenced
+            warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert not warned, warned
+            assert any("declared lost while it was away" in r.getMessage() for r in caplog.records)
+            assert host.manager.held_launches == {"tiny"}
+    finally:
+        store.close()
+
+
+async def test_a_running_node_found_lost_stops_every_engine_it_held(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    # Lost means over: a node that was serving (a pause longer than lost_after_ms, say)
+    # and finds itself recorded lost kills its engines before anything runs here again.
+    url = postgres_server.create_database()
+    store = FleetStore(url)
+    try:
+        async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+            agent = _agent(store, host.manager)
+            await agent.join()
+            assert await agent._renew()
+            (await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)).release()
+            slot = host.manager.deployment("tiny")
+            process = slot.process
+            assert process is not None
+            with psycopg.connect(url, autocommit=True) as connection:
+                connection.execute("UPDATE fleet_nodes SET state = 'lost' WHERE id = 'node-a'")
+            assert await agent._renew()
+            with anyio.fail_after(10):  # SIGKILLed by the fence: gone at once
+                while process.alive():
+                    await anyio.sleep(0.02)
+            assert host.manager.held_launches == {"tiny"}
+    finally:
+        store.close()
 
 
 async def test_a_renewal_under_way_when_the_node_leaves_neither_fences_nor_rejoins(

@@ -24,6 +24,7 @@ from sbproxy.model_host.engines.process import (
     EngineProcess,
     kill_owned,
     minimal_env,
+    owned_alive,
     reap_orphans,
     spawn_engine,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "kill_owned",
     "launch",
     "minimal_env",
+    "owned_alive",
     "plan_llama_launch",
     "provision_llama_cpp",
     "published_build",

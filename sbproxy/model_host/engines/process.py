@@ -465,6 +465,17 @@ def kill_owned(owned_dir: Path, *, owner: str) -> tuple[int, ...]:
     on the event loop. Idempotent.
     """
     killed: list[int] = []
+    for pid in owned_alive(owned_dir, owner=owner):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+            killed.append(pid)
+    return tuple(killed)
+
+
+def owned_alive(owned_dir: Path, *, owner: str) -> tuple[int, ...]:
+    """The pids of the live engines ``owner`` started, from their ownership records: a pid
+    whose start ticks differ from the record's (reused) is not one. Quick, no waiting."""
+    alive: list[int] = []
     if not owned_dir.is_dir():
         return ()
     for path in sorted(owned_dir.glob("*.json")):
@@ -472,9 +483,6 @@ def kill_owned(owned_dir: Path, *, owner: str) -> tuple[int, ...]:
             record = OwnershipRecord(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             continue  # half written or gone; the reaper of the next start deals with it
-        if record.owner != owner or process_start_ticks(record.pid) != record.start_ticks:
-            continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(record.pid, signal.SIGKILL)
-            killed.append(record.pid)
-    return tuple(killed)
+        if record.owner == owner and process_start_ticks(record.pid) == record.start_ticks:
+            alive.append(record.pid)
+    return tuple(alive)

@@ -190,6 +190,7 @@ class RuntimeManager:
         self.tick, self.shutdown = supervision.tick, supervision.shutdown
         self.kill_engines = supervision.kill_engines
         self.kill_every_engine = supervision.kill_every_engine
+        self.holds_engines = supervision.holds_engines
         self.stage, self.recreate_stop = reloads.stage, reloads.recreate_stop
         self.roll_back, self.apply = reloads.roll_back, reloads.apply
         self.enforce_resident_limit = reloads.enforce_resident_limit
@@ -285,6 +286,11 @@ class RuntimeManager:
         :class:`~sbproxy.model_host.runtime.context.LaunchHold`) until
         :meth:`release_launches`."""
         self._context.launch_hold.hold(self._context.live)
+
+    @property
+    def held_launches(self) -> frozenset[str]:
+        """The deployments whose launches are held now (:meth:`hold_launches`)."""
+        return self._context.launch_hold.held
 
     def release_launches(self, wanted: Collection[str]) -> None:
         """Let the held launches of ``wanted`` (deployment ids this host is to run) go on,

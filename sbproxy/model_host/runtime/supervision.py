@@ -12,7 +12,7 @@ import anyio
 import anyio.to_thread
 
 from sbproxy.errors import SbproxyError
-from sbproxy.model_host.engines import kill_owned, reap_orphans
+from sbproxy.model_host.engines import kill_owned, owned_alive, reap_orphans
 from sbproxy.model_host.runtime.command_runner import ADOPT_POLL_S, RUNTIME_JOB_KINDS, CommandRunner
 from sbproxy.model_host.runtime.context import RuntimeContext
 from sbproxy.model_host.runtime.definitions import deployment_digest, desired_digest, desired_of
@@ -267,6 +267,13 @@ class Supervision:
                 context.launcher.kill(process)
                 killed.append(process.pid)
         return killed
+
+    def holds_engines(self) -> bool:
+        """Whether any child this host started still runs: an engine the runtime holds, or
+        one its ownership records name (starting, stopping, a split's RPC worker)."""
+        context = self._context
+        owned = owned_alive(context.layout.owned_engines, owner=context.identity.owner)
+        return any(process.alive() for process in context.engines()) or bool(owned)
 
     def kill_every_engine(self, *, stopping: bool = False) -> list[int]:
         """SIGKILL every child this host started, at once (a second stop signal, a fence):
