@@ -122,15 +122,41 @@ def _is_loopback(url: str) -> bool:
         return False
 
 
-def admin_call(
-    command: str,
-    method: str,
-    url: str,
-    *,
-    auth: tuple[str, str],
-    output_format: str,
-    json_body: dict[str, Any] | None = None,
+class AdminRefusal(Exception):
+    """The admin API answered ``status`` >= 400: its reason code, message, and the seconds
+    its ``Retry-After`` asks for (``None``: none given)."""
+
+    def __init__(self, status: int, body: dict[str, Any], retry_after_s: float | None) -> None:
+        self.status = status
+        self.code = str(body.get("code") or body.get("reason_code") or "")
+        self.message = str(body.get("error") or "")
+        self.retry_after_s = retry_after_s
+        super().__init__(self.code)
+
+    def error(self) -> SbproxyError:
+        """What the CLI reports for it."""
+        detail = f": {self.message}" if self.message and self.message != self.code else ""
+        return SbproxyError(
+            f"admin request returned HTTP {self.status}: {self.code}{detail}",
+            code=self.code or "admin_error",
+        )
+
+    @property
+    def exit_code(self) -> int:
+        # The server's reason code decides first (a 503 journal_unavailable is a refusal,
+        # exit 2, as from a verb that reads the journal itself).
+        return EXIT_INVALID if self.status in (400, 401, 404, 409, 422) else EXIT_RUNTIME
+
+
+def admin_request(
+    method: str, url: str, *, auth: tuple[str, str], json_body: dict[str, Any] | None = None
 ) -> dict[str, Any]:
+    """One admin API call; its JSON body.
+
+    Raises:
+        SbproxyError: ``admin_unreachable`` -- no answer from ``url``.
+        AdminRefusal: an answer of HTTP 400 or more.
+    """
     try:
         response = httpx.request(
             method,
@@ -141,39 +167,43 @@ def admin_call(
             trust_env=not _is_loopback(url),
         )
     except httpx.HTTPError as exc:
-        fail(
-            command,
-            SbproxyError(
-                f"cannot reach the admin API at {url}: {type(exc).__name__}",
-                code="admin_unreachable",
-                remediation="Is `sbproxy serve` running with proxy.admin.enabled? Check "
-                "--admin-url / SB_ADMIN_URL.",
-            ),
-            output_format=output_format,
-            exit_code=EXIT_RUNTIME,
-        )
+        raise SbproxyError(
+            f"cannot reach the admin API at {url}: {type(exc).__name__}",
+            code="admin_unreachable",
+            remediation="Is `sbproxy serve` running with proxy.admin.enabled? Check "
+            "--admin-url / SB_ADMIN_URL.",
+        ) from exc
     try:
         body: dict[str, Any] = response.json()
     except ValueError:
         body = {}
     if response.status_code >= 400:
-        reason = body.get("code") or body.get("reason_code") or ""
-        message = body.get("error") or ""
-        fail(
-            command,
-            SbproxyError(
-                f"admin request returned HTTP {response.status_code}: {reason}"
-                + (f": {message}" if message and message != reason else ""),
-                code=str(reason or "admin_error"),
-            ),
-            output_format=output_format,
-            # The server's reason code decides first (a 503 journal_unavailable is a
-            # refusal, exit 2, as from a verb that reads the journal itself).
-            exit_code=EXIT_INVALID
-            if response.status_code in (400, 401, 404, 409, 422)
-            else EXIT_RUNTIME,
+        retry_after = response.headers.get("Retry-After", "")
+        raise AdminRefusal(
+            response.status_code,
+            body,
+            float(retry_after) if retry_after.isdigit() else None,
         )
     return body
+
+
+def admin_call(
+    command: str,
+    method: str,
+    url: str,
+    *,
+    auth: tuple[str, str],
+    output_format: str,
+    json_body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """:func:`admin_request`, its failure reported and the CLI ended (exit 2 for a refusal
+    of what was asked, 1 otherwise, or as the reason code says)."""
+    try:
+        return admin_request(method, url, auth=auth, json_body=json_body)
+    except AdminRefusal as refusal:
+        fail(command, refusal.error(), output_format=output_format, exit_code=refusal.exit_code)
+    except SbproxyError as exc:
+        fail(command, exc, output_format=output_format, exit_code=EXIT_RUNTIME)
 
 
 @click.command("ps")
@@ -344,19 +374,7 @@ def _lifecycle(
         json_body={"deployment": deployment},
     )
     if wait and body.get("job_id"):
-        deadline = time.monotonic() + 600
-        job: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            job = admin_call(
-                command,
-                "GET",
-                f"{base}/admin/model-host/jobs/{body['job_id']}",
-                auth=auth,
-                output_format=output_format,
-            ).get("job", {})
-            if job.get("status") in TERMINAL:
-                break
-            time.sleep(0.2)
+        job = _follow(command, base, str(body["job_id"]), auth=auth, output_format=output_format)
         body["job"] = job
         body["state"] = done_state if job.get("status") == "succeeded" else job.get("status")
     if output_format == "json":
@@ -368,6 +386,51 @@ def _lifecycle(
         )
     if wait and body.get("job", {}).get("status") not in (None, "succeeded"):
         sys.exit(EXIT_RUNTIME)
+
+
+# How long --wait follows a job, in seconds.
+FOLLOW_S = 600.0
+
+
+def _follow(
+    command: str, base: str, job_id: str, *, auth: tuple[str, str], output_format: str
+) -> dict[str, Any]:
+    """Follow job ``job_id`` until it ends (or :data:`FOLLOW_S` passed); the job as last
+    read. A retryable refusal on the way (``503 journal_unavailable``: the journal went away
+    while the job runs) is waited out, said once on stderr; the job goes on meanwhile. One
+    that lasts past the deadline fails naming the job, to follow with ``sbproxy jobs watch``.
+    """
+    deadline = time.monotonic() + FOLLOW_S
+    job: dict[str, Any] = {}
+    told = False
+    while True:
+        pause = 0.2
+        try:
+            job = admin_request("GET", f"{base}/admin/model-host/jobs/{job_id}", auth=auth).get(
+                "job", {}
+            )
+        except AdminRefusal as refusal:
+            if refusal.status != 503 or time.monotonic() >= deadline:
+                error = _naming_job(refusal.error(), job_id)
+                fail(command, error, output_format=output_format, exit_code=refusal.exit_code)
+            if not told:
+                click.echo(f"sbproxy: {refusal.error()} -- still following job {job_id}", err=True)
+                told = True
+            pause = max(pause, refusal.retry_after_s or 1.0)
+        except SbproxyError as exc:
+            error = _naming_job(exc, job_id)
+            fail(command, error, output_format=output_format, exit_code=EXIT_RUNTIME)
+        if job.get("status") in TERMINAL or time.monotonic() >= deadline:
+            return job
+        time.sleep(pause)
+
+
+def _naming_job(error: SbproxyError, job_id: str) -> SbproxyError:
+    """``error`` with what to do about the job it interrupted the following of."""
+    follow = f"Job {job_id} was submitted and may still run: `sbproxy jobs watch {job_id}`."
+    error.remediation = f"{error.remediation} {follow}" if error.remediation else follow
+    error.details["job_id"] = job_id
+    return error
 
 
 @click.command("stop")

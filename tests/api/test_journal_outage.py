@@ -5,6 +5,7 @@ link) rather than away -- and once the server is back the same host runs the mut
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -64,10 +65,13 @@ async def test_serving_goes_on_while_the_journal_is_away(
         assert again.status_code == 200, again.text
 
 
-def _serve(root: Path, url: str) -> tuple[subprocess.Popen[str], str, Path]:
-    """A real ``sbproxy serve`` on journal ``url``; the process, its admin URL, its log."""
+def _serve(
+    root: Path, url: str, *, mode: str | None = None
+) -> tuple[subprocess.Popen[str], str, Path]:
+    """A real ``sbproxy serve`` on journal ``url`` (its stand-in engine in ``mode``); the
+    process, its admin URL, its log."""
     gateway_port, admin_port = free_port(), free_port()
-    config = write_config(root, gateway_port, admin_port, host={"journal": {"url": url}})
+    config = write_config(root, gateway_port, admin_port, mode=mode, host={"journal": {"url": url}})
     log = root / "serve.log"
     with log.open("w") as stderr:
         process = subprocess.Popen(
@@ -184,3 +188,57 @@ def test_a_stop_while_the_journal_is_cut_logs_its_unrecorded_transitions_as_one_
     unrecorded = [line for line in text.splitlines() if "deployment transition(s)" in line]
     assert unrecorded, text
     assert all(" WARNING " in x and "[journal_unavailable]" in x for x in unrecorded), unrecorded
+
+
+def test_a_load_followed_through_a_journal_outage_is_followed_to_its_end(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    # `models load --wait` follows its job; the journal goes away meanwhile, so following
+    # it answers 503 journal_unavailable for a while. The CLI says so once and follows on;
+    # the job resumes once the journal is back, and the CLI ends with it (exit 0).
+    url = postgres_server.create_database()
+    hold = tmp_path / "hold"
+    hold.touch()  # the engine stays loading (the job in its launch step) while it exists
+    with TcpRelay(postgres_server.port) as relay:
+        through = url.replace(f":{postgres_server.port}/", f":{relay.port}/", 1)
+        process, admin_url, log = _serve(tmp_path, through, mode=f"hold_file={hold}")
+        stderr = tmp_path / "load.stderr"
+        try:
+            with httpx.Client(auth=("admin", PASSWORD), timeout=60) as admin:
+                _until(lambda: answers(admin, admin_url), what="the admin route answers")
+                with stderr.open("w") as err:
+                    load = subprocess.Popen(
+                        [sys.executable, "-m", "sbproxy.cli", "models", "load", "tiny",
+                         "--wait", "--format", "json"],
+                        stdout=subprocess.PIPE, stderr=err, text=True,
+                        env={**os.environ, "SB_ADMIN_URL": admin_url,
+                             "SB_ADMIN_PASSWORD": PASSWORD},
+                    )  # fmt: skip
+
+                def launching() -> bool:
+                    status = admin.get(f"{admin_url}/admin/model-host/status").json()
+                    return any(row["state"] == "preparing" for row in status["deployments"])
+
+                _until(launching, what="the load under way")
+                relay.cut()
+                _until(
+                    lambda: "still following job" in stderr.read_text() or load.poll() is not None,
+                    what="the note",
+                )
+                assert load.poll() is None, stderr.read_text()  # it did not give up
+                relay.heal()
+                hold.unlink()
+                out, _ = load.communicate(timeout=120)
+            assert load.returncode == 0, (stderr.read_text(), log.read_text())
+            body = json.loads(out)
+            assert (body["state"], body["job"]["status"]) == ("ready", "succeeded"), body
+            [note] = stderr.read_text().splitlines()
+            assert "journal_unavailable" in note and body["job_id"] in note, note
+        finally:
+            relay.close()
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -457,12 +457,14 @@ class Deployment:
         """The launch holds memory for ``estimate``."""
         self._estimate = estimate
 
-    def launch_abandoned(self) -> None:
-        """The launch ended without an engine (its reservation is freed); a cancelled one
-        (still ``preparing``: a stop won) ends ``stopped``."""
+    def launch_abandoned(self, *, reason: str | None = None) -> None:
+        """The launch ended without an engine (its reservation is freed); one still
+        ``preparing`` ends ``stopped``: ``superseded`` when cancelled (a stop won), or
+        ``reason`` (``journal_unavailable``: the journal went away under it; its job
+        resumes the launch once it is back)."""
         self._estimate = None
         if self._state is S.PREPARING:
-            self._move({S.PREPARING}, S.STOPPED, reason_code="superseded")
+            self._move({S.PREPARING}, S.STOPPED, reason_code=reason or "superseded")
 
     def start_timed_out(self, message: str) -> None:
         """No ``/health`` within ``start_timeout_ms``: ``failed`` (``start_timeout``)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 
 from sbproxy.config import CompiledConfig
+from sbproxy.errors import SbproxyError
 from sbproxy.model_host.artifacts import CachedMetadata
 from sbproxy.model_host.engines import EngineError
 from sbproxy.model_host.runtime.admission import AdmissionRejected
@@ -21,6 +22,7 @@ from sbproxy.model_host.runtime.residency import select_devices
 from sbproxy.model_host.runtime.retire import Retirement
 from sbproxy.model_host.runtime.spawner import Spawner, ctx_size
 from sbproxy.model_host.runtime.swaps import Swaps
+from sbproxy.store import journal_fault
 
 __all__ = ["Launches"]
 
@@ -160,32 +162,41 @@ class Launches:
         if found.process is not None:  # a dead or foreign-held generation: clear it first
             await self._retirement.release_generation(found)
         found.begin_launch(metadata, executable, job_id)
-        await context.publish()
-        wait_s = found.not_before - context.clock.now()
-        if wait_s > 0:
-            logger.info("%s: relaunch in %.2f s (restart backoff)", found.deployment, wait_s)
-            await context.clock.sleep(wait_s)
-        await context.launch_hold.wait(found.deployment)
-        found.numbered(generation or await context.runtime_store.next_generation(found.deployment))
+        # From here on whatever ends the launch early -- a cancel (a stop won), the journal
+        # away at the generation number, a failed spawn -- leaves no ``preparing`` behind:
+        # the job's next run (a resume) starts the launch afresh.
+        reserved = False
         try:
-            devices = self._select_devices(found)
-            estimate = self.estimate(found, metadata, tensor_parallel=len(devices))
-            await self._swaps.reserve(found, found.key, estimate, devices)
-        except AdmissionRejected as exc:
-            found.refused_capacity(exc.code, exc.message, retryable=exc.retryable)
             await context.publish()
-            raise
-        found.reserved(estimate)
-        try:
+            wait_s = found.not_before - context.clock.now()
+            if wait_s > 0:
+                logger.info("%s: relaunch in %.2f s (restart backoff)", found.deployment, wait_s)
+                await context.clock.sleep(wait_s)
+            await context.launch_hold.wait(found.deployment)
+            found.numbered(
+                generation or await context.runtime_store.next_generation(found.deployment)
+            )
+            try:
+                devices = self._select_devices(found)
+                estimate = self.estimate(found, metadata, tensor_parallel=len(devices))
+                await self._swaps.reserve(found, found.key, estimate, devices)
+            except AdmissionRejected as exc:
+                found.refused_capacity(exc.code, exc.message, retryable=exc.retryable)
+                await context.publish()
+                raise
+            found.reserved(estimate)
+            reserved = True
             split = context.splits.get(found.deployment)
             if split is not None and split.probe is not None:
                 await split.probe()
             process, port = await self._spawner.spawn_until_ready(found, metadata, executable)
-        except BaseException:
+        except BaseException as exc:
             with anyio.CancelScope(shield=True):
-                context.residency.release(found.key)
-                context.capacity_changed()
-                found.launch_abandoned()
+                if reserved:
+                    context.residency.release(found.key)
+                    context.capacity_changed()
+                code = exc.code if isinstance(exc, SbproxyError) and journal_fault(exc) else None
+                found.launch_abandoned(reason=code)
                 await context.publish()
             raise
         found.launched(process, port, context.cache.lease(metadata.artifact_digest))

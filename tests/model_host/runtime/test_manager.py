@@ -3,6 +3,7 @@ self-healing, crash loop and reset, drain, keep-alive, pull policy, status."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import anyio
@@ -15,7 +16,8 @@ from sbproxy.model_host.engines import EngineProcess
 from sbproxy.model_host.runtime.admission import AdmissionRejected
 from sbproxy.model_host.runtime.jobs import submit_drain, submit_reset
 from sbproxy.model_host.runtime.state import DeploymentState
-from sbproxy.store import JobStatus
+from sbproxy.store import JobStatus, RuntimeStore
+from sbproxy.store.postgres import JournalUnavailable
 from sbproxy.workflows import process_start_ticks
 from tests.model_host.engines.support import fake_llama_server
 from tests.model_host.runtime.host import runtime_host
@@ -301,6 +303,38 @@ async def test_engines_killed_by_the_host_s_stop_do_not_fail_whoever_notices(
         await host.manager.shutdown(deadline_s=5)
         (after,) = host.manager.status()
         assert after.state == DeploymentState.STOPPED
+
+
+async def test_a_launch_the_journal_fails_under_leaves_no_preparing_and_its_job_resumes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The journal goes away just as the launch numbers its generation (after the move to
+    # preparing): the run stops there, as on any journal fault, and the deployment must not
+    # stay preparing -- the job's resumed run moves it to preparing again, which from
+    # preparing would be an illegal transition and fail the deployment.
+    original = RuntimeStore.next_generation
+    calls: list[str] = []
+
+    async def away_once(self: RuntimeStore, deployment: str) -> int:
+        calls.append(deployment)
+        if len(calls) == 1:
+            raise JournalUnavailable("the journal is away (the test's fault)")
+        return await original(self, deployment)
+
+    monkeypatch.setattr(RuntimeStore, "next_generation", away_once)
+    caplog.set_level(logging.INFO, logger="sbproxy.model_host.runtime.deployment")
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}, worker=True) as host:
+        slot = host.manager.deployment("tiny")
+        with pytest.raises(SbproxyError):  # the request waiting for that load
+            await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        # Not left preparing: the launch itself ended it, with the fault's reason code
+        # (before the command that waited for the load settled it failed).
+        assert "deployment tiny: preparing -> stopped (journal_unavailable)" in caplog.text
+        assert slot.state.value in ("stopped", "failed")
+        assert slot.reason_code == "journal_unavailable"
+        await until(lambda: slot.state == DeploymentState.READY)  # the job resumed
+        assert calls == ["tiny", "tiny"]
+        (await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)).release()
 
 
 async def test_a_held_launch_waits_for_its_release_and_a_stop_ends_it(tmp_path: Path) -> None:
