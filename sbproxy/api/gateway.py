@@ -68,7 +68,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import aiohttp
 import msgspec
@@ -1136,6 +1136,10 @@ class GatewayApp:
         except Exception as exc:  # noqa: BLE001 - every error gets the gateway's answer
             # forward sends nothing itself: no byte of an answer is out yet.
             status, envelope, extra = gateway_error(exc)
+            note = access_note(scope)
+            if note is not None and note.outcome is None:
+                # The access log names why (a bad body's code included), as for refusals.
+                note.outcome = str(cast("dict[str, Any]", envelope["error"])["code"])
             body = _ERROR_ENCODER.encode(envelope)
             headers = [
                 (b"content-type", b"application/json"),

@@ -452,6 +452,25 @@ async def test_a_refusal_is_logged_with_its_reason(
     assert line.endswith(" queue_timeout")
 
 
+async def test_a_bad_body_and_an_unknown_model_are_logged_with_their_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with served(tmp_path, deployments=tiny()) as host:
+        with access_lines(caplog) as lines:
+            async with httpx.AsyncClient(base_url=host.gateway_url, timeout=30) as http:
+                malformed = await http.post(
+                    "/v1/chat/completions",
+                    content=b"{not json",
+                    headers={"content-type": "application/json"},
+                )
+                unknown = await http.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
+    codes = [answer.json()["error"]["code"] for answer in (malformed, unknown)]
+    logged = [line for line in lines if line.startswith("POST")]
+    assert len(logged) == 2, logged
+    for answer, code, line in zip((malformed, unknown), codes, logged, strict=True):
+        assert f" {answer.status_code} " in line and line.endswith(f" {code}"), (line, code)
+
+
 async def test_by_default_only_requests_that_did_not_end_in_an_answer_are_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
