@@ -43,6 +43,7 @@ from litestar.handlers import HTTPRouteHandler
 
 from sbproxy.api.errors import ApiError
 from sbproxy.config import BudgetPeriod, TokenBudget
+from sbproxy.errors import SbproxyError
 from sbproxy.store import HOUR_MS, UsageDelta, UsageStore
 
 __all__ = [
@@ -262,7 +263,8 @@ class UsageLedger:
         try:
             await self.store.add(deltas)
         except Exception as exc:  # noqa: BLE001 - any failure keeps the batch for later
-            logger.warning("usage flush failed, will retry: %s", exc)
+            code = exc.code if isinstance(exc, SbproxyError) else type(exc).__name__
+            logger.warning("usage flush failed, will retry: %s [%s]", exc, code)
             for slot, counts in batch.items():
                 pending = self._pending.setdefault(slot, [0, 0, 0])
                 for index, value in enumerate(counts):
