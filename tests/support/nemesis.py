@@ -56,7 +56,8 @@ database's fault state the harness itself set -- never the product's API):
   the hosts must keep serving then (next invariant);
 * ``engine_lost_in_outage`` -- while the database is down or frozen for every host, and for
   :data:`OUTAGE_TAIL_S` after it is back (a fence decided in the outage lands late), no
-  engine that ran at the outage's start stops, unless a fault begun since hit its host, or
+  engine that ran at the outage's start stops, unless a fault or a drain begun since hit
+  its host, or
   its host already broke ``engine_after_cut`` and has not been seen without engines since
   (its stop is that late fence: logged in the timeline, not counted twice);
 * ``host_exited`` -- no serving host process exits by itself (the harness restarts one that
@@ -975,8 +976,11 @@ class Nemesis:
             if self._outage_until is not None and time.monotonic() > self._outage_until:
                 self._outage, self._outage_until = None, None
             outage = dict(self._outage) if self._outage is not None else None
-            # A fault begun in the tail after the heal explains its own host's stops.
+            # A fault begun in the tail after the heal explains its own host's stops; so does
+            # an operator's drain of it (a drained node stops its engines: that is the drain).
             excused = set(self._down) | set(self._cut_since)
+            if self._drained is not None:
+                excused.add(self._drained)
         if outage is None:
             return
         alive = {e.pid for e in engines}
