@@ -26,7 +26,14 @@ from typing import Any, TypeVar
 import click
 import httpx
 
-from sbproxy.cli._output import EXIT_INVALID, EXIT_RUNTIME, emit_json, fail, format_option
+from sbproxy.cli._output import (
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_RUNTIME,
+    emit_json,
+    fail,
+    format_option,
+)
 from sbproxy.errors import SbproxyError
 
 __all__ = [
@@ -400,6 +407,21 @@ def _follow(
     while the job runs) is waited out, said once on stderr; the job goes on meanwhile. One
     that lasts past the deadline fails naming the job, to follow with ``sbproxy jobs watch``.
     """
+    try:
+        return _follow_until_done(command, base, job_id, auth=auth, output_format=output_format)
+    except KeyboardInterrupt:
+        # The job runs in the server, not here: it goes on.
+        click.echo(
+            f"sbproxy {command.replace('.', ' ')}: interrupted; job {job_id} goes on in the "
+            f"server: `sbproxy jobs watch {job_id}` follows it.",
+            err=True,
+        )
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _follow_until_done(
+    command: str, base: str, job_id: str, *, auth: tuple[str, str], output_format: str
+) -> dict[str, Any]:
     deadline = time.monotonic() + FOLLOW_S
     job: dict[str, Any] = {}
     told = False

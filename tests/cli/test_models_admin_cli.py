@@ -5,12 +5,15 @@ codes, and the admin password never echoed."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 from sbproxy.cli.models_admin_cmd import devices_cell
 from tests.api.test_serve import PASSWORD, write_config
-from tests.api.test_serve_reload import admin_cli, serving
+from tests.api.test_serve_reload import ENV, admin_cli, serving, status
 from tests.model_host.engines.support import free_port
 
 
@@ -70,6 +73,37 @@ def test_ps_load_and_stop_through_the_admin_api(tmp_path: Path) -> None:
         for run in (listed, loaded, text, stopped, unknown, wrong):
             assert PASSWORD not in run.stdout + run.stderr
             assert "not-the-password" not in run.stdout + run.stderr
+
+
+def test_ctrl_c_while_a_load_is_followed_leaves_the_job_running_and_names_it(
+    tmp_path: Path,
+) -> None:
+    # The job runs in the server: interrupting the CLI that follows it stops the following
+    # only (exit 130, the job named), and the load goes on to ready.
+    hold = tmp_path / "hold"
+    hold.touch()  # the engine stays loading while it exists
+    admin_port = free_port()
+    config = write_config(tmp_path, free_port(), admin_port, mode=f"hold_file={hold}")
+    with serving(config, "--no-watch"):
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "sbproxy.cli", "models", "load", "tiny", "--wait"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**ENV, "SB_ADMIN_URL": f"http://127.0.0.1:{admin_port}",
+                 "SB_ADMIN_PASSWORD": PASSWORD},
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while [d["state"] for d in status(admin_port)["deployments"]] != ["preparing"]:
+            assert time.monotonic() < deadline, "the load never started"
+            time.sleep(0.05)
+        follow.send_signal(signal.SIGINT)
+        _, err = follow.communicate(timeout=30)
+        assert follow.returncode == 130, err
+        [job] = [d["job_id"] for d in status(admin_port)["deployments"]]
+        assert f"interrupted; job {job} goes on" in err and "Traceback" not in err, err
+        hold.unlink()
+        while [d["state"] for d in status(admin_port)["deployments"]] != ["ready"]:
+            assert time.monotonic() < deadline + 60, "the load did not go on"
+            time.sleep(0.05)
 
 
 def test_the_devices_column_lists_a_generations_devices() -> None:
