@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -65,23 +67,50 @@ async def test_serving_goes_on_while_the_journal_is_away(
         assert again.status_code == 200, again.text
 
 
-def _serve(
-    root: Path, url: str, *, mode: str | None = None
-) -> tuple[subprocess.Popen[str], str, Path]:
-    """A real ``sbproxy serve`` on journal ``url`` (its stand-in engine in ``mode``); the
-    process, its admin URL, its log."""
-    gateway_port, admin_port = free_port(), free_port()
-    config = write_config(root, gateway_port, admin_port, mode=mode, host={"journal": {"url": url}})
-    log = root / "serve.log"
-    with log.open("w") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config)],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            text=True,
-            env={**os.environ, "PYTHONWARNINGS": "ignore", "SBPROXY_NODE_ID": "node-a"},
+@dataclass
+class RelayedServe:
+    """A real ``sbproxy serve`` whose journal is reached through :attr:`relay`."""
+
+    relay: TcpRelay
+    process: subprocess.Popen[str]
+    admin_url: str
+    log: Path
+
+
+@contextmanager
+def _serve_relayed(
+    root: Path, server: PostgresServer, *, mode: str | None = None
+) -> Iterator[RelayedServe]:
+    """A real ``sbproxy serve`` (its stand-in engine in ``mode``) on a fresh database of
+    ``server``, reached through a :class:`TcpRelay` the test can cut; stopped (SIGTERM, then
+    SIGKILL) and the relay closed at the end."""
+    url = server.create_database()
+    with TcpRelay(server.port) as relay:
+        through = url.replace(f":{server.port}/", f":{relay.port}/", 1)
+        gateway_port, admin_port = free_port(), free_port()
+        config = write_config(
+            root, gateway_port, admin_port, mode=mode, host={"journal": {"url": through}}
         )
-    return process, f"http://127.0.0.1:{admin_port}", log
+        log = root / "serve.log"
+        with log.open("w") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "sbproxy.cli", "serve", "-f", str(config)],
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                text=True,
+                env={**os.environ, "PYTHONWARNINGS": "ignore", "SBPROXY_NODE_ID": "node-a"},
+            )
+        try:
+            yield RelayedServe(relay, process, f"http://127.0.0.1:{admin_port}", log)
+        finally:
+            relay.close()
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
 
 
 def _until(predicate: Callable[[], bool], *, what: str, timeout_s: float = 90.0) -> None:
@@ -101,56 +130,45 @@ def answers(admin: httpx.Client, admin_url: str) -> bool:
 def test_a_silent_journal_answers_a_load_503_in_time_and_status_goes_on(
     tmp_path: Path, postgres_server: PostgresServer
 ) -> None:
-    url = postgres_server.create_database()
-    with TcpRelay(postgres_server.port) as relay:
-        through = url.replace(f":{postgres_server.port}/", f":{relay.port}/", 1)
-        process, admin_url, log = _serve(tmp_path, through)
-        try:
-            with httpx.Client(auth=("admin", PASSWORD), timeout=60) as admin:
+    with _serve_relayed(tmp_path, postgres_server) as served:
+        relay, process, admin_url, log = served.relay, served.process, served.admin_url, served.log
+        with httpx.Client(auth=("admin", PASSWORD), timeout=60) as admin:
 
-                def ready() -> bool:
-                    assert process.poll() is None, log.read_text()
-                    try:
-                        status = admin.get(f"{admin_url}/admin/model-host/status")
-                    except httpx.TransportError:
-                        return False
-                    rows = status.json()["deployments"] if status.status_code == 200 else []
-                    return any(row["state"] == "ready" for row in rows)
+            def ready() -> bool:
+                assert process.poll() is None, log.read_text()
+                try:
+                    status = admin.get(f"{admin_url}/admin/model-host/status")
+                except httpx.TransportError:
+                    return False
+                rows = status.json()["deployments"] if status.status_code == 200 else []
+                return any(row["state"] == "ready" for row in rows)
 
-                load = {"deployment": "tiny"}
-                _until(lambda: answers(admin, admin_url), what="the admin route answers")
-                first = admin.post(f"{admin_url}/admin/model-host/load", json=load)
-                assert first.status_code == 202, first.text
-                _until(ready, what="tiny is ready")
+            load = {"deployment": "tiny"}
+            _until(lambda: answers(admin, admin_url), what="the admin route answers")
+            first = admin.post(f"{admin_url}/admin/model-host/load", json=load)
+            assert first.status_code == 202, first.text
+            _until(ready, what="tiny is ready")
 
-                relay.blackhole()
-                started = time.monotonic()
-                refused = admin.post(f"{admin_url}/admin/model-host/load", json=load)
-                took = time.monotonic() - started
-                assert refused.status_code == 503, refused.text
-                assert refused.json()["code"] == "journal_unavailable", refused.text
-                assert f"127.0.0.1:{relay.port}" in refused.text, refused.text
-                assert int(refused.headers["Retry-After"]) >= 1
-                assert took < HTTP_BOUND_S, took
-                # An outage its caller was told of is logged as a warning, not an error.
-                refusal = "load command of tiny failed"
-                _until(lambda: refusal in log.read_text(), what="the refusal logged")
-                [line] = [x for x in log.read_text().splitlines() if refusal in x]
-                assert " WARNING " in line and "[journal_unavailable]" in line, line
-                status = admin.get(f"{admin_url}/admin/model-host/status", timeout=HTTP_BOUND_S)
-                assert status.status_code == 200, status.text  # status answers on
+            relay.blackhole()
+            started = time.monotonic()
+            refused = admin.post(f"{admin_url}/admin/model-host/load", json=load)
+            took = time.monotonic() - started
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["code"] == "journal_unavailable", refused.text
+            assert f"127.0.0.1:{relay.port}" in refused.text, refused.text
+            assert int(refused.headers["Retry-After"]) >= 1
+            assert took < HTTP_BOUND_S, took
+            # An outage its caller was told of is logged as a warning, not an error.
+            refusal = "load command of tiny failed"
+            _until(lambda: refusal in log.read_text(), what="the refusal logged")
+            [line] = [x for x in log.read_text().splitlines() if refusal in x]
+            assert " WARNING " in line and "[journal_unavailable]" in line, line
+            status = admin.get(f"{admin_url}/admin/model-host/status", timeout=HTTP_BOUND_S)
+            assert status.status_code == 200, status.text  # status answers on
 
-                relay.heal()
-                again = admin.post(f"{admin_url}/admin/model-host/load", json=load)
-                assert again.status_code == 202, again.text
-        finally:
-            relay.close()
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            served.relay.heal()
+            again = admin.post(f"{admin_url}/admin/model-host/load", json=load)
+            assert again.status_code == 202, again.text
 
 
 def test_a_stop_while_the_journal_is_cut_logs_its_unrecorded_transitions_as_one_warning(
@@ -159,29 +177,21 @@ def test_a_stop_while_the_journal_is_cut_logs_its_unrecorded_transitions_as_one_
     # The stop's deployment transitions (ready -> draining -> stopped) go on the load job
     # that started the engine; with the journal away they cannot be recorded: a warning
     # with the reason code per batch, no ERROR and no traceback, and the process exits 0.
-    url = postgres_server.create_database()
-    with TcpRelay(postgres_server.port) as relay:
-        through = url.replace(f":{postgres_server.port}/", f":{relay.port}/", 1)
-        process, admin_url, log = _serve(tmp_path, through)
-        try:
-            with httpx.Client(auth=("admin", PASSWORD), timeout=60) as admin:
-                _until(lambda: answers(admin, admin_url), what="the admin route answers")
-                load = admin.post(f"{admin_url}/admin/model-host/load", json={"deployment": "tiny"})
-                assert load.status_code == 202, load.text
-                job_id = load.json()["job_id"]
-                job_url = f"{admin_url}/admin/model-host/jobs/{job_id}"
-                _until(
-                    lambda: admin.get(job_url).json()["job"]["status"] == "succeeded",
-                    what="the load job done",
-                )
-            relay.cut()
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=60) == 0, log.read_text()
-        finally:
-            relay.close()
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    with _serve_relayed(tmp_path, postgres_server) as served:
+        process, admin_url, log = served.process, served.admin_url, served.log
+        with httpx.Client(auth=("admin", PASSWORD), timeout=60) as admin:
+            _until(lambda: answers(admin, admin_url), what="the admin route answers")
+            load = admin.post(f"{admin_url}/admin/model-host/load", json={"deployment": "tiny"})
+            assert load.status_code == 202, load.text
+            job_id = load.json()["job_id"]
+            job_url = f"{admin_url}/admin/model-host/jobs/{job_id}"
+            _until(
+                lambda: admin.get(job_url).json()["job"]["status"] == "succeeded",
+                what="the load job done",
+            )
+        served.relay.cut()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log.read_text()
     text = log.read_text()
     assert "draining -> stopped" in text, text
     assert "Traceback" not in text and " ERROR " not in text, text
@@ -196,49 +206,38 @@ def test_a_load_followed_through_a_journal_outage_is_followed_to_its_end(
     # `models load --wait` follows its job; the journal goes away meanwhile, so following
     # it answers 503 journal_unavailable for a while. The CLI says so once and follows on;
     # the job resumes once the journal is back, and the CLI ends with it (exit 0).
-    url = postgres_server.create_database()
     hold = tmp_path / "hold"
     hold.touch()  # the engine stays loading (the job in its launch step) while it exists
-    with TcpRelay(postgres_server.port) as relay:
-        through = url.replace(f":{postgres_server.port}/", f":{relay.port}/", 1)
-        process, admin_url, log = _serve(tmp_path, through, mode=f"hold_file={hold}")
+    with _serve_relayed(tmp_path, postgres_server, mode=f"hold_file={hold}") as served:
+        admin_url, log = served.admin_url, served.log
         stderr = tmp_path / "load.stderr"
-        try:
-            with httpx.Client(auth=("admin", PASSWORD), timeout=60) as admin:
-                _until(lambda: answers(admin, admin_url), what="the admin route answers")
-                with stderr.open("w") as err:
-                    load = subprocess.Popen(
-                        [sys.executable, "-m", "sbproxy.cli", "models", "load", "tiny",
-                         "--wait", "--format", "json"],
-                        stdout=subprocess.PIPE, stderr=err, text=True,
-                        env={**os.environ, "SB_ADMIN_URL": admin_url,
-                             "SB_ADMIN_PASSWORD": PASSWORD},
-                    )  # fmt: skip
+        with httpx.Client(auth=("admin", PASSWORD), timeout=60) as admin:
+            _until(lambda: answers(admin, admin_url), what="the admin route answers")
+            with stderr.open("w") as err:
+                load = subprocess.Popen(
+                    [sys.executable, "-m", "sbproxy.cli", "models", "load", "tiny",
+                     "--wait", "--format", "json"],
+                    stdout=subprocess.PIPE, stderr=err, text=True,
+                    env={**os.environ, "SB_ADMIN_URL": admin_url,
+                         "SB_ADMIN_PASSWORD": PASSWORD},
+                )  # fmt: skip
 
-                def launching() -> bool:
-                    status = admin.get(f"{admin_url}/admin/model-host/status").json()
-                    return any(row["state"] == "preparing" for row in status["deployments"])
+            def launching() -> bool:
+                status = admin.get(f"{admin_url}/admin/model-host/status").json()
+                return any(row["state"] == "preparing" for row in status["deployments"])
 
-                _until(launching, what="the load under way")
-                relay.cut()
-                _until(
-                    lambda: "still following job" in stderr.read_text() or load.poll() is not None,
-                    what="the note",
-                )
-                assert load.poll() is None, stderr.read_text()  # it did not give up
-                relay.heal()
-                hold.unlink()
-                out, _ = load.communicate(timeout=120)
-            assert load.returncode == 0, (stderr.read_text(), log.read_text())
-            body = json.loads(out)
-            assert (body["state"], body["job"]["status"]) == ("ready", "succeeded"), body
-            [note] = stderr.read_text().splitlines()
-            assert "journal_unavailable" in note and body["job_id"] in note, note
-        finally:
-            relay.close()
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            _until(launching, what="the load under way")
+            served.relay.cut()
+            _until(
+                lambda: "still following job" in stderr.read_text() or load.poll() is not None,
+                what="the note",
+            )
+            assert load.poll() is None, stderr.read_text()  # it did not give up
+            served.relay.heal()
+            hold.unlink()
+            out, _ = load.communicate(timeout=120)
+        assert load.returncode == 0, (stderr.read_text(), log.read_text())
+        body = json.loads(out)
+        assert (body["state"], body["job"]["status"]) == ("ready", "succeeded"), body
+        [note] = stderr.read_text().splitlines()
+        assert "journal_unavailable" in note and body["job_id"] in note, note
