@@ -17,7 +17,7 @@ from sbproxy.model_host.runtime.jobs import submit_drain, submit_load, submit_re
 from sbproxy.model_host.runtime.port import RuntimePort
 from sbproxy.model_host.runtime.refusals import exhausted_refusal
 from sbproxy.model_host.runtime.state import DeploymentState
-from sbproxy.store import JobRecord, JobStatus
+from sbproxy.store import JobRecord, JobStatus, journal_fault
 from sbproxy.workflows import owner_is_gone
 
 __all__ = ["ADOPT_POLL_S", "RUNTIME_JOB_KINDS", "CommandRunner"]
@@ -148,6 +148,7 @@ class CommandRunner:
         fresh_queue = not queue.pending
         command, created = queue.submit(CommandKind.LOAD, reason=reason)
         if created:
+            found.clear_load_refusal()
             # The stable key joins a load a crashed host left unfinished; behind other
             # commands the key is the command's own, so it never joins a superseded load.
             key = f"load:{deployment}" if fresh_queue else f"load:{deployment}:{command.seq}"
@@ -291,6 +292,12 @@ class CommandRunner:
             return  # superseded: the stop that won sets the state
         if found.state in (S.FAILED, S.DRAINING):
             return  # the launch already said why (or a drain decides)
+        if cause is not None and journal_fault(cause):
+            # The journal, not the load, failed: the load was refused before its job existed
+            # (the caller was told: 503), or its job waits for the journal and resumes. No
+            # state changes; the requests waiting for it are refused with the cause.
+            found.refuse_load(cause)
+            return
         error = final.error if final is not None else None
         if cause is not None:
             code, message = cause.code, cause.message

@@ -162,6 +162,7 @@ class Deployment:
         self._job_id: str | None = None
         self._crash: CrashLoop | None = None
         self._exhausted_job: str | None = None
+        self._load_refusal: SbproxyError | None = None
         self._evicting = False
         self._health_misses = 0
         self._timeouts = 0
@@ -261,6 +262,24 @@ class Deployment:
         """The load job that ended ``recovery_exhausted`` and holds the deployment
         ``failed`` (only a reset or an explicit load clears it); ``None`` when none."""
         return self._exhausted_job
+
+    @property
+    def load_refusal(self) -> SbproxyError | None:
+        """Why the last load could not go on because of the journal (``journal_unavailable``
+        and the like: the load was refused, or its job waits for the journal), told to the
+        requests waiting for it; ``None`` once a new load is asked for or one launches. It
+        changes no state: a refused command leaves the deployment as it was."""
+        return self._load_refusal
+
+    def refuse_load(self, error: SbproxyError) -> None:
+        """The load its waiters wait for cannot go on now (:attr:`load_refusal`): wake them
+        to be refused with ``error``."""
+        self._load_refusal = error
+        self.pulse()
+
+    def clear_load_refusal(self) -> None:
+        """A new load was asked for: its waiters wait for it."""
+        self._load_refusal = None
 
     @property
     def evicting(self) -> bool:
@@ -438,6 +457,7 @@ class Deployment:
         self._executable = executable
         self._job_id = job_id
         self._exhausted_job = None  # only an allowed load gets here (a retry, a reset's)
+        self._load_refusal = None
         self._move({S.CONFIGURED, S.STOPPED, S.FAILED, S.READY}, S.PREPARING, job_id=job_id)
 
     def numbered(self, generation: int) -> None:

@@ -60,9 +60,14 @@ def refuse_failed(found: Deployment, *, now: float) -> None:
     Raises:
         AdmissionRejected: as :func:`refuse_now`, ``insufficient_capacity`` or
             ``engine_unhealthy``.
+        SbproxyError: the journal's fault that stopped the load
+            (:attr:`~sbproxy.model_host.runtime.deployment.Deployment.load_refusal`:
+            ``journal_unavailable``, 503, retryable).
     """
     if found.crash is not None or found.state is S.DRAINING:
         refuse_now(found)
+    if found.load_refusal is not None:
+        raise found.load_refusal  # the journal is away: 503 journal_unavailable, retryable
     if found.state is not S.FAILED:
         return
     if found.reason_code == AdmissionReason.INSUFFICIENT_CAPACITY.value:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -13,8 +14,9 @@ import pytest
 from sbproxy.config import PriorityClass
 from sbproxy.errors import SbproxyError
 from sbproxy.model_host.engines import EngineProcess
+from sbproxy.model_host.runtime import command_runner
 from sbproxy.model_host.runtime.admission import AdmissionRejected
-from sbproxy.model_host.runtime.jobs import submit_drain, submit_reset
+from sbproxy.model_host.runtime.jobs import submit_drain, submit_load, submit_reset
 from sbproxy.model_host.runtime.state import DeploymentState
 from sbproxy.store import JobStatus, RuntimeStore
 from sbproxy.store.postgres import JournalUnavailable
@@ -330,11 +332,38 @@ async def test_a_launch_the_journal_fails_under_leaves_no_preparing_and_its_job_
         # Not left preparing: the launch itself ended it, with the fault's reason code
         # (before the command that waited for the load settled it failed).
         assert "deployment tiny: preparing -> stopped (journal_unavailable)" in caplog.text
-        assert slot.state.value in ("stopped", "failed")
+        assert slot.state.value == "stopped"  # not failed: the journal, not the load, failed
         assert slot.reason_code == "journal_unavailable"
         await until(lambda: slot.state == DeploymentState.READY)  # the job resumed
         assert calls == ["tiny", "tiny"]
         (await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)).release()
+
+
+async def test_a_load_the_journal_refuses_changes_nothing_and_its_waiters_get_the_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The journal refuses the load's job itself (an outage): the caller is told (503
+    # journal_unavailable, retryable), the requests waiting for that load get the same
+    # answer at once, and the deployment stays as it was -- not failed.
+    original = submit_load
+    refusals: list[str] = []
+
+    async def refused_once(*args: Any, **kwargs: Any) -> Any:
+        if not refusals:
+            refusals.append("refused")
+            raise JournalUnavailable("the journal is away (the test's fault)")
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(command_runner, "submit_load", refused_once)
+    async with runtime_host(tmp_path, deployments={"tiny": TINY}) as host:
+        slot = host.manager.deployment("tiny")
+        with pytest.raises(SbproxyError) as waited:
+            await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)
+        assert (waited.value.code, waited.value.retryable) == ("journal_unavailable", True)
+        assert (slot.state, slot.reason_code) == (DeploymentState.CONFIGURED, None)
+        # Once the journal answers, the next request loads it.
+        (await host.manager.acquire("tiny", priority=PriorityClass.STANDARD)).release()
+        assert slot.state == DeploymentState.READY
 
 
 async def test_a_held_launch_waits_for_its_release_and_a_stop_ends_it(tmp_path: Path) -> None:
