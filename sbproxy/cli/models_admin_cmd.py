@@ -372,14 +372,22 @@ def _lifecycle(
     """POST a lifecycle route, optionally follow its job, report the outcome."""
     base = admin_url.rstrip("/")
     auth = (username, password)
-    body = admin_call(
-        command,
-        "POST",
-        f"{base}/admin/model-host/{route}",
-        auth=auth,
-        output_format=output_format,
-        json_body={"deployment": deployment},
-    )
+    try:
+        body = admin_call(
+            command,
+            "POST",
+            f"{base}/admin/model-host/{route}",
+            auth=auth,
+            output_format=output_format,
+            json_body={"deployment": deployment},
+        )
+    except KeyboardInterrupt:
+        click.echo(
+            f"sbproxy {command.replace('.', ' ')}: interrupted before the server answered; "
+            f"the command may have been taken: `sbproxy models ps` shows {deployment}'s state.",
+            err=True,
+        )
+        sys.exit(EXIT_INTERRUPTED)
     if wait and body.get("job_id"):
         job = _follow(command, base, str(body["job_id"]), auth=auth, output_format=output_format)
         body["job"] = job
@@ -442,8 +450,17 @@ def _follow_until_done(
         except SbproxyError as exc:
             error = _naming_job(exc, job_id)
             fail(command, error, output_format=output_format, exit_code=EXIT_RUNTIME)
-        if job.get("status") in TERMINAL or time.monotonic() >= deadline:
+        if job.get("status") in TERMINAL:
             return job
+        if time.monotonic() >= deadline:
+            error = SbproxyError(
+                f"job {job_id} is still {job.get('status', 'running')} after {FOLLOW_S:g} s "
+                "of following",
+                code="wait_timeout",
+                remediation=f"It goes on in the server: `sbproxy jobs watch {job_id}`.",
+                details={"job_id": job_id},
+            )
+            fail(command, error, output_format=output_format, exit_code=EXIT_RUNTIME)
         time.sleep(pause)
 
 

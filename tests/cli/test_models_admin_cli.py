@@ -11,7 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from sbproxy.cli.models_admin_cmd import devices_cell
+import pytest
+
+from sbproxy.cli import models_admin_cmd
+from sbproxy.cli.models_admin_cmd import admin_request, devices_cell
 from tests.api.test_serve import PASSWORD, write_config
 from tests.api.test_serve_reload import ENV, admin_cli, serving, status
 from tests.model_host.engines.support import free_port
@@ -104,6 +107,31 @@ def test_ctrl_c_while_a_load_is_followed_leaves_the_job_running_and_names_it(
         while [d["state"] for d in status(admin_port)["deployments"]] != ["ready"]:
             assert time.monotonic() < deadline + 60, "the load did not go on"
             time.sleep(0.05)
+
+
+def test_a_job_still_running_when_the_wait_ends_is_named_to_follow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hold = tmp_path / "hold"
+    hold.touch()  # the engine stays loading: the load job runs on
+    admin_port = free_port()
+    config = write_config(tmp_path, free_port(), admin_port, mode=f"hold_file={hold}")
+    with serving(config, "--no-watch"):
+        base = f"http://127.0.0.1:{admin_port}"
+        job = admin_request(
+            "POST", f"{base}/admin/model-host/load", auth=("admin", PASSWORD),
+            json_body={"deployment": "tiny"},
+        )["job_id"]  # fmt: skip
+        monkeypatch.setattr(models_admin_cmd, "FOLLOW_S", 0.5)
+        with pytest.raises(SystemExit) as ended:
+            models_admin_cmd._follow(
+                "models.load", base, job, auth=("admin", PASSWORD), output_format="text"
+            )
+        assert ended.value.code == 1
+        err = capsys.readouterr().err
+        assert f"job {job} is still " in err and "after 0.5 s of following" in err, err
+        assert f"sbproxy jobs watch {job}" in err, err
+        hold.unlink()
 
 
 def test_the_devices_column_lists_a_generations_devices() -> None:
