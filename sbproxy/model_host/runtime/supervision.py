@@ -238,6 +238,14 @@ class Supervision:
         end = anyio.current_time() + budget
         tasks.closing_at = end
         with anyio.CancelScope(shield=True):
+            if tasks.running:
+                # Said, since the wait may be long and silent otherwise (a load whose job
+                # waits for a journal that is away).
+                logger.info(
+                    "stopping: waiting up to %.1f s for %d runtime command(s) under way",
+                    budget / 2,
+                    tasks.running,
+                )
             with anyio.move_on_after(budget / 2):
                 while tasks.running:
                     await anyio.sleep(0.05)
