@@ -35,7 +35,7 @@ from sbproxy.model_host.runtime.state import DeploymentState, LaunchBackoff
 from sbproxy.model_host.runtime.tasks import HostTasks
 from sbproxy.model_host.runtime.upstream import RuntimeTallies
 from sbproxy.store import RuntimeStore, journal_fault
-from sbproxy.workflows import WorkerIdentity, WorkflowEngine
+from sbproxy.workflows import JobCancelled, WorkerIdentity, WorkflowEngine
 
 __all__ = ["RuntimeContext"]
 
@@ -89,8 +89,22 @@ class LaunchHold:
             if event is not None:
                 event.set()
 
+    def end_waiting(self, deployments: Iterable[str]) -> None:
+        """The fleet no longer places ``deployments`` here: end the launches waiting on
+        their hold (each ends cancelled, freeing its deployment's command lane for the stop
+        that follows); the holds stay, for any later launch."""
+        for name in deployments:
+            event = self._held.get(name)
+            if event is not None and name in self.waiting:
+                self._held[name] = anyio.Event()
+                event.set()
+
     async def wait(self, deployment: str) -> None:
-        """Return once ``deployment`` is not held (at once when it is not)."""
+        """Return once ``deployment`` is not held (at once when it is not).
+
+        Raises:
+            JobCancelled: ``cancelled`` -- :meth:`end_waiting` ended this launch.
+        """
         event = self._held.get(deployment)
         if event is None:
             return
@@ -104,6 +118,11 @@ class LaunchHold:
             await event.wait()
         finally:
             self.waiting.discard(deployment)
+        if deployment in self._held:  # woken, but still held: ended
+            raise JobCancelled(
+                f"{deployment}: its launch held since the fence ended: the fleet no longer "
+                "places it on this node"
+            )
 
 
 class RuntimeContext:

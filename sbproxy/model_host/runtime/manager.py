@@ -294,10 +294,13 @@ class RuntimeManager:
 
     def release_launches(self, wanted: Collection[str]) -> None:
         """Let the held launches of ``wanted`` (deployment ids this host is to run) go on,
-        and drop the holds of deployments it no longer has; the others stay held."""
+        and drop the holds of deployments it no longer has; the others stay held, and a
+        launch of theirs that waits on the hold ends (cancelled: it would otherwise keep
+        their command lane, and the stop that follows, waiting for ever)."""
         hold = self._context.launch_hold
         live = self._context.live
         hold.release([name for name in hold.held if name in wanted or name not in live])
+        hold.end_waiting([name for name in hold.held if name not in wanted])
 
     @property
     def owned_dir(self) -> Path:

@@ -399,7 +399,12 @@ async def test_a_held_launch_waits_for_its_release_and_a_stop_ends_it(tmp_path: 
             host.manager.release_launches(["tiny"])  # the fleet still places tiny here
             await until(lambda: "tiny" in answers)
             assert answers["tiny"] == 2
-            assert hold.waiting == {"other"}
+            # ... and no longer "other": its waiting launch ends (cancelled), so its command
+            # lane is free for the stop that follows; the hold stays for later launches.
+            assert not hold.waiting
+            assert hold.held == {"other"}
+            other = host.manager.deployment("other")
+            assert (other.state, other.reason_code) == (DeploymentState.STOPPED, "superseded")
             await host.manager.stop("other")  # the reload that stops what it no longer has
         assert host.manager.deployment("other").state == DeploymentState.STOPPED
         assert "other" in answers and answers["other"] != 2, answers
