@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import yaml
 
 from tests.model_host.engines.support import fake_llama_server, free_port
 from tests.model_host.runtime.support import write_gguf
+from tests.support.cli import stop_process
 
 PASSWORD = "pg-hosts-admin-password"
 REPO = "mirror/tiny-GGUF"
@@ -221,17 +221,7 @@ class PgHost:
 
     def stop(self) -> int | None:
         """SIGTERM and wait (SIGKILL if it does not stop); its exit status."""
-        process = self.process
-        if process is None:
-            return None
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        return process.returncode
+        return None if self.process is None else stop_process(self.process)
 
 
 def poll(predicate: Callable[[], bool], *, timeout_s: float, what: str) -> None:

@@ -22,6 +22,7 @@ import pytest
 from tests.api.support import ADMIN, TINY, served
 from tests.api.test_serve import PASSWORD, write_config
 from tests.model_host.engines.support import free_port
+from tests.support.cli import stop_process
 from tests.support.postgres import PostgresServer
 from tests.support.tcp_relay import TcpRelay
 
@@ -104,13 +105,7 @@ def _serve_relayed(
             yield RelayedServe(relay, process, f"http://127.0.0.1:{admin_port}", log)
         finally:
             relay.close()
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_process(process)
 
 
 def _until(predicate: Callable[[], bool], *, what: str, timeout_s: float = 90.0) -> None:
